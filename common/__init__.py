@@ -1,0 +1,1 @@
+"""What every service does alike: config, logging, metrics, server lifecycle."""

@@ -1,0 +1,137 @@
+"""Start, watch and stop service subprocesses (used by `make run` and the tests).
+
+Each service runs in its own session (process group), writes its bound ports
+to a port file once it is SERVING, and is stopped by pid: SIGTERM to its
+group, then SIGKILL after a timeout. Nothing here kills a process it did not
+start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.config import ROOT
+
+
+class ServiceStartError(RuntimeError):
+    """The service exited or did not become healthy in time; carries its log tail."""
+
+
+def tail(path: Path, num_lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
+    """True when ``grpc.health.v1.Health/Check`` answers SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+@dataclass
+class ManagedProcess:
+    """One service subprocess: ``python -m <module> <args>`` with a port file."""
+
+    name: str
+    module: str
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None
+    host: str = "127.0.0.1"
+    proc: subprocess.Popen[bytes] | None = None
+    port: int = 0
+    metrics_port: int | None = None
+    log_path: Path = field(init=False)
+    _port_file: Path = field(init=False)
+    _log: IO[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        d = self.log_dir or Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
+        d.mkdir(parents=True, exist_ok=True)
+        self.log_path = d / f"{self.name}.log"
+        self._port_file = d / f"{self.name}.ports.json"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> ManagedProcess:
+        """Start and block until the port file exists and health is SERVING."""
+        self._port_file.unlink(missing_ok=True)
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        env.setdefault("PYTHONPATH", str(ROOT))
+        self._log = self.log_path.open("ab")
+        cmd = [sys.executable, "-m", self.module, *self.args, "--port-file", str(self._port_file)]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._close_log()
+                raise ServiceStartError(
+                    f"{self.name} exited with code {self.proc.returncode} during start-up; "
+                    f"log {self.log_path}:\n{tail(self.log_path)}"
+                )
+            if self._port_file.exists():
+                ports = json.loads(self._port_file.read_text())
+                self.port, self.metrics_port = int(ports["grpc"]), ports.get("metrics")
+                if check_health(self.address):
+                    return self
+            time.sleep(0.1)
+        self.stop()
+        raise ServiceStartError(
+            f"{self.name} was not healthy after {timeout:.0f}s; log {self.log_path}:\n"
+            f"{tail(self.log_path)}"
+        )
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the process group, SIGKILL after ``timeout``. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+            except ProcessLookupError:
+                pass
+        self._close_log()
+        return self.proc.returncode
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ManagedProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,143 @@
+"""grpc.aio server lifecycle shared by every service.
+
+``run_service`` binds the port, serves health and reflection, exposes
+Prometheus metrics on their own port, carries request ids into the logging
+context, and on SIGTERM/SIGINT shuts down gracefully:
+
+    health -> NOT_SERVING  ->  on_drain()  ->  server.stop(grace)  ->  on_stop()
+
+Health stays NOT_SERVING until ``ready()`` returns, so a supervisor (or
+Envoy's active health check) sends no traffic to a service still warming up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import os
+import signal
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from common.config import ServiceConfig
+from common.log import get_logger
+
+log = get_logger(__name__)
+
+REQUEST_ID_KEY = "x-request-id"
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+
+class RequestIdInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Binds ``x-request-id`` (generated when absent) to the log context of the RPC.
+
+    grpc.aio runs each RPC in its own task, so the binding never leaks into
+    another request.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        md = dict(handler_call_details.invocation_metadata or ())
+        rid = md.get(REQUEST_ID_KEY) or uuid.uuid4().hex
+        request_id_var.set(str(rid))
+        structlog.contextvars.bind_contextvars(
+            request_id=str(rid), rpc=handler_call_details.method
+        )
+        return await continuation(handler_call_details)
+
+
+@dataclass(slots=True)
+class ServiceHooks:
+    """What a service plugs into the shared lifecycle."""
+
+    register: Callable[[grpc.aio.Server], Sequence[str]]  # returns full service names
+    ready: Callable[[], Awaitable[None]] | None = None  # warm-up before SERVING
+    on_drain: Callable[[], Awaitable[None]] | None = None  # stop admitting work
+    on_stop: Callable[[], Awaitable[None]] | None = None  # release resources
+    interceptors: Sequence[Any] = ()
+
+
+@dataclass(slots=True)
+class BoundPorts:
+    grpc: int
+    metrics: int | None
+
+
+def _write_port_file(path: str, ports: BoundPorts) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps({"grpc": ports.grpc, "metrics": ports.metrics, "pid": os.getpid()}))
+    tmp.replace(path)  # atomic: a reader never sees half a file
+
+
+async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
+    """Serve until SIGTERM/SIGINT, then shut down gracefully. Returns after cleanup."""
+    server = grpc.aio.server(
+        interceptors=[RequestIdInterceptor(), *hooks.interceptors],
+        options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    names = list(hooks.register(server))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"{name}: could not bind {config.host}:{config.port}")
+    metrics_port: int | None = None
+    metrics_server = None
+    if config.metrics_port >= 0:
+        metrics_server, _ = start_http_server(config.metrics_port, addr=config.host)
+        metrics_port = int(metrics_server.server_port)
+
+    for svc in ["", *names]:
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if hooks.ready is not None:
+            await hooks.ready()
+        for svc in ["", *names]:
+            await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        if config.port_file:
+            _write_port_file(config.port_file, BoundPorts(port, metrics_port))
+        log.info("serving", host=config.host, port=port, metrics_port=metrics_port, services=names)
+        await stop.wait()
+        log.info("shutting down", grace_seconds=config.grace_seconds)
+        await health_servicer.enter_graceful_shutdown()
+        if hooks.on_drain is not None:
+            await hooks.on_drain()
+        await server.stop(config.grace_seconds)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await server.stop(0)  # no-op after a graceful stop; closes the port on errors
+        if hooks.on_stop is not None:
+            await hooks.on_stop()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+        log.info("stopped")

@@ -1,0 +1,1 @@
+"""Engine service: the native PyTorch engine (core/, models/) behind gRPC."""
