@@ -38,5 +38,5 @@ def configure_logging(service: str, level: str = "info", fmt: str = "auto") -> N
 
 
 def get_logger(name: str) -> Any:
-    """A structlog logger; ``name`` becomes the ``logger`` field."""
-    return structlog.get_logger(logger=name)
+    """A structlog logger; ``name`` becomes the ``component`` field."""
+    return structlog.get_logger(component=name)

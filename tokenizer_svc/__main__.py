@@ -1,0 +1,51 @@
+"""`python -m tokenizer_svc`: serve llm.v1.Tokenizer (config section `tokenizer`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+from collections.abc import Sequence
+
+import grpc
+
+from common.config import ServiceConfig, add_service_args, default_model_dir, load_config, service_overrides
+from common.log import configure_logging, get_logger
+from common.server import ServiceHooks, run_service
+from llm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.service import TokenizerServicer
+from tokenizer_svc.tokenizer import TextTokenizer
+
+
+@dataclasses.dataclass(slots=True)
+class TokenizerConfig(ServiceConfig):
+    port: int = 50061
+    model_dir: str = ""  # empty = $LLM_MODEL_DIR or the prepared default
+    model_name: str = "SmolLM2-135M-Instruct"
+    max_input_chars: int = 1_000_000
+    max_batch_size: int = 256
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tokenizer_svc", description=__doc__)
+    add_service_args(parser)
+    parser.add_argument("--model-dir")
+    args = parser.parse_args(argv)
+    cfg = load_config(TokenizerConfig, "tokenizer", path=args.config,
+                      overrides={**service_overrides(args), "model_dir": args.model_dir})
+    configure_logging("tokenizer", cfg.log_level, cfg.log_format)
+    log = get_logger("tokenizer_svc")
+    tok = TextTokenizer(cfg.model_dir or default_model_dir(), cfg.max_input_chars)
+    log.info("tokenizer loaded", model=cfg.model_name, vocab_size=tok.vocab_size,
+             model_dir=str(tok.model_dir), detokenizer=tok.byte_table.kind)
+    servicer = TokenizerServicer(tok, cfg.model_name, cfg.max_batch_size)
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
+        return [tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name]
+
+    asyncio.run(run_service("tokenizer", cfg, ServiceHooks(register=register)))
+
+
+if __name__ == "__main__":
+    main()
