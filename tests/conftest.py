@@ -1,0 +1,44 @@
+"""Session-wide fixtures: the prepared model and the tokenizer service.
+
+Servers run as real subprocesses on ephemeral ports (they write their bound
+ports to a port file) and are always stopped at the end of the session.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common.config import default_model_dir
+from common.procs import ManagedProcess
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    d = default_model_dir()
+    if not (d / "manifest.json").exists():
+        pytest.fail(f"model not prepared at {d}: run `make model` (make test does it)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def tokenizer_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                     ) -> Iterator[ManagedProcess]:
+    proc = ManagedProcess(
+        name="tokenizer",
+        module="tokenizer_svc",
+        args=["--port", "0", "--metrics-port", "0", "--model-dir", str(model_dir),
+              "--log-format", "json"],
+        env={"LLM_TOKENIZER_MAX_INPUT_CHARS": "20000"},
+        log_dir=tmp_path_factory.mktemp("tokenizer-logs"),
+    )
+    proc.start(timeout=60)
+    try:
+        yield proc
+    finally:
+        proc.stop()
