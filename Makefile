@@ -54,7 +54,6 @@ test-integration: setup ## integration tests only (real servers)
 
 lint: setup ## ruff + mypy
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy .
 
 check-all: lint test ## lint and the whole suite

@@ -62,7 +62,11 @@ def _coerce(raw: Any, tp: Any, where: str) -> Any:
     if origin is list:
         (item,) = typing.get_args(tp)
         items = raw.split(",") if isinstance(raw, str) else list(raw)
-        return [_coerce(i.strip() if isinstance(i, str) else i, item, where) for i in items if i != ""]
+        return [
+            _coerce(i.strip() if isinstance(i, str) else i, item, where)
+            for i in items
+            if i != ""
+        ]
     if tp is bool:
         if isinstance(raw, bool):
             return raw
@@ -126,7 +130,9 @@ def load_config(
 
 def add_service_args(parser: Any) -> None:
     """Flags every service accepts; they override the YAML file and env."""
-    parser.add_argument("--config", help="YAML config file (default $LLM_CONFIG or config/stack.yaml)")
+    parser.add_argument(
+        "--config", help="YAML config file (default $LLM_CONFIG or config/stack.yaml)"
+    )
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--metrics-port", type=int, help="0 = ephemeral, -1 = off")

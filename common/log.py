@@ -28,7 +28,7 @@ def configure_logging(service: str, level: str = "info", fmt: str = "auto") -> N
     )
     lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
     structlog.configure(
-        processors=processors + [renderer],
+        processors=[*processors, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -34,11 +34,18 @@ from common.log import get_logger
 
 log = get_logger(__name__)
 
+if TYPE_CHECKING:
+    Context = grpc.aio.ServicerContext[Any, Any]
+    Handler = grpc.RpcMethodHandler[Any, Any]
+else:  # the runtime classes are not subscriptable
+    Context = grpc.aio.ServicerContext
+    Handler = grpc.RpcMethodHandler
+
 REQUEST_ID_KEY = "x-request-id"
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 
 
-class RequestIdInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+class RequestIdInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc,type-arg]
     """Binds ``x-request-id`` (generated when absent) to the log context of the RPC.
 
     grpc.aio runs each RPC in its own task, so the binding never leaks into
@@ -47,9 +54,9 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler:
         md = dict(handler_call_details.invocation_metadata or ())
         rid = md.get(REQUEST_ID_KEY) or uuid.uuid4().hex
         request_id_var.set(str(rid))
@@ -93,7 +100,7 @@ async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> 
         ],
     )
     names = list(hooks.register(server))
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

@@ -62,7 +62,8 @@ def main() -> int:
             (d / "__init__.py").touch()
             d = d.parent
     (OUT_DIR / "llm" / "py.typed").touch()
-    print(f"generated {len(protos)} protos -> llm/, descriptor set -> {DESCRIPTOR_SET.relative_to(ROOT)}")
+    rel = DESCRIPTOR_SET.relative_to(ROOT)
+    print(f"generated {len(protos)} protos -> llm/, descriptor set -> {rel}")
     return 0
 
 

@@ -9,7 +9,13 @@ from collections.abc import Sequence
 
 import grpc
 
-from common.config import ServiceConfig, add_service_args, default_model_dir, load_config, service_overrides
+from common.config import (
+    ServiceConfig,
+    add_service_args,
+    default_model_dir,
+    load_config,
+    service_overrides,
+)
 from common.log import configure_logging, get_logger
 from common.server import ServiceHooks, run_service
 from llm.v1 import tokenizer_pb2, tokenizer_pb2_grpc

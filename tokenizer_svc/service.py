@@ -11,6 +11,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from common.log import get_logger
+from common.server import Context
 from llm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import Message
 from tokenizer_svc.tokenizer import TextTokenizer, TokenizerInputError
@@ -38,7 +39,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self._model = model_name
         self._max_batch = max_batch_size
 
-    async def _guard(self, method: str, context: grpc.aio.ServicerContext,
+    async def _guard(self, method: str, context: Context,
                      fn: Callable[[], Awaitable[T]]) -> T:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
@@ -88,18 +89,18 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return self._encode_one(req)
 
     async def Encode(self, request: tokenizer_pb2.EncodeRequest,
-                     context: grpc.aio.ServicerContext) -> tokenizer_pb2.EncodeResponse:
+                     context: Context) -> tokenizer_pb2.EncodeResponse:
         return await self._guard("Encode", context, lambda: self._encode(request))
 
     async def CountTokens(self, request: tokenizer_pb2.EncodeRequest,
-                          context: grpc.aio.ServicerContext) -> tokenizer_pb2.CountTokensResponse:
+                          context: Context) -> tokenizer_pb2.CountTokensResponse:
         async def count() -> tokenizer_pb2.CountTokensResponse:
             return tokenizer_pb2.CountTokensResponse(
                 num_tokens=len((await self._encode(request)).token_ids))
         return await self._guard("CountTokens", context, count)
 
     async def EncodeBatch(self, request: tokenizer_pb2.EncodeBatchRequest,
-                          context: grpc.aio.ServicerContext) -> tokenizer_pb2.EncodeBatchResponse:
+                          context: Context) -> tokenizer_pb2.EncodeBatchResponse:
         async def batch() -> tokenizer_pb2.EncodeBatchResponse:
             reqs = list(request.requests)
             if not reqs:
@@ -120,7 +121,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         return await self._guard("EncodeBatch", context, batch)
 
     async def Decode(self, request: tokenizer_pb2.DecodeRequest,
-                     context: grpc.aio.ServicerContext) -> tokenizer_pb2.DecodeResponse:
+                     context: Context) -> tokenizer_pb2.DecodeResponse:
         async def decode() -> tokenizer_pb2.DecodeResponse:
             self._check_model(request.model)
             skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
@@ -130,7 +131,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     async def DecodeStream(
         self, request_iterator: AsyncIterator[tokenizer_pb2.DecodeStreamRequest],
-        context: grpc.aio.ServicerContext,
+        context: Context,
     ) -> AsyncIterator[tokenizer_pb2.DecodeStreamResponse]:
         detok = None
         code = grpc.StatusCode.OK
@@ -161,7 +162,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             REQUESTS.labels("DecodeStream", code.name).inc()
 
     async def GetTokenizerInfo(self, request: tokenizer_pb2.GetTokenizerInfoRequest,
-                               context: grpc.aio.ServicerContext) -> tokenizer_pb2.TokenizerInfo:
+                               context: Context) -> tokenizer_pb2.TokenizerInfo:
         async def info() -> tokenizer_pb2.TokenizerInfo:
             self._check_model(request.model)
             sp = self._tok.special

@@ -97,7 +97,9 @@ class TextTokenizer:
         self._check_text(text)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
         """Encode many texts in one call (parallel in Rust)."""
         for i, t in enumerate(texts):
             if not t:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -13,10 +14,12 @@ from tokenizers import Tokenizer, decoders, models
 from tokenizer_svc.detokenizer import ByteTable, IncrementalDetokenizer
 from tokenizer_svc.tokenizer import TextTokenizer
 
+SUPPRESS = [HealthCheck.function_scoped_fixture]
+
 
 def stream(detok: IncrementalDetokenizer, ids: list[int], cuts: list[int]) -> list[str]:
     bounds = sorted({c % (len(ids) + 1) for c in cuts} | {0, len(ids)})
-    parts = [detok.add(ids[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    parts = [detok.add(ids[a:b]) for a, b in itertools.pairwise(bounds)]
     return [*parts, detok.finish()]
 
 
@@ -35,7 +38,7 @@ def test_corpus_token_by_token(tok: TextTokenizer, corpus: list[str]) -> None:
         assert "".join(detok.add([i]) for i in ids) + detok.finish() == text
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, suppress_health_check=SUPPRESS)
 @given(
     ids=st.lists(st.integers(0, 49151), max_size=40),
     cuts=st.lists(st.integers(0, 64), max_size=10),
@@ -49,7 +52,7 @@ def test_any_ids_any_split_equals_full_decode(
     assert "".join(stream(detok, ids, cuts)) == tok.tokenizer.decode(ids, skip_special_tokens=skip)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=SUPPRESS)
 @given(text=st.text(max_size=60), cuts=st.lists(st.integers(0, 64), max_size=8))
 def test_any_text_round_trips_through_any_split(
     tok: TextTokenizer, text: str, cuts: list[int]
