@@ -1,0 +1,187 @@
+"""Limit policies, tenants and deployment settings as validated, immutable values.
+
+Everything here is parsed and checked once; the limiter, the stores and the
+Lua script only ever see a ``LimitPolicy`` that is known to be consistent, so
+they never re-validate on the hot path (envoy ratelimit ``config``: parse,
+validate, then hand out a snapshot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from dataclasses import dataclass
+
+from common.config import ServiceConfig
+
+# Levels are doubles in Lua and Python; integers up to 2**53 stay exact.
+MAX_LIMIT = 2**53
+TENANT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class Priority(enum.IntEnum):
+    """Scheduling class of a tenant; values match ``llm.v1.Priority``."""
+
+    UNSPECIFIED = 0
+    LOW = 1
+    NORMAL = 2
+    CRITICAL = 3
+
+
+class Dimension(enum.IntFlag):
+    """Limited dimensions; a denial names every dimension that was short."""
+
+    NONE = 0
+    REQUESTS = 1
+    TOKENS = 2
+    CONCURRENCY = 4
+
+
+@dataclass(frozen=True, slots=True)
+class LimitPolicy:
+    """Per-tenant limits. 0 means unlimited for every field.
+
+    Requests and tokens are token buckets that refill continuously at
+    ``*_per_minute / 60000`` per millisecond up to their capacity (the burst,
+    or one minute's worth when the burst is 0). ``max_concurrent`` bounds the
+    number of live leases (streams in flight).
+    """
+
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    max_concurrent: int = 0
+    request_burst: int = 0
+    token_burst: int = 0
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"{field.name} must be an integer, got {value!r}")
+            if not 0 <= value <= MAX_LIMIT:
+                raise ValueError(f"{field.name} must be between 0 and 2**53, got {value}")
+        if self.request_burst and not self.requests_per_minute:
+            raise ValueError("request_burst is set but requests_per_minute is 0 (unlimited)")
+        if self.token_burst and not self.tokens_per_minute:
+            raise ValueError("token_burst is set but tokens_per_minute is 0 (unlimited)")
+
+    @property
+    def request_capacity(self) -> int:
+        """Size of the request bucket (0 = unlimited)."""
+        return self.request_burst or self.requests_per_minute
+
+    @property
+    def token_capacity(self) -> int:
+        """Size of the token bucket (0 = unlimited)."""
+        return self.token_burst or self.tokens_per_minute
+
+    @property
+    def unlimited(self) -> bool:
+        """True when no dimension is limited."""
+        return not (self.requests_per_minute or self.tokens_per_minute or self.max_concurrent)
+
+    def divided(self, num_replicas: int) -> LimitPolicy:
+        """This policy split evenly over ``num_replicas`` processes (fail-open share).
+
+        Each limited field keeps at least 1 so a share never becomes unlimited.
+        """
+        if num_replicas <= 1:
+            return self
+
+        def share(value: int) -> int:
+            return max(1, value // num_replicas) if value else 0
+
+        return LimitPolicy(
+            requests_per_minute=share(self.requests_per_minute),
+            tokens_per_minute=share(self.tokens_per_minute),
+            max_concurrent=share(self.max_concurrent),
+            request_burst=share(self.request_burst),
+            token_burst=share(self.token_burst),
+        )
+
+
+def validate_tenant_id(tenant_id: str) -> str:
+    """Return ``tenant_id`` or raise ValueError.
+
+    Ids are 1-64 characters of ``[A-Za-z0-9._-]``: no ``{``/``}`` (they would
+    break the Redis Cluster hash tag) and no ``:`` (the key separator).
+    """
+    if not TENANT_ID_RE.match(tenant_id):
+        raise ValueError(
+            f"invalid tenant id {tenant_id!r}: use 1-64 characters of letters, digits, "
+            "'.', '_' or '-', starting with a letter or digit"
+        )
+    return tenant_id
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """A team calling the gateway: its limits, priority and allowed models."""
+
+    tenant_id: str
+    limits: LimitPolicy = LimitPolicy()
+    priority: Priority = Priority.NORMAL
+    allowed_models: tuple[str, ...] = ()
+    shadow_mode: bool = False
+    display_name: str = ""
+    created_at: float = 0.0  # unix seconds
+    updated_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        validate_tenant_id(self.tenant_id)
+
+    def allows_model(self, model: str) -> bool:
+        """True when the tenant may call ``model`` (an empty list allows every model)."""
+        return not self.allowed_models or model in self.allowed_models
+
+
+FAIL_MODES = ("open", "closed")
+
+
+@dataclass(slots=True)
+class RateLimitConfig(ServiceConfig):
+    """The ``ratelimit`` section: Redis, timeouts, failure mode, leases, auth cache.
+
+    The gateway loads the same section (``load_config(RateLimitConfig,
+    "ratelimit")``) so one place configures limits for every process.
+    """
+
+    port: int = 50081
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = "rl:"
+    timeout_ms: int = 100  # budget for one limiter call to Redis
+    pool_size: int = 64
+    fail_mode: str = "open"  # open: local buckets (policy / num_replicas); closed: UNAVAILABLE
+    num_replicas: int = 1  # gateway replicas sharing the limits (divides the fail-open policy)
+    breaker_failures: int = 3  # consecutive store errors that open the breaker
+    breaker_open_ms: int = 2000  # how long an open breaker skips Redis before one probe
+    lease_ttl_ms: int = 30_000  # a lease not heartbeated for this long is reclaimed
+    concurrency_retry_ms: int = 1000  # retry-after hint for concurrency denials
+    auth_cache_ttl_ms: int = 5000  # bound on how long a revoked key or old policy is honoured
+    audit_max_events: int = 10_000
+    admin_key: str = ""  # bootstrap admin key (plaintext); also $ADMIN_KEY
+    admin_key_file: str = ""  # file holding the bootstrap admin key
+
+    def __post_init__(self) -> None:
+        if self.fail_mode not in FAIL_MODES:
+            raise ValueError(
+                f"[ratelimit] fail_mode must be one of {FAIL_MODES}, got {self.fail_mode!r}"
+            )
+        positive = (
+            "timeout_ms",
+            "pool_size",
+            "num_replicas",
+            "breaker_failures",
+            "breaker_open_ms",
+            "lease_ttl_ms",
+            "concurrency_retry_ms",
+            "audit_max_events",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"[ratelimit] {name} must be > 0, got {getattr(self, name)}")
+        if self.auth_cache_ttl_ms < 0:
+            raise ValueError("[ratelimit] auth_cache_ttl_ms must be >= 0")
+        if "{" in self.key_prefix or "}" in self.key_prefix:
+            raise ValueError("[ratelimit] key_prefix must not contain '{' or '}' (hash tags)")

@@ -1,0 +1,344 @@
+"""The limiter the gateway calls: reserve -> (heartbeat) -> settle, with failure modes.
+
+    decision = await limiter.reserve(tenant, prompt_tokens + max_tokens)
+    if not decision.allowed:  -> RESOURCE_EXHAUSTED, retry-after-ms = decision.retry_after_ms
+    async with limiter.keep_alive(decision.reservation):   # heartbeats the lease
+        ... stream ...
+    await limiter.settle(decision.reservation, prompt_tokens=p, completion_tokens=c)
+
+Redis is the shared store. Each call has a time budget (``timeout_ms``) and
+goes through a circuit breaker, so a dead Redis costs the budget only until
+the breaker opens. When Redis fails, ``fail_mode`` decides: ``open`` admits
+against a per-process ``MemoryStore`` holding the tenant's policy divided by
+the number of replicas (so N replicas together stay near the real limit);
+``closed`` raises ``LimiterUnavailableError`` (UNAVAILABLE). The breaker's
+half-open probe brings Redis back without a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from common.log import get_logger
+from ratelimit import metrics
+from ratelimit.algorithm import Outcome
+from ratelimit.breaker import BreakerState, CircuitBreaker
+from ratelimit.config import FAIL_MODES, Dimension, LimitPolicy, RateLimitConfig, Tenant
+from ratelimit.decision import Decision, Reservation
+from ratelimit.storage import Store, StoreError, UsageSnapshot
+from ratelimit.storage.memory import MemoryStore
+
+log = get_logger(__name__)
+T = TypeVar("T")
+_DIMENSION_NAMES = (
+    (Dimension.REQUESTS, "requests"),
+    (Dimension.TOKENS, "tokens"),
+    (Dimension.CONCURRENCY, "concurrency"),
+)
+
+
+class LimiterUnavailableError(Exception):
+    """The store is unreachable and the deployment fails closed (map to UNAVAILABLE)."""
+
+
+class RateLimiter:
+    """Admission control for tenants over a shared ``Store``.
+
+    Args:
+        store: The shared store (``RedisStore``).
+        fail_mode: ``"open"`` (local fallback buckets) or ``"closed"`` (raise).
+        timeout_ms: Budget of one store call.
+        num_replicas: Gateway replicas sharing the limits; divides the fallback policy.
+        breaker: Circuit breaker around the store (default: 3 failures, 2 s open).
+        fallback: Local store used when failing open (default: a ``MemoryStore``).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        fail_mode: str = "open",
+        timeout_ms: int = 100,
+        num_replicas: int = 1,
+        breaker: CircuitBreaker | None = None,
+        fallback: Store | None = None,
+    ) -> None:
+        if fail_mode not in FAIL_MODES:
+            raise ValueError(f"fail_mode must be one of {FAIL_MODES}, got {fail_mode!r}")
+        self.store = store
+        self.fail_mode = fail_mode
+        self.timeout_s = timeout_ms / 1000.0
+        self.num_replicas = num_replicas
+        self.breaker = breaker or CircuitBreaker(3, 2000, on_change=_log_breaker)
+        self.fallback = fallback or MemoryStore(
+            lease_ttl_ms=store.lease_ttl_ms, concurrency_retry_ms=1000
+        )
+
+    @classmethod
+    def from_config(cls, store: Store, config: RateLimitConfig) -> RateLimiter:
+        """A limiter with the breaker and fallback settings of ``config``."""
+        return cls(
+            store,
+            fail_mode=config.fail_mode,
+            timeout_ms=config.timeout_ms,
+            num_replicas=config.num_replicas,
+            breaker=CircuitBreaker(
+                config.breaker_failures, config.breaker_open_ms, on_change=_log_breaker
+            ),
+            fallback=MemoryStore(
+                lease_ttl_ms=config.lease_ttl_ms,
+                concurrency_retry_ms=config.concurrency_retry_ms,
+            ),
+        )
+
+    async def reserve(self, tenant: Tenant, num_tokens: int) -> Decision:
+        """Admit one request of ``num_tokens`` tokens (prompt + max new tokens) or not.
+
+        Takes 1 request, ``num_tokens`` tokens and 1 concurrency lease in one
+        atomic step, or nothing. A denial is a return value, not an exception.
+
+        Raises:
+            ValueError: ``num_tokens`` is negative.
+            LimiterUnavailableError: the store failed and ``fail_mode`` is closed.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        lease_id = uuid.uuid4().hex
+        start = time.perf_counter()
+        policy, source = tenant.limits, self.store.name
+        try:
+            outcome = await self._call(
+                "reserve",
+                lambda: self.store.reserve(
+                    tenant.tenant_id,
+                    policy,
+                    num_tokens=num_tokens,
+                    lease_id=lease_id,
+                    shadow=tenant.shadow_mode,
+                ),
+            )
+        except StoreError as exc:
+            if self.fail_mode == "closed":
+                metrics.DECISIONS.labels("unavailable", source).inc()
+                raise LimiterUnavailableError(
+                    f"rate limiter store unavailable ({exc}); this deployment fails closed, "
+                    "retry shortly"
+                ) from exc
+            policy, source = tenant.limits.divided(self.num_replicas), "local"
+            outcome = await self.fallback.reserve(
+                tenant.tenant_id,
+                policy,
+                num_tokens=num_tokens,
+                lease_id=lease_id,
+                shadow=tenant.shadow_mode,
+            )
+        metrics.DECISION_SECONDS.labels(source).observe(time.perf_counter() - start)
+        return self._decision(tenant, policy, outcome, lease_id, num_tokens, source)
+
+    def _decision(
+        self,
+        tenant: Tenant,
+        policy: LimitPolicy,
+        outcome: Outcome,
+        lease_id: str,
+        num_tokens: int,
+        source: str,
+    ) -> Decision:
+        reservation = None
+        if outcome.allowed:
+            reservation = Reservation(
+                tenant_id=tenant.tenant_id,
+                lease_id=lease_id,
+                policy=policy,
+                num_tokens=num_tokens if outcome.taken else 0,
+                holds_lease=outcome.taken,
+                source=source,
+            )
+        label = "allowed" if outcome.taken else "shadow_denied" if outcome.allowed else "denied"
+        metrics.DECISIONS.labels(label, source).inc()
+        if outcome.denied != Dimension.NONE:
+            for dim, name in _DIMENSION_NAMES:
+                if dim & outcome.denied:
+                    metrics.DENIALS.labels(
+                        tenant.tenant_id, name, str(outcome.allowed).lower()
+                    ).inc()
+        decision = Decision(
+            allowed=outcome.allowed,
+            retry_after_ms=outcome.retry_after_ms,
+            denied=outcome.denied,
+            reservation=reservation,
+            requests_remaining=outcome.requests_left,
+            tokens_remaining=outcome.tokens_left,
+            concurrent_in_use=outcome.num_leases,
+            source=source,
+            shadow_denied=outcome.shadow_denied,
+            server_time_ms=outcome.now_ms,
+            tenant_id=tenant.tenant_id,
+            num_tokens=num_tokens,
+            policy=policy,
+        )
+        if outcome.denied != Dimension.NONE:
+            log.info(
+                "rate limit " + ("shadow-denied" if outcome.allowed else "denied"),
+                tenant=tenant.tenant_id,
+                reason=decision.message(),
+                source=source,
+            )
+        return decision
+
+    async def settle(
+        self, reservation: Reservation, *, prompt_tokens: int, completion_tokens: int
+    ) -> None:
+        """Finish a request: refund unused tokens, drop its lease, record usage.
+
+        The token bucket is charged exactly ``prompt_tokens + completion_tokens``
+        (the unused part of the reservation goes back, never above capacity).
+        Idempotent per reservation. A store failure is logged and counted, not
+        raised: the lease then expires after its TTL.
+        """
+        used = prompt_tokens + completion_tokens
+        refund = reservation.num_tokens - used if reservation.holds_lease else 0
+        await self._finish(reservation, refund, prompt_tokens, completion_tokens)
+
+    async def release(self, reservation: Reservation) -> None:
+        """Drop the lease without usage (nothing known): the reserved tokens stay charged."""
+        await self._finish(reservation, 0, 0, 0)
+
+    async def _finish(self, res: Reservation, refund: int, prompt: int, completion: int) -> None:
+        if res.settled:
+            return
+        res.settled = True
+        store = self.fallback if res.source == "local" else self.store
+        lease = res.lease_id if res.holds_lease else ""
+
+        def call() -> Awaitable[bool]:
+            return store.settle(
+                res.tenant_id,
+                res.policy,
+                lease_id=lease,
+                refund_tokens=refund,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+            )
+
+        try:
+            if res.source == "local":
+                await call()
+            else:
+                await self._call("settle", call)
+        except StoreError as exc:
+            metrics.SETTLE_SKIPPED.inc()
+            log.warning(
+                "settle skipped; the lease will expire by TTL",
+                tenant=res.tenant_id,
+                lease_id=res.lease_id,
+                error=str(exc),
+            )
+
+    async def heartbeat(self, reservation: Reservation) -> bool:
+        """Extend the lease; False only when the store says it already expired."""
+        if not reservation.holds_lease or reservation.settled:
+            return False
+        try:
+            if reservation.source == "local":
+                alive = await self.fallback.heartbeat(reservation.tenant_id, reservation.lease_id)
+            else:
+                alive = await self._call(
+                    "heartbeat",
+                    lambda: self.store.heartbeat(reservation.tenant_id, reservation.lease_id),
+                )
+        except StoreError:
+            return True
+        if not alive:
+            metrics.LEASES_LOST.inc()
+            log.warning(
+                "lease expired before its heartbeat",
+                tenant=reservation.tenant_id,
+                lease_id=reservation.lease_id,
+            )
+        return alive
+
+    @contextlib.asynccontextmanager
+    async def keep_alive(self, reservation: Reservation | None) -> AsyncIterator[None]:
+        """Heartbeat the reservation's lease every third of its TTL while inside."""
+        if reservation is None or not reservation.holds_lease:
+            yield
+            return
+        interval = self.store.lease_ttl_ms / 3000.0
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                await self.heartbeat(reservation)
+
+        task = asyncio.create_task(beat(), name=f"lease-heartbeat-{reservation.lease_id}")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def usage(self, tenant: Tenant) -> UsageSnapshot:
+        """Live levels and totals from the shared store (raises ``StoreError``)."""
+        return await self._call("usage", lambda: self.store.usage(tenant.tenant_id, tenant.limits))
+
+    async def reset(self, tenant_id: str) -> None:
+        """Refill the tenant's buckets everywhere (raises ``StoreError``)."""
+        await self._call("reset", lambda: self.store.reset(tenant_id))
+        await self.fallback.reset(tenant_id)
+
+    async def forget(self, tenant_id: str) -> None:
+        """Drop all limiter state of a deleted tenant (raises ``StoreError``)."""
+        await self._call("forget", lambda: self.store.forget(tenant_id))
+        await self.fallback.forget(tenant_id)
+
+    async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run one store call inside the time budget and the breaker."""
+        if not self.breaker.allow():
+            raise StoreError(f"redis circuit breaker is open (skipping {op})")
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                result = await fn()
+        except TimeoutError:
+            self._failed(op, "timeout")
+            raise StoreError(
+                f"redis {op} took longer than {self.timeout_s * 1000:.0f} ms"
+            ) from None
+        except StoreError:
+            self._failed(op, "error")
+            raise
+        except asyncio.CancelledError:
+            self.breaker.cancel_probe()
+            raise
+        self.breaker.record_success()
+        return result
+
+    def _failed(self, op: str, kind: str) -> None:
+        metrics.STORE_ERRORS.labels(op, kind).inc()
+        self.breaker.record_failure()
+        log.warning(
+            "redis call failed",
+            op=op,
+            kind=kind,
+            fail_mode=self.fail_mode,
+            consecutive_failures=self.breaker.num_failures,
+        )
+
+    async def close(self) -> None:
+        """Close the stores."""
+        await self.store.close()
+        await self.fallback.close()
+
+
+def _log_breaker(state: BreakerState) -> None:
+    metrics.BREAKER_STATE.set(int(state))
+    if state == BreakerState.CLOSED:
+        log.info("redis circuit breaker closed; limits are shared again")
+    else:
+        log.warning("redis circuit breaker " + state.name.lower().replace("_", "-"))

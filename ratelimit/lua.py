@@ -1,0 +1,196 @@
+"""The Lua side of the limiter and its caller (EVALSHA, reload on NOSCRIPT).
+
+Every script touches only the keys of one tenant, all hash-tagged
+``<prefix>{<tenant>}:...`` so they live in one Redis Cluster slot:
+
+    {t}:b   hash  r, t (levels), ts (ms)   fields of unlimited dimensions absent;
+                  PEXPIRE = time until full, so an idle tenant costs no memory
+    {t}:l   zset  lease_id -> expiry ms     live leases (concurrent streams)
+    {t}:u   hash  requests, prompt_tokens, completion_tokens, denied, shadow_denied
+
+The clock is Redis ``TIME`` (one clock for every gateway replica), unless the
+caller passes ``now`` (tests inject it). ``decide``/``refund`` mirror
+``ratelimit.algorithm`` statement for statement; keep them in step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+_PRELUDE = """
+local EPS = 1e-6
+local function clock(arg)
+  if arg ~= '' then return tonumber(arg) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+end
+local function fmt(x) return string.format('%.17g', x) end
+local function refill(level, cap, per_min, elapsed)
+  if per_min == 0 then return -1 end
+  if level == nil then return cap end
+  if elapsed < 0 then elapsed = 0 end
+  return math.min(cap, level + elapsed * per_min / 60000)
+end
+local function wait_ms(deficit, per_min)
+  return math.max(1, math.ceil((deficit - EPS) * 60000 / per_min))
+end
+local function load(key, now, rpm, rcap, tpm, tcap)
+  local b = redis.call('HMGET', key, 'r', 't', 'ts')
+  local ts = tonumber(b[3]) or now
+  return refill(tonumber(b[1]), rcap, rpm, now - ts), refill(tonumber(b[2]), tcap, tpm, now - ts)
+end
+local function save(key, now, r, t, rpm, rcap, tpm, tcap)
+  local ttl = 0
+  redis.call('HSET', key, 'ts', fmt(now))
+  if r == -1 then redis.call('HDEL', key, 'r') else
+    redis.call('HSET', key, 'r', fmt(r))
+    ttl = math.max(ttl, (rcap - r) * 60000 / rpm)
+  end
+  if t == -1 then redis.call('HDEL', key, 't') else
+    redis.call('HSET', key, 't', fmt(t))
+    ttl = math.max(ttl, (tcap - t) * 60000 / tpm)
+  end
+  redis.call('PEXPIRE', key, math.ceil(ttl) + 1000)
+end
+local rpm, rcap = tonumber(ARGV[2]), tonumber(ARGV[3])
+local tpm, tcap = tonumber(ARGV[4]), tonumber(ARGV[5])
+"""
+
+# KEYS: bucket, leases, usage
+# ARGV: now, rpm, rcap, tpm, tcap, max_concurrent, num_tokens, lease_id, lease_ttl_ms,
+#       shadow (0/1), concurrency_retry_ms
+RESERVE = (
+    _PRELUDE
+    + """
+local now = clock(ARGV[1])
+local maxc, cost, lease_ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[9])
+local r, t = load(KEYS[1], now, rpm, rcap, tpm, tcap)
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+local n = redis.call('ZCARD', KEYS[2])
+local denied, wait, never = 0, 0, false
+if r ~= -1 and r < 1 - EPS then
+  denied = denied + 1
+  wait = math.max(wait, wait_ms(1 - r, rpm))
+end
+if t ~= -1 and cost > tcap then
+  denied = denied + 2
+  never = true
+elseif t ~= -1 and t < cost - EPS then
+  denied = denied + 2
+  wait = math.max(wait, wait_ms(cost - t, tpm))
+end
+if maxc > 0 and n >= maxc then
+  denied = denied + 4
+  local hint = tonumber(ARGV[11])
+  local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  if first[2] then hint = math.min(hint, math.max(1, math.ceil(tonumber(first[2]) - now))) end
+  wait = math.max(wait, hint)
+end
+local allowed = 0
+if denied == 0 then
+  allowed = 1
+  if r ~= -1 then r = r - 1 end
+  if t ~= -1 then t = t - cost end
+  save(KEYS[1], now, r, t, rpm, rcap, tpm, tcap)
+  redis.call('ZADD', KEYS[2], now + lease_ttl, ARGV[8])
+  if redis.call('PTTL', KEYS[2]) < lease_ttl + 1000 then
+    redis.call('PEXPIRE', KEYS[2], math.ceil(lease_ttl) + 1000)
+  end
+  n = n + 1
+  redis.call('HINCRBY', KEYS[3], 'requests', 1)
+elseif ARGV[10] == '1' then
+  allowed = 1
+  redis.call('HINCRBY', KEYS[3], 'requests', 1)
+  redis.call('HINCRBY', KEYS[3], 'shadow_denied', 1)
+else
+  redis.call('HINCRBY', KEYS[3], 'denied', 1)
+end
+if never then wait = -1 end
+return {allowed, denied, wait, fmt(r), fmt(t), n, fmt(now)}
+"""
+)
+
+# KEYS: bucket, leases, usage
+# ARGV: now, rpm, rcap, tpm, tcap, refund_tokens, prompt_tokens, completion_tokens, lease_id
+SETTLE = (
+    _PRELUDE
+    + """
+local now = clock(ARGV[1])
+local refund = tonumber(ARGV[6])
+if refund ~= 0 and tpm > 0 then
+  local r, t = load(KEYS[1], now, rpm, rcap, tpm, tcap)
+  t = math.min(tcap, t + refund)
+  save(KEYS[1], now, r, t, rpm, rcap, tpm, tcap)
+end
+local held = 0
+if ARGV[9] ~= '' then held = redis.call('ZREM', KEYS[2], ARGV[9]) end
+if tonumber(ARGV[7]) > 0 then redis.call('HINCRBY', KEYS[3], 'prompt_tokens', ARGV[7]) end
+if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', KEYS[3], 'completion_tokens', ARGV[8]) end
+return held
+"""
+)
+
+# KEYS: leases; ARGV: now, lease_id, lease_ttl_ms
+HEARTBEAT = """
+local now
+if ARGV[1] ~= '' then now = tonumber(ARGV[1]) else
+  local t = redis.call('TIME'); now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+end
+local expiry = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]))
+if expiry == nil or expiry <= now then return 0 end
+local ttl = tonumber(ARGV[3])
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[2])
+if redis.call('PTTL', KEYS[1]) < ttl + 1000 then
+  redis.call('PEXPIRE', KEYS[1], math.ceil(ttl) + 1000)
+end
+return 1
+"""
+
+# KEYS: bucket, leases, usage; ARGV: now, rpm, rcap, tpm, tcap. Read-only.
+USAGE = (
+    _PRELUDE
+    + """
+local now = clock(ARGV[1])
+local r, t = load(KEYS[1], now, rpm, rcap, tpm, tcap)
+local n = redis.call('ZCOUNT', KEYS[2], '(' .. fmt(now), '+inf')
+local u = redis.call('HMGET', KEYS[3], 'requests', 'prompt_tokens', 'completion_tokens',
+  'denied', 'shadow_denied')
+for i = 1, 5 do u[i] = tonumber(u[i]) or 0 end
+return {fmt(r), fmt(t), n, u[1], u[2], u[3], u[4], u[5], fmt(now)}
+"""
+)
+
+
+class LuaScript:
+    """A script loaded once per server and called by EVALSHA.
+
+    ``SCRIPT LOAD`` runs at start-up (``load``); if Redis forgets the script
+    (restart, failover, ``SCRIPT FLUSH``) the NOSCRIPT reply triggers one
+    reload and one retry, so recovery needs no restart of the caller.
+    """
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        self.num_reloads = 0
+
+    async def load(self, client: Redis) -> None:
+        """Load the script into the server's script cache."""
+        sha = await client.script_load(self.source)
+        if sha != self.sha:
+            raise RuntimeError(f"script {self.name}: server sha {sha} != local {self.sha}")
+
+    async def __call__(self, client: Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run the script; reload it once if the server lost it."""
+        try:
+            return await client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self.num_reloads += 1
+            await self.load(client)
+            return await client.evalsha(self.sha, len(keys), *keys, *args)

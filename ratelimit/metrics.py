@@ -1,0 +1,54 @@
+"""Prometheus metrics of the limiter, the registry and the admin service.
+
+Tenant labels appear only on denial counters: tenants are a bounded set of
+teams, and "who is being throttled" is the question ops ask first.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+DECISIONS = Counter(
+    "ratelimit_decisions_total",
+    "Admission decisions by outcome (allowed, denied, shadow_denied, unavailable) and source "
+    "(redis, local fallback).",
+    ["outcome", "source"],
+)
+DENIALS = Counter(
+    "ratelimit_denials_total",
+    "Denied (or shadow-denied) requests per tenant and limited dimension.",
+    ["tenant", "dimension", "shadow"],
+)
+DECISION_SECONDS = Histogram(
+    "ratelimit_decision_seconds",
+    "Latency of one reserve() call, fallback included.",
+    ["source"],
+    buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+STORE_ERRORS = Counter(
+    "ratelimit_store_errors_total",
+    "Store failures by operation and kind (timeout, error).",
+    ["op", "kind"],
+)
+BREAKER_STATE = Gauge(
+    "ratelimit_breaker_state",
+    "Redis circuit breaker: 0 closed, 1 half-open, 2 open.",
+)
+SETTLE_SKIPPED = Counter(
+    "ratelimit_settle_skipped_total",
+    "Settlements that could not reach the store (their leases expire by TTL instead).",
+)
+LEASES_LOST = Counter(
+    "ratelimit_leases_lost_total",
+    "Heartbeats that found their lease already expired.",
+)
+AUTH_RESULTS = Counter(
+    "ratelimit_auth_total",
+    "API key checks by result (ok, unknown, revoked, wrong_role, malformed).",
+    ["result"],
+)
+ADMIN_REQUESTS = Counter(
+    "ratelimit_admin_requests_total",
+    "RateLimitAdmin calls by method and status code.",
+    ["method", "code"],
+)

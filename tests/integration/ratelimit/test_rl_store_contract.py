@@ -1,0 +1,141 @@
+"""The Store contract, parametrized over MemoryStore and RedisStore (injected clock)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from ratelimit.config import Dimension, LimitPolicy
+from ratelimit.storage import Store
+from ratelimit.storage.memory import MemoryStore
+from ratelimit.storage.redis import RedisStore, bucket_keys
+
+pytestmark = pytest.mark.integration
+
+POLICY = LimitPolicy(
+    requests_per_minute=120, tokens_per_minute=6000, max_concurrent=2, request_burst=3
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(
+    request: pytest.FixtureRequest, clock: Clock, redis_client: Redis, prefix: str
+) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore(lease_ttl_ms=1000, concurrency_retry_ms=700, clock=clock)
+    else:
+        yield RedisStore(
+            redis_client, prefix=prefix, lease_ttl_ms=1000, concurrency_retry_ms=700, clock=clock
+        )
+
+
+async def test_all_or_nothing_and_retry_after(store: Store, clock: Clock) -> None:
+    o = await store.reserve("t", POLICY, num_tokens=5000, lease_id="a", shadow=False)
+    assert o.taken
+    assert (o.requests_left, o.tokens_left, o.num_leases) == (2.0, 1000.0, 1)
+    o = await store.reserve("t", POLICY, num_tokens=2000, lease_id="b", shadow=False)
+    assert not o.allowed
+    assert o.denied == Dimension.TOKENS
+    assert o.retry_after_ms == 10_000  # 1000 tokens at 100/s
+    u = await store.usage("t", POLICY)
+    assert (u.requests_available, u.tokens_available, u.concurrent_in_use) == (2.0, 1000.0, 1)
+    assert u.requests_denied_total == 1
+    clock.now += 10_000
+    o = await store.reserve("t", POLICY, num_tokens=2000, lease_id="b", shadow=False)
+    assert o.taken
+
+
+async def test_leases_expire_and_heartbeat_extends(store: Store, clock: Clock) -> None:
+    for lease in ("a", "b"):
+        assert (await store.reserve("t", POLICY, num_tokens=1, lease_id=lease, shadow=False)).taken
+    o = await store.reserve("t", POLICY, num_tokens=1, lease_id="c", shadow=False)
+    assert o.denied == Dimension.CONCURRENCY
+    assert o.retry_after_ms == 700  # min(hint, time until the first lease expires)
+    clock.now += 600
+    assert await store.heartbeat("t", "a")
+    o = await store.reserve("t", POLICY, num_tokens=1, lease_id="c", shadow=False)
+    assert o.retry_after_ms == 400
+    clock.now += 400  # "b" expired, "a" was extended to +1600
+    assert not await store.heartbeat("t", "b")
+    o = await store.reserve("t", POLICY, num_tokens=1, lease_id="c", shadow=False)
+    assert o.taken
+    assert o.num_leases == 2
+
+
+async def test_settle_refunds_up_to_capacity_and_counts(store: Store, clock: Clock) -> None:
+    o = await store.reserve("t", POLICY, num_tokens=4000, lease_id="a", shadow=False)
+    assert o.tokens_left == 2000
+    held = await store.settle(
+        "t", POLICY, lease_id="a", refund_tokens=3000, prompt_tokens=600, completion_tokens=400
+    )
+    assert held
+    u = await store.usage("t", POLICY)
+    assert u.tokens_available == 5000
+    assert u.concurrent_in_use == 0
+    assert (u.prompt_tokens_total, u.completion_tokens_total, u.requests_total) == (600, 400, 1)
+    clock.now += 60_000
+    await store.settle(
+        "t", POLICY, lease_id="a", refund_tokens=9999, prompt_tokens=0, completion_tokens=0
+    )
+    assert (await store.usage("t", POLICY)).tokens_available == 6000
+
+
+async def test_reset_refills_and_keeps_leases(store: Store) -> None:
+    for i in range(2):
+        await store.reserve("t", POLICY, num_tokens=3000, lease_id=f"l{i}", shadow=False)
+    await store.reset("t")
+    u = await store.usage("t", POLICY)
+    assert (u.requests_available, u.tokens_available, u.concurrent_in_use) == (3.0, 6000.0, 2)
+    await store.forget("t")
+    u = await store.usage("t", POLICY)
+    assert (u.concurrent_in_use, u.requests_total) == (0, 0)
+
+
+async def test_shadow_mode_takes_nothing(store: Store) -> None:
+    policy = LimitPolicy(requests_per_minute=1)
+    assert (await store.reserve("t", policy, num_tokens=0, lease_id="a", shadow=True)).taken
+    o = await store.reserve("t", policy, num_tokens=0, lease_id="b", shadow=True)
+    assert o.allowed
+    assert o.shadow_denied
+    u = await store.usage("t", policy)
+    assert (u.requests_total, u.shadow_denials_total, u.concurrent_in_use) == (2, 1, 1)
+
+
+async def test_policy_change_from_unlimited_starts_full(store: Store) -> None:
+    await store.reserve("t", LimitPolicy(), num_tokens=100, lease_id="a", shadow=False)
+    o = await store.reserve("t", POLICY, num_tokens=100, lease_id="b", shadow=False)
+    assert o.tokens_left == 5900
+
+
+async def test_redis_keys_are_hash_tagged_and_expire(redis_client: Redis, prefix: str) -> None:
+    store = RedisStore(redis_client, prefix=prefix, lease_ttl_ms=1000)
+    await store.reserve("acme", POLICY, num_tokens=10, lease_id="a", shadow=False)
+    bucket, leases, usage = bucket_keys(prefix, "acme")
+    assert bucket == f"{prefix}{{acme}}:b"
+    assert all("{acme}" in k for k in (leases, usage))
+    assert 0 < await redis_client.pttl(bucket) <= 31_000  # time until full + 1 s
+    assert 0 < await redis_client.pttl(leases) <= 2000
+    assert await redis_client.pttl(usage) == -1  # totals are kept
+
+
+async def test_noscript_is_reloaded(redis_client: Redis, prefix: str) -> None:
+    store = RedisStore(redis_client, prefix=prefix)
+    await store.load_scripts()
+    await redis_client.script_flush()
+    o = await store.reserve("t", POLICY, num_tokens=1, lease_id="a", shadow=False)
+    assert o.taken

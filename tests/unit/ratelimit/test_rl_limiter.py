@@ -1,0 +1,202 @@
+"""RateLimiter over a MemoryStore with a fake clock, and over a failing store."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from ratelimit.algorithm import Outcome
+from ratelimit.breaker import BreakerState, CircuitBreaker
+from ratelimit.config import Dimension, LimitPolicy, Tenant
+from ratelimit.limiter import LimiterUnavailableError, RateLimiter
+from ratelimit.storage import StoreError, UsageSnapshot
+from ratelimit.storage.memory import MemoryStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class BrokenStore:
+    """A store that fails (or hangs) on demand, delegating to a MemoryStore otherwise."""
+
+    name = "redis"
+
+    def __init__(self, inner: MemoryStore) -> None:
+        self.inner = inner
+        self.lease_ttl_ms = inner.lease_ttl_ms
+        self.mode = "ok"  # ok | error | hang
+        self.num_calls = 0
+
+    async def _gate(self) -> None:
+        self.num_calls += 1
+        if self.mode == "error":
+            raise StoreError("connection refused")
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+
+    async def reserve(self, *args: Any, **kwargs: Any) -> Outcome:
+        await self._gate()
+        return await self.inner.reserve(*args, **kwargs)
+
+    async def settle(self, *args: Any, **kwargs: Any) -> bool:
+        await self._gate()
+        return await self.inner.settle(*args, **kwargs)
+
+    async def heartbeat(self, *args: Any, **kwargs: Any) -> bool:
+        await self._gate()
+        return await self.inner.heartbeat(*args, **kwargs)
+
+    async def usage(self, *args: Any, **kwargs: Any) -> UsageSnapshot:
+        await self._gate()
+        return await self.inner.usage(*args, **kwargs)
+
+    async def reset(self, tenant_id: str) -> None:
+        await self._gate()
+
+    async def forget(self, tenant_id: str) -> None:
+        await self._gate()
+
+    async def close(self) -> None:
+        pass
+
+
+def memory(clock: Clock, ttl: int = 30_000) -> MemoryStore:
+    return MemoryStore(lease_ttl_ms=ttl, concurrency_retry_ms=500, clock=clock)
+
+
+TENANT = Tenant(
+    "acme", LimitPolicy(requests_per_minute=600, tokens_per_minute=6000, max_concurrent=2)
+)
+
+
+async def test_reserve_settle_refunds_unused_tokens() -> None:
+    clock = Clock()
+    limiter = RateLimiter(memory(clock))
+    d = await limiter.reserve(TENANT, 1000)
+    assert d.allowed
+    assert d.reservation is not None
+    assert d.lease_id is not None
+    assert d.tokens_remaining == 5000
+    await limiter.settle(d.reservation, prompt_tokens=100, completion_tokens=50)
+    await limiter.settle(d.reservation, prompt_tokens=100, completion_tokens=50)  # no-op
+    usage = await limiter.usage(TENANT)
+    assert usage.tokens_available == 5850
+    assert usage.concurrent_in_use == 0
+    assert (usage.prompt_tokens_total, usage.completion_tokens_total) == (100, 50)
+
+
+async def test_release_keeps_tokens_charged_and_frees_the_slot() -> None:
+    limiter = RateLimiter(memory(Clock()))
+    d1 = await limiter.reserve(TENANT, 10)
+    d2 = await limiter.reserve(TENANT, 10)
+    d3 = await limiter.reserve(TENANT, 10)
+    assert not d3.allowed
+    assert d3.denied == Dimension.CONCURRENCY
+    assert "max_concurrent" in d3.message()
+    assert d1.reservation is not None
+    await limiter.release(d1.reservation)
+    assert (await limiter.reserve(TENANT, 10)).allowed
+    usage = await limiter.usage(TENANT)
+    assert usage.tokens_available == 5970
+    assert d2.allowed
+
+
+async def test_shadow_mode_admits_and_counts() -> None:
+    tenant = Tenant("shadowy", LimitPolicy(requests_per_minute=1), shadow_mode=True)
+    limiter = RateLimiter(memory(Clock()))
+    assert (await limiter.reserve(tenant, 0)).lease_id is not None
+    d = await limiter.reserve(tenant, 0)
+    assert d.shadow_denied
+    d = await limiter.reserve(tenant, 0)
+    assert d.allowed
+    assert d.shadow_denied
+    assert d.denied == Dimension.REQUESTS
+    assert d.reservation is not None
+    assert not d.reservation.holds_lease
+    await limiter.settle(d.reservation, prompt_tokens=3, completion_tokens=4)
+    usage = await limiter.usage(tenant)
+    assert usage.shadow_denials_total == 2
+    assert usage.requests_total == 3
+    assert usage.requests_denied_total == 0
+    assert usage.prompt_tokens_total == 3
+
+
+async def test_fail_open_uses_the_replica_share_then_recovers() -> None:
+    clock = Clock()
+    store = BrokenStore(memory(clock))
+    breaker = CircuitBreaker(2, 1000, clock=clock)
+    tenant = Tenant("t", LimitPolicy(requests_per_minute=8, request_burst=8))
+    limiter = RateLimiter(store, num_replicas=4, breaker=breaker, fallback=memory(clock))
+    store.mode = "error"
+    decisions = [await limiter.reserve(tenant, 0) for _ in range(4)]
+    assert [d.source for d in decisions] == ["local"] * 4
+    assert [d.allowed for d in decisions] == [True, True, False, False]  # 8 / 4 replicas
+    assert decisions[0].policy == LimitPolicy(requests_per_minute=2, request_burst=2)
+    assert store.num_calls == 2  # the breaker opened after 2 failures
+    assert breaker.state == BreakerState.OPEN
+    local = decisions[0].reservation
+    assert local is not None
+    await limiter.settle(local, prompt_tokens=0, completion_tokens=0)  # settles locally
+    store.mode = "ok"
+    clock.now += 1000
+    d = await limiter.reserve(tenant, 0)
+    assert d.source == "redis"
+    assert breaker.state == BreakerState.CLOSED
+
+
+async def test_fail_closed_raises_unavailable() -> None:
+    store = BrokenStore(memory(Clock()))
+    limiter = RateLimiter(store, fail_mode="closed")
+    store.mode = "error"
+    with pytest.raises(LimiterUnavailableError, match="fails closed"):
+        await limiter.reserve(TENANT, 1)
+
+
+async def test_slow_store_costs_only_the_timeout_budget() -> None:
+    store = BrokenStore(memory(Clock()))
+    limiter = RateLimiter(store, timeout_ms=20, breaker=CircuitBreaker(1, 60_000))
+    store.mode = "hang"
+    d = await limiter.reserve(TENANT, 1)
+    assert d.allowed
+    assert d.source == "local"
+    d = await limiter.reserve(TENANT, 1)  # breaker open: the store is not called
+    assert store.num_calls == 1
+    assert d.source == "local"
+
+
+async def test_settle_failure_is_swallowed_and_counted() -> None:
+    store = BrokenStore(memory(Clock()))
+    limiter = RateLimiter(store)
+    d = await limiter.reserve(TENANT, 5)
+    assert d.reservation is not None
+    store.mode = "error"
+    await limiter.settle(d.reservation, prompt_tokens=1, completion_tokens=1)
+    assert d.reservation.settled
+
+
+async def test_keep_alive_heartbeats_the_lease() -> None:
+    clock = Clock()
+    inner = memory(clock, ttl=30)
+    store = BrokenStore(inner)
+    limiter = RateLimiter(store)
+    d = await limiter.reserve(TENANT, 1)
+    assert d.reservation is not None
+    async with limiter.keep_alive(d.reservation):
+        while store.num_calls < 3:  # reserve + two heartbeats
+            await asyncio.sleep(0.005)
+    assert await limiter.heartbeat(d.reservation)
+    clock.now += 31
+    assert not await limiter.heartbeat(d.reservation)
+
+
+async def test_negative_tokens_are_a_value_error() -> None:
+    limiter = RateLimiter(memory(Clock()))
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        await limiter.reserve(TENANT, -1)
