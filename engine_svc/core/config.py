@@ -1,0 +1,89 @@
+"""Engine and scheduler configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Limits the scheduler enforces every step.
+
+    Attributes:
+        max_num_seqs: requests in the running batch.
+        max_num_batched_tokens: new tokens per step (decodes + prefill chunks).
+        max_model_len: prompt + output tokens of one request.
+        max_waiting: waiting-queue bound; add_request reports "queue full" past it.
+        long_prefill_token_threshold: cap on one request's prefill chunk per
+            step so several prompts can share the budget; 0 = no cap.
+        priority_aging_seconds: waiting this long raises a request by one
+            priority class (LOW → NORMAL → CRITICAL …), so nothing starves.
+        watermark: fraction of blocks kept free when admitting new requests, so
+            running requests rarely need preemption right after an admission.
+    """
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 8192
+    max_waiting: int = 1024
+    long_prefill_token_threshold: int = 0
+    priority_aging_seconds: float = 10.0
+    watermark: float = 0.01
+
+    def validate(self) -> None:
+        """Raises ValueError on a nonsensical limit."""
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.priority_aging_seconds <= 0:
+            raise ValueError("priority_aging_seconds must be > 0")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an ``LLMEngine`` is built from; flat, so a YAML section maps onto it.
+
+    Attributes:
+        model_dir: HF checkpoint directory; empty = ``common.config.default_model_dir()``.
+        dtype: weight dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``
+            (bf16 on CPU/CUDA; attention stays fp32 on CPU either way).
+        device: ``cpu``, ``cuda``, ``cuda:1`` … or ``auto`` (CUDA when present).
+        block_size: tokens per KV block.
+        num_kv_blocks: pool size; 0 = derive from the memory budget below.
+        kv_cache_memory_bytes: KV budget in bytes; 0 = use the fraction.
+        kv_cache_memory_fraction: share of free memory (CPU MemAvailable or
+            free GPU memory) given to the KV cache.
+        max_model_len: 0 = the model's max_position_embeddings.
+        enable_prefix_caching: reserved for issue 4 (no sharing yet).
+        seed: seed of the engine's unseeded sampling stream.
+    """
+
+    model_dir: str = ""
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    kv_cache_memory_bytes: int = 0
+    kv_cache_memory_fraction: float = 0.2
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 0
+    max_waiting: int = 1024
+    long_prefill_token_threshold: int = 0
+    priority_aging_seconds: float = 10.0
+    enable_prefix_caching: bool = False
+    num_threads: int = 0
+    seed: int = 0
+
+    def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
+        """The scheduler's limits, with ``max_model_len`` resolved against the model."""
+        max_len = min(self.max_model_len or model_max_len, model_max_len)
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_len,
+            max_waiting=self.max_waiting,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            priority_aging_seconds=self.priority_aging_seconds,
+        )

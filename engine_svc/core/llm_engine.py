@@ -1,0 +1,275 @@
+"""LLMEngine: the synchronous step loop a service drives from one thread.
+
+    engine = LLMEngine(EngineConfig(model_dir=...))
+    engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ...  # out.new_token_ids, out.finished, out.finish_reason
+
+Not thread-safe: call every method from the step-loop thread (a service
+hands requests and aborts to that thread through its own queue).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from common.config import default_model_dir
+from engine_svc.core.config import EngineConfig
+from engine_svc.core.kv_cache_manager import KVCacheManager, cdiv
+from engine_svc.core.model_runner import ModelRunner, determine_num_blocks
+from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
+from engine_svc.core.request import Request, RequestStatus
+from engine_svc.core.sampler import Sampler
+from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.core.scheduler import Scheduler
+from engine_svc.core.stop_checker import take_new_tokens
+from engine_svc.models.loader import load_model, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+PRIORITY_NORMAL = 2
+_MAX_PRIORITY = 3
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _make_output(req: Request) -> RequestOutput:
+    start, end = take_new_tokens(req)
+    base = req.num_resumed_tokens
+    lps = req.logprobs[start - base : end - base] if req.sampling_params.logprobs else None
+    return RequestOutput(
+        request_id=req.request_id,
+        new_token_ids=req.output_token_ids[start:end],
+        new_logprobs=lps,
+        finished=req.is_finished,
+        finish_reason=req.finish_reason,
+        stop_token_id=req.stop_token_id,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_cached_tokens=req.num_cached_tokens,
+        num_output_tokens=req.num_output_tokens,
+        num_resumed_tokens=req.num_resumed_tokens,
+        num_preemptions=req.num_preemptions,
+        arrival_time=req.arrival_time,
+        first_scheduled_time=req.first_scheduled_time,
+        first_token_time=req.first_token_time,
+        finished_time=req.finished_time,
+    )
+
+
+class LLMEngine:
+    """Paged-KV, in-flight-batching generation engine.
+
+    Args:
+        config: engine configuration.
+        clock: monotonic seconds for timestamps and priority aging.
+    """
+
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.clock = clock
+        self.device = _resolve_device(config.device)
+        self.weight_dtype = resolve_dtype("bfloat16" if config.dtype == "auto" else config.dtype)
+        self.model_dir = config.model_dir or str(default_model_dir())
+        self.model = load_model(self.model_dir, self.weight_dtype, self.device)
+        self.model_config = self.model.config
+        num_blocks = determine_num_blocks(
+            config, self.model_config, self.model.attn_dtype, self.device
+        )
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        sched_cfg = config.scheduler_config(self.model_config.max_position_embeddings)
+        self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager, clock)
+        self.sampler = Sampler(self.model_config.vocab_size, self.device, config.seed)
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        self._pending: list[RequestOutput] = []
+        self._totals = {"requests": 0, "prompt": 0, "generation": 0, "steps": 0}
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output a request may have."""
+        return self.scheduler.config.max_model_len
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        priority: int = PRIORITY_NORMAL,
+        resumed_output_token_ids: Sequence[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> bool:
+        """Queue a request.
+
+        Args:
+            request_id: unique among live requests.
+            prompt_token_ids: the prompt, non-empty, ids inside the vocabulary.
+            sampling_params: defaults to greedy with max_tokens 16.
+            priority: llm.v1.Priority value (0 = unspecified = NORMAL).
+            resumed_output_token_ids: outputs a previous replica already produced.
+            arrival_time: engine-clock arrival; default now.
+
+        Returns:
+            True when queued, False when the waiting queue is full (retry later).
+
+        Raises:
+            ValueError: the request can never run as given; the message says why.
+        """
+        params = sampling_params or SamplingParams()
+        resumed = list(resumed_output_token_ids or [])
+        self._validate(request_id, prompt_token_ids, params, priority, resumed)
+        req = Request.create(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            self.clock() if arrival_time is None else arrival_time,
+            priority or PRIORITY_NORMAL,
+            resumed,
+            self.eos_token_ids,
+        )
+        if not self.scheduler.add_request(req):
+            return False
+        self._totals["requests"] += 1
+        self._totals["prompt"] += req.num_prompt_tokens
+        return True
+
+    def _validate(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        priority: int,
+        resumed: list[int],
+    ) -> None:
+        vocab = self.model_config.vocab_size
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        if not prompt:
+            raise ValueError("prompt_token_ids must not be empty")
+        bad = next((t for t in [*prompt, *resumed] if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if not 0 <= priority <= _MAX_PRIORITY:
+            raise ValueError(f"priority must be in [0, {_MAX_PRIORITY}], got {priority}")
+        params.validate(vocab)
+        if len(resumed) >= params.max_tokens:
+            raise ValueError(
+                f"{len(resumed)} resumed output tokens already reach "
+                f"max_tokens={params.max_tokens}; nothing is left to generate"
+            )
+        limit = self.max_model_len
+        if len(prompt) + len(resumed) >= limit:
+            raise ValueError(
+                f"prompt is {len(prompt) + len(resumed)} tokens; the context "
+                f"holds {limit}, leaving no room for output"
+            )
+        if len(prompt) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds the context of {limit} tokens; lower max_tokens to "
+                f"{limit - len(prompt)} or less"
+            )
+        blocks = cdiv(len(prompt) + params.max_tokens, self.config.block_size)
+        if blocks > self.runner.num_blocks:
+            raise ValueError(
+                f"request needs {blocks} KV blocks but the pool has "
+                f"{self.runner.num_blocks}; shorten it or raise the KV budget"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final output comes with the next step.
+
+        Returns:
+            False when the request is unknown or already finished.
+        """
+        done = self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+        self._pending.extend(_make_output(r) for r in done)
+        return bool(done)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running (or an abort is unreported)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report per-request progress.
+
+        A failure inside the model finishes that step's requests with
+        ``FinishReason.ERROR`` instead of taking the engine down.
+        """
+        outputs, self._pending = self._pending, []
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return outputs
+        self._totals["steps"] += 1
+        try:
+            logits, reqs = self.runner.execute_model(sched_out)
+            sampled = self.sampler(logits, reqs) if reqs else None
+        except Exception:
+            logger.exception(
+                "model step failed; failing its %d request(s)", len(sched_out.scheduled)
+            )
+            ids = [e.request.request_id for e in sched_out.scheduled]
+            failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+            return outputs + [_make_output(r) for r in failed]
+        token_map: dict[str, int] = {}
+        if sampled is not None:
+            for req, tok, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True):
+                token_map[req.request_id] = tok
+                if lp is not None:
+                    req.logprobs.append(lp)
+        updated, _finished = self.scheduler.update_from_output(sched_out, token_map)
+        self._totals["generation"] += len(updated)
+        for req in updated:
+            out = _make_output(req)
+            if out.new_token_ids or out.finished:
+                outputs.append(out)
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        """Queue lengths, KV usage and totals since start."""
+        kv = self.kv_cache_manager
+        pool = kv.block_pool
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_kv_blocks_used=pool.num_used_blocks,
+            num_kv_blocks_total=pool.num_blocks,
+            kv_cache_usage=pool.usage,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            num_requests_total=self._totals["requests"],
+            num_prompt_tokens_total=self._totals["prompt"],
+            num_generation_tokens_total=self._totals["generation"],
+            num_steps_total=self._totals["steps"],
+            prefix_cache_queries=kv.num_prefix_queries,
+            prefix_cache_hits=kv.num_prefix_hits,
+            max_num_seqs=self.scheduler.config.max_num_seqs,
+            max_waiting=self.scheduler.config.max_waiting,
+        )
+
+    def model_info(self) -> ModelInfo:
+        """Static facts about the model and engine (for GetModelInfo)."""
+        return ModelInfo(
+            model=self.model_config.name,
+            max_context_length=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            weight_dtype=str(self.weight_dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.model.attn_dtype).removeprefix("torch."),
+            kv_block_size=self.config.block_size,
+            num_kv_blocks=self.runner.num_blocks,
+            device=str(self.device),
+        )

@@ -1,0 +1,130 @@
+"""Runs the model for a scheduled step: input tensors, KV cache, logits."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from engine_svc.core.config import EngineConfig
+from engine_svc.core.request import Request
+from engine_svc.core.sched_output import SchedulerOutput
+from engine_svc.models.attention import build_attention_metadata
+from engine_svc.models.config import ModelConfig
+from engine_svc.models.llama import LlamaForCausalLM
+
+_GIB = 1 << 30
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on ``device``: free GPU memory, or MemAvailable on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def determine_num_blocks(
+    config: EngineConfig, model_config: ModelConfig, kv_dtype: torch.dtype, device: torch.device
+) -> int:
+    """Pool size: explicit ``num_kv_blocks``, else the byte budget over the bytes per block.
+
+    Raises:
+        ValueError: the budget does not hold a single block.
+    """
+    if config.num_kv_blocks > 0:
+        return config.num_kv_blocks
+    budget = config.kv_cache_memory_bytes
+    if budget <= 0:
+        budget = int(available_memory_bytes(device) * config.kv_cache_memory_fraction)
+    itemsize = torch.empty((), dtype=kv_dtype).element_size()
+    per_block = model_config.kv_bytes_per_token(itemsize) * config.block_size
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget / _GIB:.3f} GiB holds no {per_block}-byte block; "
+            "raise kv_cache_memory_bytes or kv_cache_memory_fraction"
+        )
+    return int(num_blocks)
+
+
+class ModelRunner:
+    """Owns the model and its paged KV cache and executes scheduled steps.
+
+    Cache layout per layer (flat over blocks so a slot id indexes it directly)::
+
+        kv_cache[layer, 0 | 1] : [num_blocks, block_size, num_kv_heads, head_dim]
+        slot = block_id * block_size + offset   (the flat view writes by slot)
+
+    Args:
+        model: the model.
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        cfg = model.config
+        # zeros, not empty: padded reads of unused slots must stay finite
+        self.kv_cache = torch.zeros(
+            cfg.num_hidden_layers,
+            2,
+            num_blocks,
+            block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=model.attn_dtype,
+            device=self.device,
+        )
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV cache tensors."""
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    @torch.inference_mode()
+    def execute_model(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
+        """Run one step.
+
+        Returns:
+            fp32 logits [N, vocab] for the N entries that sample this step, and
+            those entries' requests in the same order.
+        """
+        entries = output.scheduled
+        token_ids: list[int] = []
+        for e in entries:
+            c = e.num_computed_tokens
+            token_ids += e.request.all_token_ids[c : c + e.num_new_tokens]
+        meta, positions = build_attention_metadata(
+            [e.num_computed_tokens for e in entries],
+            [e.num_new_tokens for e in entries],
+            [e.block_ids for e in entries],
+            output.num_decodes,
+            self.block_size,
+            self.device,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        last_rows: list[int] = []
+        sampled: list[Request] = []
+        end = 0
+        for e in entries:
+            end += e.num_new_tokens
+            if e.sample:
+                last_rows.append(end - 1)
+                sampled.append(e.request)
+        if not last_rows:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
+        if len(last_rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(last_rows, device=self.device)]
+        return self.model.compute_logits(hidden), sampled

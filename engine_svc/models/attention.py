@@ -1,0 +1,199 @@
+"""Paged attention: KV written through a slot mapping, read through block tables.
+
+Flat token layout of one step (decodes first, then prefill chunks)::
+
+    tokens:  | d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 |
+             '-- decodes --''---- prefill chunks ----'
+    slot_mapping[t] = block_table[pos // block_size] * block_size + pos % block_size
+
+Reads gather whole blocks (``index_select`` on the block dimension, ~2x faster
+than per-slot gathers), and decode folds grouped-query heads into the query
+length: q [B, Hkv, G, D] against k [B, Hkv, L, D], which beats SDPA's own
+GQA path on CPU. Everything index-shaped (block lists, masks) is built once
+per step in ``build_attention_metadata`` and reused by every layer, so a layer
+costs one ``index_copy_`` per cache, one gather and one SDPA call per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step indices shared by all layers.
+
+    Attributes:
+        slot_mapping: [T] cache slot of each new token.
+        num_decode_tokens: the first ``num_decode_tokens`` rows are decodes (q_len 1).
+        decode_blocks: [Bd, nblk] block table of each decode (0 = padding).
+        decode_mask: [Bd, 1, 1, nblk * block_size] keys to attend, None when none is padding.
+        prefill_fresh: one prefill with no cached prefix: plain causal attention.
+        prefill_q_index: [P * Qmax] rows of the prefill tokens, padded per sequence.
+        prefill_blocks: [P, nblk] block table of each prefill (0 = padding).
+        prefill_mask: [P, 1, Qmax, nblk * block_size] causal-with-offset mask.
+        prefill_out_rows: rows of the padded [P * Qmax] output that are real tokens.
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_blocks: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prefill_fresh: bool = False
+    prefill_q_index: torch.Tensor | None = None
+    prefill_blocks: torch.Tensor | None = None
+    prefill_mask: torch.Tensor | None = None
+    prefill_out_rows: torch.Tensor | None = None
+
+
+def _pad(rows: Sequence[Sequence[int]], width: int) -> list[list[int]]:
+    return [list(r) + [0] * (width - len(r)) for r in rows]
+
+
+def build_attention_metadata(
+    num_computed: Sequence[int],
+    num_new: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    num_decodes: int,
+    block_size: int,
+    device: torch.device,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """Build the step's metadata and the positions [T] of its tokens.
+
+    Args:
+        num_computed: tokens already in the cache, per sequence.
+        num_new: tokens scheduled this step, per sequence (1 for the first
+            ``num_decodes`` sequences).
+        block_tables: block ids per sequence, covering computed + new tokens.
+        num_decodes: how many leading sequences are decodes.
+        block_size: tokens per block.
+        device: where the tensors go.
+    """
+    width = max(len(b) for b in block_tables)
+    bt = torch.tensor(_pad(block_tables, width), dtype=torch.long, device=device)
+    computed = torch.tensor(num_computed, dtype=torch.long, device=device)
+    new = torch.tensor(num_new, dtype=torch.long, device=device)
+    seq_idx = torch.repeat_interleave(torch.arange(len(num_new), device=device), new)
+    starts = torch.cumsum(new, 0) - new
+    positions = computed[seq_idx] + torch.arange(int(new.sum()), device=device) - starts[seq_idx]
+    slots = bt[seq_idx, positions // block_size] * block_size + positions % block_size
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=num_decodes)
+    if num_decodes:
+        ctx = computed[:num_decodes] + 1
+        nblk = -(-int(ctx.max()) // block_size)
+        meta.decode_blocks = bt[:num_decodes, :nblk]
+        if int(ctx.min()) != nblk * block_size:
+            valid = torch.arange(nblk * block_size, device=device) < ctx[:, None]
+            meta.decode_mask = valid[:, None, None, :]
+    if len(num_new) > num_decodes:
+        _prefill_metadata(
+            meta, computed[num_decodes:], new[num_decodes:], bt[num_decodes:], block_size
+        )
+    return meta, positions
+
+
+def _prefill_metadata(
+    meta: AttentionMetadata,
+    computed: torch.Tensor,
+    q_lens: torch.Tensor,
+    bt: torch.Tensor,
+    block_size: int,
+) -> None:
+    if len(q_lens) == 1 and int(computed[0]) == 0:
+        meta.prefill_fresh = True
+        return
+    device = q_lens.device
+    q_max = int(q_lens.max())
+    kv_lens = computed + q_lens
+    nblk = -(-int(kv_lens.max()) // block_size)
+    i = torch.arange(q_max, device=device)
+    j = torch.arange(nblk * block_size, device=device)
+    q_valid = i[None, :] < q_lens[:, None]
+    q_starts = torch.cumsum(q_lens, 0) - q_lens
+    meta.prefill_q_index = torch.where(q_valid, q_starts[:, None] + i, 0).reshape(-1)
+    meta.prefill_out_rows = torch.nonzero(q_valid.reshape(-1)).squeeze(1)
+    kv_valid = j[None, :] < kv_lens[:, None]
+    meta.prefill_blocks = bt[:, :nblk]
+    causal = j[None, None, :] <= (computed[:, None, None] + i[None, :, None])
+    meta.prefill_mask = (causal & kv_valid[:, None, :]).unsqueeze(1)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache and attend.
+
+    Args:
+        q: [T, H, D]; k, v: [T, Hkv, D], all in the cache dtype.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D], one layer's cache.
+        meta: the step's metadata.
+
+    Returns:
+        [T, H * D] attention output in the cache dtype.
+    """
+    num_kv_heads = k.shape[1]
+    k_cache.view(-1, num_kv_heads, k.shape[2]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, k.shape[2]).index_copy_(0, meta.slot_mapping, v)
+    num_tokens, num_heads, head_dim = q.shape
+    nd = meta.num_decode_tokens
+    parts: list[torch.Tensor] = []
+    if nd:
+        assert meta.decode_blocks is not None
+        kd, vd = _gather(k_cache, v_cache, meta.decode_blocks)
+        qd = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        parts.append(out.reshape(nd, num_heads * head_dim))
+    if num_tokens > nd:
+        parts.append(_prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    if meta.prefill_fresh:
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            enable_gqa=True,
+        )
+        return out.transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
+    assert meta.prefill_blocks is not None
+    assert meta.prefill_q_index is not None
+    assert meta.prefill_out_rows is not None
+    p = meta.prefill_blocks.shape[0]
+    kp, vp = _gather(k_cache, v_cache, meta.prefill_blocks)
+    qp = q.index_select(0, meta.prefill_q_index).view(p, -1, num_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, enable_gqa=True)
+    out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)
+    return out.index_select(0, meta.prefill_out_rows)
+
+
+def _gather(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contexts [B, Hkv, nblk * block_size, D] of K and V for block tables [B, nblk]."""
+    b, nblk = blocks.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat = blocks.reshape(-1)
+    shape = (b, nblk * block_size, num_kv_heads, head_dim)
+    k = k_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    v = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+    return k, v
