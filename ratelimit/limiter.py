@@ -21,20 +21,19 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable
 
 from common.log import get_logger
 from ratelimit import metrics
 from ratelimit.algorithm import Outcome
-from ratelimit.breaker import BreakerState, CircuitBreaker
+from ratelimit.breaker import CircuitBreaker
 from ratelimit.config import FAIL_MODES, Dimension, LimitPolicy, RateLimitConfig, Tenant
 from ratelimit.decision import Decision, Reservation
+from ratelimit.guard import StoreGuard, log_breaker_change
 from ratelimit.storage import Store, StoreError, UsageSnapshot
 from ratelimit.storage.memory import MemoryStore
 
 log = get_logger(__name__)
-T = TypeVar("T")
 _DIMENSION_NAMES = (
     (Dimension.REQUESTS, "requests"),
     (Dimension.TOKENS, "tokens"),
@@ -72,9 +71,10 @@ class RateLimiter:
             raise ValueError(f"fail_mode must be one of {FAIL_MODES}, got {fail_mode!r}")
         self.store = store
         self.fail_mode = fail_mode
-        self.timeout_s = timeout_ms / 1000.0
         self.num_replicas = num_replicas
-        self.breaker = breaker or CircuitBreaker(3, 2000, on_change=_log_breaker)
+        self.guard = StoreGuard(timeout_ms, breaker)
+        self.breaker = self.guard.breaker
+        self._call = self.guard.call
         self.fallback = fallback or MemoryStore(
             lease_ttl_ms=store.lease_ttl_ms, concurrency_retry_ms=1000
         )
@@ -88,7 +88,7 @@ class RateLimiter:
             timeout_ms=config.timeout_ms,
             num_replicas=config.num_replicas,
             breaker=CircuitBreaker(
-                config.breaker_failures, config.breaker_open_ms, on_change=_log_breaker
+                config.breaker_failures, config.breaker_open_ms, on_change=log_breaker_change
             ),
             fallback=MemoryStore(
                 lease_ttl_ms=config.lease_ttl_ms,
@@ -298,47 +298,7 @@ class RateLimiter:
         await self._call("forget", lambda: self.store.forget(tenant_id))
         await self.fallback.forget(tenant_id)
 
-    async def _call(self, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run one store call inside the time budget and the breaker."""
-        if not self.breaker.allow():
-            raise StoreError(f"redis circuit breaker is open (skipping {op})")
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                result = await fn()
-        except TimeoutError:
-            self._failed(op, "timeout")
-            raise StoreError(
-                f"redis {op} took longer than {self.timeout_s * 1000:.0f} ms"
-            ) from None
-        except StoreError:
-            self._failed(op, "error")
-            raise
-        except asyncio.CancelledError:
-            self.breaker.cancel_probe()
-            raise
-        self.breaker.record_success()
-        return result
-
-    def _failed(self, op: str, kind: str) -> None:
-        metrics.STORE_ERRORS.labels(op, kind).inc()
-        self.breaker.record_failure()
-        log.warning(
-            "redis call failed",
-            op=op,
-            kind=kind,
-            fail_mode=self.fail_mode,
-            consecutive_failures=self.breaker.num_failures,
-        )
-
     async def close(self) -> None:
         """Close the stores."""
         await self.store.close()
         await self.fallback.close()
-
-
-def _log_breaker(state: BreakerState) -> None:
-    metrics.BREAKER_STATE.set(int(state))
-    if state == BreakerState.CLOSED:
-        log.info("redis circuit breaker closed; limits are shared again")
-    else:
-        log.warning("redis circuit breaker " + state.name.lower().replace("_", "-"))

@@ -5,6 +5,10 @@ from __future__ import annotations
 from ratelimit.breaker import BreakerState, CircuitBreaker
 
 
+def state_of(breaker: CircuitBreaker) -> BreakerState:
+    return breaker.state
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
@@ -20,23 +24,23 @@ def test_opens_after_threshold_and_probes_once() -> None:
     for _ in range(2):
         assert b.allow()
         b.record_failure()
-    assert b.state == BreakerState.CLOSED
+    assert state_of(b) == BreakerState.CLOSED
     assert b.allow()
     b.record_failure()
-    assert b.state == BreakerState.OPEN
+    assert state_of(b) == BreakerState.OPEN
     assert not b.allow()
     clock.now = 999.0
     assert not b.allow()
     clock.now = 1000.0
     assert b.allow()  # the probe
-    assert b.state == BreakerState.HALF_OPEN
+    assert state_of(b) == BreakerState.HALF_OPEN
     assert not b.allow()  # one probe at a time
     b.record_failure()
-    assert b.state == BreakerState.OPEN
+    assert state_of(b) == BreakerState.OPEN
     clock.now = 2000.0
     assert b.allow()
     b.record_success()
-    assert b.state == BreakerState.CLOSED
+    assert state_of(b) == BreakerState.CLOSED
     assert b.allow()
     assert changes == [
         BreakerState.OPEN,
@@ -52,7 +56,7 @@ def test_success_resets_the_failure_count() -> None:
     b.record_failure()
     b.record_success()
     b.record_failure()
-    assert b.state == BreakerState.CLOSED
+    assert state_of(b) == BreakerState.CLOSED
 
 
 def test_cancelled_probe_frees_the_slot() -> None:
