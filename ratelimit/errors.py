@@ -1,0 +1,40 @@
+"""Errors of the registry and the limiter, each mapped to one gRPC status.
+
+UnauthenticatedError     -> UNAUTHENTICATED    no, malformed or unknown key
+PermissionDeniedError    -> PERMISSION_DENIED  revoked key, wrong role, model not allowed
+NotFoundError            -> NOT_FOUND          unknown tenant or key id
+ValueError               -> INVALID_ARGUMENT   bad policy or id
+StoreError               -> UNAVAILABLE        Redis down or too slow
+LimiterUnavailableError  -> UNAVAILABLE        Redis down and failing closed
+"""
+
+from __future__ import annotations
+
+from ratelimit.limiter import LimiterUnavailableError
+from ratelimit.storage import StoreError
+
+
+class AuthError(Exception):
+    """A request's credentials were not accepted."""
+
+
+class UnauthenticatedError(AuthError):
+    """No key, a malformed key, or a key nobody issued."""
+
+
+class PermissionDeniedError(AuthError):
+    """A known key that may not do this (revoked, wrong role, model not allowed)."""
+
+
+class NotFoundError(LookupError):
+    """A tenant or key id that does not exist."""
+
+
+__all__ = [
+    "AuthError",
+    "LimiterUnavailableError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "StoreError",
+    "UnauthenticatedError",
+]

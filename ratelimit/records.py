@@ -1,0 +1,145 @@
+"""API keys and the JSON records the registry keeps in Redis.
+
+A key is ``sk-llm-`` + 43 url-safe characters (256 random bits). Redis holds
+only its SHA-256 (hex) and a short display prefix; the plaintext exists once,
+in the ``CreateApiKey`` response. Lookups go by hash, so the stored secret is
+never compared character by character with attacker input.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from ratelimit.config import LimitPolicy, Priority, Tenant
+
+KEY_PREFIX = "sk-llm-"
+KEY_RE = re.compile(r"^sk-llm-[A-Za-z0-9_-]{20,128}$")
+DISPLAY_PREFIX_LEN = len(KEY_PREFIX) + 4
+
+
+class KeyRole(enum.IntEnum):
+    """What a key may call; values match ``llm.v1.KeyRole`` (UNSPECIFIED = TENANT)."""
+
+    UNSPECIFIED = 0
+    TENANT = 1
+    ADMIN = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    """The stored description of a key (never its plaintext)."""
+
+    key_id: str
+    tenant_id: str  # "" for ADMIN keys
+    name: str
+    display_prefix: str
+    role: KeyRole
+    key_hash: str
+    revoked: bool = False
+    created_at: float = 0.0  # unix seconds
+    revoked_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a valid key belongs to; ``tenant`` is None for ADMIN keys."""
+
+    key: ApiKey
+    tenant: Tenant | None
+
+
+def generate_key() -> str:
+    """A fresh plaintext key."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def new_key_id() -> str:
+    """A public, loggable key id."""
+    return "key_" + secrets.token_hex(8)
+
+
+def hash_key(plaintext: str) -> str:
+    """SHA-256 of the key, hex."""
+    return hashlib.sha256(plaintext.encode()).hexdigest()
+
+
+def looks_like_key(plaintext: str) -> bool:
+    """Cheap format check before any Redis round trip."""
+    return bool(KEY_RE.match(plaintext))
+
+
+def key_to_json(key: ApiKey) -> str:
+    """Serialize an ``ApiKey`` record."""
+    return json.dumps(
+        {
+            "key_id": key.key_id,
+            "tenant_id": key.tenant_id,
+            "name": key.name,
+            "display_prefix": key.display_prefix,
+            "role": int(key.role),
+            "key_hash": key.key_hash,
+            "revoked": key.revoked,
+            "created_at": key.created_at,
+            "revoked_at": key.revoked_at,
+        }
+    )
+
+
+def key_from_json(raw: str) -> ApiKey:
+    """Parse an ``ApiKey`` record."""
+    d: dict[str, Any] = json.loads(raw)
+    return ApiKey(
+        key_id=str(d["key_id"]),
+        tenant_id=str(d["tenant_id"]),
+        name=str(d["name"]),
+        display_prefix=str(d["display_prefix"]),
+        role=KeyRole(int(d["role"])),
+        key_hash=str(d["key_hash"]),
+        revoked=bool(d["revoked"]),
+        created_at=float(d["created_at"]),
+        revoked_at=float(d["revoked_at"]),
+    )
+
+
+def tenant_to_json(tenant: Tenant) -> str:
+    """Serialize a ``Tenant``."""
+    limits = tenant.limits
+    return json.dumps(
+        {
+            "tenant_id": tenant.tenant_id,
+            "limits": {
+                "requests_per_minute": limits.requests_per_minute,
+                "tokens_per_minute": limits.tokens_per_minute,
+                "max_concurrent": limits.max_concurrent,
+                "request_burst": limits.request_burst,
+                "token_burst": limits.token_burst,
+            },
+            "priority": int(tenant.priority),
+            "allowed_models": list(tenant.allowed_models),
+            "shadow_mode": tenant.shadow_mode,
+            "display_name": tenant.display_name,
+            "created_at": tenant.created_at,
+            "updated_at": tenant.updated_at,
+        }
+    )
+
+
+def tenant_from_json(raw: str) -> Tenant:
+    """Parse a ``Tenant``."""
+    d: dict[str, Any] = json.loads(raw)
+    return Tenant(
+        tenant_id=str(d["tenant_id"]),
+        limits=LimitPolicy(**{k: int(v) for k, v in d["limits"].items()}),
+        priority=Priority(int(d["priority"])),
+        allowed_models=tuple(str(m) for m in d["allowed_models"]),
+        shadow_mode=bool(d["shadow_mode"]),
+        display_name=str(d["display_name"]),
+        created_at=float(d["created_at"]),
+        updated_at=float(d["updated_at"]),
+    )
