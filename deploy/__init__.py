@@ -1,0 +1,1 @@
+"""Deployment assets (Envoy, containers, Kubernetes, monitoring) and their helpers."""

@@ -1,0 +1,270 @@
+"""Render variants of deploy/envoy/envoy.yaml without keeping a second copy of it.
+
+envoy.yaml as written is the `make run` configuration (loopback upstreams,
+listener :8080, admin 127.0.0.1:9901). Everything else (tests on ephemeral
+ports, the container image, Kubernetes) starts from that file and replaces
+only what differs:
+
+    listener_host / listener_port   the public listener ("public")
+    stats_port                      the Prometheus listener ("stats"), same host
+    admin_port                      Envoy's admin interface (always 127.0.0.1);
+                                    0 drops the stats listener, which proxies to it
+    gateway / admin                 endpoints of the "gateway" / "admin" clusters
+    proto_descriptor                the descriptor set the transcoder reads
+    access_log_path                 where the JSON access log goes
+
+Port 0 means "pick a free one": Envoy binds an ephemeral port, and
+``EnvoyProcess`` reads the bound ports back from the admin interface.
+
+Command line (used by deploy/docker/envoy.Dockerfile):
+
+    python -m deploy.envoy.config --preset container -o /etc/envoy/envoy.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+ENVOY_YAML = Path(__file__).resolve().parent / "envoy.yaml"
+ADMIN_HOST = "127.0.0.1"  # never anything else: the admin API can stop Envoy
+
+PUBLIC_LISTENER = "public"
+STATS_LISTENER = "stats"
+GATEWAY_CLUSTER = "gateway"
+ADMIN_CLUSTER = "admin"
+ENVOY_ADMIN_CLUSTER = "envoy_admin"
+TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
+HCM = "envoy.filters.network.http_connection_manager"
+
+Config = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One upstream address."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, value: str | tuple[str, int] | Endpoint) -> Endpoint:
+        """Accepts ``Endpoint``, ``(host, port)`` or ``"host:port"``."""
+        if isinstance(value, Endpoint):
+            return value
+        if isinstance(value, tuple):
+            return cls(value[0], int(value[1]))
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"expected host:port, got {value!r}")
+        return cls(host, int(port))
+
+
+EndpointLike = str | tuple[str, int] | Endpoint
+
+# What the container image bakes in: compose and Kubernetes both name the
+# gateway replicas "gateway" (a headless Service in Kubernetes, so DNS returns
+# every pod and Envoy health-checks and ejects each replica on its own).
+CONTAINER_PRESET: dict[str, Any] = {
+    "listener_host": "0.0.0.0",
+    "gateway": ["gateway:50051"],
+    "admin": ["gateway:50051"],
+    "proto_descriptor": "/etc/envoy/llm_v1.pb",
+    "access_log_path": "/dev/stdout",
+}
+
+
+def load_config(path: str | Path = ENVOY_YAML) -> Config:
+    """The parsed config, as plain dicts and lists with no shared (aliased) nodes.
+
+    envoy.yaml uses YAML anchors; a JSON round trip gives every alias its own
+    copy, so changing one cluster never changes another.
+    """
+    doc = yaml.safe_load(Path(path).read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    copied: Config = json.loads(json.dumps(doc))
+    return copied
+
+
+def listener(config: Config, name: str) -> Config:
+    for item in config["static_resources"]["listeners"]:
+        if item["name"] == name:
+            found: Config = item
+            return found
+    raise KeyError(f"no listener named {name!r}")
+
+
+def cluster(config: Config, name: str) -> Config:
+    for item in config["static_resources"]["clusters"]:
+        if item["name"] == name:
+            found: Config = item
+            return found
+    raise KeyError(f"no cluster named {name!r}")
+
+
+def http_connection_manager(config: Config, listener_name: str = PUBLIC_LISTENER) -> Config:
+    for chain in listener(config, listener_name)["filter_chains"]:
+        for flt in chain["filters"]:
+            if flt["name"] == HCM:
+                hcm: Config = flt["typed_config"]
+                return hcm
+    raise KeyError(f"listener {listener_name!r} has no HTTP connection manager")
+
+
+def http_filter(config: Config, filter_name: str, listener_name: str = PUBLIC_LISTENER) -> Config:
+    for flt in http_connection_manager(config, listener_name)["http_filters"]:
+        if flt["name"] == filter_name:
+            typed: Config = flt["typed_config"]
+            return typed
+    raise KeyError(f"listener {listener_name!r} has no HTTP filter {filter_name!r}")
+
+
+def cluster_endpoints(config: Config, name: str) -> list[Endpoint]:
+    """Every endpoint address of a static/DNS cluster."""
+    out = []
+    for locality in cluster(config, name)["load_assignment"]["endpoints"]:
+        for lb in locality["lb_endpoints"]:
+            sock = lb["endpoint"]["address"]["socket_address"]
+            out.append(Endpoint(sock["address"], int(sock["port_value"])))
+    return out
+
+
+def _set_socket(target: Config, host: str | None, port: int | None) -> None:
+    sock = target["address"]["socket_address"]
+    if host is not None:
+        sock["address"] = host
+    if port is not None:
+        sock["port_value"] = int(port)
+
+
+def _set_endpoints(config: Config, name: str, endpoints: Sequence[EndpointLike]) -> None:
+    parsed = [Endpoint.parse(e) for e in endpoints]
+    if not parsed:
+        raise ValueError(f"cluster {name!r} needs at least one endpoint")
+    cl = cluster(config, name)
+    cl["load_assignment"]["endpoints"] = [{
+        "lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": e.host,
+                                                          "port_value": e.port}}}}
+            for e in parsed
+        ]
+    }]
+
+
+def _drop(config: Config, kind: str, name: str) -> None:
+    items = config["static_resources"][kind]
+    config["static_resources"][kind] = [i for i in items if i["name"] != name]
+
+
+def _set_access_log(config: Config, path: str) -> None:
+    for log in http_connection_manager(config)["access_log"]:
+        log["typed_config"]["path"] = path
+
+
+def render_config(
+    *,
+    listener_host: str | None = None,
+    listener_port: int | None = None,
+    admin_port: int | None = None,
+    stats_port: int | None = None,
+    gateway: Sequence[EndpointLike] | None = None,
+    admin: Sequence[EndpointLike] | None = None,
+    proto_descriptor: str | Path | None = None,
+    access_log_path: str | Path | None = None,
+    base: str | Path = ENVOY_YAML,
+) -> Config:
+    """envoy.yaml with the given parts replaced; ``None`` keeps what the file says.
+
+    A relative descriptor path (the file's ``build/llm_v1.pb``) is made
+    absolute against the repository root, so the result works from any cwd.
+    """
+    config = load_config(base)
+    _set_socket(listener(config, PUBLIC_LISTENER), listener_host, listener_port)
+    if stats_port is not None:
+        _set_socket(listener(config, STATS_LISTENER), listener_host, stats_port)
+    if admin_port is not None:
+        _set_socket(config["admin"], ADMIN_HOST, admin_port)
+        if admin_port:
+            _set_endpoints(config, ENVOY_ADMIN_CLUSTER, [(ADMIN_HOST, admin_port)])
+        else:
+            # The stats listener proxies to the admin port, which is not known
+            # before start when ephemeral: drop it rather than point it at
+            # whatever else listens on 9901.
+            if stats_port is not None:
+                raise ValueError("stats_port needs a fixed admin_port (the stats listener "
+                                 "proxies to it); use admin_port=0 without stats_port")
+            _drop(config, "listeners", STATS_LISTENER)
+            _drop(config, "clusters", ENVOY_ADMIN_CLUSTER)
+    if gateway is not None:
+        _set_endpoints(config, GATEWAY_CLUSTER, gateway)
+    if admin is not None:
+        _set_endpoints(config, ADMIN_CLUSTER, admin)
+    transcoder = http_filter(config, TRANSCODER)
+    descriptor = Path(proto_descriptor or transcoder["proto_descriptor"])
+    if not descriptor.is_absolute():
+        descriptor = ROOT / descriptor
+    transcoder["proto_descriptor"] = str(descriptor)
+    if access_log_path is not None:
+        _set_access_log(config, str(access_log_path))
+    return config
+
+
+def write_config(config: Config, path: str | Path | None = None) -> Path:
+    """Write ``config`` as YAML to ``path`` (a new temporary file when ``None``)."""
+    if path is None:
+        fd, name = tempfile.mkstemp(prefix="envoy-", suffix=".yaml")
+        os.close(fd)
+        path = name
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    header = "# Rendered from deploy/envoy/envoy.yaml by deploy.envoy.config; do not edit.\n"
+    out.write_text(header + yaml.safe_dump(config, sort_keys=False, width=100))
+    return out
+
+
+def render_config_file(path: str | Path | None = None, **overrides: Any) -> Path:
+    """``render_config(**overrides)`` written to ``path`` (or a temp file); returns the path."""
+    return write_config(render_config(**overrides), path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deploy.envoy.config", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=["local", "container"], default="local",
+                        help="local = envoy.yaml as written; container = compose/Kubernetes")
+    parser.add_argument("--listen", help="host:port of the public listener")
+    parser.add_argument("--admin-port", type=int)
+    parser.add_argument("--stats-port", type=int)
+    parser.add_argument("--gateway", action="append", help="gateway endpoint host:port (repeat)")
+    parser.add_argument("--admin", action="append", help="RateLimitAdmin endpoint (repeat)")
+    parser.add_argument("--descriptor", help="proto descriptor set path")
+    parser.add_argument("--access-log", help="access log path (default /dev/stdout)")
+    parser.add_argument("-o", "--output", required=True, help="where to write the YAML")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = dict(CONTAINER_PRESET) if args.preset == "container" else {}
+    if args.listen:
+        ep = Endpoint.parse(args.listen)
+        overrides.update(listener_host=ep.host, listener_port=ep.port)
+    for key, value in (("admin_port", args.admin_port), ("stats_port", args.stats_port),
+                       ("gateway", args.gateway), ("admin", args.admin),
+                       ("proto_descriptor", args.descriptor),
+                       ("access_log_path", args.access_log)):
+        if value is not None:
+            overrides[key] = value
+    out = render_config_file(args.output, **overrides)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

