@@ -136,8 +136,12 @@ async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> 
         log.info("shutting down", grace_seconds=config.grace_seconds)
         await health_servicer.enter_graceful_shutdown()
         if hooks.on_drain is not None:
+            # on_drain waits for in-flight work itself (up to the grace period);
+            # whatever is still running afterwards is cancelled.
             await hooks.on_drain()
-        await server.stop(config.grace_seconds)
+            await server.stop(0.5)
+        else:
+            await server.stop(config.grace_seconds)
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

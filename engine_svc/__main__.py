@@ -1,0 +1,148 @@
+"""`python -m engine_svc`: serve llm.v1.Engine (config sections `engine`, `engine_core`).
+
+    python -m engine_svc [--backend native|trtllm] [--port 50071] [--model-dir DIR] ...
+
+Health stays NOT_SERVING until a real warm-up batch has run. SIGTERM drains:
+new requests get UNAVAILABLE, in-flight streams get ``grace_seconds`` to
+finish, the rest are cancelled (their KV blocks freed), then the step-loop
+thread stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hashlib
+import json
+import subprocess
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc
+
+from common.config import (
+    ROOT,
+    ServiceConfig,
+    add_service_args,
+    default_model_dir,
+    load_config,
+    service_overrides,
+)
+from common.log import configure_logging, get_logger
+from common.server import ServiceHooks, run_service
+from engine_svc import metrics
+from engine_svc.backends.base import Backend, GenerateInput
+from engine_svc.core.config import EngineConfig
+from engine_svc.core.outputs import RequestOutput
+from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.service import EngineServicer
+from llm.v1 import engine_pb2, engine_pb2_grpc
+
+log = get_logger("engine_svc")
+
+
+@dataclasses.dataclass(slots=True)
+class EngineServiceConfig(ServiceConfig):
+    port: int = 50071
+    grace_seconds: float = 30.0
+    backend: str = "native"  # native | trtllm
+    model_name: str = "SmolLM2-135M-Instruct"
+    model_version: str = ""  # empty = derived from the checkpoint's checksum
+    warmup: bool = True
+
+
+def model_version(model_dir: Path) -> str:
+    """``sha-<first 12 hex of model.safetensors' SHA-256>`` from the prepare manifest."""
+    try:
+        manifest = json.loads((model_dir / "manifest.json").read_text())
+        return "sha-" + str(manifest["files"]["model.safetensors"])[:12]
+    except (FileNotFoundError, KeyError, json.JSONDecodeError):
+        return "unversioned"
+
+
+def config_hash(*configs: object) -> str:
+    blob = json.dumps([dataclasses.asdict(c) for c in configs], sort_keys=True)  # type: ignore[call-overload]
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def engine_build() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                             capture_output=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = "unknown"
+    return f"llm-serving-stack 0.1.0 git {rev}"
+
+
+def make_backend(svc: EngineServiceConfig, core: EngineConfig) -> Backend:
+    if svc.backend == "native":
+        from engine_svc.backends.native import NativeBackend
+        from engine_svc.core.llm_engine import LLMEngine
+
+        return NativeBackend(lambda: LLMEngine(core))
+    if svc.backend == "trtllm":
+        from engine_svc.backends.trtllm import TrtLlmBackend
+
+        return TrtLlmBackend(core)
+    raise ValueError(f"unknown backend {svc.backend!r}; choose native or trtllm")
+
+
+async def warm_up(backend: Backend) -> None:
+    """Run one real batch (two short requests together) before reporting SERVING."""
+    params = SamplingParams(max_tokens=4)
+    streams = [backend.generate(GenerateInput(f"warmup-{i}", [1, 2, 3, 4 + i], params))
+               for i in range(2)]
+
+    async def drain(s: AsyncIterator[RequestOutput]) -> int:
+        return sum([len(o.new_token_ids) async for o in s])
+
+    tokens = await asyncio.gather(*(drain(s) for s in streams))
+    log.info("warm-up batch done", tokens=sum(tokens))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m engine_svc", description=__doc__)
+    add_service_args(parser)
+    parser.add_argument("--backend", choices=["native", "trtllm"])
+    parser.add_argument("--model-dir")
+    parser.add_argument("--model-version")
+    parser.add_argument("--num-kv-blocks", type=int)
+    parser.add_argument("--max-num-seqs", type=int)
+    args = parser.parse_args(argv)
+    svc = load_config(EngineServiceConfig, "engine", path=args.config, overrides={
+        **service_overrides(args), "backend": args.backend, "model_version": args.model_version})
+    core = load_config(EngineConfig, "engine_core", path=args.config, overrides={
+        "model_dir": args.model_dir, "num_kv_blocks": args.num_kv_blocks,
+        "max_num_seqs": args.max_num_seqs})
+    configure_logging("engine", svc.log_level, svc.log_format)
+    model_dir = Path(core.model_dir or default_model_dir())
+    core.model_dir = str(model_dir)
+    version = svc.model_version or model_version(model_dir)
+    backend = make_backend(svc, core)
+    servicer = EngineServicer(backend, model_name=svc.model_name, version=version,
+                              config_hash=config_hash(svc, core), build=engine_build())
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+        return [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name]
+
+    async def ready() -> None:
+        await backend.start()
+        metrics.register_stats(backend.stats)
+        info = backend.model_info()
+        log.info("engine started", backend=svc.backend, model=svc.model_name, version=version,
+                 device=info.device, weight_dtype=info.weight_dtype,
+                 kv_blocks=info.num_kv_blocks, max_context=info.max_context_length)
+        if svc.warmup:
+            await warm_up(backend)
+
+    async def on_drain() -> None:
+        await servicer.drain(svc.grace_seconds)
+
+    hooks = ServiceHooks(register=register, ready=ready, on_drain=on_drain, on_stop=backend.stop)
+    asyncio.run(run_service("engine", svc, hooks))
+
+
+if __name__ == "__main__":
+    main()

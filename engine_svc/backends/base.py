@@ -1,0 +1,83 @@
+"""The Backend protocol the engine servicer depends on, and its value types.
+
+A backend turns ``GenerateInput`` into a stream of ``RequestOutput`` (new
+token ids per step, the last one finished). Both the native PyTorch engine and
+the TensorRT-LLM adapter implement it; the servicer knows nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
+from engine_svc.core.sampling_params import SamplingParams
+
+
+class QueueFullError(Exception):
+    """The waiting queue is full; the caller should retry later or elsewhere."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+class BackendUnavailableError(Exception):
+    """The backend cannot take work (stopped, failed, draining)."""
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    """One generation request in domain terms (converted from the proto)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 2
+    tenant_id: str = ""
+    resumed_output_token_ids: list[int] = field(default_factory=list)
+    speculative_decoding: bool | None = None
+
+
+@dataclass(slots=True)
+class BackendStats:
+    """Engine snapshot plus recent throughput."""
+
+    engine: EngineStats
+    prompt_tokens_per_second: float = 0.0
+    generation_tokens_per_second: float = 0.0
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What an engine backend offers the service."""
+
+    name: str
+
+    async def start(self) -> None:
+        """Load the model and start serving work."""
+
+    async def stop(self) -> None:
+        """Abort what is left, stop every thread, free the model."""
+
+    def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request.
+
+        Raises (on first iteration):
+            ValueError: the request is invalid; the message says how to fix it.
+            QueueFullError: no room now; retry after ``retry_after_ms``.
+            BackendUnavailableError: the backend is stopped or failed.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a live request now (its KV blocks are freed); no-op if unknown."""
+
+    def stats(self) -> BackendStats:
+        """Queue lengths, KV usage, preemptions, throughput."""
+        ...
+
+    def model_info(self) -> ModelInfo:
+        """Static facts about the served model."""
+        ...

@@ -1,0 +1,236 @@
+"""Native backend: our LLMEngine driven by one dedicated step-loop thread.
+
+    asyncio side (event loop)                 step thread
+    ─────────────────────────                 ───────────
+    generate(): register out queue ──cmds──►  add_request -> resolve future
+                await future  ◄──call_soon_threadsafe──┘
+                await queue.get() ◄── dispatch(outputs) ◄── engine.step()
+    abort() / stop()          ──cmds──►       abort_request / exit
+
+The thread blocks on the command queue when the engine is idle (no
+busy-waiting, no polling sleeps) and drains it between steps when busy. All
+engine calls happen on that thread; the event loop only moves outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from common.log import get_logger
+from engine_svc.backends.base import (
+    BackendStats,
+    BackendUnavailableError,
+    GenerateInput,
+    QueueFullError,
+)
+from engine_svc.core.llm_engine import LLMEngine
+from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
+from engine_svc.core.request import FinishReason
+
+log = get_logger(__name__)
+
+_RATE_WINDOW_S = 10.0
+
+
+def _resolve(fut: asyncio.Future[bool], result: bool | None, exc: BaseException | None) -> None:
+    if fut.done():  # the caller gave up (cancelled) meanwhile
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(bool(result))
+
+
+class NativeBackend:
+    """The PyTorch engine behind the Backend protocol.
+
+    Args:
+        engine_factory: builds the LLMEngine (called on a worker thread in start()).
+    """
+
+    name = "native"
+
+    def __init__(self, engine_factory: Callable[[], LLMEngine]) -> None:
+        self._factory = engine_factory
+        self._engine: LLMEngine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cmds: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._thread: threading.Thread | None = None
+        self._stats: EngineStats | None = None
+        self._history: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._info: ModelInfo | None = None
+        self._failed: BaseException | None = None
+        self._live: set[str] = set()  # step thread only: requests the engine holds
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._engine = await asyncio.to_thread(self._factory)
+        self._info = self._engine.model_info()
+        self._stats = self._engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._cmds.put(("stop",))
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        self._engine = None
+
+    # ---- asyncio side -------------------------------------------------------
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
+        if self._thread is None or self._loop is None:
+            raise BackendUnavailableError("the engine is not running")
+        if inp.request_id in self._queues:
+            raise ValueError(f"request_id {inp.request_id!r} is already in use by a live request")
+        out_q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[inp.request_id] = out_q
+        finished = False
+        try:
+            fut: asyncio.Future[bool] = self._loop.create_future()
+            self._cmds.put(("add", inp, fut))
+            if not await fut:
+                raise QueueFullError(
+                    "the engine's waiting queue is full; retry later or on another replica",
+                    self._retry_after_ms(),
+                )
+            while not finished:
+                out = await out_q.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(inp.request_id, None)
+            if not finished:
+                self._cmds.put(("abort", inp.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    def stats(self) -> BackendStats:
+        assert self._stats is not None, "start() first"
+        prompt_rate = gen_rate = 0.0
+        hist = list(self._history)
+        if len(hist) >= 2 and hist[-1][0] > hist[0][0]:
+            dt = hist[-1][0] - hist[0][0]
+            prompt_rate = (hist[-1][1] - hist[0][1]) / dt
+            gen_rate = (hist[-1][2] - hist[0][2]) / dt
+        return BackendStats(self._stats, prompt_rate, gen_rate)
+
+    def model_info(self) -> ModelInfo:
+        assert self._info is not None, "start() first"
+        return self._info
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._queues)
+
+    def _retry_after_ms(self) -> int:
+        s = self._stats
+        if s is None or s.max_num_seqs == 0:
+            return 1000
+        # roughly: the time for the queue ahead to drain into the running batch
+        return int(min(30_000, 250 * (1 + s.num_waiting / max(1, s.max_num_seqs))))
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    # ---- step thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self._engine
+        assert engine is not None
+        assert self._loop is not None
+        running = True
+        while running:
+            try:
+                block = not engine.has_unfinished_requests()
+                running = self._drain_commands(engine, block)
+                if not running:
+                    break
+                outputs = engine.step()
+                self._publish(engine)
+                for out in outputs:
+                    if out.finished:
+                        self._live.discard(out.request_id)
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+            except Exception as e:  # never let the loop die silently
+                log.exception("engine step loop failed; failing live requests")
+                self._failed = e
+                self._fail_all(engine)
+        self._shutdown(engine)
+
+    def _drain_commands(self, engine: LLMEngine, block: bool) -> bool:
+        """Apply queued commands; block for the first one when idle. False = stop."""
+        while True:
+            try:
+                cmd = self._cmds.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "add":
+                self._add(engine, cmd[1], cmd[2])
+            elif cmd[0] == "abort":
+                engine.abort_request(cmd[1])
+            self._publish(engine)
+
+    def _add(self, engine: LLMEngine, inp: GenerateInput, fut: asyncio.Future[bool]) -> None:
+        assert self._loop is not None
+        try:
+            ok = engine.add_request(
+                inp.request_id, inp.prompt_token_ids, inp.sampling_params, inp.priority,
+                inp.resumed_output_token_ids,
+            )
+        except ValueError as e:
+            self._loop.call_soon_threadsafe(_resolve, fut, None, e)
+            return
+        if ok:
+            self._live.add(inp.request_id)
+        self._loop.call_soon_threadsafe(_resolve, fut, ok, None)
+
+    def _publish(self, engine: LLMEngine) -> None:
+        stats = engine.get_stats()
+        self._stats = stats
+        now = time.monotonic()
+        h = self._history
+        if not h or now - h[-1][0] >= 0.25:
+            h.append((now, stats.num_prompt_tokens_total, stats.num_generation_tokens_total))
+            while h and now - h[0][0] > _RATE_WINDOW_S:
+                h.popleft()
+
+    def _fail_all(self, engine: LLMEngine) -> None:
+        assert self._loop is not None
+        ids, self._live = list(self._live), set()
+        for rid in ids:
+            try:
+                engine.abort_request(rid)
+            except Exception:
+                log.exception("abort failed after a step-loop failure", request_id=rid)
+        fails = [RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR)
+                 for rid in ids]
+        self._loop.call_soon_threadsafe(self._dispatch, fails)
+
+    def _shutdown(self, engine: LLMEngine) -> None:
+        """Abort whatever is left so every waiting stream ends, then report it."""
+        assert self._loop is not None
+        for rid in list(self._live):
+            engine.abort_request(rid)
+        self._live.clear()
+        outputs = engine.step() if engine.has_unfinished_requests() else []
+        self._publish(engine)
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)

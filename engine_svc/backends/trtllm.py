@@ -1,0 +1,280 @@
+"""TensorRT-LLM backend: the Backend protocol on TensorRT-LLM's LLM API (1.x, PyTorch backend).
+
+Never run on these CPU-only machines: the mapping functions below (engine
+config -> LLM kwargs, sampling params -> SamplingParams kwargs, streamed
+outputs -> RequestOutput, iteration stats -> EngineStats) are plain Python and
+unit-tested; ``TrtLlmBackend`` imports ``tensorrt_llm`` lazily, only when
+selected with ``--backend trtllm``, and says clearly what is missing. Argument
+names move between TensorRT-LLM 1.2 and 1.4, so everything version-specific
+stays in this file.
+
+    LLM(model_dir, skip_tokenizer_init=True,
+        kv_cache_config=KvCacheConfig(dtype="fp8", enable_block_reuse=...,
+                                      free_gpu_memory_fraction=...),
+        scheduler_config=SchedulerConfig(capacity_scheduler_policy=MAX_UTILIZATION),
+        enable_chunked_prefill=True, max_batch_size=..., max_num_tokens=..., max_seq_len=...,
+        enable_iter_perf_stats=True)
+    llm.generate_async(token_ids, SamplingParams(...), streaming=True)  # .abort() on cancel
+
+FP8 weights come from a ModelOpt FP8 checkpoint directory (its quantization
+config is detected when the model loads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine_svc.backends.base import BackendStats, BackendUnavailableError, GenerateInput
+from engine_svc.core.config import EngineConfig
+from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
+from engine_svc.core.request import FinishReason
+from engine_svc.core.sampling_params import SamplingParams
+
+
+def llm_kwargs(cfg: EngineConfig, kv_cache_dtype: str = "fp8") -> dict[str, Any]:
+    """Keyword arguments for ``tensorrt_llm.LLM`` (config classes as plain dicts)."""
+    return {
+        "model": cfg.model_dir,
+        "skip_tokenizer_init": True,
+        "kv_cache_config": {
+            "dtype": kv_cache_dtype,
+            "enable_block_reuse": cfg.enable_prefix_caching,
+            "free_gpu_memory_fraction": cfg.kv_cache_memory_fraction,
+            **({"max_tokens": cfg.num_kv_blocks * cfg.block_size} if cfg.num_kv_blocks else {}),
+            "tokens_per_block": cfg.block_size,
+        },
+        # in-flight batching that may pause requests when blocks run out, like our engine
+        "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
+        "enable_chunked_prefill": True,
+        "max_batch_size": cfg.max_num_seqs,
+        "max_num_tokens": cfg.max_num_batched_tokens,
+        **({"max_seq_len": cfg.max_model_len} if cfg.max_model_len else {}),
+        "enable_iter_perf_stats": True,
+    }
+
+
+def sampling_kwargs(p: SamplingParams, eos_token_ids: Sequence[int]) -> dict[str, Any]:
+    """Keyword arguments for ``tensorrt_llm.SamplingParams``.
+
+    Multi-token stop sequences are not passed down (TensorRT-LLM takes stop
+    *strings* through its tokenizer, which is off here); the adapter matches
+    them on the streamed ids with ``match_stop_sequence`` and aborts.
+    """
+    kw: dict[str, Any] = {
+        "max_tokens": p.max_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k or None,
+        "min_p": p.min_p or None,
+        "seed": p.seed,
+        "repetition_penalty": p.repetition_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "min_tokens": p.min_tokens,
+        "logprobs": p.logprobs or None,
+        "stop_token_ids": list(p.stop_token_ids),
+        "end_id": -1 if p.ignore_eos else (eos_token_ids[0] if eos_token_ids else None),
+        "ignore_eos": p.ignore_eos,
+        "detokenize": False,
+        "include_stop_str_in_output": p.include_stop_in_output,
+    }
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def match_stop_sequence(output_ids: Sequence[int], stops: Sequence[Sequence[int]]) -> int:
+    """Length of the stop sequence the output ends with, 0 if none."""
+    for s in stops:
+        n = len(s)
+        if n and len(output_ids) >= n and list(output_ids[-n:]) == list(s):
+            return n
+    return 0
+
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
+           "cancelled": FinishReason.ABORT, "abort": FinishReason.ABORT}
+
+
+@dataclass(slots=True)
+class StreamState:
+    """Per-request bookkeeping: TensorRT-LLM streams cumulative token ids."""
+
+    request_id: str
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float
+    num_sent: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def advance(self, cumulative_ids: Sequence[int], finish_reason: str | None,
+                now: float) -> RequestOutput:
+        """The delta since the last call, stop sequences applied."""
+        self.output_ids = list(cumulative_ids)
+        stop_len = match_stop_sequence(self.output_ids, self.params.stop_sequences)
+        reason = _FINISH.get(finish_reason or "", FinishReason.ERROR) if finish_reason else None
+        if stop_len:
+            reason = FinishReason.STOP
+        end = len(self.output_ids)
+        if stop_len and not self.params.include_stop_in_output:
+            end -= stop_len
+        new = self.output_ids[self.num_sent:max(self.num_sent, end)]
+        self.num_sent = max(self.num_sent, end)
+        if new and self.first_token_time is None:
+            self.first_token_time = now
+        finished = reason is not None
+        return RequestOutput(
+            request_id=self.request_id, new_token_ids=new, finished=finished,
+            finish_reason=reason, num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=len(self.output_ids), arrival_time=self.arrival_time,
+            first_scheduled_time=self.arrival_time, first_token_time=self.first_token_time,
+            finished_time=now if finished else None,
+        )
+
+
+def stats_from_iteration(it: dict[str, Any], max_num_seqs: int, max_waiting: int,
+                         totals: dict[str, int]) -> EngineStats:
+    """EngineStats from one TensorRT-LLM iteration-stats record (a dict)."""
+    kv = it.get("kvCacheStats", {})
+    used, total = int(kv.get("usedNumBlocks", 0)), int(kv.get("maxNumBlocks", 0))
+    ifb = it.get("inflightBatchingStats", {})
+    return EngineStats(
+        num_waiting=int(it.get("numQueuedRequests", 0)),
+        num_running=int(it.get("numActiveRequests", 0)),
+        num_kv_blocks_used=used, num_kv_blocks_total=total,
+        kv_cache_usage=used / total if total else 0.0,
+        num_preemptions_total=int(ifb.get("numPausedRequests", 0)),
+        num_requests_total=totals.get("requests", 0),
+        num_prompt_tokens_total=totals.get("prompt", 0),
+        num_generation_tokens_total=totals.get("generation", 0),
+        num_steps_total=int(it.get("iter", 0)),
+        prefix_cache_queries=int(kv.get("missedBlocks", 0)) + int(kv.get("reusedBlocks", 0)),
+        prefix_cache_hits=int(kv.get("reusedBlocks", 0)),
+        max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+    )
+
+
+def model_info_from_dir(model_dir: Path, cfg: EngineConfig) -> ModelInfo:
+    """What GetModelInfo reports, read from the checkpoint's config files."""
+    hf = json.loads((model_dir / "config.json").read_text())
+    gen_path = model_dir / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    eos = gen.get("eos_token_id", hf.get("eos_token_id"))
+    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    quant = (hf.get("quantization_config") or {}).get("quant_algo", "")
+    max_len = int(hf.get("max_position_embeddings", 0))
+    return ModelInfo(
+        model=model_dir.name, backend="trtllm", kv_cache_dtype="fp8_e4m3",
+        max_context_length=min(cfg.max_model_len or max_len, max_len),
+        vocab_size=int(hf.get("vocab_size", 0)), eos_token_ids=[int(i) for i in eos_ids],
+        weight_dtype="fp8_e4m3" if "FP8" in str(quant).upper() else str(
+            hf.get("torch_dtype", "bfloat16")),
+        kv_block_size=cfg.block_size, device="cuda")
+
+
+def _import_trtllm() -> Any:
+    try:
+        import tensorrt_llm  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise BackendUnavailableError(
+            "backend 'trtllm' needs the tensorrt_llm package (pip install tensorrt-llm on a "
+            "machine with an NVIDIA GPU and CUDA 12/13); use --backend native elsewhere"
+        ) from e
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError("backend 'trtllm' needs an NVIDIA GPU; none is visible")
+    return tensorrt_llm
+
+
+class TrtLlmBackend:
+    """TensorRT-LLM's LLM API behind the Backend protocol (NVIDIA GPUs only)."""
+
+    name = "trtllm"
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        self._cfg = cfg
+        self._llm: Any = None
+        self._trt: Any = None
+        self._live: dict[str, Any] = {}
+        self._totals = {"requests": 0, "prompt": 0, "generation": 0}
+        self._stats: EngineStats | None = None
+        self._info: ModelInfo | None = None
+
+    async def start(self) -> None:
+        trt = _import_trtllm()
+        from tensorrt_llm.llmapi import (  # type: ignore[import-not-found]
+            CapacitySchedulerPolicy,
+            KvCacheConfig,
+            SchedulerConfig,
+        )
+
+        kw = llm_kwargs(self._cfg)
+        kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])
+        policy = kw["scheduler_config"]["capacity_scheduler_policy"]
+        kw["scheduler_config"] = SchedulerConfig(
+            capacity_scheduler_policy=getattr(CapacitySchedulerPolicy, policy))
+        self._trt = trt
+        self._llm = await asyncio.to_thread(trt.LLM, **kw)
+        self._info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg)
+        self._stats = stats_from_iteration({}, self._cfg.max_num_seqs, self._cfg.max_waiting,
+                                           self._totals)
+
+    async def stop(self) -> None:
+        for res in list(self._live.values()):
+            res.abort()
+        if self._llm is not None:
+            await asyncio.to_thread(self._llm.shutdown)
+            self._llm = None
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
+        if self._llm is None:
+            raise BackendUnavailableError("the TensorRT-LLM engine is not running")
+        info = self.model_info()
+        params = self._trt.SamplingParams(**sampling_kwargs(inp.sampling_params,
+                                                            info.eos_token_ids))
+        prompt = [*inp.prompt_token_ids, *inp.resumed_output_token_ids]
+        state = StreamState(inp.request_id, len(inp.prompt_token_ids), inp.sampling_params,
+                            time.monotonic())
+        res = self._llm.generate_async(prompt, sampling_params=params, streaming=True)
+        self._live[inp.request_id] = res
+        self._totals["requests"] += 1
+        self._totals["prompt"] += len(prompt)
+        finished = False
+        try:
+            async for chunk in res:
+                o = chunk.outputs[0]
+                out = state.advance(o.token_ids, o.finish_reason if chunk.finished else None,
+                                    time.monotonic())
+                self._totals["generation"] += len(out.new_token_ids)
+                finished = out.finished
+                yield out
+                if finished:
+                    break
+        finally:
+            self._live.pop(inp.request_id, None)
+            if not finished:
+                res.abort()
+
+    async def abort(self, request_id: str) -> None:
+        res = self._live.pop(request_id, None)
+        if res is not None:
+            res.abort()
+
+    def stats(self) -> BackendStats:
+        assert self._stats is not None, "start() first"
+        if self._llm is not None:
+            for it in self._llm.get_stats(timeout=0.01) or []:
+                rec = it if isinstance(it, dict) else {}
+                self._stats = stats_from_iteration(rec, self._cfg.max_num_seqs,
+                                                   self._cfg.max_waiting, self._totals)
+        return BackendStats(self._stats)
+
+    def model_info(self) -> ModelInfo:
+        assert self._info is not None, "start() first"
+        return self._info

@@ -1,0 +1,136 @@
+"""Thin grpc.aio servicer for llm.v1.Engine over any Backend.
+
+Generate yields nothing before the first token is ready, so every failure
+before it (bad input, queue full, draining) is a trailers-only status that
+the gateway and Envoy may retry on another replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from common.log import get_logger
+from common.server import Context
+from engine_svc import convert, metrics
+from engine_svc.backends.base import Backend, BackendUnavailableError, QueueFullError
+from engine_svc.core.outputs import RequestOutput
+from engine_svc.core.request import FinishReason
+from llm.v1 import engine_pb2, engine_pb2_grpc
+
+log = get_logger(__name__)
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    """llm.v1.Engine: validate, hand to the backend, stream, map errors."""
+
+    def __init__(self, backend: Backend, *, model_name: str, version: str,
+                 config_hash: str, build: str) -> None:
+        self._backend = backend
+        self._model = model_name
+        self._version = version
+        self._config_hash = config_hash
+        self._build = build
+        self.draining = False
+        self.num_active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def _reject(self, context: Context, code: grpc.StatusCode, message: str,
+                      error_type: str) -> None:
+        metrics.ERRORS.labels(error_type).inc()
+        await context.abort(code, message)
+
+    async def Generate(self, request: engine_pb2.EngineGenerateRequest,
+                       context: Context) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        if self.draining:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE,
+                               "this engine replica is draining; retry on another replica",
+                               "draining")
+        try:
+            inp = convert.generate_input_from_proto(request, self._model)
+        except ValueError as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
+        timeout = convert.deadline_seconds(request, context.time_remaining())
+        self.num_active += 1
+        self._idle.clear()
+        try:
+            async for resp in self._stream(inp.request_id, inp.priority,
+                                           self._backend.generate(inp), timeout, context):
+                yield resp
+        finally:
+            self.num_active -= 1
+            if self.num_active == 0:
+                self._idle.set()
+
+    async def _stream(self, request_id: str, priority: int,
+                      stream: AsyncIterator[RequestOutput], seconds_left: float | None,
+                      context: Context) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        loop = asyncio.get_running_loop()
+        when = None if seconds_left is None else loop.time() + max(0.0, seconds_left)
+        first, finished, sent_tokens = True, False, 0
+        try:
+            while not finished:
+                async with asyncio.timeout_at(when):
+                    out = await anext(stream)
+                finished = out.finished
+                if finished:
+                    metrics.observe_finished(out, priority)
+                    if out.finish_reason == FinishReason.ERROR and sent_tokens == 0:
+                        await self._reject(
+                            context, grpc.StatusCode.UNAVAILABLE,
+                            "the engine failed to run this request; retry on another replica",
+                            "engine_error")
+                sent_tokens += len(out.new_token_ids)
+                yield convert.response_from_output(out, first, time.monotonic())
+                first = False
+        except TimeoutError:
+            await self._backend.abort(request_id)
+            await self._reject(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"deadline exceeded after {sent_tokens} tokens; the request "
+                               "was aborted and its KV blocks freed", "deadline")
+        except ValueError as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
+        except QueueFullError as e:
+            context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
+            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{e} (retry after {e.retry_after_ms} ms)", "queue_full")
+        except BackendUnavailableError as e:
+            await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e), "unavailable")
+        finally:
+            if not finished:  # cancelled by the client, deadline or an error: free at once
+                await self._backend.abort(request_id)
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    async def GetStats(self, request: engine_pb2.GetStatsRequest,
+                       context: Context) -> engine_pb2.EngineStats:
+        s = self._backend.stats()
+        e = s.engine
+        return engine_pb2.EngineStats(
+            num_waiting=e.num_waiting, num_running=e.num_running,
+            num_kv_blocks_used=e.num_kv_blocks_used, num_kv_blocks_total=e.num_kv_blocks_total,
+            kv_cache_usage=e.kv_cache_usage, num_preemptions_total=e.num_preemptions_total,
+            prompt_tokens_per_second=s.prompt_tokens_per_second,
+            generation_tokens_per_second=s.generation_tokens_per_second,
+            prefix_cache_hit_rate=e.prefix_cache_hit_rate, max_num_seqs=e.max_num_seqs,
+            max_waiting=e.max_waiting, draining=self.draining,
+            num_requests_total=e.num_requests_total, model_version=self._version,
+        )
+
+    async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
+                           context: Context) -> engine_pb2.ModelInfo:
+        return convert.model_info_to_proto(
+            self._backend.model_info(), version=self._version, config_hash=self._config_hash,
+            build=self._build, served_model=self._model)
+
+    async def drain(self, grace_seconds: float) -> None:
+        """Stop admitting; wait up to ``grace_seconds`` for in-flight streams to end."""
+        self.draining = True
+        log.info("draining", in_flight=self.num_active, grace_seconds=grace_seconds)
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_seconds)
+        except TimeoutError:
+            log.warning("grace period over; cancelling the rest", in_flight=self.num_active)
