@@ -1,0 +1,115 @@
+"""Builds the rate-limit components from ``RateLimitConfig`` (gateway and standalone).
+
+    stack = RateLimitStack.from_config(load_config(RateLimitConfig, "ratelimit"))
+    await stack.start()          # loads the Lua scripts, bootstraps the admin key
+    stack.registry.authenticate(key) / stack.limiter.reserve(tenant, n) / ...
+    await stack.aclose()
+
+One Redis connection pool serves the limiter, the registry and the audit
+log. The client never retries more than once itself (the limiter has its own
+time budget and breaker); socket timeouts are a backstop above that budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from common.log import get_logger
+from ratelimit.audit import AuditLog
+from ratelimit.config import RateLimitConfig
+from ratelimit.limiter import RateLimiter
+from ratelimit.registry import Registry
+from ratelimit.service import RateLimitAdminServicer
+from ratelimit.storage import StoreError
+from ratelimit.storage.redis import RedisStore
+
+log = get_logger(__name__)
+
+
+def make_client(config: RateLimitConfig) -> Redis:
+    """A pooled ``redis.asyncio`` client with ``decode_responses=True``."""
+    backstop = max(1.0, 10 * config.timeout_ms / 1000.0)
+    return Redis.from_url(
+        config.redis_url,
+        decode_responses=True,
+        max_connections=config.pool_size,
+        socket_timeout=backstop,
+        socket_connect_timeout=backstop,
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+def bootstrap_admin_key(config: RateLimitConfig) -> str:
+    """The admin key to register at start: config, then $ADMIN_KEY, then the key file."""
+    if config.admin_key:
+        return config.admin_key
+    if os.environ.get("ADMIN_KEY"):
+        return os.environ["ADMIN_KEY"]
+    if config.admin_key_file and Path(config.admin_key_file).exists():
+        return Path(config.admin_key_file).read_text().strip()
+    return ""
+
+
+@dataclass(slots=True)
+class RateLimitStack:
+    """Everything the gateway (or ``python -m ratelimit``) needs, sharing one pool."""
+
+    config: RateLimitConfig
+    client: Redis
+    store: RedisStore
+    limiter: RateLimiter
+    registry: Registry
+    audit: AuditLog
+
+    @classmethod
+    def from_config(cls, config: RateLimitConfig) -> RateLimitStack:
+        """Wire the components; no I/O happens until ``start``."""
+        client = make_client(config)
+        store = RedisStore(
+            client,
+            prefix=config.key_prefix,
+            lease_ttl_ms=config.lease_ttl_ms,
+            concurrency_retry_ms=config.concurrency_retry_ms,
+        )
+        return cls(
+            config=config,
+            client=client,
+            store=store,
+            limiter=RateLimiter.from_config(store, config),
+            registry=Registry(
+                client, prefix=config.key_prefix, auth_cache_ttl_ms=config.auth_cache_ttl_ms
+            ),
+            audit=AuditLog(client, prefix=config.key_prefix, max_events=config.audit_max_events),
+        )
+
+    def servicer(self) -> RateLimitAdminServicer:
+        """The RateLimitAdmin servicer over these components."""
+        return RateLimitAdminServicer(self.registry, self.limiter, self.audit)
+
+    async def start(self, wait_s: float = 60.0) -> None:
+        """Wait for Redis (up to ``wait_s``), load the scripts, register the admin key."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            try:
+                await self.store.load_scripts()
+                break
+            except StoreError as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.warning("waiting for redis", url=self.config.redis_url, error=str(exc))
+                await asyncio.sleep(1.0)
+        admin_key = bootstrap_admin_key(self.config)
+        if admin_key:
+            key = await self.registry.ensure_admin_key(admin_key)
+            log.info("admin key ready", key_id=key.key_id, display_prefix=key.display_prefix)
+
+    async def aclose(self) -> None:
+        """Close the Redis pool."""
+        await self.limiter.close()

@@ -1,0 +1,94 @@
+"""gRPC statuses for limiter and registry outcomes (used by the admin service and the gateway).
+
+A denial becomes RESOURCE_EXHAUSTED with, in the trailing metadata:
+
+    retry-after-ms            "1234"  (absent when the request can never fit)
+    grpc-status-details-bin   google.rpc.Status{QuotaFailure, RetryInfo}
+
+which is what ``grpcio-status``' ``rpc_status.to_status`` would send, built
+here by hand so no extra dependency is needed.
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
+
+from ratelimit.decision import Decision
+from ratelimit.errors import (
+    LimiterUnavailableError,
+    NotFoundError,
+    PermissionDeniedError,
+    StoreError,
+    UnauthenticatedError,
+)
+
+RETRY_AFTER_KEY = "retry-after-ms"
+DETAILS_KEY = "grpc-status-details-bin"
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (StoreError, grpc.StatusCode.UNAVAILABLE),
+    (LimiterUnavailableError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message for an exception (INTERNAL when unexpected)."""
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see server logs"
+
+
+def denial_metadata(decision: Decision) -> Metadata:
+    """Trailing metadata of a RESOURCE_EXHAUSTED denial: retry-after-ms and rich details."""
+    quota = error_details_pb2.QuotaFailure(
+        violations=[
+            error_details_pb2.QuotaFailure.Violation(
+                subject=f"tenant:{decision.tenant_id}/{subject}", description=text
+            )
+            for subject, text in decision.violations()
+        ]
+    )
+    details = [_pack(quota)]
+    md: list[tuple[str, str | bytes]] = []
+    if decision.retry_after_ms >= 0:
+        ms = decision.retry_after_ms
+        retry = error_details_pb2.RetryInfo(
+            retry_delay=duration_pb2.Duration(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
+        )
+        details.append(_pack(retry))
+        md.append((RETRY_AFTER_KEY, str(ms)))
+    status = status_pb2.Status(
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+        message=decision.message(),
+        details=details,
+    )
+    md.append((DETAILS_KEY, status.SerializeToString()))
+    return tuple(md)
+
+
+async def abort_denied(
+    context: grpc.aio.ServicerContext[object, object], decision: Decision
+) -> NoReturn:
+    """Abort the RPC with RESOURCE_EXHAUSTED for a denied decision."""
+    await context.abort(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        decision.message(),
+        trailing_metadata=denial_metadata(decision),
+    )
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+def _pack(message: error_details_pb2.QuotaFailure | error_details_pb2.RetryInfo) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed

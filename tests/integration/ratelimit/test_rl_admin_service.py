@@ -1,0 +1,170 @@
+"""RateLimitAdmin over a real in-process grpc.aio server and a real Redis."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+
+from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
+from ratelimit.config import RateLimitConfig
+from ratelimit.factory import RateLimitStack
+from ratelimit.service import add_to_server
+from ratelimit.testing import RedisServer
+
+pytestmark = pytest.mark.integration
+
+ADMIN_KEY = "sk-llm-admin-key-for-the-admin-service-tests"
+if TYPE_CHECKING:
+    Stub = admin_pb2_grpc.RateLimitAdminAsyncStub
+AUTH = (("authorization", f"Bearer {ADMIN_KEY}"),)
+
+
+@pytest.fixture
+async def stack(redis_server: RedisServer, prefix: str) -> AsyncIterator[RateLimitStack]:
+    config = RateLimitConfig(redis_url=redis_server.url, key_prefix=prefix, admin_key=ADMIN_KEY)
+    stack = RateLimitStack.from_config(config)
+    await stack.start(wait_s=5)
+    try:
+        yield stack
+    finally:
+        await stack.aclose()
+
+
+@pytest.fixture
+async def stub(stack: RateLimitStack) -> AsyncIterator[Stub]:
+    server = grpc.aio.server()
+    add_to_server(stack.servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield admin_pb2_grpc.RateLimitAdminStub(channel)  # type: ignore[misc]
+    finally:
+        await channel.close(None)
+        await server.stop(0)
+
+
+async def expect(code: grpc.StatusCode, call: object, match: str = "") -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    assert info.value.code() == code, info.value.details()
+    assert match in (info.value.details() or "")
+
+
+async def test_admin_calls_need_an_admin_key(stub: Stub, stack: RateLimitStack) -> None:
+    req = admin_pb2.ListTenantsRequest()
+    await expect(grpc.StatusCode.UNAUTHENTICATED, stub.ListTenants(req), "missing")
+    bad = (("authorization", "Basic abc"),)
+    await expect(grpc.StatusCode.UNAUTHENTICATED, stub.ListTenants(req, metadata=bad), "Bearer")
+    unknown = (("authorization", "Bearer sk-llm-" + "x" * 40),)
+    await expect(
+        grpc.StatusCode.UNAUTHENTICATED, stub.ListTenants(req, metadata=unknown), "unknown"
+    )
+    await stub.UpsertTenant(admin_pb2.Tenant(id="acme"), metadata=AUTH)
+    created = await stub.CreateApiKey(
+        admin_pb2.CreateApiKeyRequest(tenant_id="acme", role=admin_pb2.TENANT), metadata=AUTH
+    )
+    tenant_auth = (("authorization", f"Bearer {created.key}"),)
+    await expect(
+        grpc.StatusCode.PERMISSION_DENIED, stub.ListTenants(req, metadata=tenant_auth), "ADMIN"
+    )
+
+
+async def test_tenant_key_usage_and_audit_flow(stub: Stub, stack: RateLimitStack) -> None:
+    tenant = admin_pb2.Tenant(
+        id="acme",
+        limits=admin_pb2.LimitPolicy(
+            requests_per_minute=60, tokens_per_minute=1000, max_concurrent=2
+        ),
+        priority=common_pb2.CRITICAL,
+        allowed_models=["smol"],
+        display_name="Acme",
+    )
+    stored = await stub.UpsertTenant(tenant, metadata=AUTH)
+    assert stored.created_at.seconds > 0
+    assert stored.priority == common_pb2.CRITICAL
+    got = await stub.GetTenant(admin_pb2.GetTenantRequest(tenant_id="acme"), metadata=AUTH)
+    assert got.limits.tokens_per_minute == 1000
+    listed = await stub.ListTenants(admin_pb2.ListTenantsRequest(), metadata=AUTH)
+    assert [t.id for t in listed.tenants] == ["acme"]
+
+    created = await stub.CreateApiKey(
+        admin_pb2.CreateApiKeyRequest(tenant_id="acme", name="ci"), metadata=AUTH
+    )
+    assert created.key.startswith(created.api_key.display_prefix)
+    keys = await stub.ListApiKeys(admin_pb2.ListApiKeysRequest(tenant_id="acme"), metadata=AUTH)
+    assert [k.key_id for k in keys.api_keys] == [created.api_key.key_id]
+    assert created.key not in str(keys)
+
+    principal = await stack.registry.authenticate(created.key)
+    assert principal.tenant is not None
+    decision = await stack.limiter.reserve(principal.tenant, 300)
+    assert decision.reservation is not None
+    await stack.limiter.settle(decision.reservation, prompt_tokens=100, completion_tokens=50)
+    usage = await stub.GetUsage(admin_pb2.GetUsageRequest(tenant_id="acme"), metadata=AUTH)
+    assert 850 <= usage.tokens_available < 1000  # refills at ~16.7 tokens/s meanwhile
+    assert 59 <= usage.requests_available < 60
+    assert (usage.requests_total, usage.prompt_tokens_total, usage.completion_tokens_total) == (
+        1,
+        100,
+        50,
+    )
+    await stub.ResetLimits(admin_pb2.ResetLimitsRequest(tenant_id="acme"), metadata=AUTH)
+    usage = await stub.GetUsage(admin_pb2.GetUsageRequest(tenant_id="acme"), metadata=AUTH)
+    assert (usage.tokens_available, usage.requests_available) == (1000, 60)
+
+    revoked = await stub.RevokeApiKey(
+        admin_pb2.RevokeApiKeyRequest(key_id=created.api_key.key_id), metadata=AUTH
+    )
+    assert revoked.api_key.revoked
+    deleted = await stub.DeleteTenant(
+        admin_pb2.DeleteTenantRequest(tenant_id="acme"), metadata=AUTH
+    )
+    assert deleted.num_keys_revoked == 0
+
+    events = (await stub.ListAuditEvents(admin_pb2.ListAuditEventsRequest(), metadata=AUTH)).events
+    actions = [e.action for e in reversed(events)]
+    assert actions == [
+        "UpsertTenant",
+        "CreateApiKey",
+        "ResetLimits",
+        "RevokeApiKey",
+        "DeleteTenant",
+    ]
+    admin = await stack.registry.authenticate(ADMIN_KEY, role=admin_pb2.ADMIN)  # type: ignore[arg-type]
+    assert {e.actor for e in events} == {admin.key.key_id}
+    assert json.loads(events[-1].detail)["limits"]["tokens_per_minute"] == 1000
+    assert all(created.key not in e.detail for e in events)
+
+
+async def test_bad_requests_have_actionable_statuses(stub: Stub) -> None:
+    await expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        stub.UpsertTenant(admin_pb2.Tenant(id="bad{id}"), metadata=AUTH),
+        "invalid tenant id",
+    )
+    await expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        stub.UpsertTenant(
+            admin_pb2.Tenant(id="x", limits=admin_pb2.LimitPolicy(token_burst=5)), metadata=AUTH
+        ),
+        "token_burst is set",
+    )
+    await expect(
+        grpc.StatusCode.NOT_FOUND,
+        stub.GetUsage(admin_pb2.GetUsageRequest(tenant_id="ghost"), metadata=AUTH),
+        "does not exist",
+    )
+    await expect(
+        grpc.StatusCode.NOT_FOUND,
+        stub.RevokeApiKey(admin_pb2.RevokeApiKeyRequest(key_id="key_nope"), metadata=AUTH),
+    )
+    await expect(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        stub.CreateApiKey(admin_pb2.CreateApiKeyRequest(tenant_id="x", role=7), metadata=AUTH),  # type: ignore[arg-type]
+        "unknown key role",
+    )
