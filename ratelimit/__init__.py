@@ -1,0 +1,82 @@
+"""Per-tenant rate limits on Redis: token buckets, concurrency leases, API keys, admin API.
+
+What the gateway uses (one ``RateLimitStack`` per process)::
+
+    from common.config import load_config
+    from ratelimit import RateLimitConfig, RateLimitStack, KeyRole
+    from ratelimit.status import abort_denied, status_for
+
+    stack = RateLimitStack.from_config(load_config(RateLimitConfig, "ratelimit"))
+    await stack.start()                                   # scripts + admin key
+    principal = await stack.registry.authenticate(key)    # UnauthenticatedError /
+    tenant = principal.tenant                             #   PermissionDeniedError
+    decision = await stack.limiter.reserve(tenant, prompt_tokens + max_tokens)
+    if not decision.allowed:
+        await abort_denied(context, decision)             # RESOURCE_EXHAUSTED + retry-after-ms
+    async with stack.limiter.keep_alive(decision.reservation):
+        ...                                               # stream
+    await stack.limiter.settle(decision.reservation,
+                               prompt_tokens=p, completion_tokens=c)
+    # or, when nothing is known about usage: await stack.limiter.release(...)
+    stack.servicer()                                      # RateLimitAdmin to mount
+
+Module map: ``config`` (policies, settings), ``algorithm`` (pure bucket math),
+``lua`` (the Redis script), ``storage`` (``Store`` protocol, Redis and memory
+stores), ``guard``/``breaker`` (time budget, circuit breaker), ``limiter``
+(reserve/settle/leases, fail modes), ``decision``, ``records``/``registry``/
+``auth`` (tenants, keys, cached authentication), ``audit``, ``service``/
+``convert``/``status`` (gRPC), ``factory``, ``testing`` (a real Redis server
+for tests), ``loadgen`` (multi-process load for tests and the benchmark).
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from ratelimit.config import Dimension, LimitPolicy, Priority, RateLimitConfig, Tenant
+from ratelimit.decision import Decision, Reservation
+from ratelimit.errors import (
+    AuthError,
+    LimiterUnavailableError,
+    NotFoundError,
+    PermissionDeniedError,
+    StoreError,
+    UnauthenticatedError,
+)
+from ratelimit.limiter import RateLimiter
+from ratelimit.records import ApiKey, KeyRole, Principal
+from ratelimit.registry import Registry
+
+if TYPE_CHECKING:
+    from ratelimit.factory import RateLimitStack
+
+
+def __getattr__(name: str) -> Any:
+    # The factory pulls in grpc and the generated stubs; import it only when
+    # asked, so ``ratelimit.testing`` stays usable without them.
+    if name == "RateLimitStack":
+        from ratelimit.factory import RateLimitStack
+
+        return RateLimitStack
+    raise AttributeError(f"module 'ratelimit' has no attribute {name!r}")
+
+
+__all__ = [
+    "ApiKey",
+    "AuthError",
+    "Decision",
+    "Dimension",
+    "KeyRole",
+    "LimitPolicy",
+    "LimiterUnavailableError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "Principal",
+    "Priority",
+    "RateLimitConfig",
+    "RateLimitStack",
+    "RateLimiter",
+    "Registry",
+    "Reservation",
+    "StoreError",
+    "Tenant",
+    "UnauthenticatedError",
+]

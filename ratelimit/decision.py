@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ratelimit.algorithm import UNLIMITED
+from ratelimit.algorithm import UNLIMITED, Outcome
 from ratelimit.config import Dimension, LimitPolicy
 
 
@@ -68,6 +68,43 @@ class Decision:
     tenant_id: str
     num_tokens: int
     policy: LimitPolicy
+
+    @classmethod
+    def from_outcome(
+        cls,
+        tenant_id: str,
+        policy: LimitPolicy,
+        outcome: Outcome,
+        lease_id: str,
+        num_tokens: int,
+        source: str,
+    ) -> Decision:
+        """The decision (and reservation, when admitted) for a store outcome."""
+        reservation = None
+        if outcome.allowed:
+            reservation = Reservation(
+                tenant_id=tenant_id,
+                lease_id=lease_id,
+                policy=policy,
+                num_tokens=num_tokens if outcome.taken else 0,
+                holds_lease=outcome.taken,
+                source=source,
+            )
+        return cls(
+            allowed=outcome.allowed,
+            retry_after_ms=outcome.retry_after_ms,
+            denied=outcome.denied,
+            reservation=reservation,
+            requests_remaining=outcome.requests_left,
+            tokens_remaining=outcome.tokens_left,
+            concurrent_in_use=outcome.num_leases,
+            source=source,
+            shadow_denied=outcome.shadow_denied,
+            server_time_ms=outcome.now_ms,
+            tenant_id=tenant_id,
+            num_tokens=num_tokens,
+            policy=policy,
+        )
 
     @property
     def lease_id(self) -> str | None:

@@ -23,11 +23,14 @@ from redis.backoff import NoBackoff
 
 from common.log import get_logger
 from ratelimit.audit import AuditLog
+from ratelimit.breaker import CircuitBreaker
 from ratelimit.config import RateLimitConfig
+from ratelimit.guard import log_breaker_change
 from ratelimit.limiter import RateLimiter
 from ratelimit.registry import Registry
 from ratelimit.service import RateLimitAdminServicer
 from ratelimit.storage import StoreError
+from ratelimit.storage.memory import MemoryStore
 from ratelimit.storage.redis import RedisStore
 
 log = get_logger(__name__)
@@ -82,7 +85,19 @@ class RateLimitStack:
             config=config,
             client=client,
             store=store,
-            limiter=RateLimiter.from_config(store, config),
+            limiter=RateLimiter(
+                store,
+                fail_mode=config.fail_mode,
+                timeout_ms=config.timeout_ms,
+                num_replicas=config.num_replicas,
+                breaker=CircuitBreaker(
+                    config.breaker_failures, config.breaker_open_ms, on_change=log_breaker_change
+                ),
+                fallback=MemoryStore(
+                    lease_ttl_ms=config.lease_ttl_ms,
+                    concurrency_retry_ms=config.concurrency_retry_ms,
+                ),
+            ),
             registry=Registry(
                 client, prefix=config.key_prefix, auth_cache_ttl_ms=config.auth_cache_ttl_ms
             ),

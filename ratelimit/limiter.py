@@ -27,9 +27,9 @@ from common.log import get_logger
 from ratelimit import metrics
 from ratelimit.algorithm import Outcome
 from ratelimit.breaker import CircuitBreaker
-from ratelimit.config import FAIL_MODES, Dimension, LimitPolicy, RateLimitConfig, Tenant
+from ratelimit.config import FAIL_MODES, Dimension, LimitPolicy, Tenant
 from ratelimit.decision import Decision, Reservation
-from ratelimit.guard import StoreGuard, log_breaker_change
+from ratelimit.guard import StoreGuard
 from ratelimit.storage import Store, StoreError, UsageSnapshot
 from ratelimit.storage.memory import MemoryStore
 
@@ -77,23 +77,6 @@ class RateLimiter:
         self._call = self.guard.call
         self.fallback = fallback or MemoryStore(
             lease_ttl_ms=store.lease_ttl_ms, concurrency_retry_ms=1000
-        )
-
-    @classmethod
-    def from_config(cls, store: Store, config: RateLimitConfig) -> RateLimiter:
-        """A limiter with the breaker and fallback settings of ``config``."""
-        return cls(
-            store,
-            fail_mode=config.fail_mode,
-            timeout_ms=config.timeout_ms,
-            num_replicas=config.num_replicas,
-            breaker=CircuitBreaker(
-                config.breaker_failures, config.breaker_open_ms, on_change=log_breaker_change
-            ),
-            fallback=MemoryStore(
-                lease_ttl_ms=config.lease_ttl_ms,
-                concurrency_retry_ms=config.concurrency_retry_ms,
-            ),
         )
 
     async def reserve(self, tenant: Tenant, num_tokens: int) -> Decision:
@@ -149,46 +132,18 @@ class RateLimiter:
         num_tokens: int,
         source: str,
     ) -> Decision:
-        reservation = None
-        if outcome.allowed:
-            reservation = Reservation(
-                tenant_id=tenant.tenant_id,
-                lease_id=lease_id,
-                policy=policy,
-                num_tokens=num_tokens if outcome.taken else 0,
-                holds_lease=outcome.taken,
-                source=source,
-            )
+        decision = Decision.from_outcome(
+            tenant.tenant_id, policy, outcome, lease_id, num_tokens, source
+        )
         label = "allowed" if outcome.taken else "shadow_denied" if outcome.allowed else "denied"
         metrics.DECISIONS.labels(label, source).inc()
         if outcome.denied != Dimension.NONE:
             for dim, name in _DIMENSION_NAMES:
                 if dim & outcome.denied:
-                    metrics.DENIALS.labels(
-                        tenant.tenant_id, name, str(outcome.allowed).lower()
-                    ).inc()
-        decision = Decision(
-            allowed=outcome.allowed,
-            retry_after_ms=outcome.retry_after_ms,
-            denied=outcome.denied,
-            reservation=reservation,
-            requests_remaining=outcome.requests_left,
-            tokens_remaining=outcome.tokens_left,
-            concurrent_in_use=outcome.num_leases,
-            source=source,
-            shadow_denied=outcome.shadow_denied,
-            server_time_ms=outcome.now_ms,
-            tenant_id=tenant.tenant_id,
-            num_tokens=num_tokens,
-            policy=policy,
-        )
-        if outcome.denied != Dimension.NONE:
-            log.info(
-                "rate limit " + ("shadow-denied" if outcome.allowed else "denied"),
-                tenant=tenant.tenant_id,
-                reason=decision.message(),
-                source=source,
-            )
+                    shadow = str(outcome.allowed).lower()
+                    metrics.DENIALS.labels(tenant.tenant_id, name, shadow).inc()
+            verb = "shadow-denied" if outcome.allowed else "denied"
+            log.info("rate limit " + verb, tenant=tenant.tenant_id, reason=decision.message())
         return decision
 
     async def settle(

@@ -5,6 +5,8 @@ fast as they can until ``seconds`` have passed, and returns every admitted
 decision's server timestamp plus latency samples. Workers start at a shared
 wall-clock instant so the processes overlap. ``mode`` picks what is called:
 
+- ``lua``: ``RedisStore.reserve`` alone (the script, without the limiter's
+  budget, breaker, metrics and decision objects);
 - ``bucket``: ``RateLimiter.reserve`` (the Lua token bucket, one EVALSHA);
 - ``bucket_settle``: reserve, then settle (a whole request's limiter cost);
 - ``fixed_window``: INCRBY + EXPIRE in one pipeline on a per-minute key,
@@ -17,6 +19,7 @@ import asyncio
 import dataclasses
 import multiprocessing
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
@@ -71,6 +74,15 @@ async def _loop(
         t0 = time.perf_counter()
         if spec.mode == "fixed_window":
             allowed = await _fixed_window(client, key, spec.policy.requests_per_minute)
+        elif spec.mode == "lua":
+            outcome = await limiter.store.reserve(
+                spec.tenant_id,
+                spec.policy,
+                num_tokens=spec.num_tokens,
+                lease_id=uuid.uuid4().hex,
+                shadow=False,
+            )
+            allowed = outcome.allowed
         else:
             decision = await limiter.reserve(tenant, spec.num_tokens)
             allowed = decision.allowed

@@ -8,6 +8,9 @@ persistence, and is stopped by pid (SIGTERM, then SIGKILL). ``kill()`` and
 
     with RedisServer() as server:
         client = redis.asyncio.Redis.from_url(server.url)
+
+``python -m ratelimit.testing [--port 6379]`` runs one in the foreground
+(Ctrl-C or SIGTERM stops it), for ``make run`` on machines without Redis.
 """
 
 from __future__ import annotations
@@ -158,3 +161,32 @@ class RedisServer:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run a server in the foreground until SIGINT/SIGTERM."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ratelimit.testing", description=__doc__)
+    parser.add_argument("--port", type=int, default=0, help="0 = a free port")
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    server = RedisServer(port=args.port, host=args.host).start()
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"redis serving on {server.url} ({server.binary})", flush=True)
+    try:
+        while not stop and server.running:
+            time.sleep(0.2)
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()
