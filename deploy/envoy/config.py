@@ -10,6 +10,7 @@ only what differs:
     admin_port                      Envoy's admin interface (always 127.0.0.1);
                                     0 drops the stats listener, which proxies to it
     gateway / admin                 endpoints of the "gateway" / "admin" clusters
+                                    (STATIC when all are IPs, else STRICT_DNS)
     proto_descriptor                the descriptor set the transcoder reads
     access_log_path                 where the JSON access log goes
 
@@ -24,6 +25,7 @@ Command line (used by deploy/docker/envoy.Dockerfile):
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import tempfile
@@ -147,11 +149,25 @@ def _set_socket(target: Config, host: str | None, port: int | None) -> None:
         sock["port_value"] = int(port)
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _set_endpoints(config: Config, name: str, endpoints: Sequence[EndpointLike]) -> None:
     parsed = [Endpoint.parse(e) for e in endpoints]
     if not parsed:
         raise ValueError(f"cluster {name!r} needs at least one endpoint")
     cl = cluster(config, name)
+    if all(_is_ip(e.host) for e in parsed):
+        cl["type"] = "STATIC"
+        cl.pop("dns_lookup_family", None)
+    else:
+        cl["type"] = "STRICT_DNS"
+        cl["dns_lookup_family"] = "V4_ONLY"
     cl["load_assignment"]["endpoints"] = [{
         "lb_endpoints": [
             {"endpoint": {"address": {"socket_address": {"address": e.host,

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from types import TracebackType
@@ -72,11 +73,13 @@ class EnvoyProcess:
         binary: str | None = None,
         concurrency: int = 1,
         log_level: str = "warning",
+        file_flush_interval_ms: int = 1000,
     ) -> None:
         self.config_path = Path(config_path)
         self.binary = binary or envoy_binary()
         self.concurrency = concurrency
         self.log_level = log_level
+        self.file_flush_interval_ms = file_flush_interval_ms  # access log flushes
         self.workdir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="envoy-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / "envoy.log"
@@ -111,6 +114,7 @@ class EnvoyProcess:
             "--admin-address-path", str(self.admin_address_path),
             "--concurrency", str(self.concurrency),
             "--log-level", self.log_level,
+            "--file-flush-interval-msec", str(self.file_flush_interval_ms),
             "--drain-time-s", "1",
             "--parent-shutdown-time-s", "2",
         ]
@@ -178,6 +182,17 @@ class EnvoyProcess:
                 return int(resp.status), resp.read().decode(errors="replace")
         except urllib.error.HTTPError as err:
             return int(err.code), err.read().decode(errors="replace")
+
+    def stats(self, pattern: str = "") -> dict[str, int]:
+        """Counters and gauges whose name matches the regex ``pattern``."""
+        query = "/stats" + (f"?filter={urllib.parse.quote(pattern)}" if pattern else "")
+        _, body = self.admin_get(query)
+        out = {}
+        for line in body.splitlines():
+            name, sep, value = line.partition(": ")
+            if sep and value.strip().lstrip("-").isdigit():
+                out[name] = int(value)
+        return out
 
     def listener_port(self, name: str = "public") -> int:
         """The bound port of a listener (ephemeral ones included)."""
