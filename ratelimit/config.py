@@ -100,6 +100,18 @@ class LimitPolicy:
             token_burst=share(self.token_burst),
         )
 
+    def fallback_share(self, num_replicas: int, num_tokens: int) -> LimitPolicy:
+        """The fail-open share, with a token burst that still fits one request.
+
+        A request that fits the shared bucket must not become impossible just
+        because the share's burst is smaller: the burst grows to ``num_tokens``
+        (the refill rate stays divided, so the sustained rate is unchanged).
+        """
+        share = self.divided(num_replicas)
+        if share.tokens_per_minute and share.token_capacity < num_tokens <= self.token_capacity:
+            share = dataclasses.replace(share, token_burst=num_tokens)
+        return share
+
 
 def validate_tenant_id(tenant_id: str) -> str:
     """Return ``tenant_id`` or raise ValueError.

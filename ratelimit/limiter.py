@@ -112,7 +112,7 @@ class RateLimiter:
                     f"rate limiter store unavailable ({exc}); this deployment fails closed, "
                     "retry shortly"
                 ) from exc
-            policy, source = tenant.limits.divided(self.num_replicas), "local"
+            policy, source = tenant.limits.fallback_share(self.num_replicas, num_tokens), "local"
             outcome = await self.fallback.reserve(
                 tenant.tenant_id,
                 policy,

@@ -208,3 +208,19 @@ async def test_negative_tokens_are_a_value_error() -> None:
     limiter = RateLimiter(memory(Clock()))
     with pytest.raises(ValueError, match="num_tokens must be >= 0"):
         await limiter.reserve(TENANT, -1)
+
+
+async def test_fail_open_share_still_fits_one_large_request() -> None:
+    clock = Clock()
+    store = BrokenStore(memory(clock))
+    store.mode = "error"
+    tenant = Tenant("big", LimitPolicy(tokens_per_minute=1000))
+    limiter = RateLimiter(store, num_replicas=4, fallback=memory(clock))
+    d = await limiter.reserve(tenant, 600)  # the share's burst is 250, the request fits 1000
+    assert d.source == "local"
+    assert d.allowed
+    assert d.policy == LimitPolicy(tokens_per_minute=250, token_burst=600)
+    d = await limiter.reserve(tenant, 600)
+    assert not d.allowed
+    assert d.retry_after_ms == 144_000  # 600 tokens at the share's 250/min
+    assert (await limiter.reserve(tenant, 1001)).retry_after_ms == -1
