@@ -89,10 +89,12 @@ def make_backend(svc: EngineServiceConfig, core: EngineConfig) -> Backend:
 
 
 async def warm_up(backend: Backend) -> None:
-    """Run one real batch (two short requests together) before reporting SERVING."""
+    """Run one real batch (up to two short requests together) before reporting SERVING."""
     params = SamplingParams(max_tokens=4)
+    s = backend.stats().engine
+    n = max(1, min(2, s.max_num_seqs, s.max_waiting))
     streams = [backend.generate(GenerateInput(f"warmup-{i}", [1, 2, 3, 4 + i], params))
-               for i in range(2)]
+               for i in range(n)]
 
     async def drain(s: AsyncIterator[RequestOutput]) -> int:
         return sum([len(o.new_token_ids) async for o in s])

@@ -26,6 +26,40 @@ def model_dir() -> Path:
     return d
 
 
+ENGINE_TEST_ENV = {
+    # fp32 for results that compare exactly with an offline engine; a small pool
+    "LLM_ENGINE_CORE_DTYPE": "float32",
+    "LLM_ENGINE_CORE_DEVICE": "cpu",
+    "LLM_ENGINE_CORE_NUM_KV_BLOCKS": "512",
+    "LLM_ENGINE_CORE_MAX_NUM_SEQS": "16",
+    "LLM_ENGINE_CORE_MAX_NUM_BATCHED_TOKENS": "256",
+    "LLM_ENGINE_CORE_MAX_MODEL_LEN": "2048",
+    "LLM_ENGINE_GRACE_SECONDS": "5",
+}
+
+
+def start_engine(name: str, model_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
+                 args: list[str] | None = None) -> ManagedProcess:
+    """A real engine replica (native backend, real model) on ephemeral ports."""
+    proc = ManagedProcess(
+        name=name, module="engine_svc",
+        args=["--port", "0", "--metrics-port", "0", "--model-dir", str(model_dir),
+              "--log-format", "json", *(args or [])],
+        env={**ENGINE_TEST_ENV, **(env or {})}, log_dir=log_dir,
+    )
+    return proc.start(timeout=180)
+
+
+@pytest.fixture(scope="session")
+def engine_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[ManagedProcess]:
+    proc = start_engine("engine", model_dir, tmp_path_factory.mktemp("engine-logs"))
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[ManagedProcess]:

@@ -1,0 +1,246 @@
+"""The real engine service (native backend, real model) over loopback gRPC."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from common.procs import ManagedProcess
+from engine_svc.core.config import EngineConfig
+from engine_svc.core.llm_engine import LLMEngine
+from engine_svc.core.sampling_params import SamplingParams
+from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tests.conftest import start_engine
+from tokenizer_svc.chat_template import Message
+from tokenizer_svc.tokenizer import TextTokenizer
+
+pytestmark = pytest.mark.integration
+
+NOISE_MARGIN = 1e-3  # top-1/top-2 logprob gap below which argmax may flip with batching
+
+
+@pytest.fixture(scope="module")
+def stub(engine_server: ManagedProcess) -> Iterator[engine_pb2_grpc.EngineStub]:
+    with grpc.insecure_channel(engine_server.address) as ch:
+        yield engine_pb2_grpc.EngineStub(ch)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir: Path) -> TextTokenizer:
+    return TextTokenizer(model_dir)
+
+
+def request(rid: str, ids: list[int], max_tokens: int, **kw: Any
+            ) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(
+        request_id=rid, prompt_token_ids=ids,
+        sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens, **kw))
+
+
+def collect(stub: engine_pb2_grpc.EngineStub, req: engine_pb2.EngineGenerateRequest,
+            timeout: float = 120) -> tuple[list[int], list[engine_pb2.EngineGenerateResponse]]:
+    chunks = list(stub.Generate(req, timeout=timeout))
+    return [t for c in chunks for t in c.token_ids], chunks
+
+
+def wait_for_idle_kv(stub: engine_pb2_grpc.EngineStub, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = stub.GetStats(engine_pb2.GetStatsRequest())
+        if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
+            return int(s.num_kv_blocks_used)
+        time.sleep(0.05)
+
+
+def test_model_info(stub: engine_pb2_grpc.EngineStub) -> None:
+    info = stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+    assert info.model == "SmolLM2-135M-Instruct"
+    assert info.version.startswith("sha-")
+    assert (info.vocab_size, list(info.eos_token_ids), info.backend) == (49152, [2], "native")
+    assert info.max_context_length == 2048  # from the env override
+    assert (info.weight_dtype, info.device) == ("float32", "cpu")
+    assert len(info.config_hash) == 16
+
+
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.",
+    "List three prime numbers.", "Explain gravity to a child.", "Say hello in Spanish.",
+    "What is 12 times 12?", "Name a famous painter.", "Describe a cat in one sentence.",
+]
+
+
+def test_concurrent_streams_match_offline_engine(
+    stub: engine_pb2_grpc.EngineStub, tok: TextTokenizer, model_dir: Path
+) -> None:
+    """16 concurrent streams of different lengths complete; greedy tokens equal an
+    offline LLMEngine's wherever the offline top-1/top-2 margin is above noise."""
+    jobs = []
+    for i in range(16):
+        ids, _ = tok.encode_chat([Message("user", PROMPTS[i % len(PROMPTS)] + " " * (i // 8))])
+        jobs.append((f"c{i}", ids, 4 + 2 * i))
+    with cf.ThreadPoolExecutor(16) as pool:
+        futs = [pool.submit(collect, stub, request(rid, ids, n, ignore_eos=True))
+                for rid, ids, n in jobs]
+        results = [f.result() for f in futs]
+    for (_, _, n), (tokens, chunks) in zip(jobs, results, strict=True):
+        assert len(tokens) == n
+        assert chunks[-1].finish_reason == common_pb2.LENGTH
+        assert chunks[-1].usage.completion_tokens == n
+        assert chunks[0].timings.time_to_first_token_seconds > 0
+    offline = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", device="cpu",
+                                     num_kv_blocks=512, max_model_len=2048))
+    for rid, ids, n in jobs:
+        offline.add_request(rid, ids, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=1))
+    ref: dict[str, list[Any]] = {rid: [] for rid, _, _ in jobs}
+    while offline.has_unfinished_requests():
+        for out in offline.step():
+            ref[out.request_id].extend(out.new_logprobs or [])
+    for (rid, _, _), (tokens, _) in zip(jobs, results, strict=True):
+        for i, lp in enumerate(ref[rid]):
+            if tokens[i] != lp.token_id:
+                margin = lp.logprob - lp.top_logprobs[1]
+                assert margin < NOISE_MARGIN, f"{rid} diverged at {i} with margin {margin:.5f}"
+                break
+
+
+def test_cancel_mid_stream_frees_kv_blocks(stub: engine_pb2_grpc.EngineStub) -> None:
+    before = wait_for_idle_kv(stub)
+    call = stub.Generate(request("cancel-me", list(range(100, 400)), 1000, ignore_eos=True))
+    got = 0
+    for chunk in call:
+        got += len(chunk.token_ids)
+        if got >= 3:
+            busy = stub.GetStats(engine_pb2.GetStatsRequest())
+            assert busy.num_kv_blocks_used > before
+            call.cancel()  # type: ignore[no-untyped-call]
+            break
+    assert wait_for_idle_kv(stub) == before
+
+
+def test_deadline_exceeded_aborts_and_frees(stub: engine_pb2_grpc.EngineStub) -> None:
+    before = wait_for_idle_kv(stub)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub, request("slow", [1, 2, 3], 1500, ignore_eos=True), timeout=1.0)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for_idle_kv(stub) == before
+
+
+def test_request_deadline_field_is_honoured(stub: engine_pb2_grpc.EngineStub) -> None:
+    req = request("dl-field", [1, 2, 3], 1500, ignore_eos=True)
+    req.deadline.FromNanoseconds(int((time.time() + 0.8) * 1e9))
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub, req)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "KV blocks freed" in (err.value.details() or "")
+
+
+BAD = [
+    (request("b1", [], 4), "prompt_token_ids is empty"),
+    (request("", [1, 2], 4), "request_id must be set"),
+    (request("b2", [1, 2], 0), "max_tokens must be >= 1"),
+    (request("b3", [1, 49152], 4), "outside the vocabulary"),
+    (request("b4", list(range(1, 2049)), 4), "leaving no room for output"),
+    (request("b5", [1, 2], 2047), "lower max_tokens to 2046"),
+    (request("b6", [1, 2], 4, temperature=-1), "temperature must be >= 0"),
+    (request("b7", [1, 2], 4, top_p=1.5), "top_p must be in (0, 1]"),
+    (request("b8", [1, 2], 4, logprobs=50), "logprobs must be in [0, 20]"),
+    (request("b9", [1, 2], 4, min_tokens=9), "must not exceed max_tokens"),
+    (request("b10", [1, 2], 4, stop_token_ids=[70000]), "stop_token_ids"),
+    (engine_pb2.EngineGenerateRequest(request_id="b11", prompt_token_ids=[1], model="gpt-9",
+                                      sampling=engine_pb2.EngineSamplingParams(max_tokens=2)),
+     "not 'gpt-9'"),
+]
+
+
+@pytest.mark.parametrize(("req", "message"), BAD, ids=[r.request_id or "empty-id" for r, _ in BAD])
+def test_bad_input_is_invalid_argument(stub: engine_pb2_grpc.EngineStub,
+                                       req: engine_pb2.EngineGenerateRequest, message: str) -> None:
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub, req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in (err.value.details() or "")
+
+
+def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub,
+                           engine_server: ManagedProcess) -> None:
+    collect(stub, request("m1", [1, 2, 3], 5))
+    s = stub.GetStats(engine_pb2.GetStatsRequest())
+    assert s.num_kv_blocks_total == 512
+    assert s.num_requests_total >= 1
+    assert s.model_version.startswith("sha-")
+    url = f"http://127.0.0.1:{engine_server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as r:
+        body = r.read().decode()
+    for name in ("engine_time_to_first_token_seconds_bucket", "engine_num_requests_running",
+                 "engine_kv_cache_usage_perc", 'engine_request_success_total{finished_reason=',
+                 'engine_request_errors_total{error_type="invalid"}',
+                 "engine_generation_tokens_total"):
+        assert name in body, name
+
+
+@pytest.fixture(scope="module")
+def small_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[ManagedProcess]:
+    """One running slot and one waiting slot: easy to fill."""
+    proc = start_engine("engine-small", model_dir, tmp_path_factory.mktemp("small-engine"),
+                        env={"LLM_ENGINE_CORE_MAX_NUM_SEQS": "1",
+                             "LLM_ENGINE_CORE_MAX_WAITING": "1"})
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_queue_full_is_resource_exhausted_with_retry_after(small_engine: ManagedProcess) -> None:
+    with grpc.insecure_channel(small_engine.address) as ch:
+        stub = engine_pb2_grpc.EngineStub(ch)
+        calls = [stub.Generate(request(f"q{i}", [1, 2, 3], 400, ignore_eos=True))
+                 for i in range(2)]
+        first = next(iter(calls[0]))  # q0 runs; q1 waits
+        assert first.token_ids
+        with pytest.raises(grpc.RpcError) as err:
+            collect(stub, request("q2", [1, 2, 3], 4), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        trailers: dict[str, Any] = dict(err.value.trailing_metadata() or ())  # type: ignore[arg-type]
+        assert int(trailers["retry-after-ms"]) > 0
+        for c in calls:
+            c.cancel()  # type: ignore[no-untyped-call]
+
+
+def test_sigterm_drains_in_flight_then_exits(small_engine: ManagedProcess) -> None:
+    """In-flight streams finish within the grace period; new ones are refused."""
+    with grpc.insecure_channel(small_engine.address) as ch:
+        stub = engine_pb2_grpc.EngineStub(ch)
+        wait_for_idle_kv(stub)
+        result: dict[str, Any] = {}
+
+        def run() -> None:
+            result["tokens"], result["chunks"] = collect(
+                stub, request("drain-1", [1, 2, 3], 40, ignore_eos=True))
+
+        t = threading.Thread(target=run)
+        t.start()
+        while not stub.GetStats(engine_pb2.GetStatsRequest()).num_running:
+            time.sleep(0.02)
+        small_engine.signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as err:
+            collect(stub, request("late", [1, 2], 2), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        t.join(30)
+        assert len(result["tokens"]) == 40
+        assert result["chunks"][-1].finish_reason == common_pb2.LENGTH
+    assert small_engine.proc is not None
+    assert small_engine.proc.wait(30) == 0
+    log = small_engine.log_path.read_text()
+    assert '"draining"' in log
+    assert '"stopped"' in log
