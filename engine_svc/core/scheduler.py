@@ -155,7 +155,8 @@ class Scheduler:
                 _blocks, num_cached = kv.get_computed_blocks(req)
                 req.num_cached_tokens = num_cached
             num_new = self._chunk(req, budget)
-            if not kv.can_allocate(kv.num_blocks_needed(req, num_new), self._watermark_blocks):
+            reserve = self._watermark_blocks if self.running else 0  # alone, it must fit
+            if not kv.can_allocate(kv.num_blocks_needed(req, num_new), reserve):
                 break
             kv.allocate_slots(req, num_new)
             self.waiting.pop(0)

@@ -109,6 +109,13 @@ def test_priority_order_and_aging() -> None:
     assert plan(run_step(s)) == [("low", 2)]
 
 
+def test_watermark_never_blocks_an_idle_engine() -> None:
+    s = make(num_blocks=10, watermark=0.5, max_num_batched_tokens=64)
+    s.add_request(req("big", 32))  # 8 of 10 blocks, past the 5-block watermark
+    s.add_request(req("small", 4))
+    assert plan(run_step(s)) == [("big", 32)]  # small waits: the watermark applies now
+
+
 def test_abort_frees_blocks() -> None:
     s = make()
     s.add_request(req("a", 9))
