@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import structlog
 
 from common.log import get_logger
 from common.server import Context
@@ -54,6 +55,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             inp = convert.generate_input_from_proto(request, self._model)
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
+        structlog.contextvars.bind_contextvars(request_id=inp.request_id, tenant=inp.tenant_id)
         timeout = convert.deadline_seconds(request, context.time_remaining())
         self.num_active += 1
         self._idle.clear()
@@ -79,6 +81,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 finished = out.finished
                 if finished:
                     metrics.observe_finished(out, priority)
+                    log.info("request finished", finish_reason=str(out.finish_reason),
+                             prompt_tokens=out.num_prompt_tokens,
+                             output_tokens=out.num_output_tokens,
+                             cached_tokens=out.num_cached_tokens,
+                             preemptions=out.num_preemptions)
                     if out.finish_reason == FinishReason.ERROR and sent_tokens == 0:
                         await self._reject(
                             context, grpc.StatusCode.UNAVAILABLE,

@@ -5,8 +5,8 @@ group with its log under .run/logs/, and each must report SERVING on
 grpc.health.v1 before the next starts. Ctrl-C (or SIGTERM) stops them in
 reverse order, by pid; if one dies, the rest are stopped too.
 
-What runs today: the tokenizer service. The engine, Redis, the gateway and
-Envoy join this list as their issues land.
+What runs today: the tokenizer service and one engine replica (native
+backend). Redis, the gateway and Envoy join this list as their issues land.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from types import FrameType
 
 from common.config import ROOT, load_config
 from common.procs import ManagedProcess, ServiceStartError
+from engine_svc.__main__ import EngineServiceConfig
 from tokenizer_svc.__main__ import TokenizerConfig
 
 RUN_DIR = ROOT / ".run"
@@ -26,10 +27,16 @@ RUN_DIR = ROOT / ".run"
 
 def _services(log_dir: Path) -> list[ManagedProcess]:
     tok = load_config(TokenizerConfig, "tokenizer")
+    eng = load_config(EngineServiceConfig, "engine")
     return [
         ManagedProcess(
             name="tokenizer", module="tokenizer_svc", log_dir=log_dir, host=tok.host,
             args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port),
+                  "--log-format", "json"],
+        ),
+        ManagedProcess(
+            name="engine-0", module="engine_svc", log_dir=log_dir, host=eng.host,
+            args=["--port", str(eng.port), "--metrics-port", str(eng.metrics_port),
                   "--log-format", "json"],
         ),
     ]
@@ -38,6 +45,7 @@ def _services(log_dir: Path) -> list[ManagedProcess]:
 def _banner(procs: list[ManagedProcess]) -> str:
     by_name = {p.name: p for p in procs}
     tok = by_name["tokenizer"]
+    eng = by_name["engine-0"]
     exe = Path(sys.executable)
     py = exe.relative_to(ROOT) if exe.is_relative_to(ROOT) else "python"
     lines = [
@@ -51,6 +59,8 @@ def _banner(procs: list[ManagedProcess]) -> str:
         f"  {py} -m tokenizer_svc.client --address {tok.address} "
         "chat 'What is the capital of France?'",
         f"  {py} -m tokenizer_svc.client --address {tok.address} decode 19556 28 905 17",
+        f"  {py} -m engine_svc.client --address {eng.address} "
+        f"--tokenizer {tok.address} 'What is the capital of France?'",
         "  (or any gRPC client: the services serve reflection, e.g. "
         f"grpcurl -plaintext {tok.address} list)",
         "",
