@@ -1,0 +1,42 @@
+"""Shared facts for the offline deploy checks: where things are, which ports are whose."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[3]
+DEPLOY = ROOT / "deploy"
+DESCRIPTOR_SET = ROOT / "build" / "llm_v1.pb"
+
+# DESIGN.md §7 defaults; config/stack.yaml wins for the sections it has.
+DESIGN_PORTS: dict[str, dict[str, int]] = {
+    "gateway": {"port": 50051, "metrics_port": 9451},
+    "tokenizer": {"port": 50061, "metrics_port": 9461},
+    "engine": {"port": 50071, "metrics_port": 9471},
+}
+ENVOY_PUBLIC_PORT = 8080
+ENVOY_ADMIN_PORT = 9901
+ENVOY_STATS_PORT = 9902
+REDIS_PORT = 6379
+HEALTH_SERVICE = {
+    "gateway": "llm.v1.Gateway",
+    "tokenizer": "llm.v1.Tokenizer",
+    "engine": "llm.v1.Engine",
+}
+
+
+def service_ports(section: str) -> dict[str, int]:
+    """gRPC and metrics port of a service: config/stack.yaml, else the DESIGN default."""
+    doc = yaml.safe_load((ROOT / "config" / "stack.yaml").read_text()) or {}
+    ports = dict(DESIGN_PORTS[section])
+    for key in ("port", "metrics_port"):
+        if key in (doc.get(section) or {}):
+            ports[key] = int(doc[section][key])
+    return ports
+
+
+def load_yaml_docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]

@@ -1,0 +1,242 @@
+"""deploy/envoy/envoy.yaml and its rendered variants, checked offline.
+
+`envoy --mode validate` loads each config the way a real start would (every
+field, every extension, the descriptor set); the structural checks pin the
+behaviour the edge must have (timeouts, retries, ejection, admin on loopback).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google.api import annotations_pb2, http_pb2
+from google.protobuf import descriptor_pb2
+
+from deploy.envoy import config as envoy_config
+from deploy.envoy.config import (
+    CONTAINER_PRESET,
+    ENVOY_YAML,
+    Endpoint,
+    cluster,
+    cluster_endpoints,
+    http_connection_manager,
+    http_filter,
+    listener,
+    load_config,
+    render_config,
+    render_config_file,
+)
+from deploy.envoy.process import envoy_binary
+from tests.unit.deploy.helpers import DESCRIPTOR_SET, ENVOY_ADMIN_PORT, ENVOY_PUBLIC_PORT
+
+TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
+
+
+@pytest.fixture(scope="module")
+def descriptor() -> Path:
+    if not DESCRIPTOR_SET.exists():
+        pytest.fail(f"{DESCRIPTOR_SET} missing: run `make protos` (make test does it)")
+    return DESCRIPTOR_SET
+
+
+def envoy_validate(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "warning"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+def routes(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Routes of the public listener by match prefix (or path)."""
+    vhosts = http_connection_manager(config)["route_config"]["virtual_hosts"]
+    out = {}
+    for vh in vhosts:
+        for r in vh["routes"]:
+            out[r["match"].get("prefix") or r["match"].get("path")] = r
+    return out
+
+
+def test_envoy_validates_the_file_as_written(descriptor: Path) -> None:
+    # the file as written names build/llm_v1.pb relative to the repo root
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(ENVOY_YAML)],
+        capture_output=True, text=True, timeout=60, check=False, cwd=descriptor.parents[1],
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout + result.stderr
+    assert "deprecated" not in (result.stdout + result.stderr).lower()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"listener_port": 0, "admin_port": 0, "gateway": ["127.0.0.1:1", "127.0.0.1:2"],
+         "admin": ["127.0.0.1:3"], "listener_host": "127.0.0.1"},
+        {**CONTAINER_PRESET, "proto_descriptor": str(DESCRIPTOR_SET)},
+        {"listener_port": 18080, "admin_port": 19901, "stats_port": 19902,
+         "access_log_path": "/dev/null"},
+    ],
+    ids=["tests", "container", "make-run-shifted"],
+)
+def test_envoy_validates_rendered_variants(descriptor: Path, tmp_path: Path,
+                                           overrides: dict[str, Any]) -> None:
+    path = render_config_file(tmp_path / "envoy.yaml", **overrides)
+    result = envoy_validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_envoy_validate_rejects_a_broken_variant(descriptor: Path, tmp_path: Path) -> None:
+    cfg = render_config()
+    cluster(cfg, "gateway")["outlier_detection"]["enforcing_consecutive_5xx"] = 101
+    path = envoy_config.write_config(cfg, tmp_path / "bad.yaml")
+    result = envoy_validate(path)
+    assert result.returncode != 0
+    assert "enforcing_consecutive_5xx" in result.stdout + result.stderr
+
+
+def test_as_written_is_the_make_run_layout() -> None:
+    cfg = load_config()
+    assert cfg["admin"]["address"]["socket_address"] == {
+        "address": "127.0.0.1", "port_value": ENVOY_ADMIN_PORT}
+    assert listener(cfg, "public")["address"]["socket_address"]["port_value"] == ENVOY_PUBLIC_PORT
+    assert cluster_endpoints(cfg, "gateway") == [Endpoint("127.0.0.1", 50051)]
+    assert cluster_endpoints(cfg, "admin") == [Endpoint("127.0.0.1", 50051)]
+    assert cluster_endpoints(cfg, "envoy_admin") == [Endpoint("127.0.0.1", ENVOY_ADMIN_PORT)]
+
+
+def test_generate_route_streams_without_a_route_timeout() -> None:
+    cfg = load_config()
+    route = routes(cfg)["/llm.v1.Gateway/"]["route"]
+    assert route["cluster"] == "gateway"
+    assert route["timeout"] == "0s"  # Envoy's 15 s default would cut long generations
+    assert route["max_stream_duration"]["grpc_timeout_header_max"] == "0s"  # client deadline
+    assert route["idle_timeout"] not in ("0s", None)
+    hcm = http_connection_manager(cfg)
+    assert hcm["stream_idle_timeout"] not in ("0s", None)
+    assert hcm["request_timeout"] == "0s"
+
+
+def test_retries_only_before_the_response_starts() -> None:
+    cfg = load_config()
+    by_prefix = routes(cfg)
+    gen = by_prefix["/llm.v1.Gateway/"]["route"]["retry_policy"]
+    assert set(gen["retry_on"].split(",")) == {"connect-failure", "refused-stream", "unavailable"}
+    assert "per_try_timeout" not in gen  # a per-try timeout would abort a live stream
+    assert "retriable_status_codes" not in gen
+    assert any(p["name"] == "envoy.retry_host_predicates.previous_hosts"
+               for p in gen["retry_host_predicate"])
+    admin = by_prefix["/llm.v1.RateLimitAdmin/"]["route"]["retry_policy"]
+    # CreateApiKey is not idempotent: only retry what cannot have reached the service
+    assert set(admin["retry_on"].split(",")) == {"connect-failure", "refused-stream"}
+
+
+@pytest.mark.parametrize(("name", "service"), [("gateway", "llm.v1.Gateway"),
+                                               ("admin", "llm.v1.RateLimitAdmin")])
+def test_upstream_clusters_are_h2_health_checked_and_eject(name: str, service: str) -> None:
+    cl = cluster(load_config(), name)
+    h2 = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    opts = cl["typed_extension_protocol_options"][h2]
+    assert "http2_protocol_options" in opts["explicit_http_config"]
+    (hc,) = cl["health_checks"]
+    assert hc["grpc_health_check"]["service_name"] == service
+    od = cl["outlier_detection"]
+    assert od["enforcing_consecutive_5xx"] == 100
+    assert od["enforcing_consecutive_gateway_failure"] == 100
+    assert od["consecutive_gateway_failure"] >= 1
+    assert 0 < od["max_ejection_percent"] < 100  # never eject the whole fleet
+
+
+def test_transcoder_serves_only_the_admin_api(descriptor: Path) -> None:
+    cfg = render_config()
+    tc = http_filter(cfg, TRANSCODER)
+    assert tc["services"] == ["llm.v1.RateLimitAdmin"]
+    assert tc["convert_grpc_status"] is True
+    assert tc["print_options"]["preserve_proto_field_names"] is True
+    assert Path(tc["proto_descriptor"]) == descriptor  # made absolute by the renderer
+    names = [f["name"] for f in http_connection_manager(cfg)["http_filters"]]
+    assert names[-1] == "envoy.filters.http.router"
+
+
+def test_descriptor_set_carries_the_admin_http_rules(descriptor: Path) -> None:
+    fds = descriptor_pb2.FileDescriptorSet.FromString(descriptor.read_bytes())
+    by_name = {f.name: f for f in fds.file}
+    assert "google/api/annotations.proto" in by_name  # --include_imports
+    (svc,) = [s for s in by_name["llm/v1/admin.proto"].service if s.name == "RateLimitAdmin"]
+    paths = {}
+    for method in svc.method:
+        opts = descriptor_pb2.MethodOptions.FromString(method.options.SerializeToString())
+        rule = http_pb2.HttpRule()
+        rule.CopyFrom(opts.Extensions[annotations_pb2.http])
+        pattern = rule.WhichOneof("pattern")
+        assert pattern is not None, f"{method.name} has no google.api.http rule"
+        paths[method.name] = (pattern, getattr(rule, pattern))
+    assert all(p.startswith("/v1/admin/") for _, p in paths.values()), paths
+    assert paths["UpsertTenant"] == ("put", "/v1/admin/tenants/{id}")
+    assert paths["GetTenant"] == ("get", "/v1/admin/tenants/{tenant_id}")
+
+
+def test_access_log_is_json_with_request_id_and_grpc_status() -> None:
+    hcm = http_connection_manager(load_config())
+    (log,) = hcm["access_log"]
+    fmt = log["typed_config"]["log_format"]["json_format"]
+    assert fmt["request_id"] == "%REQ(X-REQUEST-ID)%"
+    assert fmt["grpc_status"] == "%GRPC_STATUS%"
+    assert not any("AUTHORIZATION" in str(v).upper() for v in fmt.values())
+    assert hcm["generate_request_id"] is True
+    assert hcm["preserve_external_request_id"] is True
+    assert hcm["request_id_extension"]["typed_config"]["pack_trace_reason"] is False
+
+
+def test_render_replaces_only_what_it_is_given(tmp_path: Path) -> None:
+    before = ENVOY_YAML.read_text()
+    cfg = render_config(listener_host="127.0.0.1", listener_port=0, admin_port=0,
+                        gateway=["127.0.0.1:7001", ("127.0.0.1", 7002)], admin=["10.0.0.5:7003"],
+                        access_log_path=tmp_path / "a.log")
+    assert ENVOY_YAML.read_text() == before
+    assert listener(cfg, "public")["address"]["socket_address"] == {
+        "address": "127.0.0.1", "port_value": 0}
+    assert cfg["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 0}
+    assert cluster_endpoints(cfg, "gateway") == [Endpoint("127.0.0.1", 7001),
+                                                 Endpoint("127.0.0.1", 7002)]
+    assert cluster_endpoints(cfg, "admin") == [Endpoint("10.0.0.5", 7003)]
+    # the YAML anchors are unshared: the admin cluster kept its own health check
+    assert cluster(cfg, "admin")["health_checks"][0]["grpc_health_check"]["service_name"] == (
+        "llm.v1.RateLimitAdmin")
+    # an ephemeral admin port cannot be proxied to: the stats listener goes
+    names = [item["name"] for item in cfg["static_resources"]["listeners"]]
+    assert names == ["public"]
+    (log,) = http_connection_manager(cfg)["access_log"]
+    assert log["typed_config"]["path"] == str(tmp_path / "a.log")
+
+
+def test_render_picks_static_for_ips_and_dns_for_names() -> None:
+    assert cluster(render_config(gateway=["127.0.0.1:1"]), "gateway")["type"] == "STATIC"
+    dns = cluster(render_config(gateway=["gateway:50051"]), "gateway")
+    assert dns["type"] == "STRICT_DNS"
+    assert dns["dns_lookup_family"] == "V4_ONLY"
+
+
+def test_render_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        render_config(gateway=["no-port"])
+    with pytest.raises(ValueError, match="at least one endpoint"):
+        render_config(gateway=[])
+    with pytest.raises(ValueError, match="fixed admin_port"):
+        render_config(admin_port=0, stats_port=9902)
+
+
+def test_container_preset_keeps_admin_on_loopback(tmp_path: Path) -> None:
+    out = tmp_path / "envoy.yaml"
+    assert envoy_config.main(["--preset", "container", "-o", str(out)]) == 0
+    cfg = load_config(out)
+    assert cfg["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert listener(cfg, "public")["address"]["socket_address"]["address"] == "0.0.0.0"
+    assert cluster_endpoints(cfg, "gateway") == [Endpoint("gateway", 50051)]
+    assert http_filter(cfg, TRANSCODER)["proto_descriptor"] == "/etc/envoy/llm_v1.pb"
+    stats = listener(cfg, "stats")
+    vhost = stats["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
+    paths = {r["match"]["path"] for r in vhost["virtual_hosts"][0]["routes"]}
+    assert paths == {"/stats/prometheus", "/ready"}  # nothing else of the admin API
