@@ -29,7 +29,8 @@ def model_dir() -> Path:
 ENGINE_TEST_ENV = {
     # fp32 for results that compare exactly with an offline engine; a small pool
     "LLM_ENGINE_CORE_DTYPE": "float32",
-    "LLM_ENGINE_CORE_DEVICE": "cpu",
+    # deploy/gpu-check.sh sets LLM_TEST_ENGINE_DEVICE=cuda to run these on a GPU
+    "LLM_ENGINE_CORE_DEVICE": os.environ.get("LLM_TEST_ENGINE_DEVICE", "cpu"),
     "LLM_ENGINE_CORE_NUM_KV_BLOCKS": "512",
     "LLM_ENGINE_CORE_MAX_NUM_SEQS": "16",
     "LLM_ENGINE_CORE_MAX_NUM_BATCHED_TOKENS": "256",

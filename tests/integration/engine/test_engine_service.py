@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import signal
 import threading
 import time
@@ -67,7 +68,8 @@ def test_model_info(stub: engine_pb2_grpc.EngineStub) -> None:
     assert info.version.startswith("sha-")
     assert (info.vocab_size, list(info.eos_token_ids), info.backend) == (49152, [2], "native")
     assert info.max_context_length == 2048  # from the env override
-    assert (info.weight_dtype, info.device) == ("float32", "cpu")
+    assert info.weight_dtype == "float32"
+    assert info.device.startswith(os.environ.get("LLM_TEST_ENGINE_DEVICE", "cpu"))
     assert len(info.config_hash) == 16
 
 
@@ -96,7 +98,8 @@ def test_concurrent_streams_match_offline_engine(
         assert chunks[-1].finish_reason == common_pb2.LENGTH
         assert chunks[-1].usage.completion_tokens == n
         assert chunks[0].timings.time_to_first_token_seconds > 0
-    offline = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", device="cpu",
+    device = os.environ.get("LLM_TEST_ENGINE_DEVICE", "cpu")
+    offline = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", device=device,
                                      num_kv_blocks=512, max_model_len=2048))
     for rid, ids, n in jobs:
         offline.add_request(rid, ids, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=1))
