@@ -1,7 +1,7 @@
 """A real Envoy in front of the standalone RateLimitAdmin service (and a real Redis).
 
-Module-scoped: Redis, ``python -m ratelimit`` and Envoy start once for the
-edge tests, on ephemeral ports, and are stopped by pid afterwards.
+Redis and ``python -m ratelimit`` start once for this package, Envoy once
+per module, on ephemeral ports, and are stopped by pid afterwards.
 
     client ──► Envoy (public listener, port 0) ──► ratelimit (RateLimitAdmin, port 0) ──► Redis
                  │ cluster "admin": the ratelimit service
@@ -44,8 +44,8 @@ class Edge:
         return [ln for ln in self.access_log.read_text().splitlines() if ln.strip()]
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
+@pytest.fixture(scope="package")
+def edge_redis() -> Iterator[RedisServer]:
     server = RedisServer().start()
     try:
         yield server
@@ -53,13 +53,13 @@ def redis_server() -> Iterator[RedisServer]:
         server.close()
 
 
-@pytest.fixture(scope="module")
-def ratelimit_server(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+@pytest.fixture(scope="package")
+def ratelimit_server(edge_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
                      ) -> Iterator[ManagedProcess]:
     proc = ManagedProcess(
         name="ratelimit",
         module="ratelimit",
-        args=["--port", "0", "--metrics-port", "-1", "--redis-url", redis_server.url,
+        args=["--port", "0", "--metrics-port", "-1", "--redis-url", edge_redis.url,
               "--key-prefix", f"edge{uuid.uuid4().hex[:8]}:", "--log-format", "json"],
         env={"ADMIN_KEY": ADMIN_KEY},
         log_dir=tmp_path_factory.mktemp("ratelimit-logs"),

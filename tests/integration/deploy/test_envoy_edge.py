@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from llm.v1 import admin_pb2, admin_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.integration.deploy.conftest import ADMIN_KEY, Edge
+from tests.unit.deploy.helpers import ENVOY_DASHBOARD_METRICS
 
 pytestmark = pytest.mark.integration
 
@@ -215,6 +216,15 @@ def test_access_log_is_json_with_the_request_id(edge: Edge) -> None:
     assert by_id[grpc_rid]["protocol"] == "HTTP/2"
     for entry in entries:
         assert "authorization" not in json.dumps(entry).lower()
+
+
+def test_stats_the_dashboard_reads_exist(edge: Edge) -> None:
+    status, body = edge.envoy.admin_get("/stats/prometheus")
+    assert status == 200
+    names = {line.split("{")[0].split(" ")[0] for line in body.splitlines()
+             if line and not line.startswith("#")}
+    missing = ENVOY_DASHBOARD_METRICS - names
+    assert not missing, sorted(missing)
 
 
 def _wait_for_lines(edge: Edge, request_ids: set[str]) -> list[str]:

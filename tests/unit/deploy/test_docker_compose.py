@@ -1,0 +1,218 @@
+"""Dockerfiles and deploy/compose.yaml, checked by structure (no Docker engine here)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.unit.deploy.helpers import (
+    DEPLOY,
+    ENVOY_PUBLIC_PORT,
+    ENVOY_STATS_PORT,
+    HEALTH_SERVICE,
+    ROOT,
+    service_ports,
+)
+
+DOCKER = DEPLOY / "docker"
+DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
+# Directories an image copies that another issue is still writing (issue 7: gateway).
+NOT_YET_IN_REPO = {"gateway"}
+MODULE_OF = {"tokenizer": "tokenizer_svc", "engine": "engine_svc", "engine-trtllm": "engine_svc",
+             "gateway": "gateway"}
+
+
+@dataclass
+class Stage:
+    base: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, op: str) -> list[str]:
+        return [arg for o, arg in self.instructions if o == op]
+
+
+def parse_dockerfile(path: Path) -> tuple[dict[str, str], list[Stage]]:
+    """Global ARG defaults and the stages, with line continuations joined."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        op, _, rest = line.partition(" ")
+        op = op.upper()
+        if op == "FROM":
+            base = rest.split()[0]
+            base = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), base)
+            stages.append(Stage(base))
+        elif stages:
+            stages[-1].instructions.append((op, rest.strip()))
+        elif op == "ARG" and "=" in rest:
+            key, _, value = rest.partition("=")
+            args[key.strip()] = value.strip()
+    return args, stages
+
+
+def test_there_is_a_dockerfile_per_service() -> None:
+    names = {p.name.removesuffix(".Dockerfile") for p in DOCKERFILES}
+    assert names == {"tokenizer", "engine", "engine-trtllm", "gateway", "envoy"}
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_final_stage_is_slim_non_root_and_health_checked(path: Path) -> None:
+    _, stages = parse_dockerfile(path)
+    final = stages[-1]
+    name = path.name.removesuffix(".Dockerfile")
+    if name == "envoy":
+        assert re.fullmatch(r"envoyproxy/envoy:v1\.\d+\.\d+", final.base), final.base
+    elif name == "engine-trtllm":  # the CUDA runtime is the point; documented in the file
+        assert final.base.startswith("nvcr.io/nvidia/tensorrt-llm/release:"), final.base
+    else:
+        assert re.fullmatch(r"python:3\.11-slim(-\w+)?", final.base), final.base
+    users = final.all("USER")
+    assert users, "the final stage must switch to a non-root user"
+    assert users[-1].split(":")[0] not in ("0", "root")
+    (health,) = final.all("HEALTHCHECK")
+    assert "CMD" in health
+    assert "--interval" in health
+    assert "--start-period" in health
+    assert not any(op == "ADD" for op, _ in final.instructions)
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_every_copied_source_exists(path: Path) -> None:
+    _, stages = parse_dockerfile(path)
+    for stage in stages:
+        for arg in stage.all("COPY"):
+            parts = [p for p in shlex.split(arg) if not p.startswith("--")]
+            if any(p.startswith("--from") for p in shlex.split(arg)):
+                continue
+            for src in parts[:-1]:
+                if src.split("/")[0] in NOT_YET_IN_REPO:
+                    continue
+                assert (ROOT / src).exists(), f"{path.name}: COPY {src} does not exist"
+
+
+@pytest.mark.parametrize("name", ["tokenizer", "engine", "engine-trtllm", "gateway"])
+def test_python_images_run_their_service_on_the_configured_ports(name: str) -> None:
+    _, stages = parse_dockerfile(DOCKER / f"{name}.Dockerfile")
+    final = stages[-1]
+    section = "engine" if name.startswith("engine") else name
+    ports = service_ports(section)
+    assert final.all("ENTRYPOINT") == [f'["python", "-m", "{MODULE_OF[name]}"]']
+    exposed = {int(p) for arg in final.all("EXPOSE") for p in arg.split()}
+    assert exposed == {ports["port"], ports["metrics_port"]}
+    env = " ".join(final.all("ENV"))
+    prefix = f"LLM_{section.upper()}_"
+    assert f"{prefix}PORT={ports['port']}" in env
+    assert f"{prefix}METRICS_PORT={ports['metrics_port']}" in env
+    assert f"{prefix}HOST=0.0.0.0" in env  # reachable from other containers
+    (health,) = final.all("HEALTHCHECK")
+    assert f"127.0.0.1:{ports['port']}" in health
+    assert HEALTH_SERVICE[section] in health
+
+
+def test_envoy_image_renders_the_one_config_and_keeps_admin_inside() -> None:
+    _, stages = parse_dockerfile(DOCKER / "envoy.Dockerfile")
+    build = " ".join(stages[0].all("RUN"))
+    assert "python -m deploy.envoy.config --preset container" in build
+    assert "gen_protos.py" in build
+    final = stages[-1]
+    exposed = {int(p) for arg in final.all("EXPOSE") for p in arg.split()}
+    assert exposed == {ENVOY_PUBLIC_PORT, ENVOY_STATS_PORT}  # never the admin port
+
+
+# --- compose ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def env_of(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def test_every_long_running_service_has_a_healthcheck(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"redis", "tokenizer", "engine", "gateway", "envoy"} <= set(services)
+    for name, svc in services.items():
+        if svc.get("restart") == "no":  # one-shot init steps
+            continue
+        test = svc.get("healthcheck", {}).get("test")
+        assert test, f"{name} has no healthcheck"
+        assert test[0] == "CMD", f"{name}: healthcheck must exec a command"
+
+
+def test_compose_ports_match_the_config(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name in ("tokenizer", "engine", "gateway"):
+        ports = service_ports(name)
+        env = env_of(services[name])
+        prefix = f"LLM_{name.upper()}_"
+        assert int(env[prefix + "PORT"]) == ports["port"]
+        assert int(env[prefix + "METRICS_PORT"]) == ports["metrics_port"]
+        assert {int(p) for p in services[name]["expose"]} == set(ports.values())
+        health = services[name]["healthcheck"]["test"]
+        assert f"127.0.0.1:{ports['port']}" in health
+        assert HEALTH_SERVICE[name] in health
+    gw = env_of(services["gateway"])
+    assert gw["LLM_GATEWAY_TOKENIZER_ADDRESS"] == f"tokenizer:{service_ports('tokenizer')['port']}"
+    assert gw["LLM_GATEWAY_ENGINE_ADDRESSES"] == f"engine:{service_ports('engine')['port']}"
+    assert gw["LLM_RATELIMIT_REDIS_URL"].startswith("redis://redis:6379/")
+
+
+def test_only_envoy_publishes_ports_besides_monitoring(compose: dict[str, Any]) -> None:
+    published = {n for n, s in compose["services"].items()
+                 if s.get("ports") and "monitoring" not in s.get("profiles", [])}
+    assert published == {"envoy"}
+    ports = compose["services"]["envoy"]["ports"]
+    assert f"{ENVOY_PUBLIC_PORT}:{ENVOY_PUBLIC_PORT}" in ports
+    assert not any(p.endswith(":9901") for p in ports)
+
+
+def test_compose_references_resolve(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    volumes = set(compose.get("volumes", {}))
+    for name, svc in services.items():
+        for dep in svc.get("depends_on", {}):
+            assert dep in services, f"{name} depends on unknown {dep}"
+        if "build" in svc:
+            assert (DEPLOY / svc["build"]["context"] / svc["build"]["dockerfile"]).exists()
+        else:
+            image = svc["image"]
+            assert "/" in image or ":" in image
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):
+                assert (DEPLOY / src).exists(), f"{name}: {src} missing"
+            else:
+                assert src in volumes, f"{name}: volume {src} not declared"
+    # images used without a build section are built by another service
+    built = {s["image"] for s in services.values() if "build" in s}
+    for svc in services.values():
+        if "build" not in svc and svc["image"].startswith("llm-stack/"):
+            assert svc["image"] in built
+
+
+def test_gateway_waits_for_its_dependencies_and_scales(compose: dict[str, Any]) -> None:
+    gw = compose["services"]["gateway"]
+    assert {k: v["condition"] for k, v in gw["depends_on"].items()} == {
+        "redis": "service_healthy", "tokenizer": "service_healthy", "engine": "service_healthy"}
+    assert gw["deploy"]["replicas"] >= 2
+    assert "ADMIN_KEY" in env_of(gw)
+    model_users = [n for n, s in compose["services"].items()
+                   if "model" in s.get("depends_on", {})]
+    for name in model_users:
+        dep = compose["services"][name]["depends_on"]["model"]
+        assert dep["condition"] == "service_completed_successfully"
