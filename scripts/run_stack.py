@@ -30,7 +30,7 @@ import grpc
 from common.config import ROOT, load_config
 from common.procs import ManagedProcess, ServiceStartError
 from engine_svc.__main__ import EngineServiceConfig
-from llm.v1 import admin_pb2, admin_pb2_grpc
+from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from ratelimit.config import RateLimitConfig
 from ratelimit.records import generate_key
 from ratelimit.testing import RedisServer
@@ -103,7 +103,7 @@ async def create_demo_tenant(address: str, key: str) -> str:
     async with grpc.aio.insecure_channel(address) as ch:
         stub = admin_pb2_grpc.RateLimitAdminStub(ch)
         await stub.UpsertTenant(admin_pb2.Tenant(
-            id=DEMO_TENANT, display_name="make run demo", priority=2,
+            id=DEMO_TENANT, display_name="make run demo", priority=common_pb2.NORMAL,
             limits=admin_pb2.LimitPolicy(requests_per_minute=600, tokens_per_minute=200_000,
                                          max_concurrent=16)), metadata=md, timeout=10)
         resp = await stub.CreateApiKey(admin_pb2.CreateApiKeyRequest(
