@@ -29,6 +29,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from deploy.envoy.config import ROOT
+
 # Loopback only: never through an HTTP proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -74,12 +76,14 @@ class EnvoyProcess:
         concurrency: int = 1,
         log_level: str = "warning",
         file_flush_interval_ms: int = 1000,
+        cwd: str | Path = ROOT,
     ) -> None:
         self.config_path = Path(config_path)
         self.binary = binary or envoy_binary()
         self.concurrency = concurrency
         self.log_level = log_level
         self.file_flush_interval_ms = file_flush_interval_ms  # access log flushes
+        self.cwd = Path(cwd)  # relative paths in the config (build/llm_v1.pb) resolve here
         self.workdir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="envoy-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / "envoy.log"
@@ -126,7 +130,7 @@ class EnvoyProcess:
         self.admin_address_path.unlink(missing_ok=True)
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=self._log,
+            self.command(), cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + timeout
