@@ -1,0 +1,78 @@
+"""``python -m gateway``: serve llm.v1.Gateway and llm.v1.RateLimitAdmin in one process.
+
+    python -m gateway --engines 127.0.0.1:50071,127.0.0.1:50072 \\
+        --tokenizer 127.0.0.1:50061 --redis-url redis://127.0.0.1:6379/0 [--port 50051]
+
+Config sections ``gateway`` and ``ratelimit`` (YAML < env < flags). Tenant
+keys call Gateway; the admin key (``[ratelimit] admin_key``, ``$ADMIN_KEY`` or
+``--admin-key-file``) calls RateLimitAdmin. SIGTERM: health NOT_SERVING, new
+requests UNAVAILABLE, streams in flight get ``grace_seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+
+import grpc
+
+from common.config import add_service_args, load_config, service_overrides
+from common.log import configure_logging
+from common.server import ServiceHooks, run_service
+from gateway import service
+from gateway.app import GatewayApp
+from gateway.config import GatewayConfig
+from ratelimit.config import RateLimitConfig
+from ratelimit.service import add_to_server as add_admin_to_server
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line flags (they override the YAML file and the environment)."""
+    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_service_args(parser)
+    parser.add_argument("--engines", help="comma-separated engine replicas, host:port")
+    parser.add_argument("--tokenizer", help="tokenizer_svc address, host:port")
+    parser.add_argument("--redis-url", help="Redis for keys, tenants and limits")
+    parser.add_argument("--model-dir", help="HF checkpoint for in-process detokenization")
+    parser.add_argument("--admin-key-file", help="file holding the bootstrap admin key")
+    parser.add_argument("--failover", choices=["on", "off"], help="mid-stream failover")
+    return parser.parse_args(argv)
+
+
+def load_configs(args: argparse.Namespace) -> tuple[GatewayConfig, RateLimitConfig]:
+    """The ``gateway`` and ``ratelimit`` sections with the flags applied."""
+    failover = None if args.failover is None else args.failover == "on"
+    gw = load_config(GatewayConfig, "gateway", path=args.config, overrides={
+        **service_overrides(args), "engines": args.engines, "tokenizer": args.tokenizer,
+        "model_dir": args.model_dir, "failover": failover})
+    rl = load_config(RateLimitConfig, "ratelimit", path=args.config, overrides={
+        "redis_url": args.redis_url, "admin_key_file": args.admin_key_file})
+    return gw, rl
+
+
+async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
+    """Run until SIGTERM/SIGINT."""
+    app = GatewayApp.from_config(config, rl_config)
+    gateway_servicer = service.GatewayServicer(app.pipeline)
+    admin_servicer = app.stack.servicer()
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        return [*service.add_to_server(gateway_servicer, server),
+                *add_admin_to_server(admin_servicer, server)]
+
+    hooks = ServiceHooks(register=register, ready=app.start, on_drain=app.drain,
+                         on_stop=app.close)
+    await run_service("gateway", config, hooks)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point."""
+    config, rl_config = load_configs(parse_args(argv))
+    configure_logging("gateway", config.log_level, config.log_format)
+    asyncio.run(serve(config, rl_config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Wiring: every component of one gateway process, built from config.
+
+``GatewayApp.from_config`` builds the pipeline that every front shares; the
+gRPC front (``gateway.service``) and, later, the OpenAI-compatible HTTP
+front take ``app.pipeline``. ``start``/``drain``/``close`` plug into the
+common server lifecycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import default_model_dir
+from common.log import get_logger
+from gateway.auth import Authenticator
+from gateway.breaker import BreakerPolicy
+from gateway.config import GatewayConfig
+from gateway.encoder import Encoder
+from gateway.pipeline import Pipeline
+from gateway.retry import RetryBudget, RetryPolicy
+from gateway.routing import ReplicaPool
+from gateway.upstream import Dispatcher
+from ratelimit.config import RateLimitConfig
+from ratelimit.factory import RateLimitStack
+from tokenizer_svc.tokenizer import TextTokenizer
+
+log = get_logger(__name__)
+
+
+def breaker_policy(c: GatewayConfig) -> BreakerPolicy:
+    """The breaker thresholds of the config."""
+    return BreakerPolicy(window_s=c.breaker_window_s, min_calls=c.breaker_min_calls,
+                         error_ratio=c.breaker_error_ratio,
+                         consecutive_failures=c.breaker_consecutive_failures,
+                         open_s=c.breaker_open_s, max_open_s=c.breaker_max_open_s,
+                         half_open_probes=c.breaker_half_open_probes)
+
+
+@dataclass(slots=True)
+class GatewayApp:
+    """The components of one gateway process."""
+
+    config: GatewayConfig
+    stack: RateLimitStack
+    pool: ReplicaPool
+    encoder: Encoder
+    pipeline: Pipeline
+
+    @classmethod
+    def from_config(cls, config: GatewayConfig, rl_config: RateLimitConfig) -> GatewayApp:
+        """Build everything; no network I/O until ``start``."""
+        stack = RateLimitStack.from_config(rl_config)
+        pool = ReplicaPool(config.engines, breaker_policy(config),
+                           max_ejected_fraction=config.max_ejected_fraction,
+                           stats_interval_s=config.stats_interval_s,
+                           queue_weight=config.queue_weight, kv_weight=config.kv_weight,
+                           default_model=config.default_model)
+        encoder = Encoder(config.tokenizer, config.encode_timeout_s)
+        tokenizer = TextTokenizer(Path(config.model_dir or default_model_dir()))
+        dispatcher = Dispatcher(
+            pool,
+            RetryPolicy(config.max_attempts, config.retry_backoff_base_ms / 1000.0,
+                        config.retry_backoff_max_ms / 1000.0),
+            RetryBudget(config.retry_budget_ratio, config.retry_budget_min,
+                        config.retry_budget_window_s),
+            failover=config.failover, max_failovers=config.max_failovers)
+        pipeline = Pipeline(config, Authenticator(stack.registry), encoder, tokenizer,
+                            stack.limiter, pool, dispatcher)
+        return cls(config, stack, pool, encoder, pipeline)
+
+    async def start(self) -> None:
+        """Connect Redis, watch the engines, wait (bounded) for one SERVING engine."""
+        await self.stack.start()
+        self.pool.start()
+        if not await self.pool.wait_ready(self.config.startup_wait_s):
+            log.warning("no engine replica is SERVING yet; requests get UNAVAILABLE until one is",
+                        engines=self.config.engines)
+
+    async def drain(self) -> None:
+        """Stop admitting and let streams in flight finish within the grace period."""
+        await self.pipeline.drain(self.config.grace_seconds)
+
+    async def close(self) -> None:
+        """Release every connection."""
+        await self.pool.close()
+        await self.encoder.close()
+        await self.stack.aclose()

@@ -1,0 +1,188 @@
+"""Per-replica circuit breakers: closed -> open -> half-open -> closed.
+
+    CLOSED ──(consecutive failures >= N, or error ratio >= R over >= M calls
+    │         in the rolling window; and the ejection cap allows it)──► OPEN
+    ▲                                                                  │ open_s elapsed
+    │  all probes succeed                                              ▼ (doubling per trip,
+    └──────────────────────────── HALF_OPEN ◄──────────────────────────┘  up to max_open_s)
+                                      │ a probe fails ──► OPEN again
+
+Outcomes are reported by the pipeline from what the engine call ended with,
+including statuses that only arrive in trailers after a stream started
+(which Envoy's outlier detection cannot see). Client cancels and queue-full
+answers are neutral: they say nothing about the replica's health. A
+``BreakerGroup`` caps how many replicas may be ejected at once (at most
+``max_ejected_fraction`` of them, at least one), so a fault that hits every
+replica does not turn into a full outage by the breakers alone.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class BreakerState(enum.IntEnum):
+    """Values exported as ``gateway_breaker_state`` (0 closed, 1 half-open, 2 open)."""
+
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerPolicy:
+    """Thresholds of one breaker (see the ``breaker_*`` keys of ``GatewayConfig``)."""
+
+    window_s: float = 10.0
+    min_calls: int = 10
+    error_ratio: float = 0.5
+    consecutive_failures: int = 5
+    open_s: float = 5.0
+    max_open_s: float = 60.0
+    half_open_probes: int = 1
+
+
+class CircuitBreaker:
+    """One replica's breaker.
+
+    Args:
+        name: The replica (metric label).
+        policy: Thresholds.
+        clock: Monotonic seconds (injectable for tests).
+        may_open: Asked before tripping; False keeps the breaker closed (ejection cap).
+        on_change: Called with (name, new state) on every transition.
+    """
+
+    def __init__(self, name: str, policy: BreakerPolicy, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 may_open: Callable[[CircuitBreaker], bool] | None = None,
+                 on_change: Callable[[str, BreakerState], None] | None = None) -> None:
+        self.name = name
+        self.policy = policy
+        self._clock = clock
+        self._may_open = may_open or (lambda _: True)
+        self._on_change = on_change
+        self._state = BreakerState.CLOSED
+        self._calls: deque[tuple[float, bool]] = deque()
+        self._consecutive = 0
+        self._num_trips = 0
+        self._open_until = 0.0
+        self._probes_in_flight = 0
+        self._probe_successes = 0
+
+    @property
+    def state(self) -> BreakerState:
+        """The current state; an OPEN breaker whose time is up reads HALF_OPEN."""
+        if self._state == BreakerState.OPEN and self._clock() >= self._open_until:
+            self._set(BreakerState.HALF_OPEN)
+            self._probes_in_flight = self._probe_successes = 0
+        return self._state
+
+    def available(self) -> bool:
+        """True when a call may be routed here now (no side effects)."""
+        state = self.state
+        if state == BreakerState.CLOSED:
+            return True
+        return (state == BreakerState.HALF_OPEN
+                and self._probes_in_flight < self.policy.half_open_probes)
+
+    def admit(self) -> bool:
+        """Take a call; in HALF_OPEN this uses one probe slot. False when not available."""
+        if not self.available():
+            return False
+        if self._state == BreakerState.HALF_OPEN:
+            self._probes_in_flight += 1
+        return True
+
+    def record(self, ok: bool | None) -> None:
+        """Report a call admitted by ``admit``: True success, False failure, None neutral."""
+        half_open = self.state == BreakerState.HALF_OPEN
+        if half_open and self._probes_in_flight > 0:
+            self._probes_in_flight -= 1
+        if ok is None:
+            return
+        now = self._clock()
+        self._calls.append((now, ok))
+        self._consecutive = 0 if ok else self._consecutive + 1
+        if half_open:
+            self._record_probe(ok)
+        elif self._state == BreakerState.CLOSED and not ok and self._should_trip(now):
+            self._trip()
+
+    def _record_probe(self, ok: bool) -> None:
+        if not ok:
+            self._trip(force=True)
+            return
+        self._probe_successes += 1
+        if self._probe_successes >= self.policy.half_open_probes:
+            self._calls.clear()
+            self._consecutive = self._num_trips = 0
+            self._set(BreakerState.CLOSED)
+
+    def _should_trip(self, now: float) -> bool:
+        while self._calls and self._calls[0][0] < now - self.policy.window_s:
+            self._calls.popleft()
+        if self._consecutive >= self.policy.consecutive_failures:
+            return True
+        total = len(self._calls)
+        failures = sum(1 for _, ok in self._calls if not ok)
+        return total >= self.policy.min_calls and failures / total >= self.policy.error_ratio
+
+    def _trip(self, force: bool = False) -> None:
+        if not force and not self._may_open(self):
+            return
+        duration = min(self.policy.max_open_s, self.policy.open_s * 2 ** self._num_trips)
+        self._num_trips += 1
+        self._open_until = self._clock() + duration
+        self._probes_in_flight = self._probe_successes = 0
+        self._set(BreakerState.OPEN)
+
+    def _set(self, state: BreakerState) -> None:
+        if state != self._state:
+            self._state = state
+            if self._on_change is not None:
+                self._on_change(self.name, state)
+
+
+class BreakerGroup:
+    """The breakers of one replica pool, with the ejection cap.
+
+    Args:
+        policy: Thresholds shared by every breaker.
+        max_ejected_fraction: Share of breakers that may be not-CLOSED at once (>= 1 breaker).
+        clock: Monotonic seconds.
+        on_change: Transition callback (metrics, logs).
+    """
+
+    def __init__(self, policy: BreakerPolicy, max_ejected_fraction: float = 0.5, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_change: Callable[[str, BreakerState], None] | None = None) -> None:
+        self.policy = policy
+        self.max_ejected_fraction = max_ejected_fraction
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self._clock = clock
+        self._on_change = on_change
+
+    def add(self, name: str) -> CircuitBreaker:
+        """Create (or return) the breaker of ``name``."""
+        if name not in self.breakers:
+            self.breakers[name] = CircuitBreaker(name, self.policy, clock=self._clock,
+                                                 may_open=self._may_open,
+                                                 on_change=self._on_change)
+        return self.breakers[name]
+
+    def max_ejected(self) -> int:
+        """How many breakers may be ejected (not CLOSED) at once."""
+        return max(1, math.floor(len(self.breakers) * self.max_ejected_fraction))
+
+    def num_ejected(self) -> int:
+        """Breakers currently OPEN or HALF_OPEN."""
+        return sum(1 for b in self.breakers.values() if b.state != BreakerState.CLOSED)
+
+    def _may_open(self, breaker: CircuitBreaker) -> bool:
+        return self.num_ejected() < self.max_ejected()

@@ -1,0 +1,96 @@
+"""The ``gateway`` config section: listen address, upstreams, limits of a request, resilience.
+
+Loaded with ``load_config(GatewayConfig, "gateway")`` (YAML < ``LLM_GATEWAY_<KEY>``
+env < command-line flags). Redis, tenants and keys come from the shared
+``ratelimit`` section, so one place configures limits for every process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.config import ServiceConfig
+
+
+@dataclass(slots=True)
+class GatewayConfig(ServiceConfig):
+    """Settings of one gateway replica.
+
+    Attributes:
+        engines: Engine replicas as ``host:port`` strings.
+        tokenizer: Address of tokenizer_svc (``host:port``).
+        model_dir: HF checkpoint for in-process detokenization ("" = the default model dir).
+        default_model: Model served when a request leaves ``model`` empty
+            ("" = the model most replicas report).
+        default_max_tokens: Output budget when a request sets ``max_tokens`` 0
+            (capped by the model's context).
+        max_max_tokens: Largest ``max_tokens`` a request may ask for (0 = the context).
+        request_timeout_s: Deadline of a request without a client deadline.
+        encode_timeout_s: Budget of one tokenizer call.
+        max_attempts: Engine attempts before the first token (1 = no retries).
+        retry_backoff_base_ms / retry_backoff_max_ms: Full-jitter exponential backoff.
+        retry_budget_ratio: Retries allowed as a share of requests (0.2 = 20% extra load).
+        retry_budget_min: Retries always allowed per window, whatever the traffic.
+        retry_budget_window_s: Window the retry budget is counted over.
+        failover: Resume a stream on another replica when its engine fails mid-stream.
+        max_failovers: Mid-stream failovers per request.
+        breaker_*: Per-replica circuit breaker (see ``gateway.breaker``).
+        max_ejected_fraction: At most this share of replicas (at least one) open at once.
+        stats_interval_s: How often each replica's GetStats is polled.
+        queue_weight / kv_weight: Routing score weights (see ``gateway.routing``).
+        startup_wait_s: How long start-up waits for one SERVING engine before
+            reporting SERVING anyway (requests then get UNAVAILABLE until one is up).
+    """
+
+    port: int = 50051
+    grace_seconds: float = 30.0
+    engines: list[str] = field(default_factory=lambda: ["127.0.0.1:50071"])
+    tokenizer: str = "127.0.0.1:50061"
+    model_dir: str = ""
+    default_model: str = ""
+    default_max_tokens: int = 256
+    max_max_tokens: int = 0
+    request_timeout_s: float = 600.0
+    encode_timeout_s: float = 10.0
+    max_attempts: int = 3
+    retry_backoff_base_ms: int = 25
+    retry_backoff_max_ms: int = 250
+    retry_budget_ratio: float = 0.2
+    retry_budget_min: int = 3
+    retry_budget_window_s: float = 10.0
+    failover: bool = True
+    max_failovers: int = 2
+    breaker_window_s: float = 10.0
+    breaker_min_calls: int = 10
+    breaker_error_ratio: float = 0.5
+    breaker_consecutive_failures: int = 5
+    breaker_open_s: float = 5.0
+    breaker_max_open_s: float = 60.0
+    breaker_half_open_probes: int = 1
+    max_ejected_fraction: float = 0.5
+    stats_interval_s: float = 0.5
+    queue_weight: float = 1.0
+    kv_weight: float = 1.0
+    startup_wait_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.engines:
+            raise ValueError("[gateway] engines is empty: list at least one host:port")
+        for addr in self.engines:
+            host, _, port = addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"[gateway] engines: {addr!r} is not host:port")
+        positive = ("default_max_tokens", "request_timeout_s", "encode_timeout_s",
+                    "max_attempts", "breaker_min_calls", "breaker_consecutive_failures",
+                    "breaker_open_s", "breaker_half_open_probes", "stats_interval_s",
+                    "retry_budget_window_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"[gateway] {name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_max_tokens", "max_failovers", "retry_budget_min",
+                     "retry_backoff_base_ms", "retry_backoff_max_ms", "startup_wait_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"[gateway] {name} must be >= 0, got {getattr(self, name)}")
+        for name in ("retry_budget_ratio", "breaker_error_ratio", "max_ejected_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"[gateway] {name} must be in [0, 1], got {getattr(self, name)}")

@@ -1,0 +1,128 @@
+"""Front-agnostic values of the pipeline: call context, chunks, errors, deadlines, traces.
+
+A front (the gRPC servicer today, the OpenAI-compatible HTTP front later)
+builds a ``CallContext`` from its headers, iterates ``Pipeline.generate`` and
+turns ``Chunk``s and ``GatewayError``s into its own wire format. Status codes
+are ``grpc.StatusCode`` values because they are the contract's vocabulary
+(DESIGN §6); an HTTP front maps them to HTTP statuses.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from llm.v1 import common_pb2
+
+_TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+RETRY_AFTER_KEY = "retry-after-ms"
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+class GatewayError(Exception):
+    """A request ends with this status; ``message`` tells the caller what to do.
+
+    Attributes:
+        code: The gRPC status code.
+        message: A sentence a person can act on.
+        retry_after_ms: Set for RESOURCE_EXHAUSTED (and some UNAVAILABLE) answers.
+        trailers: Extra trailing metadata (e.g. ``QuotaFailure`` details of a denial).
+        dimension: For tenant-limit denials: which limits were short (for metrics).
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, retry_after_ms: int | None = None,
+                 trailers: Metadata = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+        self.trailers = trailers
+
+    def metadata(self) -> Metadata:
+        """Trailing metadata: ``retry-after-ms`` (when set) plus ``trailers``."""
+        md = list(self.trailers)
+        if self.retry_after_ms is not None and not any(k == RETRY_AFTER_KEY for k, _ in md):
+            md.append((RETRY_AFTER_KEY, str(self.retry_after_ms)))
+        return tuple(md)
+
+
+def new_traceparent(parent: str | None) -> tuple[str, str]:
+    """(traceparent to send downstream, trace id) for a W3C ``traceparent`` header.
+
+    A valid incoming header keeps its trace id and flags and gets a new span
+    id (the gateway's span); a missing or malformed one starts a new trace.
+    """
+    m = _TRACEPARENT_RE.match(parent.strip().lower()) if parent else None
+    if m and m.group(1) != "ff" and int(m.group(2), 16) and int(m.group(3), 16):
+        trace_id, flags = m.group(2), m.group(4)
+    else:
+        trace_id, flags = secrets.token_hex(16), "01"
+    return f"00-{trace_id}-{secrets.token_hex(8)}-{flags}", trace_id
+
+
+@dataclass(slots=True)
+class CallContext:
+    """What a front knows about one call besides the request body.
+
+    Attributes:
+        authorization: The ``authorization`` header/metadata value ("" when absent).
+        request_id: Client-chosen id ("" = generate one).
+        traceparent: Incoming W3C traceparent ("" = start a trace).
+        timeout_s: Client deadline in seconds from now (None = the configured default).
+    """
+
+    authorization: str = ""
+    request_id: str = ""
+    traceparent: str = ""
+    timeout_s: float | None = None
+    trace_id: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request_id or uuid.uuid4().hex
+        self.traceparent, self.trace_id = new_traceparent(self.traceparent)
+
+
+class Deadline:
+    """One deadline across every attempt of a request (monotonic clock)."""
+
+    def __init__(self, seconds: float) -> None:
+        self._at = time.monotonic() + seconds
+        self._wall_at = time.time() + seconds
+
+    def remaining(self) -> float:
+        """Seconds left (never negative)."""
+        return max(0.0, self._at - time.monotonic())
+
+    @property
+    def expired(self) -> bool:
+        """True once no time is left."""
+        return self.remaining() <= 0.0
+
+    @property
+    def wall_time(self) -> float:
+        """The deadline as unix seconds (for the engine's absolute ``deadline`` field)."""
+        return self._wall_at
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One streamed piece of a completion.
+
+    ``text`` is the delta since the previous chunk and ``token_ids`` the
+    tokens behind it; ``finish_reason`` and ``usage`` are set on the last
+    chunk only; ``model``/``model_version`` on the first.
+    """
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    usage: common_pb2.Usage | None = None
+    model: str = ""
+    model_version: str = ""

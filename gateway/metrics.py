@@ -1,0 +1,64 @@
+"""Prometheus metrics of the gateway (names are queried by deploy/grafana dashboards).
+
+    gateway_requests_total{tenant,code}                  requests by final status
+    gateway_tokens_charged_total{tenant,kind}            kind = prompt | completion
+    gateway_time_to_first_token_seconds{tenant}          request start -> first token sent
+    gateway_e2e_latency_seconds                          request start -> end
+    gateway_overhead_seconds                             time the gateway adds before the
+                                                         engine call that produced the
+                                                         first token (auth, encode,
+                                                         limits, routing, retries)
+    gateway_retries_total                                engine attempts retried
+    gateway_failovers_total                              mid-stream resumptions
+    gateway_breaker_state{replica}                       0 closed, 1 half-open, 2 open
+    gateway_ratelimit_denials_total{tenant,dimension}    requests | tokens | concurrency
+    gateway_replica_outstanding{replica}                 calls in flight per replica
+    gateway_replica_healthy{replica}                     1 when health says SERVING
+    gateway_in_flight                                    requests being served
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from ratelimit.config import Dimension
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                    120.0, 300.0)
+_OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+REQUESTS = Counter("gateway_requests_total", "Generate requests by tenant and final gRPC status",
+                   ["tenant", "code"])
+TOKENS_CHARGED = Counter("gateway_tokens_charged_total",
+                         "Tokens settled against tenants' limits", ["tenant", "kind"])
+TTFT = Histogram("gateway_time_to_first_token_seconds",
+                 "Request arrival to the first token sent to the client", ["tenant"],
+                 buckets=_LATENCY_BUCKETS)
+E2E = Histogram("gateway_e2e_latency_seconds", "Request arrival to the end of the stream",
+                buckets=_LATENCY_BUCKETS)
+OVERHEAD = Histogram("gateway_overhead_seconds",
+                     "Time the gateway spends before the engine call that produced the first "
+                     "token (auth, encode, limits, routing, retries)", buckets=_OVERHEAD_BUCKETS)
+RETRIES = Counter("gateway_retries_total", "Engine attempts retried on another replica")
+FAILOVERS = Counter("gateway_failovers_total",
+                    "Streams resumed on another replica after their engine failed mid-stream")
+BREAKER_STATE = Gauge("gateway_breaker_state",
+                      "Circuit breaker per engine replica: 0 closed, 1 half-open, 2 open",
+                      ["replica"])
+RATELIMIT_DENIALS = Counter("gateway_ratelimit_denials_total",
+                            "Requests denied by tenant limits, per short dimension",
+                            ["tenant", "dimension"])
+OUTSTANDING = Gauge("gateway_replica_outstanding", "Engine calls in flight per replica",
+                    ["replica"])
+HEALTHY = Gauge("gateway_replica_healthy", "1 when the replica's health is SERVING", ["replica"])
+IN_FLIGHT = Gauge("gateway_in_flight", "Generate requests being served")
+
+_DIMENSIONS = ((Dimension.REQUESTS, "requests"), (Dimension.TOKENS, "tokens"),
+               (Dimension.CONCURRENCY, "concurrency"))
+
+
+def count_denial(tenant: str, denied: Dimension) -> None:
+    """One denial: a count per short dimension."""
+    for dim, name in _DIMENSIONS:
+        if dim & denied:
+            RATELIMIT_DENIALS.labels(tenant, name).inc()

@@ -1,0 +1,243 @@
+"""The request pipeline: one object every front calls (DESIGN §2, §3).
+
+    auth ─► model + params ─► encode ─► length vs context ─► reserve ─► engine attempts
+    (bearer)  (ModelInfo)   (tokenizer_svc)                  (Redis)    (route, retry,
+                                                                          failover, detok,
+                                                                          stop strings)
+    └──────────── settle exactly once on every ending: done, error, cancel, deadline ──┘
+
+Usage from any front (the gRPC servicer today, the OpenAI-compatible HTTP
+front later)::
+
+    call = CallContext(authorization=..., request_id=..., traceparent=..., timeout_s=...)
+    async with contextlib.aclosing(pipeline.generate(request, call)) as chunks:
+        async for chunk in chunks:      # gateway.domain.Chunk
+            ...                         # write it in the front's format
+    # GatewayError (code, message, retry_after_ms, metadata()) ends a call early; an
+    # error before the first chunk means nothing was sent (fronts may map it to a
+    # plain HTTP status). Closing the generator (client gone) cancels the engine
+    # call at once and settles the tokens produced so far.
+
+The pipeline knows nothing of its front: inputs are the ``llm.v1``
+GenerateRequest and a ``CallContext``; outputs are ``Chunk``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from common.log import get_logger
+from gateway import metrics
+from gateway.auth import Authenticator
+from gateway.config import GatewayConfig
+from gateway.domain import CallContext, Chunk, Deadline, GatewayError
+from gateway.encoder import Encoder
+from gateway.params import (
+    engine_sampling,
+    resolve_max_tokens,
+    validate_sampling,
+    validate_stop_token_ids,
+)
+from gateway.routing import ModelEntry, ReplicaPool
+from gateway.stream import TextStream
+from gateway.upstream import Dispatcher, EngineJob
+from llm.v1 import common_pb2, gateway_pb2
+from ratelimit.config import Tenant
+from ratelimit.decision import Reservation
+from ratelimit.errors import LimiterUnavailableError
+from ratelimit.limiter import RateLimiter
+from ratelimit.status import denial_metadata
+from tokenizer_svc.tokenizer import TextTokenizer
+
+log = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Admitted:
+    tenant: Tenant
+    job: EngineJob
+    reservation: Reservation | None
+
+
+class Pipeline:
+    """auth -> encode -> validate -> reserve -> route -> stream -> settle.
+
+    Args:
+        config: The gateway section.
+        auth: Bearer key -> tenant.
+        encoder: tokenizer_svc client.
+        tokenizer: In-process tokenizer (incremental detokenization).
+        limiter: Tenant limits on Redis.
+        pool: Engine replicas.
+        dispatcher: Engine attempts (retries, failover).
+    """
+
+    def __init__(self, config: GatewayConfig, auth: Authenticator, encoder: Encoder,
+                 tokenizer: TextTokenizer, limiter: RateLimiter, pool: ReplicaPool,
+                 dispatcher: Dispatcher) -> None:
+        self.config = config
+        self.auth = auth
+        self.encoder = encoder
+        self.tokenizer = tokenizer
+        self.limiter = limiter
+        self.pool = pool
+        self.dispatcher = dispatcher
+        self.draining = False
+        self.num_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def list_models(self, authorization: str) -> list[ModelEntry]:
+        """Models the caller's tenant may use, with versions and replica counts."""
+        tenant = await self.auth.tenant(authorization)
+        return [e for e in self.pool.catalog() if tenant.allows_model(e.model)]
+
+    async def generate(self, request: gateway_pb2.GenerateRequest, call: CallContext
+                       ) -> AsyncGenerator[Chunk, None]:
+        """Stream one completion; see the module docstring for the contract.
+
+        Raises:
+            GatewayError: with the status code and message for the caller.
+        """
+        start = time.perf_counter()
+        tenant_label, code = "unauthenticated", grpc.StatusCode.OK
+        structlog.contextvars.bind_contextvars(request_id=call.request_id,
+                                               trace_id=call.trace_id)
+        self._enter()
+        try:
+            tenant = await self.auth.tenant(call.authorization)
+            tenant_label = tenant.tenant_id
+            structlog.contextvars.bind_contextvars(tenant=tenant.tenant_id)
+            admitted = await self._admit(request, call, tenant)
+            async for chunk in self._serve(admitted, start):
+                yield chunk
+        except GatewayError as e:
+            code = e.code
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("generate failed")
+            raise GatewayError(code, "internal gateway error; see the gateway log with "
+                               f"request id {call.request_id}") from None
+        finally:
+            self._leave()
+            metrics.REQUESTS.labels(tenant_label, code.name).inc()
+            metrics.E2E.observe(time.perf_counter() - start)
+
+    def _enter(self) -> None:
+        if self.draining:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                               "this gateway replica is shutting down; retry on another")
+        self.num_in_flight += 1
+        self._idle.clear()
+        metrics.IN_FLIGHT.inc()
+
+    def _leave(self) -> None:
+        self.num_in_flight -= 1
+        metrics.IN_FLIGHT.dec()
+        if self.num_in_flight == 0:
+            self._idle.set()
+
+    async def _admit(self, request: gateway_pb2.GenerateRequest, call: CallContext,
+                     tenant: Tenant) -> _Admitted:
+        model = request.model or self.pool.default_model()
+        info = self.pool.model_info(model, request.model_version)
+        if info is None:
+            raise self._unknown_model(model, request.model_version)
+        self.auth.check_model(tenant, model)
+        try:
+            validate_sampling(request.sampling, info.vocab_size)
+            validate_stop_token_ids(request.sampling, info.vocab_size)
+        except ValueError as e:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        deadline = Deadline(call.timeout_s if call.timeout_s is not None
+                            else self.config.request_timeout_s)
+        prompt_ids = await self.encoder.encode(request, call, deadline)
+        try:
+            max_tokens = resolve_max_tokens(
+                request.sampling, len(prompt_ids), info.max_context_length,
+                self.config.default_max_tokens, self.config.max_max_tokens)
+        except ValueError as e:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        reservation = await self._reserve(tenant, len(prompt_ids) + max_tokens)
+        job = EngineJob(request_id=call.request_id, traceparent=call.traceparent,
+                        tenant_id=tenant.tenant_id,
+                        priority=common_pb2.Priority.ValueType(int(tenant.priority)), model=model,
+                        model_version=request.model_version, prompt_token_ids=prompt_ids,
+                        sampling=engine_sampling(request.sampling, max_tokens),
+                        deadline=deadline, stop_strings=list(request.sampling.stop))
+        return _Admitted(tenant, job, reservation)
+
+    def _unknown_model(self, model: str, version: str) -> GatewayError:
+        known = self.pool.catalog()
+        if not known:
+            return GatewayError(grpc.StatusCode.UNAVAILABLE,
+                                "no engine replica is reachable yet, so no model is known: "
+                                + self.pool.explain(model, version, set()))
+        if version and any(e.model == model for e in known):
+            versions = sorted(v for e in known if e.model == model for v in e.versions)
+            return GatewayError(grpc.StatusCode.NOT_FOUND,
+                                f"model {model!r} has no version {version!r}; known versions: "
+                                f"{', '.join(versions)} (leave model_version empty for any)")
+        return GatewayError(grpc.StatusCode.NOT_FOUND,
+                            f"unknown model {model!r}; available: "
+                            f"{', '.join(e.model for e in known)} (empty = the default)")
+
+    async def _reserve(self, tenant: Tenant, num_tokens: int) -> Reservation | None:
+        try:
+            decision = await self.limiter.reserve(tenant, num_tokens)
+        except LimiterUnavailableError as e:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        if not decision.allowed:
+            metrics.count_denial(tenant.tenant_id, decision.denied)
+            retry = decision.retry_after_ms if decision.retry_after_ms >= 0 else None
+            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, decision.message(),
+                               retry_after_ms=retry, trailers=denial_metadata(decision))
+        return decision.reservation
+
+    async def _serve(self, admitted: _Admitted, start: float) -> AsyncIterator[Chunk]:
+        job = admitted.job
+        text = TextStream(job.request_id, self.tokenizer, job.stop_strings,
+                          len(job.prompt_token_ids))
+        tenant = admitted.tenant.tenant_id
+        first = True
+        try:
+            async with self.limiter.keep_alive(admitted.reservation):
+                async for chunk in self.dispatcher.run(job, text):
+                    if first and chunk.token_ids:
+                        first = False
+                        metrics.TTFT.labels(tenant).observe(time.perf_counter() - start)
+                        metrics.OVERHEAD.observe(max(0.0, text.attempt_started_at - start))
+                    yield chunk
+        finally:
+            await asyncio.shield(self._settle(admitted, text))
+
+    async def _settle(self, admitted: _Admitted, text: TextStream) -> None:
+        prompt = text.num_prompt_tokens if text.engine_answered else 0
+        completion = len(text.token_ids)
+        tenant = admitted.tenant.tenant_id
+        metrics.TOKENS_CHARGED.labels(tenant, "prompt").inc(prompt)
+        metrics.TOKENS_CHARGED.labels(tenant, "completion").inc(completion)
+        if admitted.reservation is not None:
+            await self.limiter.settle(admitted.reservation, prompt_tokens=prompt,
+                                      completion_tokens=completion)
+        log.info("request settled", prompt_tokens=prompt, completion_tokens=completion,
+                 finish_reason=int(text.finish_reason))
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests; wait up to ``grace_s`` for the ones in flight."""
+        self.draining = True
+        log.info("draining", in_flight=self.num_in_flight, grace_seconds=grace_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+
