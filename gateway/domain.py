@@ -19,6 +19,7 @@ import grpc
 
 from llm.v1 import common_pb2
 
+_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
 _TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 RETRY_AFTER_KEY = "retry-after-ms"
 Metadata = tuple[tuple[str, str | bytes], ...]
@@ -81,8 +82,14 @@ class CallContext:
     traceparent: str = ""
     timeout_s: float | None = None
     trace_id: str = field(default="", init=False)
+    request_id_error: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
+        if self.request_id and not _REQUEST_ID_RE.match(self.request_id):
+            self.request_id_error = (
+                "request_id must be 1-128 printable ASCII characters without spaces "
+                "(leave it empty to get a generated one)")
+            self.request_id = ""
         self.request_id = self.request_id or uuid.uuid4().hex
         self.traceparent, self.trace_id = new_traceparent(self.traceparent)
 

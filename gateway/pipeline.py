@@ -115,6 +115,8 @@ class Pipeline:
             tenant = await self.auth.tenant(call.authorization)
             tenant_label = tenant.tenant_id
             structlog.contextvars.bind_contextvars(tenant=tenant.tenant_id)
+            if call.request_id_error:
+                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, call.request_id_error)
             admitted = await self._admit(request, call, tenant)
             async for chunk in self._serve(admitted, start):
                 yield chunk
