@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import secrets
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -119,6 +119,15 @@ class GatewayProcess:
     def stop(self) -> None:
         self.channel.close()
         self.proc.stop()
+
+
+def trailers(err: grpc.RpcError) -> dict[str, str]:
+    """Trailing metadata of a failed call as a dict (text values)."""
+    out: dict[str, str] = {}
+    md = cast(Sequence[tuple[str, str | bytes]], err.trailing_metadata() or ())  # type: ignore[attr-defined]
+    for key, value in md:
+        out[key] = value.decode(errors="replace") if isinstance(value, bytes) else value
+    return out
 
 
 def chat(text: str, max_tokens: int = 8, **sampling: Any) -> gateway_pb2.GenerateRequest:

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2
-from tests.integration.gateway.conftest import EnginePair, GatewayProcess, chat
+from tests.integration.gateway.conftest import EnginePair, GatewayProcess, chat, trailers
 
 pytestmark = pytest.mark.integration
 
@@ -20,9 +20,9 @@ def denied(gateway: GatewayProcess, key: str, req: gateway_pb2.GenerateRequest
         gateway.generate(key, req)
     err = info.value
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
-    trailers = dict(err.trailing_metadata() or ())
-    assert "grpc-status-details-bin" in trailers  # QuotaFailure + RetryInfo
-    return err.details() or "", int(trailers["retry-after-ms"])
+    md = trailers(err)
+    assert "grpc-status-details-bin" in md  # QuotaFailure + RetryInfo
+    return err.details() or "", int(md["retry-after-ms"])
 
 
 def prompt(max_tokens: int) -> gateway_pb2.GenerateRequest:
@@ -47,7 +47,7 @@ def test_tokens_per_minute(gateway: GatewayProcess) -> None:
     tid, key = gateway.tenant(tokens_per_minute=1200, token_burst=50)
     first = gateway.stub.Generate(prompt(40), metadata=(("authorization", f"Bearer {key}"),),
                                   timeout=60)
-    next(first)  # 1 + 40 tokens reserved, 9 left in the bucket
+    next(iter(first))  # 1 + 40 tokens reserved, 9 left in the bucket
     details, retry_ms = denied(gateway, key, prompt(40))
     assert "tokens_per_minute" in details
     assert "needs 41" in details
@@ -66,14 +66,14 @@ def test_too_big_for_the_bucket_never_fits(gateway: GatewayProcess) -> None:
         gateway.generate(key, prompt(40))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "lower max_tokens" in (info.value.details() or "")
-    assert "retry-after-ms" not in dict(info.value.trailing_metadata() or ())
+    assert "retry-after-ms" not in trailers(info.value)
 
 
 def test_max_concurrent(gateway: GatewayProcess) -> None:
     tid, key = gateway.tenant(max_concurrent=1)
     first = gateway.stub.Generate(prompt(48), metadata=(("authorization", f"Bearer {key}"),),
                                   timeout=60)
-    next(first)  # admitted and streaming
+    next(iter(first))  # admitted and streaming
     details, retry_ms = denied(gateway, key, prompt(2))
     assert "max_concurrent" in details
     rest = list(first)
@@ -97,7 +97,7 @@ def test_cancel_releases_lease_and_settles(gateway: GatewayProcess, engines: Eng
                                  timeout=60)
     got = [t for _, chunk in zip(range(3), call, strict=False) for t in chunk.token_ids]
     assert gateway.usage(tid).concurrent_in_use == 1
-    call.cancel()
+    call.cancel()  # type: ignore[no-untyped-call]
     wait_for(lambda: gateway.usage(tid).concurrent_in_use == 0)
     usage = gateway.usage(tid)
     assert usage.prompt_tokens_total > 0
