@@ -72,10 +72,13 @@ def engine_stats(address: str) -> engine_pb2.EngineStats:
 
 def serving_replica(engines: EnginePair) -> int:
     """Index of the replica that is running a request now."""
-    found: list[int] = []
-    wait_until(lambda: found.extend(i for i, a in enumerate(engines.addresses)
-                                    if engine_stats(a).num_running) or bool(found))
-    return found[0]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for i, address in enumerate(engines.addresses):
+            if engine_stats(address).num_running:
+                return i
+        time.sleep(0.01)
+    raise AssertionError("no engine replica is running the request")
 
 
 def start_and_kill(gw: GatewayProcess, key: str, engines: EnginePair
