@@ -167,14 +167,15 @@ def _prefill_attention(
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     if meta.prefill_fresh:
+        # 4-D inputs: with 3-D ones SDPA falls back to its slow math kernel on CPU
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
             is_causal=True,
             enable_gqa=True,
         )
-        return out.transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
+        return out[0].transpose(0, 1).reshape(num_tokens, num_heads * head_dim)
     assert meta.prefill_blocks is not None
     assert meta.prefill_q_index is not None
     assert meta.prefill_out_rows is not None
