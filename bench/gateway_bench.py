@@ -1,0 +1,215 @@
+"""Latency the gateway adds: engine called directly vs through the gateway, side by side.
+
+    python -m bench.gateway_bench [--rounds 3] [--requests-c1 16] [--requests-c32 64]
+                                  [--max-tokens 16]
+
+Starts Redis, tokenizer_svc, one engine replica and ``python -m gateway`` on
+free ports, creates an unlimited tenant, then for concurrency 1 and 32 runs
+the same greedy requests (same prompt tokens, ``max_tokens`` tokens,
+ignore_eos) against the engine directly and through the gateway, in
+alternating rounds so drift hits both sides alike. Per request it records
+TTFT (send -> first token) and the mean inter-token time; per round the
+p50/p99 of each; the report holds the median over rounds. The gateway side
+includes everything the gateway does: auth (cached), tokenizer_svc Encode,
+the Redis reserve/settle, routing, incremental detokenization.
+
+Writes bench/reports/gateway_bench.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import secrets
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from tqdm import tqdm
+
+from common.config import ROOT, default_model_dir
+from common.procs import ManagedProcess
+from llm.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    engine_pb2,
+    engine_pb2_grpc,
+    gateway_pb2,
+    gateway_pb2_grpc,
+)
+from ratelimit.testing import RedisServer
+from tokenizer_svc.tokenizer import TextTokenizer
+
+REPORT_DIR = ROOT / "bench" / "reports"
+PROMPT = "Write a short poem about the sea and the wind, in four lines."
+Sample = tuple[float, float]  # (ttft seconds, mean inter-token seconds)
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile (nearest rank) of ``values``."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+async def timed_stream(stream: Any) -> Sample:
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    async for chunk in stream:
+        now = time.perf_counter()
+        stamps.extend(now for _ in chunk.token_ids)
+    ttft = stamps[0] - t0
+    itl = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+    return ttft, itl
+
+
+async def run_side(side: str, addresses: dict[str, str], key: str, ids: list[int],
+                   num_requests: int, concurrency: int, max_tokens: int) -> list[Sample]:
+    """``num_requests`` requests with ``concurrency`` in flight; one sample each."""
+    async with grpc.aio.insecure_channel(addresses[side]) as channel:
+        engine = engine_pb2_grpc.EngineStub(channel)
+        gateway = gateway_pb2_grpc.GatewayStub(channel)
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> Sample:
+            async with sem:
+                if side == "engine":
+                    req = engine_pb2.EngineGenerateRequest(
+                        request_id=f"bench-{i}-{secrets.token_hex(4)}", prompt_token_ids=ids,
+                        sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens,
+                                                                 ignore_eos=True))
+                    return await timed_stream(engine.Generate(req, timeout=300))
+                sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+                greq = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling)
+                md = (("authorization", f"Bearer {key}"),)
+                return await timed_stream(gateway.Generate(greq, metadata=md, timeout=300))
+
+        return list(await asyncio.gather(*(one(i) for i in range(num_requests))))
+
+
+def summarize(samples: list[Sample]) -> dict[str, float]:
+    ttft = [s[0] * 1000 for s in samples]
+    itl = [s[1] * 1000 for s in samples]
+    return {"ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
+            "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99)}
+
+
+def start_stack(log_dir: Path, redis: RedisServer, admin_key: str
+                ) -> tuple[list[ManagedProcess], dict[str, str]]:
+    model_dir = str(default_model_dir())
+    common = ["--port", "0", "--metrics-port", "0", "--log-format", "json"]
+    tok = ManagedProcess(name="tokenizer", module="tokenizer_svc", log_dir=log_dir,
+                         args=[*common, "--model-dir", model_dir]).start(60)
+    eng = ManagedProcess(name="engine", module="engine_svc", log_dir=log_dir,
+                         args=[*common, "--model-dir", model_dir, "--max-num-seqs", "32"],
+                         env={"LLM_ENGINE_CORE_DEVICE": "cpu"}).start(300)
+    gw = ManagedProcess(name="gateway", module="gateway", log_dir=log_dir,
+                        args=[*common, "--engines", eng.address, "--tokenizer", tok.address,
+                              "--redis-url", redis.url, "--log-level", "warning"],
+                        env={"ADMIN_KEY": admin_key}).start(120)
+    return [gw, eng, tok], {"engine": eng.address, "gateway": gw.address}
+
+
+def make_key(address: str, admin_key: str) -> str:
+    with grpc.insecure_channel(address) as ch:
+        admin = admin_pb2_grpc.RateLimitAdminStub(ch)
+        md = (("authorization", f"Bearer {admin_key}"),)
+        admin.UpsertTenant(admin_pb2.Tenant(id="bench"), metadata=md)
+        req = admin_pb2.CreateApiKeyRequest(tenant_id="bench", name="bench")
+        return str(admin.CreateApiKey(req, metadata=md).key)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, conc in zip(axes, ("c1", "c32"), strict=True):
+        res = report["results"][conc]
+        xs = range(len(metrics))
+        ax.bar([x - 0.2 for x in xs], [res["engine"][m] for m in metrics], 0.4, label="engine")
+        ax.bar([x + 0.2 for x in xs], [res["gateway"][m] for m in metrics], 0.4,
+               label="via gateway")
+        ax.set_xticks(list(xs), [m.replace("_ms", "") for m in metrics])
+        ax.set_ylabel("ms")
+        ax.set_title(f"concurrency {conc[1:]} (median of {report['rounds']} rounds)")
+        ax.legend()
+    fig.suptitle("Gateway added latency (2-core CPU box: noisy)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def measure(args: argparse.Namespace, addresses: dict[str, str], key: str,
+            ids: list[int]) -> dict[str, Any]:
+    runs = {"c1": (1, args.requests_c1), "c32": (32, args.requests_c32)}
+    per_round: dict[str, dict[str, list[dict[str, float]]]] = {
+        c: {"engine": [], "gateway": []} for c in runs}
+    with tqdm(total=args.rounds * len(runs) * 2, desc="gateway bench", unit="run") as bar:
+        for r in range(args.rounds):
+            for conc, (n_conc, n_req) in runs.items():
+                sides = ("engine", "gateway") if r % 2 == 0 else ("gateway", "engine")
+                for name in sides:
+                    samples = asyncio.run(run_side(name, addresses, key, ids, n_req, n_conc,
+                                                   args.max_tokens))
+                    per_round[conc][name].append(summarize(samples))
+                    bar.update(1)
+    results: dict[str, Any] = {}
+    for conc, sides in per_round.items():
+        med = {side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
+               for side, rounds in sides.items()}
+        med["added"] = {m: med["gateway"][m] - med["engine"][m] for m in med["engine"]}
+        results[conc] = med
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests-c1", type=int, default=16)
+    parser.add_argument("--requests-c32", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    args = parser.parse_args()
+    admin_key = "sk-llm-" + secrets.token_urlsafe(32)
+    ids = TextTokenizer(default_model_dir()).encode(PROMPT)
+    with RedisServer() as redis:
+        procs, addresses = start_stack(Path(tempfile.mkdtemp(prefix="gw-bench-")), redis,
+                                       admin_key)
+        try:
+            key = make_key(addresses["gateway"], admin_key)
+            asyncio.run(run_side("gateway", addresses, key, ids, 4, 4, 4))  # warm both paths
+            asyncio.run(run_side("engine", addresses, key, ids, 4, 4, 4))
+            results = measure(args, addresses, key, ids)
+        finally:
+            for p in procs:
+                p.stop()
+    report = {"benchmark": "gateway_bench", "rounds": args.rounds, "max_tokens": args.max_tokens,
+              "prompt_tokens": len(ids), "requests": {"c1": args.requests_c1,
+                                                      "c32": args.requests_c32},
+              "machine": {"python": platform.python_version(), "cpus": _cpus()},
+              "note": "all services and the client share a 2-core CPU machine; figures are "
+                      "noisy. added = gateway - engine of the round medians.",
+              "results": results}
+    REPORT_DIR.mkdir(parents=True, exist_ok=True)
+    (REPORT_DIR / "gateway_bench.json").write_text(json.dumps(report, indent=2))
+    plot(report, REPORT_DIR / "gateway_bench.png")
+    for conc, res in results.items():
+        print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()}
+                                for k, d in res.items()}))
+
+
+def _cpus() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    main()
