@@ -107,7 +107,8 @@ def start_stack(log_dir: Path, redis: RedisServer, admin_key: str
                          args=[*common, "--model-dir", model_dir]).start(60)
     eng = ManagedProcess(name="engine", module="engine_svc", log_dir=log_dir,
                          args=[*common, "--model-dir", model_dir, "--max-num-seqs", "32"],
-                         env={"LLM_ENGINE_CORE_DEVICE": "cpu"}).start(300)
+                         env={"LLM_ENGINE_CORE_DEVICE": "cpu",
+                              "LLM_ENGINE_CORE_DTYPE": "float32"}).start(300)
     gw = ManagedProcess(name="gateway", module="gateway", log_dir=log_dir,
                         args=[*common, "--engines", eng.address, "--tokenizer", tok.address,
                               "--redis-url", redis.url, "--log-level", "warning"],
@@ -162,9 +163,9 @@ def measure(args: argparse.Namespace, addresses: dict[str, str], key: str,
                     per_round[conc][name].append(summarize(samples))
                     bar.update(1)
     results: dict[str, Any] = {}
-    for conc, sides in per_round.items():
+    for conc, by_side in per_round.items():
         med = {side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
-               for side, rounds in sides.items()}
+               for side, rounds in by_side.items()}
         med["added"] = {m: med["gateway"][m] - med["engine"][m] for m in med["engine"]}
         results[conc] = med
     return results
