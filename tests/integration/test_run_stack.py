@@ -15,7 +15,15 @@ import grpc
 import pytest
 
 from common.config import ROOT
-from llm.v1 import admin_pb2, admin_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from llm.v1 import (
+    admin_pb2,
+    admin_pb2_grpc,
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
 from tests.conftest import ENGINE_TEST_ENV
 
 pytestmark = pytest.mark.integration
@@ -25,8 +33,10 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
     env = {**os.environ, **ENGINE_TEST_ENV, "PYTHONPATH": str(ROOT), "LLM_RUN_DIR": str(tmp_path),
            "LLM_RATELIMIT_REDIS_URL": "redis://127.0.0.1:0/0"}
     env.pop("ADMIN_KEY", None)
-    for svc in ("TOKENIZER", "ENGINE", "RATELIMIT"):
+    for svc in ("TOKENIZER", "ENGINE", "GATEWAY"):
         env[f"LLM_{svc}_PORT"] = env[f"LLM_{svc}_METRICS_PORT"] = "0"
+    env["LLM_ENVOY_PORT"] = env["LLM_ENVOY_ADMIN_PORT"] = "0"
+    env["LLM_ENVOY_HOST"] = "127.0.0.1"
     proc = subprocess.Popen([sys.executable, "-m", "scripts.run_stack"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
@@ -41,8 +51,9 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
             if "Ctrl-C stops everything" in line:
                 break
         out = "".join(lines)
-        addr = dict(re.findall(r"^\s+(tokenizer|ratelimit)\s+grpc (127\.0\.0\.1:\d+)", out, re.M))
-        assert set(addr) == {"tokenizer", "ratelimit"}, out
+        addr = dict(re.findall(r"^\s+(tokenizer|gateway|envoy)\s+(?:grpc )?(127\.0\.0\.1:\d+)",
+                               out, re.M))
+        assert set(addr) == {"tokenizer", "gateway", "envoy"}, out
         with grpc.insecure_channel(addr["tokenizer"]) as ch:
             stub = tokenizer_pb2_grpc.TokenizerStub(ch)
             assert stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10).token_ids
@@ -50,17 +61,28 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
         demo_key = (tmp_path / "demo.key").read_text().strip()
         assert admin_key.startswith("sk-llm-")
         assert demo_key.startswith("sk-llm-")
-        with grpc.insecure_channel(addr["ratelimit"]) as ch:
+        with grpc.insecure_channel(addr["envoy"]) as ch:  # through the edge
             admin = admin_pb2_grpc.RateLimitAdminStub(ch)
             tenant = admin.GetTenant(admin_pb2.GetTenantRequest(tenant_id="demo"), timeout=10,
                                      metadata=(("authorization", f"Bearer {admin_key}"),))
             assert tenant.limits.requests_per_minute == 600
+            chunks = list(gateway_pb2_grpc.GatewayStub(ch).Generate(
+                gateway_pb2.GenerateRequest(prompt="Hello", sampling=common_pb2.SamplingParams(
+                    max_tokens=3)), metadata=(("authorization", f"Bearer {demo_key}"),),
+                timeout=60))
+            assert chunks[-1].usage.completion_tokens == 3
+        client = subprocess.run(
+            [sys.executable, "-m", "gateway.client", "--address", addr["envoy"], "chat", "Hi",
+             "--max-tokens", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert client.returncode == 0, client.stderr
+        assert "completion 4" in client.stderr or "[STOP]" in client.stderr
         pids = [json.loads(p.read_text())["pid"] for p in (tmp_path / "logs").glob("*.ports.json")]
         assert len(pids) == 3
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out + rest
-        for name in ("tokenizer", "engine-0", "ratelimit"):
+        assert "envoy stopped" in rest
+        for name in ("tokenizer", "engine-0", "gateway"):
             assert f"{name} stopped (exit code 0)" in rest
         assert "redis stopped" in rest
         for pid in pids:

@@ -167,8 +167,8 @@ def test_compose_ports_match_the_config(compose: dict[str, Any]) -> None:
         assert f"127.0.0.1:{ports['port']}" in health
         assert HEALTH_SERVICE[name] in health
     gw = env_of(services["gateway"])
-    assert gw["LLM_GATEWAY_TOKENIZER_ADDRESS"] == f"tokenizer:{service_ports('tokenizer')['port']}"
-    assert gw["LLM_GATEWAY_ENGINE_ADDRESSES"] == f"engine:{service_ports('engine')['port']}"
+    assert gw["LLM_GATEWAY_TOKENIZER"] == f"tokenizer:{service_ports('tokenizer')['port']}"
+    assert gw["LLM_GATEWAY_ENGINES"] == f"engine:{service_ports('engine')['port']}"
     assert gw["LLM_RATELIMIT_REDIS_URL"].startswith("redis://redis:6379/")
 
 
