@@ -1,6 +1,7 @@
 """`python -m engine_svc`: serve llm.v1.Engine (config sections `engine`, `engine_core`).
 
     python -m engine_svc [--backend native|trtllm] [--port 50071] [--model-dir DIR] ...
+    python -m engine_svc capacity ...     # KV capacity template (engine_svc/capacity.py)
 
 Health stays NOT_SERVING until a real warm-up batch has run. SIGTERM drains:
 new requests get UNAVAILABLE, in-flight streams get ``grace_seconds`` to
@@ -16,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -104,6 +106,11 @@ async def warm_up(backend: Backend) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["capacity"]:  # `python -m engine_svc capacity ...`: the capacity template
+        from engine_svc.capacity import main as capacity_main
+
+        raise SystemExit(capacity_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m engine_svc", description=__doc__)
     add_service_args(parser)
     parser.add_argument("--backend", choices=["native", "trtllm"])
@@ -133,6 +140,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         await backend.start()
         metrics.register_stats(backend.stats)
         info = backend.model_info()
+        metrics.MODEL.info({"model": svc.model_name, "version": version, "backend": svc.backend,
+                            "config_hash": config_hash(svc, core), "build": engine_build(),
+                            "weight_dtype": info.weight_dtype,
+                            "kv_cache_dtype": info.kv_cache_dtype})
         log.info("engine started", backend=svc.backend, model=svc.model_name, version=version,
                  device=info.device, weight_dtype=info.weight_dtype,
                  kv_blocks=info.num_kv_blocks, max_context=info.max_context_length)

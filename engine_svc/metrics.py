@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Histogram, Info
 from prometheus_client.core import REGISTRY, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -31,6 +31,7 @@ PROMPT_TOKENS = Counter("engine_prompt_tokens", "Prompt tokens of finished reque
 GENERATION_TOKENS = Counter("engine_generation_tokens", "Generated tokens of finished requests")
 SUCCESS = Counter("engine_request_success", "Finished requests", ["finished_reason"])
 ERRORS = Counter("engine_request_errors", "Requests rejected or failed", ["error_type"])
+MODEL = Info("engine_model", "The served model, its version and the engine build/config")
 
 
 def observe_finished(out: RequestOutput, priority: int) -> None:

@@ -186,7 +186,7 @@ def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub,
     for name in ("engine_time_to_first_token_seconds_bucket", "engine_num_requests_running",
                  "engine_kv_cache_usage_perc", 'engine_request_success_total{finished_reason=',
                  'engine_request_errors_total{error_type="invalid"}',
-                 "engine_generation_tokens_total"):
+                 "engine_generation_tokens_total", 'engine_model_info{backend="native"'):
         assert name in body, name
 
 
