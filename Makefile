@@ -62,6 +62,7 @@ bench: setup ## benchmarks; reports go to bench/reports/
 	$(PY) -m bench.tokenizer_bench
 	$(PY) -m bench.ratelimit_bench
 	$(PY) -m bench.engine_grpc_bench
+	$(PY) -m bench.gateway_bench
 
 clean: ## remove generated code, caches and run state (keeps the venv and model)
 	rm -rf llm build .run .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/reports
