@@ -39,6 +39,7 @@ class RunConfig:
     request_timeout: float = 120.0
     seed: int = 0
     progress: bool = True
+    error_backoff: float = 0.1  # closed loop: pause after a failed request (no hot spin)
 
 
 @dataclass(slots=True)
@@ -83,15 +84,16 @@ class _Run:
         self.target, self.streams, self.cfg, self.t0 = target, streams, cfg, t0
         self.result = LoadResult(t0=t0)
         self.budget = _Budget(cfg.num_requests, t0 + cfg.duration)
-        self.inflight: set[asyncio.Task[None]] = set()
+        self.inflight: set[asyncio.Task[bool]] = set()
         self.bar = tqdm(total=cfg.num_requests, desc=f"load {target.name}", unit="req",
                         disable=not cfg.progress, leave=False)
 
-    async def fire(self, name: str) -> None:
+    async def fire(self, name: str) -> bool:
         spec = next(self.streams[name])
-        self.result.records.append(
-            await run_one(self.target, spec, self.t0, self.cfg.request_timeout))
+        rec = await run_one(self.target, spec, self.t0, self.cfg.request_timeout)
+        self.result.records.append(rec)
         self.bar.update()
+        return rec.ok
 
     async def open_loop(self, name: str, rate: float, rng: random.Random) -> None:
         shape = self.cfg.burstiness
@@ -105,7 +107,8 @@ class _Run:
 
     async def closed_loop(self, name: str) -> None:
         while self.budget.take():
-            await self.fire(name)
+            if not await self.fire(name):
+                await asyncio.sleep(self.cfg.error_backoff)
 
     def producers(self, tenants: list[TenantSpec]) -> list[asyncio.Task[None]]:
         total_share = sum(t.share for t in tenants if t.rate <= 0 and t.concurrency <= 0)

@@ -1,0 +1,91 @@
+"""bench.loadlib.driver against a fake target: bounds, loops and cancellation (no servers)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+
+from bench.loadlib.driver import RunConfig, run_load, tenant_process
+from bench.loadlib.targets import CLIENT_CANCELLED
+from bench.loadlib.workload import RequestSpec, TenantSpec
+
+
+class FakeTarget:
+    """Streams ``max_tokens`` one-token chunks, ``delay`` apart; tracks concurrency."""
+
+    name = "fake"
+
+    def __init__(self, delay: float = 0.001, fail_tenant: str = "") -> None:
+        self.delay, self.fail_tenant = delay, fail_tenant
+        self.active = self.peak = self.calls = 0
+
+    async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[tuple[int, int]]:
+        self.calls += 1
+        if spec.tenant == self.fail_tenant:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "over limit", "")
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            for _ in range(spec.max_tokens):
+                await asyncio.sleep(self.delay)
+                yield 1, len(spec.prompt_ids)
+        finally:
+            self.active -= 1
+
+    async def close(self) -> None:
+        return None
+
+
+def specs(tenant: str, priority: int = 2, max_tokens: int = 3) -> Iterator[RequestSpec]:
+    i = 0
+    while True:
+        yield RequestSpec(i, tenant, priority, "short_chat", "hi", [1, 2, 3], max_tokens)
+        i += 1
+
+
+def test_closed_loop_respects_concurrency_and_count() -> None:
+    target = FakeTarget()
+    cfg = RunConfig(concurrency=3, num_requests=20, duration=30, progress=False)
+    res = asyncio.run(run_load(target, [TenantSpec("t")], {"t": specs("t")}, cfg))
+    assert len(res.records) == 20
+    assert target.peak == 3
+    assert all(r.ok and r.num_output_tokens == 3 and r.ttft is not None for r in res.records)
+    assert all(len(r.itl) == 2 for r in res.records)
+    assert res.wall_s > 0
+
+
+def test_open_loop_is_bounded_by_duration() -> None:
+    target = FakeTarget()
+    cfg = RunConfig(rate=50.0, num_requests=10_000, duration=0.5, progress=False)
+    res = asyncio.run(run_load(target, [TenantSpec("t")], {"t": specs("t")}, cfg))
+    assert 5 <= len(res.records) <= 80  # ~25 expected; Poisson, never unbounded
+    assert max(r.start for r in res.records) <= 0.6
+
+
+def test_drain_timeout_cancels_stragglers() -> None:
+    target = FakeTarget(delay=0.5)
+    cfg = RunConfig(concurrency=2, num_requests=2, duration=0.1, drain_timeout=0.2,
+                    progress=False)
+    res = asyncio.run(run_load(target, [TenantSpec("t")], {"t": specs("t", max_tokens=50)}, cfg))
+    assert [r.status for r in res.records] == [CLIENT_CANCELLED] * 2
+
+
+def test_tenants_get_their_own_processes_and_errors_are_recorded() -> None:
+    target = FakeTarget(fail_tenant="limited")
+    tenants = [TenantSpec("a", share=3), TenantSpec("b", share=1),
+               TenantSpec("limited", concurrency=1)]
+    cfg = RunConfig(concurrency=4, num_requests=40, duration=5, progress=False,
+                    error_backoff=0.01)
+    assert tenant_process(tenants[0], cfg, 4.0) == ("concurrency", 3.0)
+    assert tenant_process(tenants[2], cfg, 4.0) == ("concurrency", 1.0)
+    assert tenant_process(TenantSpec("r", rate=2), cfg, 4.0) == ("rate", 2.0)
+    streams = {t.name: specs(t.name) for t in tenants}
+    res = asyncio.run(run_load(target, tenants, streams, cfg))
+    failed = [r for r in res.records if not r.ok]
+    assert failed
+    assert {r.tenant for r in failed} == {"limited"}
+    assert {r.status for r in failed} == {"RESOURCE_EXHAUSTED"}
+    assert {r.tenant for r in res.records} == {"a", "b", "limited"}
