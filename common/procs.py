@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,17 +22,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import ROOT
+from common.pgroup import stop_process_group, tail
 
 
 class ServiceStartError(RuntimeError):
     """The service exited or did not become healthy in time; carries its log tail."""
-
-
-def tail(path: Path, num_lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-    except FileNotFoundError:
-        return "(no log)"
 
 
 def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
@@ -113,17 +106,9 @@ class ManagedProcess:
         """SIGTERM the process group, SIGKILL after ``timeout``. Returns the exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-            except ProcessLookupError:
-                pass
+        code = stop_process_group(self.proc, timeout)
         self._close_log()
-        return self.proc.returncode
+        return code
 
     def _close_log(self) -> None:
         if self._log is not None:

