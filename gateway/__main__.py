@@ -3,7 +3,9 @@
     python -m gateway --engines 127.0.0.1:50071,127.0.0.1:50072 \\
         --tokenizer 127.0.0.1:50061 --redis-url redis://127.0.0.1:6379/0 [--port 50051]
 
-Config sections ``gateway`` and ``ratelimit`` (YAML < env < flags). Tenant
+The OpenAI-compatible HTTP front (``/v1/chat/completions``, ``/v1/completions``,
+``/v1/models``) serves on ``--http-port`` (``[gateway] http_port``, 8000) in the
+same process. Config sections ``gateway`` and ``ratelimit`` (YAML < env < flags). Tenant
 keys call Gateway; the admin key (``[ratelimit] admin_key``, ``$ADMIN_KEY`` or
 ``--admin-key-file``) calls RateLimitAdmin. SIGTERM: health NOT_SERVING, new
 requests UNAVAILABLE, streams in flight get ``grace_seconds``.
@@ -23,6 +25,7 @@ from common.server import ServiceHooks, run_service
 from gateway import service
 from gateway.app import GatewayApp
 from gateway.config import GatewayConfig
+from gateway.http import HttpFront
 from ratelimit.config import RateLimitConfig
 from ratelimit.service import add_to_server as add_admin_to_server
 
@@ -38,6 +41,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", help="HF checkpoint for in-process detokenization")
     parser.add_argument("--admin-key-file", help="file holding the bootstrap admin key")
     parser.add_argument("--failover", choices=["on", "off"], help="mid-stream failover")
+    parser.add_argument("--http-port", type=int,
+                        help="OpenAI-compatible HTTP port (0 = ephemeral, -1 = off)")
     return parser.parse_args(argv)
 
 
@@ -46,7 +51,7 @@ def load_configs(args: argparse.Namespace) -> tuple[GatewayConfig, RateLimitConf
     failover = None if args.failover is None else args.failover == "on"
     gw = load_config(GatewayConfig, "gateway", path=args.config, overrides={
         **service_overrides(args), "engines": args.engines, "tokenizer": args.tokenizer,
-        "model_dir": args.model_dir, "failover": failover})
+        "model_dir": args.model_dir, "failover": failover, "http_port": args.http_port})
     rl = load_config(RateLimitConfig, "ratelimit", path=args.config, overrides={
         "redis_url": args.redis_url, "admin_key_file": args.admin_key_file})
     return gw, rl
@@ -62,8 +67,21 @@ async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
         return [*service.add_to_server(gateway_servicer, server),
                 *add_admin_to_server(admin_servicer, server)]
 
-    hooks = ServiceHooks(register=register, ready=app.start, on_drain=app.drain,
-                         on_stop=app.close)
+    http = HttpFront(app.pipeline, config.host, config.http_port) if config.http_port >= 0 else None
+
+    async def ready() -> None:
+        await app.start()
+        if http is not None:
+            await http.start()
+
+    async def stop() -> None:
+        if http is not None:
+            await http.stop()
+        await app.close()
+
+    # SIGTERM: app.drain makes the pipeline refuse new requests (gRPC and HTTP alike,
+    # /health answers 503) and waits for streams in flight; then both servers stop.
+    hooks = ServiceHooks(register=register, ready=ready, on_drain=app.drain, on_stop=stop)
     await run_service("gateway", config, hooks)
 
 

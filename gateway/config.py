@@ -40,6 +40,8 @@ class GatewayConfig(ServiceConfig):
         queue_weight / kv_weight: Routing score weights (see ``gateway.routing``).
         startup_wait_s: How long start-up waits for one SERVING engine before
             reporting SERVING anyway (requests then get UNAVAILABLE until one is up).
+        http_port: The OpenAI-compatible HTTP front (``gateway.http``) on ``host``
+            (0 = an ephemeral port, -1 = no HTTP front).
     """
 
     port: int = 50051
@@ -72,6 +74,7 @@ class GatewayConfig(ServiceConfig):
     queue_weight: float = 1.0
     kv_weight: float = 1.0
     startup_wait_s: float = 60.0
+    http_port: int = 8000
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -91,6 +94,8 @@ class GatewayConfig(ServiceConfig):
                      "retry_backoff_base_ms", "retry_backoff_max_ms", "startup_wait_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"[gateway] {name} must be >= 0, got {getattr(self, name)}")
+        if self.http_port < -1:
+            raise ValueError(f"[gateway] http_port must be >= -1 (-1 = off), got {self.http_port}")
         for name in ("retry_budget_ratio", "breaker_error_ratio", "max_ejected_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"[gateway] {name} must be in [0, 1], got {getattr(self, name)}")

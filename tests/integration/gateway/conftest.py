@@ -8,6 +8,7 @@ runs as ``python -m gateway`` on ephemeral ports (``GatewayProcess``).
 from __future__ import annotations
 
 import secrets
+import socket
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ TEST_ENV = {
     "LLM_GATEWAY_GRACE_SECONDS": "5",
     "LLM_GATEWAY_STATS_INTERVAL_S": "0.2",
     "LLM_RATELIMIT_CONCURRENCY_RETRY_MS": "500",
+    "LLM_GATEWAY_HTTP_PORT": "0",  # the OpenAI front on an ephemeral port, never 8000
 }
 
 
@@ -179,3 +181,42 @@ def gateway(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: Red
 @pytest.fixture(scope="session")
 def tok(model_dir: Path) -> TextTokenizer:
     return TextTokenizer(model_dir)
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for servers that cannot report theirs)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class HttpGateway:
+    """A gateway whose OpenAI-compatible HTTP front listens on a known port."""
+
+    gw: GatewayProcess
+    http_port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+
+def start_http_gateway(name: str, engines: list[str], tokenizer: str, redis_url: str,
+                       log_dir: Path, env: dict[str, str] | None = None) -> HttpGateway:
+    port = free_port()
+    gw = start_gateway(name, engines, tokenizer, redis_url, log_dir,
+                       env={"LLM_GATEWAY_HTTP_PORT": str(port), **(env or {})})
+    return HttpGateway(gw, port)
+
+
+@pytest.fixture(scope="session")
+def http_gateway(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: RedisServer,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpGateway]:
+    """A gateway with its OpenAI-compatible front (tests/integration/gateway/test_openai_*)."""
+    hg = start_http_gateway("gateway-http", engines.addresses, tokenizer_server.address,
+                            gw_redis.url, tmp_path_factory.mktemp("gateway-http"))
+    try:
+        yield hg
+    finally:
+        hg.gw.stop()
