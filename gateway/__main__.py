@@ -7,7 +7,8 @@ The OpenAI-compatible HTTP front (``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/models``) serves on ``--http-port`` (``[gateway] http_port``, 8000) in the
 same process. Config sections ``gateway`` and ``ratelimit`` (YAML < env < flags). Tenant
 keys call Gateway; the admin key (``[ratelimit] admin_key``, ``$ADMIN_KEY`` or
-``--admin-key-file``) calls RateLimitAdmin. SIGTERM: health NOT_SERVING, new
+``--admin-key-file``) calls RateLimitAdmin and RoutingAdmin (model versions,
+canary weights, rollback). SIGTERM: health NOT_SERVING, new
 requests UNAVAILABLE, streams in flight get ``grace_seconds``.
 """
 
@@ -22,7 +23,7 @@ import grpc
 from common.config import add_service_args, load_config, service_overrides
 from common.log import configure_logging
 from common.server import ServiceHooks, run_service
-from gateway import service
+from gateway import routing_admin, service
 from gateway.app import GatewayApp
 from gateway.config import GatewayConfig
 from gateway.http import HttpFront
@@ -65,7 +66,8 @@ async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
 
     def register(server: grpc.aio.Server) -> list[str]:
         return [*service.add_to_server(gateway_servicer, server),
-                *add_admin_to_server(admin_servicer, server)]
+                *add_admin_to_server(admin_servicer, server),
+                *routing_admin.add_to_server(app.release.servicer(), server)]
 
     http = HttpFront(app.pipeline, config.host, config.http_port) if config.http_port >= 0 else None
 

@@ -18,6 +18,7 @@ from gateway.breaker import BreakerPolicy
 from gateway.config import GatewayConfig
 from gateway.encoder import Encoder
 from gateway.pipeline import Pipeline
+from gateway.release import ReleaseControl
 from gateway.retry import RetryBudget, RetryPolicy
 from gateway.routing import ReplicaPool
 from gateway.upstream import Dispatcher
@@ -46,6 +47,7 @@ class GatewayApp:
     pool: ReplicaPool
     encoder: Encoder
     pipeline: Pipeline
+    release: ReleaseControl  # model versions, canaries, rollback (RoutingAdmin)
 
     @classmethod
     def from_config(cls, config: GatewayConfig, rl_config: RateLimitConfig) -> GatewayApp:
@@ -65,13 +67,16 @@ class GatewayApp:
             RetryBudget(config.retry_budget_ratio, config.retry_budget_min,
                         config.retry_budget_window_s),
             failover=config.failover, max_failovers=config.max_failovers)
+        release = ReleaseControl.build(config, stack, pool, dispatcher)
         pipeline = Pipeline(config, Authenticator(stack.registry), encoder, tokenizer,
-                            stack.limiter, pool, dispatcher)
-        return cls(config, stack, pool, encoder, pipeline)
+                            stack.limiter, pool, dispatcher, router=release.router,
+                            shadow=release.shadow)
+        return cls(config, stack, pool, encoder, pipeline, release)
 
     async def start(self) -> None:
         """Connect Redis, watch the engines, wait (bounded) for one SERVING engine."""
         await self.stack.start()
+        await self.release.start()
         self.pool.start()
         if not await self.pool.wait_ready(self.config.startup_wait_s):
             log.warning("no engine replica is SERVING yet; requests get UNAVAILABLE until one is",
@@ -83,6 +88,7 @@ class GatewayApp:
 
     async def close(self) -> None:
         """Release every connection."""
+        await self.release.close()
         await self.pool.close()
         await self.encoder.close()
         await self.stack.aclose()

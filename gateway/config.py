@@ -8,8 +8,12 @@ env < command-line flags). Redis, tenants and keys come from the shared
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
 
 from common.config import ServiceConfig
+from gateway.policy import policies_from_config
 
 
 @dataclass(slots=True)
@@ -40,6 +44,13 @@ class GatewayConfig(ServiceConfig):
         queue_weight / kv_weight: Routing score weights (see ``gateway.routing``).
         startup_wait_s: How long start-up waits for one SERVING engine before
             reporting SERVING anyway (requests then get UNAVAILABLE until one is up).
+        routing_policies: Initial routing policy per model (model -> mapping, see
+            ``gateway.policy``; a YAML/JSON string from the environment). Seeded
+            into Redis for models without a policy there; the admin API changes it.
+        routing_policy_cache_ms: Longest time a replica routes by a policy without
+            re-reading Redis (another replica's change takes effect within it).
+        guard_interval_s: Period of the canary guard's pass.
+        shadow_max_in_flight: Shadow copies allowed at once per gateway replica.
         http_port: The OpenAI-compatible HTTP front (``gateway.http``) on ``host``
             (0 = an ephemeral port, -1 = no HTTP front).
     """
@@ -74,6 +85,10 @@ class GatewayConfig(ServiceConfig):
     queue_weight: float = 1.0
     kv_weight: float = 1.0
     startup_wait_s: float = 60.0
+    routing_policies: dict[str, Any] = field(default_factory=dict)
+    routing_policy_cache_ms: int = 1000
+    guard_interval_s: float = 2.0
+    shadow_max_in_flight: int = 8
     http_port: int = 8000
 
     def __post_init__(self) -> None:
@@ -86,12 +101,13 @@ class GatewayConfig(ServiceConfig):
         positive = ("default_max_tokens", "request_timeout_s", "encode_timeout_s",
                     "max_attempts", "breaker_min_calls", "breaker_consecutive_failures",
                     "breaker_open_s", "breaker_half_open_probes", "stats_interval_s",
-                    "retry_budget_window_s")
+                    "retry_budget_window_s", "guard_interval_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"[gateway] {name} must be > 0, got {getattr(self, name)}")
         for name in ("max_max_tokens", "max_failovers", "retry_budget_min",
-                     "retry_backoff_base_ms", "retry_backoff_max_ms", "startup_wait_s"):
+                     "retry_backoff_base_ms", "retry_backoff_max_ms", "startup_wait_s",
+                     "routing_policy_cache_ms", "shadow_max_in_flight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"[gateway] {name} must be >= 0, got {getattr(self, name)}")
         if self.http_port < -1:
@@ -99,3 +115,13 @@ class GatewayConfig(ServiceConfig):
         for name in ("retry_budget_ratio", "breaker_error_ratio", "max_ejected_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"[gateway] {name} must be in [0, 1], got {getattr(self, name)}")
+        self._parse_routing_policies()
+
+    def _parse_routing_policies(self) -> None:
+        raw: Any = self.routing_policies
+        if isinstance(raw, str):
+            raw = yaml.safe_load(raw) or {}
+        if not isinstance(raw, dict):
+            raise ValueError("[gateway] routing_policies must map model names to policies")
+        policies_from_config(raw)  # raises ValueError naming the model and the key
+        self.routing_policies = raw

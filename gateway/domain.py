@@ -75,12 +75,16 @@ class CallContext:
         request_id: Client-chosen id ("" = generate one).
         traceparent: Incoming W3C traceparent ("" = start a trace).
         timeout_s: Client deadline in seconds from now (None = the configured default).
+        session_key: Sticky routing key of a conversation (gRPC: ``x-session-id``
+            metadata; HTTP: the ``x-session-id`` header or the body's ``user``);
+            "" = none. Requests with one key stay on one model version.
     """
 
     authorization: str = ""
     request_id: str = ""
     traceparent: str = ""
     timeout_s: float | None = None
+    session_key: str = ""
     trace_id: str = field(default="", init=False)
     request_id_error: str = field(default="", init=False)
 

@@ -1,9 +1,11 @@
 """Prometheus metrics of the gateway (names are queried by deploy/grafana dashboards).
 
-    gateway_requests_total{tenant,code}                  requests by final status
+    gateway_requests_total{tenant,code,model,version}    requests by final status
     gateway_tokens_charged_total{tenant,kind}            kind = prompt | completion
-    gateway_time_to_first_token_seconds{tenant}          request start -> first token sent
-    gateway_e2e_latency_seconds                          request start -> end
+    gateway_time_to_first_token_seconds{tenant,model,version}
+                                                         request start -> first token sent
+    gateway_e2e_latency_seconds{model,version}           request start -> end
+    gateway_time_per_output_token_seconds{model,version} first token -> end, per later token
     gateway_overhead_seconds                             time the gateway adds before the
                                                          engine call that produced the
                                                          first token (auth, encode,
@@ -15,6 +17,17 @@
     gateway_replica_outstanding{replica}                 calls in flight per replica
     gateway_replica_healthy{replica}                     1 when health says SERVING
     gateway_in_flight                                    requests being served
+
+Versions and canaries (``version`` is the engine's ModelInfo.version; "" when
+a request ended before it was routed):
+
+    gateway_version_attempts_total{model,version,outcome}   ok | error | neutral | unavailable
+    gateway_routing_decisions_total{model,version,reason}   request | pin | weight | any
+    gateway_routing_weight_percent{model,version}           live policy weights
+    gateway_routing_rollbacks_total{model,trigger}          manual | guard
+    gateway_shadow_requests_total{model,version,code}       mirrored calls by outcome
+    gateway_shadow_time_to_first_token_seconds{model,version}
+    gateway_shadow_skipped_total{model,reason}              saturated | unavailable
 """
 
 from __future__ import annotations
@@ -28,14 +41,18 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 REQUESTS = Counter("gateway_requests_total", "Generate requests by tenant and final gRPC status",
-                   ["tenant", "code"])
+                   ["tenant", "code", "model", "version"])
 TOKENS_CHARGED = Counter("gateway_tokens_charged_total",
                          "Tokens settled against tenants' limits", ["tenant", "kind"])
 TTFT = Histogram("gateway_time_to_first_token_seconds",
-                 "Request arrival to the first token sent to the client", ["tenant"],
-                 buckets=_LATENCY_BUCKETS)
+                 "Request arrival to the first token sent to the client",
+                 ["tenant", "model", "version"], buckets=_LATENCY_BUCKETS)
 E2E = Histogram("gateway_e2e_latency_seconds", "Request arrival to the end of the stream",
-                buckets=_LATENCY_BUCKETS)
+                ["model", "version"], buckets=_LATENCY_BUCKETS)
+TPOT = Histogram("gateway_time_per_output_token_seconds",
+                 "First token to the end of the stream, per output token after the first",
+                 ["model", "version"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                                0.25, 0.5, 1.0, 2.5))
 OVERHEAD = Histogram("gateway_overhead_seconds",
                      "Time the gateway spends before the engine call that produced the first "
                      "token (auth, encode, limits, routing, retries)", buckets=_OVERHEAD_BUCKETS)
@@ -52,6 +69,26 @@ OUTSTANDING = Gauge("gateway_replica_outstanding", "Engine calls in flight per r
                     ["replica"])
 HEALTHY = Gauge("gateway_replica_healthy", "1 when the replica's health is SERVING", ["replica"])
 IN_FLIGHT = Gauge("gateway_in_flight", "Generate requests being served")
+VERSION_ATTEMPTS = Counter("gateway_version_attempts_total",
+                           "Engine attempts per model version by outcome (what the canary "
+                           "guard judges)", ["model", "version", "outcome"])
+ROUTING_DECISIONS = Counter("gateway_routing_decisions_total",
+                            "Version chosen for admitted requests, and why",
+                            ["model", "version", "reason"])
+POLICY_WEIGHT = Gauge("gateway_routing_weight_percent",
+                      "Share of a model's traffic the routing policy gives a version",
+                      ["model", "version"])
+ROLLBACKS = Counter("gateway_routing_rollbacks_total", "Routing policy rollbacks",
+                    ["model", "trigger"])
+SHADOW_REQUESTS = Counter("gateway_shadow_requests_total",
+                          "Mirrored (shadow) engine calls by final status; output discarded",
+                          ["model", "version", "code"])
+SHADOW_TTFT = Histogram("gateway_shadow_time_to_first_token_seconds",
+                        "Shadow call start to its first token", ["model", "version"],
+                        buckets=_LATENCY_BUCKETS)
+SHADOW_SKIPPED = Counter("gateway_shadow_skipped_total",
+                         "Shadow copies not sent (too many in flight, no replica)",
+                         ["model", "reason"])
 
 _DIMENSIONS = ((Dimension.REQUESTS, "requests"), (Dimension.TOKENS, "tokens"),
                (Dimension.CONCURRENCY, "concurrency"))

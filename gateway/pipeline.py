@@ -1,9 +1,10 @@
 """The request pipeline: one object every front calls (DESIGN §2, §3).
 
-    auth ─► model + params ─► encode ─► length vs context ─► reserve ─► engine attempts
-    (bearer)  (ModelInfo)   (tokenizer_svc)                  (Redis)    (route, retry,
-                                                                          failover, detok,
-                                                                          stop strings)
+    auth ─► model + params ─► encode ─► length vs context ─► version ─► reserve ─► engine attempts
+    (bearer)  (ModelInfo)   (tokenizer_svc)          (routing policy,  (Redis)   (route, retry,
+                                                      gateway.versions)          failover, detok,
+                                                                                 stop strings)
+                                                      └─ shadow copy (gateway.shadow)
     └──────────── settle exactly once on every ending: done, error, cancel, deadline ──┘
 
 Usage from any front (the gRPC servicer today, the OpenAI-compatible HTTP
@@ -46,8 +47,10 @@ from gateway.params import (
     validate_stop_token_ids,
 )
 from gateway.routing import ModelEntry, ReplicaPool
+from gateway.shadow import ShadowMirror
 from gateway.stream import TextStream
 from gateway.upstream import Dispatcher, EngineJob
+from gateway.versions import RouteDecision, VersionRouter
 from llm.v1 import common_pb2, gateway_pb2
 from ratelimit.config import Tenant
 from ratelimit.decision import Reservation
@@ -64,6 +67,13 @@ class _Admitted:
     tenant: Tenant
     job: EngineJob
     reservation: Reservation | None
+    shadow_version: str = ""
+
+
+@dataclass(slots=True)
+class _Labels:
+    model: str = ""  # set once the model is known (no client strings as label values)
+    version: str = ""
 
 
 class Pipeline:
@@ -77,11 +87,14 @@ class Pipeline:
         limiter: Tenant limits on Redis.
         pool: Engine replicas.
         dispatcher: Engine attempts (retries, failover).
+        router: Model version by routing policy (None = any version, by load).
+        shadow: Shadow copies to candidate versions (None = off).
     """
 
     def __init__(self, config: GatewayConfig, auth: Authenticator, encoder: Encoder,
                  tokenizer: TextTokenizer, limiter: RateLimiter, pool: ReplicaPool,
-                 dispatcher: Dispatcher) -> None:
+                 dispatcher: Dispatcher, router: VersionRouter | None = None,
+                 shadow: ShadowMirror | None = None) -> None:
         self.config = config
         self.auth = auth
         self.encoder = encoder
@@ -89,6 +102,8 @@ class Pipeline:
         self.limiter = limiter
         self.pool = pool
         self.dispatcher = dispatcher
+        self.router = router
+        self.shadow = shadow
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()
@@ -97,7 +112,8 @@ class Pipeline:
     async def list_models(self, authorization: str) -> list[ModelEntry]:
         """Models the caller's tenant may use, with versions and replica counts."""
         tenant = await self.auth.tenant(authorization)
-        return [e for e in self.pool.catalog() if tenant.allows_model(e.model)]
+        entries = [e for e in self.pool.catalog() if tenant.allows_model(e.model)]
+        return await self.router.annotate(entries) if self.router is not None else entries
 
     async def generate(self, request: gateway_pb2.GenerateRequest, call: CallContext
                        ) -> AsyncGenerator[Chunk, None]:
@@ -108,6 +124,7 @@ class Pipeline:
         """
         start = time.perf_counter()
         tenant_label, code = "unauthenticated", grpc.StatusCode.OK
+        labels = _Labels()
         structlog.contextvars.bind_contextvars(request_id=call.request_id,
                                                trace_id=call.trace_id)
         self._enter()
@@ -118,7 +135,8 @@ class Pipeline:
             if call.request_id_error:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, call.request_id_error)
             admitted = await self._admit(request, call, tenant)
-            async for chunk in self._serve(admitted, start):
+            labels.model, labels.version = admitted.job.model, admitted.job.model_version
+            async for chunk in self._serve(admitted, start, labels):
                 yield chunk
         except GatewayError as e:
             code = e.code
@@ -133,8 +151,8 @@ class Pipeline:
                                f"request id {call.request_id}") from None
         finally:
             self._leave()
-            metrics.REQUESTS.labels(tenant_label, code.name).inc()
-            metrics.E2E.observe(time.perf_counter() - start)
+            metrics.REQUESTS.labels(tenant_label, code.name, labels.model, labels.version).inc()
+            metrics.E2E.labels(labels.model, labels.version).observe(time.perf_counter() - start)
 
     def _enter(self) -> None:
         if self.draining:
@@ -171,14 +189,22 @@ class Pipeline:
                 self.config.default_max_tokens, self.config.max_max_tokens)
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        route = await self._route(model, request.model_version, tenant, call)
         reservation = await self._reserve(tenant, len(prompt_ids) + max_tokens)
         job = EngineJob(request_id=call.request_id, traceparent=call.traceparent,
                         tenant_id=tenant.tenant_id,
                         priority=common_pb2.Priority.ValueType(int(tenant.priority)), model=model,
-                        model_version=request.model_version, prompt_token_ids=prompt_ids,
+                        model_version=route.version, prompt_token_ids=prompt_ids,
                         sampling=engine_sampling(request.sampling, max_tokens),
-                        deadline=deadline, stop_strings=list(request.sampling.stop))
-        return _Admitted(tenant, job, reservation)
+                        deadline=deadline, stop_strings=list(request.sampling.stop),
+                        fallback_versions=route.fallbacks)
+        return _Admitted(tenant, job, reservation, route.shadow_version)
+
+    async def _route(self, model: str, version: str, tenant: Tenant,
+                     call: CallContext) -> RouteDecision:
+        if self.router is None:
+            return RouteDecision(version, reason="request" if version else "any")
+        return await self.router.decide(model, version, tenant.tenant_id, call.session_key)
 
     def _unknown_model(self, model: str, version: str) -> GatewayError:
         known = self.pool.catalog()
@@ -207,21 +233,29 @@ class Pipeline:
                                retry_after_ms=retry, trailers=denial_metadata(decision))
         return decision.reservation
 
-    async def _serve(self, admitted: _Admitted, start: float) -> AsyncIterator[Chunk]:
+    async def _serve(self, admitted: _Admitted, start: float,
+                     labels: _Labels) -> AsyncIterator[Chunk]:
         job = admitted.job
         text = TextStream(job.request_id, self.tokenizer, job.stop_strings,
                           len(job.prompt_token_ids))
         tenant = admitted.tenant.tenant_id
-        first = True
+        first_at: float | None = None
+        if admitted.shadow_version and self.shadow is not None:
+            self.shadow.mirror(job, admitted.shadow_version)
         try:
             async with self.limiter.keep_alive(admitted.reservation):
                 async for chunk in self.dispatcher.run(job, text):
-                    if first and chunk.token_ids:
-                        first = False
-                        metrics.TTFT.labels(tenant).observe(time.perf_counter() - start)
+                    labels.version = text.model_version or labels.version
+                    if first_at is None and chunk.token_ids:
+                        first_at = time.perf_counter()
+                        metrics.TTFT.labels(tenant, job.model, labels.version).observe(
+                            first_at - start)
                         metrics.OVERHEAD.observe(max(0.0, text.attempt_started_at - start))
                     yield chunk
         finally:
+            if first_at is not None and len(text.token_ids) > 1:
+                metrics.TPOT.labels(job.model, labels.version).observe(
+                    (time.perf_counter() - first_at) / (len(text.token_ids) - 1))
             await asyncio.shield(self._settle(admitted, text))
 
     async def _settle(self, admitted: _Admitted, text: TextStream) -> None:

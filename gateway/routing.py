@@ -10,8 +10,11 @@ request, and their breaker admits a call. Among them the lowest score wins:
 so an idle replica with a full KV cache loses to an idle one with room, and
 ties go to the replica picked least recently (spreads sequential traffic,
 and sends a recovering half-open replica its probe soon). ``NoReplicaError``
-says, per replica, why none could serve. Routing by model version and
-weights (canaries) plugs in at ``candidates``.
+says, per replica, why none could serve. Replicas are grouped into
+deployments by (model, version) from their ModelInfo; which version a
+request goes to is decided before (``gateway.versions``): ``choose`` takes
+that version and, in order, the versions to fall back to when it has no
+replica able to serve.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.log import get_logger
 from gateway import metrics
@@ -41,6 +44,8 @@ class ModelEntry:
     model: str
     max_context_length: int
     versions: dict[str, tuple[int, int]]  # version -> (num_replicas, num_healthy)
+    routes: dict[str, tuple[float, str]] = field(default_factory=dict)  # version ->
+    # (weight percent, state) under the model's routing policy; empty = no policy
 
 
 def score(replica: Replica, queue_weight: float, kv_weight: float) -> float:
@@ -133,23 +138,37 @@ class ReplicaPool:
                 and r.info is not None and r.info.model == model
                 and (not version or r.info.version == version) and r.breaker.available()]
 
-    def choose(self, model: str, version: str = "", exclude: Iterable[str] = ()) -> Replica:
-        """Pick and acquire a replica; ``release`` it when the call ends.
+    def deployments(self) -> dict[tuple[str, str], list[Replica]]:
+        """Replicas grouped by (model, version) from their ModelInfo."""
+        groups: dict[tuple[str, str], list[Replica]] = {}
+        for r in self.replicas:
+            if r.info is not None:
+                groups.setdefault((r.info.model, r.info.version), []).append(r)
+        return groups
+
+    def choose(self, model: str, version: str = "", exclude: Iterable[str] = (),
+               fallbacks: Sequence[str] = ()) -> Replica:
+        """Pick and acquire a replica of ``version``, else of each fallback version in order.
+
+        ``release`` the replica when the call ends.
 
         Raises:
             NoReplicaError: none can serve; the message says why for each replica.
         """
         exclude = set(exclude)
-        found = self.candidates(model, version, exclude)
-        found.sort(key=lambda r: (score(r, self.queue_weight, self.kv_weight), r.last_pick))
-        for r in found:
-            if r.breaker.admit():
-                r.acquire()
-                return r
-        raise NoReplicaError(self.explain(model, version, exclude))
+        for v in dict.fromkeys((version, *fallbacks)):
+            found = self.candidates(model, v, exclude)
+            found.sort(key=lambda r: (score(r, self.queue_weight, self.kv_weight), r.last_pick))
+            for r in found:
+                if r.breaker.admit():
+                    r.acquire()
+                    return r
+        raise NoReplicaError(self.explain(model, version, exclude, fallbacks))
 
-    def explain(self, model: str, version: str, exclude: set[str]) -> str:
+    def explain(self, model: str, version: str, exclude: set[str],
+                fallbacks: Sequence[str] = ()) -> str:
         """Why no replica can serve ``model`` right now, one clause per replica."""
+        wanted = {version, *fallbacks} if version else set()
         reasons = []
         for r in self.replicas:
             if r.address in exclude:
@@ -160,7 +179,7 @@ class ReplicaPool:
                 why = "draining"
             elif r.info is not None and r.info.model != model:
                 why = f"serves {r.info.model!r}"
-            elif r.info is not None and version and r.info.version != version:
+            elif r.info is not None and wanted and r.info.version not in wanted:
                 why = f"runs version {r.info.version!r}"
             else:
                 why = f"circuit {r.breaker.state.name.lower().replace('_', '-')}"

@@ -21,6 +21,7 @@ from llm.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = get_logger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+SESSION_KEY_HEADER = "x-session-id"  # sticky version routing of one conversation
 
 
 def call_context(request_id: str, context: Context) -> CallContext:
@@ -31,7 +32,8 @@ def call_context(request_id: str, context: Context) -> CallContext:
     return CallContext(authorization=md.get("authorization", ""),
                        request_id=request_id or md.get("x-request-id") or request_id_var.get(),
                        traceparent=md.get("traceparent", ""),
-                       timeout_s=context.time_remaining())
+                       timeout_s=context.time_remaining(),
+                       session_key=md.get(SESSION_KEY_HEADER, "")[:256])
 
 
 def chunk_to_proto(chunk: Chunk) -> gateway_pb2.GenerateResponse:
@@ -46,13 +48,20 @@ def chunk_to_proto(chunk: Chunk) -> gateway_pb2.GenerateResponse:
 
 
 def models_to_proto(entries: list[ModelEntry]) -> gateway_pb2.ListModelsResponse:
-    """The pool's catalog as a ListModelsResponse (one version = 100% of its traffic)."""
+    """The catalog as a ListModelsResponse.
+
+    With a routing policy each version shows its weight (percent) and state
+    (stable | canary | shadow | draining); without one, versions share the
+    traffic by load and each shows an equal share as ``stable``.
+    """
     cards = []
     for e in entries:
         share = 100 // max(1, len(e.versions))
-        versions = [gateway_pb2.ModelVersion(version=v, weight=share, state="stable",
-                                             num_replicas=n, num_healthy_replicas=h)
-                    for v, (n, h) in sorted(e.versions.items())]
+        versions = [gateway_pb2.ModelVersion(
+            version=v, weight=round(e.routes[v][0]) if v in e.routes else share,
+            state=e.routes[v][1] if v in e.routes else "stable",
+            num_replicas=n, num_healthy_replicas=h)
+            for v, (n, h) in sorted(e.versions.items())]
         cards.append(gateway_pb2.ModelCard(id=e.model, max_context_length=e.max_context_length,
                                            versions=versions, owned_by="llm-serving-stack"))
     return gateway_pb2.ListModelsResponse(models=cards)

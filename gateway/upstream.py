@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -52,6 +52,7 @@ class EngineJob:
     sampling: engine_pb2.EngineSamplingParams
     deadline: Deadline
     stop_strings: list[str]
+    fallback_versions: tuple[str, ...] = ()  # tried in order when model_version has none
 
 
 class EngineCallError(Exception):
@@ -94,6 +95,9 @@ class Dispatcher:
         self.budget = budget
         self.failover = failover
         self.max_failovers = max_failovers
+        # Called when an attempt ends: (replica, breaker verdict, attempt start -> first
+        # token in seconds or None); the per-version stats of the canary guard.
+        self.on_attempt: Callable[[Replica, bool | None, float | None], None] | None = None
 
     async def run(self, job: EngineJob, text: TextStream) -> AsyncIterator[Chunk]:
         """Stream the job to the end, or raise ``GatewayError``."""
@@ -136,7 +140,7 @@ class Dispatcher:
 
     def _pick(self, job: EngineJob, tried: list[str], errors: list[EngineCallError]) -> Replica:
         try:
-            return self.pool.choose(job.model, job.model_version, tried)
+            return self.pool.choose(job.model, job.model_version, tried, job.fallback_versions)
         except NoReplicaError as e:
             if errors:
                 raise self._final_error(errors[-1], errors, None, job) from None
@@ -186,11 +190,14 @@ class Dispatcher:
                                      timeout=job.deadline.remaining(), metadata=metadata)
         verdict: bool | None = None
         num_tokens = 0
+        ttft: float | None = None
         try:
             async for resp in call:
                 if resp.finish_reason == common_pb2.ERROR:
                     raise EngineCallError(replica.address, grpc.StatusCode.INTERNAL,
                                           "the engine failed the request", num_tokens)
+                if ttft is None and resp.token_ids:
+                    ttft = time.perf_counter() - text.attempt_started_at
                 num_tokens += len(resp.token_ids)
                 chunk = text.on_engine_chunk(resp)
                 if chunk is not None:
@@ -211,3 +218,5 @@ class Dispatcher:
         finally:
             call.cancel()  # no-op when it ended; else the engine aborts and frees KV at once
             replica.release(verdict)
+            if self.on_attempt is not None:
+                self.on_attempt(replica, verdict, ttft)
