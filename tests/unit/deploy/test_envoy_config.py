@@ -131,6 +131,10 @@ def test_retries_only_before_the_response_starts() -> None:
     admin = by_prefix["/llm.v1.RateLimitAdmin/"]["route"]["retry_policy"]
     # CreateApiKey is not idempotent: only retry what cannot have reached the service
     assert set(admin["retry_on"].split(",")) == {"connect-failure", "refused-stream"}
+    routing = by_prefix["/llm.v1.RoutingAdmin/"]["route"]
+    assert routing["cluster"] == "gateway"  # only the gateway serves RoutingAdmin
+    assert set(routing["retry_policy"]["retry_on"].split(",")) == {"connect-failure",
+                                                                   "refused-stream"}
 
 
 @pytest.mark.parametrize(("name", "service"), [("gateway", "llm.v1.Gateway"),
@@ -152,7 +156,7 @@ def test_upstream_clusters_are_h2_health_checked_and_eject(name: str, service: s
 def test_transcoder_serves_only_the_admin_api(descriptor: Path) -> None:
     cfg = render_config()
     tc = http_filter(cfg, TRANSCODER)
-    assert tc["services"] == ["llm.v1.RateLimitAdmin"]
+    assert tc["services"] == ["llm.v1.RateLimitAdmin", "llm.v1.RoutingAdmin"]
     assert tc["convert_grpc_status"] is True
     assert tc["print_options"]["preserve_proto_field_names"] is True
     assert Path(tc["proto_descriptor"]) == descriptor  # made absolute by the renderer
@@ -176,6 +180,23 @@ def test_descriptor_set_carries_the_admin_http_rules(descriptor: Path) -> None:
     assert all(p.startswith("/v1/admin/") for _, p in paths.values()), paths
     assert paths["UpsertTenant"] == ("put", "/v1/admin/tenants/{id}")
     assert paths["GetTenant"] == ("get", "/v1/admin/tenants/{tenant_id}")
+
+
+def test_descriptor_set_carries_the_routing_admin_http_rules(descriptor: Path) -> None:
+    fds = descriptor_pb2.FileDescriptorSet.FromString(descriptor.read_bytes())
+    (admin,) = [f for f in fds.file if f.name == "llm/v1/admin.proto"]
+    (svc,) = [s for s in admin.service if s.name == "RoutingAdmin"]
+    paths = {}
+    for method in svc.method:
+        opts = descriptor_pb2.MethodOptions.FromString(method.options.SerializeToString())
+        rule = http_pb2.HttpRule()
+        rule.CopyFrom(opts.Extensions[annotations_pb2.http])
+        pattern = rule.WhichOneof("pattern")
+        assert pattern is not None, f"{method.name} has no google.api.http rule"
+        paths[method.name] = (pattern, getattr(rule, pattern))
+    assert all(p.startswith("/v1/admin/models") for _, p in paths.values()), paths
+    assert paths["SetRoutingPolicy"] == ("put", "/v1/admin/models/{model}/routing")
+    assert paths["Rollback"] == ("post", "/v1/admin/models/{model}/rollback")
 
 
 def test_access_log_is_json_with_request_id_and_grpc_status() -> None:
