@@ -7,6 +7,8 @@ stop strings, seeded sampling, logprobs, models, request ids.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -19,10 +21,11 @@ QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name 
 
 
 @pytest.fixture(scope="module")
-def client(http_gateway: HttpGateway) -> openai.OpenAI:
+def client(http_gateway: HttpGateway) -> Iterator[openai.OpenAI]:
     _, key = http_gateway.gw.tenant()
-    return openai.OpenAI(base_url=http_gateway.base_url, api_key=key, max_retries=0,
-                         timeout=60)
+    with openai.OpenAI(base_url=http_gateway.base_url, api_key=key, max_retries=0,
+                       timeout=60) as c:
+        yield c
 
 
 def test_chat_completion_with_usage_and_request_id(client: openai.OpenAI) -> None:
