@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine_svc.models import cpu_kernels
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -32,6 +34,8 @@ class AttentionMetadata:
         num_decode_tokens: the first ``num_decode_tokens`` rows are decodes (q_len 1).
         decode_blocks: [Bd, nblk] block table of each decode (0 = padding).
         decode_mask: [Bd, 1, 1, nblk * block_size] keys to attend, None when none is padding.
+        decode_context_lens: [Bd] tokens each decode attends to (for the C kernel).
+        decode_max_ctx: the largest of them.
         prefill_fresh: one prefill with no cached prefix: plain causal attention.
         prefill_q_index: [P * Qmax] rows of the prefill tokens, padded per sequence.
         prefill_blocks: [P, nblk] block table of each prefill (0 = padding).
@@ -43,6 +47,8 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_blocks: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    decode_max_ctx: int = 0
     prefill_fresh: bool = False
     prefill_q_index: torch.Tensor | None = None
     prefill_blocks: torch.Tensor | None = None
@@ -85,7 +91,9 @@ def build_attention_metadata(
     if num_decodes:
         ctx = computed[:num_decodes] + 1
         nblk = -(-int(ctx.max()) // block_size)
-        meta.decode_blocks = bt[:num_decodes, :nblk]
+        meta.decode_blocks = bt[:num_decodes, :nblk].contiguous()
+        meta.decode_context_lens = ctx
+        meta.decode_max_ctx = int(ctx.max())
         if int(ctx.min()) != nblk * block_size:
             valid = torch.arange(nblk * block_size, device=device) < ctx[:, None]
             meta.decode_mask = valid[:, None, None, :]
@@ -140,21 +148,43 @@ def paged_attention(
     Returns:
         [T, H * D] attention output in the cache dtype.
     """
-    num_kv_heads = k.shape[1]
-    k_cache.view(-1, num_kv_heads, k.shape[2]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, k.shape[2]).index_copy_(0, meta.slot_mapping, v)
-    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, head_dim = k.shape
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    num_tokens = q.shape[0]
     nd = meta.num_decode_tokens
     parts: list[torch.Tensor] = []
     if nd:
-        assert meta.decode_blocks is not None
-        kd, vd = _gather(k_cache, v_cache, meta.decode_blocks)
-        qd = q[:nd].view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-        parts.append(out.reshape(nd, num_heads * head_dim))
+        parts.append(_decode_attention(q[:nd], k_cache, v_cache, meta))
     if num_tokens > nd:
         parts.append(_prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    return (
+        q.device.type == "cpu"
+        and k_cache.dtype == torch.float32
+        and cpu_kernels.decode_kernel_available()
+    )
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    nd, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert meta.decode_blocks is not None
+    if _use_kernel(q, k_cache):
+        assert meta.decode_context_lens is not None
+        out = cpu_kernels.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens, meta.decode_max_ctx
+        )
+        return out.view(nd, num_heads * head_dim)
+    kd, vd = _gather(k_cache, v_cache, meta.decode_blocks)
+    qd = q.reshape(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+    return out.reshape(nd, num_heads * head_dim)
 
 
 def _prefill_attention(
