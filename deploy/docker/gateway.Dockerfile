@@ -30,9 +30,10 @@ COPY --from=build /app /app
 WORKDIR /app
 ENV PATH=/opt/venv/bin:$PATH PYTHONPATH=/app PYTHONUNBUFFERED=1 \
     LLM_CONFIG=/app/config/stack.yaml \
-    LLM_GATEWAY_HOST=0.0.0.0 LLM_GATEWAY_PORT=50051 LLM_GATEWAY_METRICS_PORT=9451
+    LLM_GATEWAY_HOST=0.0.0.0 LLM_GATEWAY_PORT=50051 LLM_GATEWAY_METRICS_PORT=9451 \
+    LLM_GATEWAY_HTTP_PORT=8000
 USER 10001:10001
-EXPOSE 50051 9451
+EXPOSE 50051 9451 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-m", "deploy.healthcheck", "127.0.0.1:50051", "llm.v1.Gateway"]
 ENTRYPOINT ["python", "-m", "gateway"]

@@ -11,6 +11,8 @@ only what differs:
                                     0 drops the stats listener, which proxies to it
     gateway / admin                 endpoints of the "gateway" / "admin" clusters
                                     (STATIC when all are IPs, else STRICT_DNS)
+    gateway_http                    endpoints of the "gateway_http" cluster: the
+                                    gateways' OpenAI-compatible HTTP port
     proto_descriptor                the descriptor set the transcoder reads
     access_log_path                 where the JSON access log goes
 
@@ -43,6 +45,7 @@ ADMIN_HOST = "127.0.0.1"  # never anything else: the admin API can stop Envoy
 PUBLIC_LISTENER = "public"
 STATS_LISTENER = "stats"
 GATEWAY_CLUSTER = "gateway"
+GATEWAY_HTTP_CLUSTER = "gateway_http"
 ADMIN_CLUSTER = "admin"
 ENVOY_ADMIN_CLUSTER = "envoy_admin"
 TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
@@ -79,6 +82,7 @@ EndpointLike = str | tuple[str, int] | Endpoint
 CONTAINER_PRESET: dict[str, Any] = {
     "listener_host": "0.0.0.0",
     "gateway": ["gateway:50051"],
+    "gateway_http": ["gateway:8000"],
     "admin": ["gateway:50051"],
     "proto_descriptor": "/etc/envoy/llm_v1.pb",
     "access_log_path": "/dev/stdout",
@@ -195,6 +199,7 @@ def render_config(
     stats_port: int | None = None,
     gateway: Sequence[EndpointLike] | None = None,
     admin: Sequence[EndpointLike] | None = None,
+    gateway_http: Sequence[EndpointLike] | None = None,
     proto_descriptor: str | Path | None = None,
     access_log_path: str | Path | None = None,
     base: str | Path = ENVOY_YAML,
@@ -225,6 +230,8 @@ def render_config(
         _set_endpoints(config, GATEWAY_CLUSTER, gateway)
     if admin is not None:
         _set_endpoints(config, ADMIN_CLUSTER, admin)
+    if gateway_http is not None:
+        _set_endpoints(config, GATEWAY_HTTP_CLUSTER, gateway_http)
     transcoder = http_filter(config, TRANSCODER)
     descriptor = Path(proto_descriptor or transcoder["proto_descriptor"])
     if not descriptor.is_absolute():
@@ -263,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stats-port", type=int)
     parser.add_argument("--gateway", action="append", help="gateway endpoint host:port (repeat)")
     parser.add_argument("--admin", action="append", help="RateLimitAdmin endpoint (repeat)")
+    parser.add_argument("--gateway-http", action="append",
+                        help="gateway OpenAI-compatible HTTP endpoint host:port (repeat)")
     parser.add_argument("--descriptor", help="proto descriptor set path")
     parser.add_argument("--access-log", help="access log path (default /dev/stdout)")
     parser.add_argument("-o", "--output", required=True, help="where to write the YAML")
@@ -273,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides.update(listener_host=ep.host, listener_port=ep.port)
     for key, value in (("admin_port", args.admin_port), ("stats_port", args.stats_port),
                        ("gateway", args.gateway), ("admin", args.admin),
+                       ("gateway_http", args.gateway_http),
                        ("proto_descriptor", args.descriptor),
                        ("access_log_path", args.access_log)):
         if value is not None:

@@ -13,7 +13,7 @@ DESCRIPTOR_SET = ROOT / "build" / "llm_v1.pb"
 
 # DESIGN.md §7 defaults; config/stack.yaml wins for the sections it has.
 DESIGN_PORTS: dict[str, dict[str, int]] = {
-    "gateway": {"port": 50051, "metrics_port": 9451},
+    "gateway": {"port": 50051, "metrics_port": 9451, "http_port": 8000},
     "tokenizer": {"port": 50061, "metrics_port": 9461},
     "engine": {"port": 50071, "metrics_port": 9471},
 }
@@ -29,10 +29,10 @@ HEALTH_SERVICE = {
 
 
 def service_ports(section: str) -> dict[str, int]:
-    """gRPC and metrics port of a service: config/stack.yaml, else the DESIGN default."""
+    """gRPC, metrics (and HTTP) ports of a service: config/stack.yaml, else the defaults."""
     doc = yaml.safe_load((ROOT / "config" / "stack.yaml").read_text()) or {}
     ports = dict(DESIGN_PORTS[section])
-    for key in ("port", "metrics_port"):
+    for key in ports:
         if key in (doc.get(section) or {}):
             ports[key] = int(doc[section][key])
     return ports

@@ -108,7 +108,7 @@ def test_python_images_run_their_service_on_the_configured_ports(name: str) -> N
     ports = service_ports(section)
     assert final.all("ENTRYPOINT") == [f'["python", "-m", "{MODULE_OF[name]}"]']
     exposed = {int(p) for arg in final.all("EXPOSE") for p in arg.split()}
-    assert exposed == {ports["port"], ports["metrics_port"]}
+    assert exposed == set(ports.values())  # gateway: + the OpenAI HTTP port
     env = " ".join(final.all("ENV"))
     prefix = f"LLM_{section.upper()}_"
     assert f"{prefix}PORT={ports['port']}" in env

@@ -74,7 +74,8 @@ def test_envoy_validates_the_file_as_written(descriptor: Path) -> None:
     "overrides",
     [
         {"listener_port": 0, "admin_port": 0, "gateway": ["127.0.0.1:1", "127.0.0.1:2"],
-         "admin": ["127.0.0.1:3"], "listener_host": "127.0.0.1"},
+         "admin": ["127.0.0.1:3"], "gateway_http": ["127.0.0.1:4"],
+         "listener_host": "127.0.0.1"},
         {**CONTAINER_PRESET, "proto_descriptor": str(DESCRIPTOR_SET)},
         {"listener_port": 18080, "admin_port": 19901, "stats_port": 19902,
          "access_log_path": "/dev/null"},
@@ -104,6 +105,7 @@ def test_as_written_is_the_make_run_layout() -> None:
     assert listener(cfg, "public")["address"]["socket_address"]["port_value"] == ENVOY_PUBLIC_PORT
     assert cluster_endpoints(cfg, "gateway") == [Endpoint("127.0.0.1", 50051)]
     assert cluster_endpoints(cfg, "admin") == [Endpoint("127.0.0.1", 50051)]
+    assert cluster_endpoints(cfg, "gateway_http") == [Endpoint("127.0.0.1", 8000)]
     assert cluster_endpoints(cfg, "envoy_admin") == [Endpoint("127.0.0.1", ENVOY_ADMIN_PORT)]
 
 
@@ -223,6 +225,9 @@ def test_render_replaces_only_what_it_is_given(tmp_path: Path) -> None:
     assert cluster_endpoints(cfg, "gateway") == [Endpoint("127.0.0.1", 7001),
                                                  Endpoint("127.0.0.1", 7002)]
     assert cluster_endpoints(cfg, "admin") == [Endpoint("10.0.0.5", 7003)]
+    assert cluster_endpoints(cfg, "gateway_http") == [Endpoint("127.0.0.1", 8000)]  # kept
+    http = render_config(gateway_http=["127.0.0.1:7004"])
+    assert cluster_endpoints(http, "gateway_http") == [Endpoint("127.0.0.1", 7004)]
     # the YAML anchors are unshared: the admin cluster kept its own health check
     assert cluster(cfg, "admin")["health_checks"][0]["grpc_health_check"]["service_name"] == (
         "llm.v1.RateLimitAdmin")
@@ -256,8 +261,47 @@ def test_container_preset_keeps_admin_on_loopback(tmp_path: Path) -> None:
     assert cfg["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     assert listener(cfg, "public")["address"]["socket_address"]["address"] == "0.0.0.0"
     assert cluster_endpoints(cfg, "gateway") == [Endpoint("gateway", 50051)]
+    assert cluster_endpoints(cfg, "gateway_http") == [Endpoint("gateway", 8000)]
     assert http_filter(cfg, TRANSCODER)["proto_descriptor"] == "/etc/envoy/llm_v1.pb"
     stats = listener(cfg, "stats")
     vhost = stats["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
     paths = {r["match"]["path"] for r in vhost["virtual_hosts"][0]["routes"]}
     assert paths == {"/stats/prometheus", "/ready"}  # nothing else of the admin API
+
+
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+
+
+@pytest.mark.parametrize("path", OPENAI_PATHS)
+def test_openai_routes_stream_to_the_gateway_http_port(path: str) -> None:
+    by_match = routes(load_config())
+    r = by_match[path]
+    route = r["route"]
+    assert route["cluster"] == "gateway_http"
+    assert route["timeout"] == "0s"  # SSE streams as long as the generation runs
+    assert route["idle_timeout"] not in ("0s", None)
+    assert "per_try_timeout" not in route["retry_policy"]  # would cut a live stream
+    assert set(route["retry_policy"]["retry_on"].split(",")) == {
+        "connect-failure", "refused-stream", "retriable-status-codes"}
+    assert route["retry_policy"]["retriable_status_codes"] == [503]
+    # nothing on the route may buffer: the transcoder is switched off there
+    per_filter = r["typed_per_filter_config"][TRANSCODER]
+    assert per_filter["disabled"] is True
+    assert by_match["/v1/models"]["match"] == {"prefix": "/v1/models"}  # and /v1/models/{id}
+
+
+def test_public_listener_has_no_buffering_filter() -> None:
+    names = [f["name"] for f in http_connection_manager(load_config())["http_filters"]]
+    assert names == [TRANSCODER, "envoy.filters.http.router"]
+    assert not any("buffer" in n or "compressor" in n for n in names)
+
+
+def test_gateway_http_cluster_is_http1_and_health_checked() -> None:
+    cl = cluster(load_config(), "gateway_http")
+    opts = cl["typed_extension_protocol_options"][
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+    assert "http_protocol_options" in opts["explicit_http_config"]  # aiohttp speaks HTTP/1.1
+    (hc,) = cl["health_checks"]
+    assert hc["http_health_check"]["path"] == "/health"  # 503 while the gateway drains
+    assert cl["outlier_detection"]["enforcing_consecutive_5xx"] == 100
+    assert 0 < cl["outlier_detection"]["max_ejection_percent"] < 100

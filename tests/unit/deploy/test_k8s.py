@@ -129,6 +129,12 @@ def test_gateway_has_hpa_pdb_and_a_headless_service(docs: list[Doc]) -> None:
     (endpoint,) = [Endpoint.parse(e) for e in CONTAINER_PRESET["gateway"]]
     assert endpoint == Endpoint("gateway", svc["spec"]["ports"][0]["port"])
     assert endpoint.port == service_ports("gateway")["port"]
+    (http,) = [Endpoint.parse(e) for e in CONTAINER_PRESET["gateway_http"]]
+    (svc_http,) = [p for p in svc["spec"]["ports"] if p["name"] == "http"]
+    assert http == Endpoint("gateway", svc_http["port"])
+    assert http.port == service_ports("gateway")["http_port"]
+    c = container(gw, "gateway")
+    assert {"name": "http", "containerPort": http.port} in c["ports"]
 
 
 def test_admin_key_comes_from_a_secret(docs: list[Doc]) -> None:
@@ -147,8 +153,9 @@ def test_admin_key_comes_from_a_secret(docs: list[Doc]) -> None:
 def test_probes_are_grpc_health_on_the_service_port(docs: list[Doc], name: str) -> None:
     c = container(find(docs, "Deployment", name), name)
     port = service_ports(name)["port"]
+    names = {"port": "grpc", "metrics_port": "metrics", "http_port": "http"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
-        "grpc": port, "metrics": service_ports(name)["metrics_port"]}
+        names[k]: v for k, v in service_ports(name).items()}
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert c[probe]["grpc"]["port"] == port, probe
     # ready = the service itself is SERVING (NOT_SERVING while warming or draining)
