@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import random
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -27,6 +29,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
 from common.procs import ManagedProcess
+from deploy.envoy import EnvoyProcess, render_config_file
 from gateway.policy import RoutingPolicy, pick_version
 from gateway.versions import sticky_key
 from llm.v1 import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc, gateway_pb2
@@ -348,3 +351,52 @@ def test_unknown_model_or_version_is_not_found_with_the_valid_names(
         vgw.generate(key, req)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert CANARY in (err.value.details() or "")
+
+
+@pytest.fixture(scope="module")
+def edge(vgw: GatewayProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Envoy (deploy/envoy/envoy.yaml) in front of this module's gateway."""
+    workdir = tmp_path_factory.mktemp("versions-envoy")
+    config = render_config_file(workdir / "envoy.yaml", listener_host="127.0.0.1",
+                                listener_port=0, admin_port=0, gateway=[vgw.proc.address],
+                                admin=[vgw.proc.address], access_log_path=workdir / "access.log")
+    envoy = EnvoyProcess(config, log_dir=workdir)
+    envoy.start(timeout=30)
+    try:
+        yield f"http://{envoy.listener_address()}"
+    finally:
+        envoy.stop()
+
+
+def http_json(method: str, url: str, body: dict[str, Any] | None = None,
+              auth: str = "") -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(url, method=method,
+                                 data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"content-type": "application/json",
+                                          **({"authorization": auth} if auth else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def test_routing_admin_as_http_json_through_envoy(edge: str, vgw: GatewayProcess, model: str,
+                                                  stable_info: engine_pb2.ModelInfo) -> None:
+    stable = stable_info.version
+    auth = dict(vgw.admin_md)["authorization"]
+    base = f"{edge}/v1/admin/models/{model}"
+    status, _ = http_json("GET", f"{base}/routing")
+    assert status == 401
+    status, policy = http_json("PUT", f"{base}/routing", {
+        "stable_version": stable, "weights": {stable: 90, CANARY: 10},
+        "sticky": "STICKY_NONE", "reason": "canary via http"}, auth)
+    assert status == 200, policy
+    assert policy["weights"] == {stable: 90, CANARY: 10}
+    status, rollout = http_json("GET", f"{base}/rollout", auth=auth)
+    assert status == 200
+    assert {v["version"]: v["weight_percent"] for v in rollout["versions"]}[CANARY] == 10
+    status, rolled = http_json("POST", f"{base}/rollback", {"reason": "http rollback"}, auth)
+    assert status == 200
+    assert rolled["weights"] == {stable: 100}
+    assert rolled["last_rollback_reason"] == "http rollback"
