@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
+from common.config import load_config
 from gateway.config import GatewayConfig
 from gateway.policy import (
     GuardPolicy,
@@ -73,3 +75,22 @@ def test_config_takes_yaml_mapping_or_json_string() -> None:
     assert policies_from_config(cfg.routing_policies)["m"].weights == {"v1": 1}
     with pytest.raises(ValueError, match="routing policy of 'm'"):
         GatewayConfig(routing_policies={"m": {"stable_version": "v1", "weights": {}}})
+
+
+def test_stack_yaml_section_with_a_nested_policy(tmp_path: Path) -> None:
+    path = tmp_path / "stack.yaml"
+    path.write_text(
+        "gateway:\n"
+        "  routing_policy_cache_ms: 250\n"
+        "  routing_policies:\n"
+        "    SmolLM2-135M-Instruct:\n"
+        "      stable_version: v1\n"
+        "      weights: {v1: 95, v2: 5}\n"
+        "      tenant_pins: {beta-team: v2}\n"
+        "      sticky: session\n"
+        "      guard: {enabled: true, min_requests: 50, max_error_rate_increase: 0.02}\n")
+    cfg = load_config(GatewayConfig, "gateway", path=path, env={})
+    (policy,) = policies_from_config(cfg.routing_policies).values()
+    assert policy.percent("v2") == pytest.approx(5.0)
+    assert policy.tenant_pins == {"beta-team": "v2"}
+    assert cfg.routing_policy_cache_ms == 250
