@@ -109,18 +109,18 @@ def test_fairness_through_the_gateway(gateway: ManagedProcess, engine_server: Ma
 
 def test_capacity_measures_a_real_engine(model_dir: Path, tmp_path: Path) -> None:
     assert capacity.main(["--model-dir", str(model_dir), "--out", str(tmp_path), "--measure",
-                          "--measure-blocks", "8", "--measure-contexts", "32",
+                          "--measure-blocks", "2", "--measure-contexts", "16",
                           "--measure-concurrency", "1", "--measure-max-seqs", "4",
                           "--contexts", "256,1024", "--weight-dtype", "fp32"]) == 0
     rep = json.loads((tmp_path / "capacity.json").read_text())
     m = rep["measured"]
-    assert m["kv_cache_bytes"] == 8 * 16 * 46080  # fp32 KV on CPU
+    assert m["kv_cache_bytes"] == 2 * 16 * 46080  # fp32 KV on CPU
     one, over = m["points"]
     assert one["num_requests"] == 1
-    assert one["peak_blocks_used"] == one["predicted_peak_blocks"] == 2
-    assert over["num_requests"] == 6  # 8 // 2 fit + 2
-    assert over["max_num_running"] <= 4  # max_num_seqs caps it
-    assert over["peak_blocks_used"] <= 8
+    assert one["peak_blocks_used"] == one["predicted_peak_blocks"] == 1
+    assert over["num_requests"] == 4  # 2 // 1 fit + 2
+    assert over["peak_blocks_used"] <= 2
+    assert 2 <= over["max_num_running"] <= 4
     assert (tmp_path / "capacity.png").stat().st_size > 10_000
 
 
