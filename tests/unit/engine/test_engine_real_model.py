@@ -27,7 +27,7 @@ TEXTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "<|im_start|>user\nList three primary colors.<|im_end|>\n<|im_start|>assistant\n",
 ]
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 NOISE_MARGIN = 1e-3
 
 
@@ -127,3 +127,17 @@ def test_greedy_batched_and_staggered_match_hf(
             real_engine.add_request(f"s{i}", p, _params())
     for i, ref in enumerate(hf_greedy):
         assert_greedy_equal(streams[f"s{i}"], ref)
+
+
+def test_chunked_prefill_matches_hf(
+    real_engine: LLMEngine,
+    prompts: list[list[int]],
+    hf_greedy: list[tuple[list[int], list[float]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(real_engine.scheduler.config, "max_num_batched_tokens", 6)
+    for i, p in enumerate(prompts):
+        real_engine.add_request(f"c{i}", p, _params())
+    outs = run_to_completion(real_engine)
+    for i, ref in enumerate(hf_greedy):
+        assert_greedy_equal(tokens_of(outs[f"c{i}"]), ref)
