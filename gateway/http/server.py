@@ -66,7 +66,8 @@ async def openai_middleware(request: web.Request, handler: Handler) -> web.Strea
                                         code="internal_error"))
     finally:
         RESPONSES.labels(_route(request), str(status)).inc()
-        log.info("http request", method=request.method, path=request.path, status=status,
+        emit = log.debug if request.path == "/health" else log.info  # probes every few s
+        emit("http request", method=request.method, path=request.path, status=status,
                  request_id=request[CALL_KEY].request_id,
                  duration_ms=round((time.perf_counter() - start) * 1000, 1))
 
