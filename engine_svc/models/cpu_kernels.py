@@ -27,7 +27,18 @@ from common.config import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffp-contract=fast",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-shared",
+    "-fPIC",
+    "-std=gnu11",
+    "-pthread",
+]
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 
