@@ -206,16 +206,20 @@ def small_engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def test_queue_full_is_resource_exhausted_with_retry_after(small_engine: ManagedProcess) -> None:
     with grpc.insecure_channel(small_engine.address) as ch:
         stub = engine_pb2_grpc.EngineStub(ch)
-        calls = [stub.Generate(request(f"q{i}", [1, 2, 3], 400, ignore_eos=True))
-                 for i in range(2)]
-        first = next(iter(calls[0]))  # q0 runs; q1 waits
-        assert first.token_ids
+        # one at a time, so the arrival order is known: q0 runs, then q1 waits
+        running = stub.Generate(request("q0", [1, 2, 3], 400, ignore_eos=True))
+        assert next(iter(running)).token_ids
+        waiting = stub.Generate(request("q1", [1, 2, 3], 400, ignore_eos=True))
+        deadline = time.monotonic() + 30
+        while stub.GetStats(engine_pb2.GetStatsRequest()).num_waiting < 1:
+            assert time.monotonic() < deadline, "q1 never reached the waiting queue"
+            time.sleep(0.02)
         with pytest.raises(grpc.RpcError) as err:
             collect(stub, request("q2", [1, 2, 3], 4), timeout=30)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         trailers: dict[str, Any] = dict(err.value.trailing_metadata() or ())  # type: ignore[arg-type]
         assert int(trailers["retry-after-ms"]) > 0
-        for c in calls:
+        for c in (running, waiting):
             c.cancel()  # type: ignore[no-untyped-call]
 
 
