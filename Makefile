@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .DEFAULT_GOAL := help
-.PHONY: help setup install protos model run test test-unit test-integration lint bench clean check-all
+.PHONY: help setup install protos model run test test-unit test-integration lint bench bench-load clean check-all
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -63,6 +63,12 @@ bench: setup ## benchmarks; reports go to bench/reports/
 	$(PY) -m bench.ratelimit_bench
 	$(PY) -m bench.engine_grpc_bench
 	$(PY) -m bench.gateway_bench
+
+bench-load: setup ## load run, rate sweep, fairness experiments, capacity template (~10 min)
+	$(PY) -m bench.load run --spawn --target gateway --rate 1 --duration 30 --mix chatlike --max-output-tokens 64 --tenant name=gold,priority=CRITICAL,share=1 --tenant name=free,priority=LOW,share=2 --no-progress
+	$(PY) -m bench.load sweep --spawn --target engine --mix short_chat --rate-start 0.5 --rate-factor 2 --max-steps 5 --duration 15 --ttft-p95-target-ms 2000 --no-progress
+	$(PY) -m bench.load fairness --spawn --max-output-tokens 32 --no-progress
+	$(PY) -m engine_svc capacity --measure
 
 clean: ## remove generated code, caches and run state (keeps the venv and model)
 	rm -rf llm build .run .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/reports

@@ -147,7 +147,8 @@ def bring_up(stack: Stack) -> None:
     stack.start(ManagedProcess(
         name="gateway", module="gateway", log_dir=stack.log_dir, host=gw.host,
         args=["--port", str(gw.port), "--metrics-port", str(gw.metrics_port),
-              "--engines", engine, "--tokenizer", stack.by_name("tokenizer").address,
+              "--http-port", str(gw.http_port), "--engines", engine,
+              "--tokenizer", stack.by_name("tokenizer").address,
               "--redis-url", redis_url, "--admin-key-file", str(RUN_DIR / "admin.key"),
               *common]))
     gateway = stack.by_name("gateway").address
@@ -156,6 +157,7 @@ def bring_up(stack: Stack) -> None:
     cfg = render_config_file(
         RUN_DIR / "envoy.yaml", listener_host=ev.host, listener_port=ev.port,
         admin_port=ev.admin_port, gateway=[gateway], admin=[gateway],
+        gateway_http=[f"{gw.host}:{gw.http_port}"],
         access_log_path=stack.log_dir / "envoy-access.log")
     stack.envoy = EnvoyProcess(cfg, log_dir=stack.log_dir)
     stack.envoy.start(timeout=60)
@@ -194,6 +196,17 @@ def banner(stack: Stack) -> str:
         f"http://{host}:{port}/v1/admin/tenants/{DEMO_TENANT}/usage",
         f"  grpcurl -plaintext -H \"authorization: Bearer $(cat {_rel(RUN_DIR / 'demo.key')})\" "
         f"-d '{{\"prompt\": \"Hi\"}}' {edge} llm.v1.Gateway/Generate",
+        "",
+        "OpenAI-compatible HTTP (same keys, limits and metrics):",
+        f"  curl -N http://{host}:{port}/v1/chat/completions "
+        f"-H \"Authorization: Bearer $(cat {_rel(RUN_DIR / 'demo.key')})\" "
+        "-H 'Content-Type: application/json' -d '{\"model\": \"\", \"messages\": "
+        "[{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 32, \"stream\": true}'",
+        f"  {py} -c \"from openai import OpenAI; c = OpenAI(base_url='http://{host}:{port}/v1', "
+        f"api_key=open('{_rel(RUN_DIR / 'demo.key')}').read().strip()); "
+        "print(c.chat.completions.create(model='', max_tokens=32, "
+        "messages=[{'role': 'user', 'content': 'What is the capital of France?'}])"
+        ".choices[0].message.content)\"",
         "",
         "Ctrl-C stops everything.",
     ]

@@ -98,7 +98,7 @@ class Stack:
         self.gateway = self._proc(
             "bench-gateway", "gateway",
             ["--engines", ",".join(self.engines), "--tokenizer", self.tokenizer,
-             "--redis-url", redis.url, *md], gw_env, 120).address
+             "--redis-url", redis.url, "--http-port", "-1", *md], gw_env, 120).address
         if spec.envoy:
             from deploy.envoy import EnvoyProcess, render_config_file
 
@@ -113,7 +113,8 @@ class Stack:
     def stop(self) -> None:
         """Stop every started service, last started first, each by pid."""
         while self._started:
-            self._started.pop().stop()
+            started = self._started.pop()
+            getattr(started, "close", started.stop)()  # RedisServer.close also removes its dir
 
     def __enter__(self) -> Stack:
         return self.start()

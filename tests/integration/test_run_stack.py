@@ -24,6 +24,7 @@ from llm.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from ratelimit.testing import free_port
 from tests.conftest import ENGINE_TEST_ENV
 
 pytestmark = pytest.mark.integration
@@ -36,6 +37,7 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
     for svc in ("TOKENIZER", "ENGINE", "GATEWAY"):
         env[f"LLM_{svc}_PORT"] = env[f"LLM_{svc}_METRICS_PORT"] = "0"
     env["LLM_ENVOY_PORT"] = env["LLM_ENVOY_ADMIN_PORT"] = "0"
+    env["LLM_GATEWAY_HTTP_PORT"] = str(free_port())
     env["LLM_ENVOY_HOST"] = "127.0.0.1"
     proc = subprocess.Popen([sys.executable, "-m", "scripts.run_stack"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -71,6 +73,11 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
                     max_tokens=3)), metadata=(("authorization", f"Bearer {demo_key}"),),
                 timeout=60))
             assert chunks[-1].usage.completion_tokens == 3
+        openai = subprocess.run(  # the banner's OpenAI SDK example, through Envoy
+            ["bash", "-c", next(ln for ln in out.splitlines() if "from openai import" in ln)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert openai.returncode == 0, openai.stderr
+        assert openai.stdout.strip()
         client = subprocess.run(
             [sys.executable, "-m", "gateway.client", "--address", addr["envoy"], "chat", "Hi",
              "--max-tokens", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
