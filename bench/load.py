@@ -151,6 +151,10 @@ def execute(args: argparse.Namespace, stack: Stack | None, out_dir: Path) -> dic
             plots.plot_run(records, report["engine"], out_dir / f"load_{name}.png",
                            f"{endpoint.kind}: {args.mix}")
             print(format_table(report["overall"], f"{endpoint.kind} {name}"))
+            versions = report.get("per_version", {})
+            if len(versions) > 1:  # a canary beside the stable version
+                for version, summary in versions.items():
+                    print(format_table(summary, f"version {version}"))
     (out_dir / f"load_{name}.json").write_text(json.dumps(report, indent=1, default=str))
     print(f"report: {out_dir / f'load_{name}.json'} (+ .png)")
     return report

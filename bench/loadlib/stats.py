@@ -105,13 +105,18 @@ def breakdown(records: Sequence[RequestRecord], wall_s: float,
 
 def full_summary(records: Sequence[RequestRecord], wall_s: float, slo: Slo | None = None
                  ) -> dict[str, Any]:
-    """Overall, per-tenant, per-priority and per-workload-kind summaries."""
+    """Overall, per-tenant, per-priority, per-workload-kind and per-model-version summaries.
+
+    ``per_version`` puts a canary's TTFT/TPOT/error rate beside the stable
+    version's (requests refused before any version was chosen count as "-").
+    """
     return {
         "overall": summarize(records, wall_s, slo),
         "per_tenant": breakdown(records, wall_s, lambda r: r.tenant, slo),
         "per_priority": breakdown(records, wall_s,
                                   lambda r: PRIORITY_NAMES.get(r.priority, str(r.priority)), slo),
         "per_kind": breakdown(records, wall_s, lambda r: r.kind, slo),
+        "per_version": breakdown(records, wall_s, lambda r: r.version or "-", slo),
     }
 
 

@@ -32,6 +32,9 @@ from llm.v1 import (
     gateway_pb2_grpc,
 )
 
+# what a target yields per chunk: (new token ids, prompt tokens or 0, model version or "")
+Progress = tuple[int, int, str]
+
 OK = "OK"
 CLIENT_CANCELLED = "CLIENT_CANCELLED"  # the run's drain timeout cut the stream
 
@@ -52,6 +55,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     status: str = OK
     error: str = ""
+    version: str = ""  # the model version that served it (gateway targets; first chunk)
 
     @property
     def ok(self) -> bool:
@@ -71,8 +75,9 @@ class Target(Protocol):
 
     name: str
 
-    def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[tuple[int, int]]:
-        """Yields (new token ids in this chunk, prompt tokens if known else 0)."""
+    def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[Progress]:
+        """Yields (new token ids in this chunk, prompt tokens if known else 0, model version
+        if the target says which one served the request, else "")."""
         ...
 
     async def close(self) -> None:
@@ -89,14 +94,14 @@ class EngineTarget:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
 
-    async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[tuple[int, int]]:
+    async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[Progress]:
         """See ``Target.stream``."""
         req = engine_pb2.EngineGenerateRequest(
             request_id=f"load-{spec.tenant}-{spec.index}", prompt_token_ids=spec.prompt_ids,
             sampling=engine_pb2.EngineSamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
             priority=common_pb2.Priority.ValueType(spec.priority), tenant_id=spec.tenant)
         async for chunk in self.stub.Generate(req, timeout=timeout_s):
-            yield len(chunk.token_ids), len(spec.prompt_ids)
+            yield len(chunk.token_ids), len(spec.prompt_ids), ""
 
     async def close(self) -> None:
         """See ``Target.close``."""
@@ -112,7 +117,7 @@ class GatewayTarget:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
-    async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[tuple[int, int]]:
+    async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[Progress]:
         """See ``Target.stream``."""
         msgs = common_pb2.ChatMessages(
             messages=[common_pb2.ChatMessage(role="user", content=spec.text)])
@@ -121,7 +126,7 @@ class GatewayTarget:
             sampling=common_pb2.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True))
         md = (("authorization", f"Bearer {self.keys.get(spec.tenant, '')}"),)
         async for chunk in self.stub.Generate(req, metadata=md, timeout=timeout_s):
-            yield len(chunk.token_ids), chunk.usage.prompt_tokens
+            yield len(chunk.token_ids), chunk.usage.prompt_tokens, chunk.model_version
 
     async def close(self) -> None:
         """See ``Target.close``."""
@@ -134,8 +139,9 @@ async def run_one(target: Target, spec: RequestSpec, t0: float, timeout_s: float
     rec = RequestRecord(spec.tenant, spec.priority, spec.kind, start - t0, spec.max_tokens)
     last = start
     try:
-        async for num_new, num_prompt in target.stream(spec, timeout_s):
+        async for num_new, num_prompt, version in target.stream(spec, timeout_s):
             rec.num_prompt_tokens = num_prompt or rec.num_prompt_tokens
+            rec.version = version or rec.version
             if not num_new:
                 continue
             now = time.perf_counter()

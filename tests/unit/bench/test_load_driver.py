@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 
 from bench.loadlib.driver import RunConfig, run_load, tenant_process
-from bench.loadlib.targets import CLIENT_CANCELLED
+from bench.loadlib.stats import full_summary
+from bench.loadlib.targets import CLIENT_CANCELLED, Progress
 from bench.loadlib.workload import RequestSpec, TenantSpec
 
 
@@ -21,7 +22,7 @@ class FakeTarget:
         self.delay, self.fail_tenant = delay, fail_tenant
         self.active = self.peak = self.calls = 0
 
-    async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[tuple[int, int]]:
+    async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[Progress]:
         self.calls += 1
         if spec.tenant == self.fail_tenant:
             raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
@@ -31,7 +32,7 @@ class FakeTarget:
         try:
             for _ in range(spec.max_tokens):
                 await asyncio.sleep(self.delay)
-                yield 1, len(spec.prompt_ids)
+                yield 1, len(spec.prompt_ids), "v2" if spec.index % 2 else "v1"
         finally:
             self.active -= 1
 
@@ -55,6 +56,9 @@ def test_closed_loop_respects_concurrency_and_count() -> None:
     assert all(r.ok and r.num_output_tokens == 3 and r.ttft is not None for r in res.records)
     assert all(len(r.itl) == 2 for r in res.records)
     assert res.wall_s > 0
+    assert {r.version for r in res.records} == {"v1", "v2"}  # as the target reported it
+    by_version = full_summary(res.records, res.wall_s)["per_version"]
+    assert by_version["v1"]["num_ok"] + by_version["v2"]["num_ok"] == 20
 
 
 def test_open_loop_is_bounded_by_duration() -> None:
