@@ -14,6 +14,9 @@
     gateway_failovers_total                              mid-stream resumptions
     gateway_breaker_state{replica}                       0 closed, 1 half-open, 2 open
     gateway_ratelimit_denials_total{tenant,dimension}    requests | tokens | concurrency
+    gateway_ratelimit_local_denials_total{tenant}        of those, answered from the local
+                                                         memo of a request-rate denial
+                                                         (no tokenizer call, no Redis)
     gateway_replica_outstanding{replica}                 calls in flight per replica
     gateway_replica_healthy{replica}                     1 when health says SERVING
     gateway_in_flight                                    requests being served
@@ -65,6 +68,9 @@ BREAKER_STATE = Gauge("gateway_breaker_state",
 RATELIMIT_DENIALS = Counter("gateway_ratelimit_denials_total",
                             "Requests denied by tenant limits, per short dimension",
                             ["tenant", "dimension"])
+LOCAL_DENIALS = Counter("gateway_ratelimit_local_denials_total",
+                        "Request-rate denials answered from the local memo (no Redis call)",
+                        ["tenant"])
 OUTSTANDING = Gauge("gateway_replica_outstanding", "Engine calls in flight per replica",
                     ["replica"])
 HEALTHY = Gauge("gateway_replica_healthy", "1 when the replica's health is SERVING", ["replica"])

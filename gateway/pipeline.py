@@ -38,6 +38,7 @@ from common.log import get_logger
 from gateway import metrics
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
+from gateway.denials import DenialMemo
 from gateway.domain import CallContext, Chunk, Deadline, GatewayError
 from gateway.encoder import Encoder
 from gateway.params import (
@@ -53,7 +54,7 @@ from gateway.upstream import Dispatcher, EngineJob
 from gateway.versions import RouteDecision, VersionRouter
 from llm.v1 import common_pb2, gateway_pb2
 from ratelimit.config import Tenant
-from ratelimit.decision import Reservation
+from ratelimit.decision import Decision, Reservation
 from ratelimit.errors import LimiterUnavailableError
 from ratelimit.limiter import RateLimiter
 from ratelimit.status import denial_metadata
@@ -104,6 +105,7 @@ class Pipeline:
         self.dispatcher = dispatcher
         self.router = router
         self.shadow = shadow
+        self.denials = DenialMemo()
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()
@@ -182,6 +184,10 @@ class Pipeline:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         deadline = Deadline(call.timeout_s if call.timeout_s is not None
                             else self.config.request_timeout_s)
+        memo = self.denials.check(tenant.tenant_id, tenant.limits)
+        if memo is not None:  # refused before any tokenizer or Redis call
+            metrics.LOCAL_DENIALS.labels(tenant.tenant_id).inc()
+            raise self._denied(tenant, memo)
         prompt_ids = await self.encoder.encode(request, call, deadline)
         try:
             max_tokens = resolve_max_tokens(
@@ -227,11 +233,16 @@ class Pipeline:
         except LimiterUnavailableError as e:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         if not decision.allowed:
-            metrics.count_denial(tenant.tenant_id, decision.denied)
-            retry = decision.retry_after_ms if decision.retry_after_ms >= 0 else None
-            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, decision.message(),
-                               retry_after_ms=retry, trailers=denial_metadata(decision))
+            self.denials.record(tenant.tenant_id, tenant.limits, decision)
+            raise self._denied(tenant, decision)
         return decision.reservation
+
+    @staticmethod
+    def _denied(tenant: Tenant, decision: Decision) -> GatewayError:
+        metrics.count_denial(tenant.tenant_id, decision.denied)
+        retry = decision.retry_after_ms if decision.retry_after_ms >= 0 else None
+        return GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, decision.message(),
+                            retry_after_ms=retry, trailers=denial_metadata(decision))
 
     async def _serve(self, admitted: _Admitted, start: float,
                      labels: _Labels) -> AsyncIterator[Chunk]:
