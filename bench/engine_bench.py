@@ -182,8 +182,16 @@ def main() -> None:
     parser.add_argument("--mixed-runs", type=int, default=1)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads, both sides (0 = default)"
+    )
+    parser.add_argument(
+        "--out", default="engine_bench", help="report file stem under bench/reports"
+    )
     parser.add_argument("--model-dir", default=str(default_model_dir()))
     args = parser.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir)
     sides: list[tuple[str, Callable[[], Any]]] = [("ours", lambda: Ours(model_dir))]
     if not args.skip_hf:
@@ -210,9 +218,9 @@ def main() -> None:
         ratio = f"{report['ratio'][f]:.2f}x" if hf else "-"
         print(f"{f:<18}{report['ours'][f]:>12.1f}{hf or 0:>14.1f}{ratio:>8}")
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    (REPORT_DIR / "engine_bench.json").write_text(json.dumps(report, indent=2))
-    write_chart(report, REPORT_DIR / "engine_bench.png")
-    print(f"wrote {REPORT_DIR / 'engine_bench.json'} and engine_bench.png")
+    (REPORT_DIR / f"{args.out}.json").write_text(json.dumps(report, indent=2))
+    write_chart(report, REPORT_DIR / f"{args.out}.png")
+    print(f"wrote {REPORT_DIR / args.out}.json and .png")
 
 
 if __name__ == "__main__":
