@@ -16,6 +16,7 @@ from common.log import get_logger
 from gateway.auth import Authenticator
 from gateway.breaker import BreakerPolicy
 from gateway.config import GatewayConfig
+from gateway.discovery import Discovery, has_names
 from gateway.encoder import Encoder
 from gateway.pipeline import Pipeline
 from gateway.release import ReleaseControl
@@ -48,6 +49,7 @@ class GatewayApp:
     encoder: Encoder
     pipeline: Pipeline
     release: ReleaseControl  # model versions, canaries, rollback (RoutingAdmin)
+    discovery: Discovery  # engine entries that are DNS names: one replica per address
 
     @classmethod
     def from_config(cls, config: GatewayConfig, rl_config: RateLimitConfig) -> GatewayApp:
@@ -71,13 +73,17 @@ class GatewayApp:
         pipeline = Pipeline(config, Authenticator(stack.registry), encoder, tokenizer,
                             stack.limiter, pool, dispatcher, router=release.router,
                             shadow=release.shadow)
-        return cls(config, stack, pool, encoder, pipeline, release)
+        discovery = Discovery(config.engines, pool.sync, config.discovery_interval_s)
+        return cls(config, stack, pool, encoder, pipeline, release, discovery)
 
     async def start(self) -> None:
         """Connect Redis, watch the engines, wait (bounded) for one SERVING engine."""
         await self.stack.start()
         await self.release.start()
+        if has_names(self.config.engines):
+            await self.discovery.refresh()  # start from the resolved addresses
         self.pool.start()
+        self.discovery.start()
         if not await self.pool.wait_ready(self.config.startup_wait_s):
             log.warning("no engine replica is SERVING yet; requests get UNAVAILABLE until one is",
                         engines=self.config.engines)
@@ -89,6 +95,7 @@ class GatewayApp:
     async def close(self) -> None:
         """Release every connection."""
         await self.release.close()
+        await self.discovery.close()
         await self.pool.close()
         await self.encoder.close()
         await self.stack.aclose()

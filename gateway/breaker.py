@@ -176,6 +176,10 @@ class BreakerGroup:
                                                  on_change=self._on_change)
         return self.breakers[name]
 
+    def remove(self, name: str) -> None:
+        """Forget the breaker of a replica that left the pool."""
+        self.breakers.pop(name, None)
+
     def max_ejected(self) -> int:
         """How many breakers may be ejected (not CLOSED) at once."""
         return max(1, math.floor(len(self.breakers) * self.max_ejected_fraction))

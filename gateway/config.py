@@ -44,6 +44,8 @@ class GatewayConfig(ServiceConfig):
         queue_weight / kv_weight: Routing score weights (see ``gateway.routing``).
         startup_wait_s: How long start-up waits for one SERVING engine before
             reporting SERVING anyway (requests then get UNAVAILABLE until one is up).
+        discovery_interval_s: How often engine entries that are DNS names are
+            resolved again (each address is a replica; see ``gateway.discovery``).
         routing_policies: Initial routing policy per model (model -> mapping, see
             ``gateway.policy``; a YAML/JSON string from the environment). Seeded
             into Redis for models without a policy there; the admin API changes it.
@@ -85,6 +87,7 @@ class GatewayConfig(ServiceConfig):
     queue_weight: float = 1.0
     kv_weight: float = 1.0
     startup_wait_s: float = 60.0
+    discovery_interval_s: float = 10.0
     routing_policies: dict[str, Any] = field(default_factory=dict)
     routing_policy_cache_ms: int = 1000
     guard_interval_s: float = 2.0

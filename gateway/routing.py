@@ -74,6 +74,9 @@ class ReplicaPool:
                  queue_weight: float = 1.0, kv_weight: float = 1.0,
                  default_model: str = "") -> None:
         self.breakers = BreakerGroup(policy, max_ejected_fraction, on_change=self._on_breaker)
+        self.stats_interval_s = stats_interval_s
+        self.retire_grace_s = 60.0
+        self._retiring: set[asyncio.Future[None]] = set()
         self.replicas = [Replica(a, self.breakers.add(a), stats_interval_s)
                          for a in dict.fromkeys(addresses)]
         self.queue_weight = queue_weight
@@ -87,12 +90,40 @@ class ReplicaPool:
 
     def start(self) -> None:
         """Start every replica's health watch and stats poll."""
+        self._started = True
         for r in self.replicas:
             r.start()
+
+    def sync(self, addresses: Sequence[str]) -> None:
+        """Make the pool exactly ``addresses`` (engine discovery): new replicas join,
+        vanished ones leave routing at once and are closed after a grace period."""
+        wanted = list(dict.fromkeys(addresses))
+        current = {r.address for r in self.replicas}
+        gone = [r for r in self.replicas if r.address not in wanted]
+        added = [a for a in wanted if a not in current]
+        if not gone and not added:
+            return
+        fresh = [Replica(a, self.breakers.add(a), self.stats_interval_s) for a in added]
+        self.replicas = [r for r in self.replicas if r.address in wanted] + fresh
+        for r in gone:
+            self.breakers.remove(r.address)
+            self._retiring.add(asyncio.ensure_future(self._retire(r)))
+        if getattr(self, "_started", False):
+            for r in fresh:
+                r.start()
+        log.info("engine replicas changed", added=added, removed=[r.address for r in gone],
+                 replicas=len(self.replicas))
+
+    async def _retire(self, replica: Replica) -> None:
+        if replica.outstanding:  # streams on it get the grace period to finish or fail over
+            await asyncio.sleep(self.retire_grace_s)
+        await replica.close()
 
     async def close(self) -> None:
         """Stop background work and close the channels."""
         await asyncio.gather(*(r.close() for r in self.replicas))
+        for task in list(self._retiring):
+            task.cancel()
 
     async def wait_ready(self, within_s: float) -> bool:
         """Wait until one replica is healthy (True) or ``within_s`` pass (False)."""

@@ -1,0 +1,111 @@
+"""Engine replicas behind a DNS name: every address is a replica, re-resolved periodically.
+
+``[gateway] engines`` lists ``host:port`` entries. An IP literal is one
+replica. A name (for example a Kubernetes headless Service, ``engine:50071``)
+stands for every address it resolves to, so the gateway balances over the
+pods itself (health, load, KV usage, breakers) instead of gRPC's pick-first
+sending everything to one of them. Names are resolved again every
+``discovery_interval_s``: new pods join the pool, vanished ones are taken out
+of routing at once and closed after ``grace_s`` (their streams finish or fail
+over first). IPv4 addresses are preferred when a name has both families, so
+``localhost`` stays one replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+
+from common.log import get_logger
+
+log = get_logger(__name__)
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+def split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    """Every address of ``host`` as ``ip:port`` (IPv4 if it has any), sorted."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    v4 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET})
+    v6 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET6})
+    return [f"{ip}:{port}" for ip in v4] or [f"[{ip}]:{port}" for ip in v6]
+
+
+async def expand(entries: Sequence[str], resolver: Resolver = resolve) -> list[str]:
+    """The replica addresses of ``entries``; a name that does not resolve adds none."""
+    out: list[str] = []
+    for entry in entries:
+        host, port = split(entry)
+        if is_ip(host):
+            out.append(entry)
+            continue
+        try:
+            out.extend(await resolver(host, port))
+        except OSError as e:
+            log.warning("engine name does not resolve (yet)", entry=entry, error=str(e))
+    return list(dict.fromkeys(out))
+
+
+def has_names(entries: Sequence[str]) -> bool:
+    """True when some entry is a DNS name (so re-resolving can change the pool)."""
+    return any(not is_ip(split(e)[0]) for e in entries)
+
+
+class Discovery:
+    """Re-resolves the configured entries and syncs the pool with the answer.
+
+    Args:
+        entries: ``[gateway] engines``.
+        sync: applies a new address list to the pool (adds and removes replicas).
+        interval_s: time between resolutions.
+    """
+
+    def __init__(self, entries: Sequence[str], sync: Callable[[list[str]], None],
+                 interval_s: float, resolver: Resolver = resolve) -> None:
+        self.entries = list(entries)
+        self._sync = sync
+        self._interval = interval_s
+        self._resolver = resolver
+        self._task: asyncio.Task[None] | None = None
+
+    async def refresh(self) -> list[str]:
+        """Resolve once and sync; an empty answer keeps the current pool (DNS hiccup)."""
+        addresses = await expand(self.entries, self._resolver)
+        if addresses:
+            self._sync(addresses)
+        return addresses
+
+    def start(self) -> None:
+        if has_names(self.entries) and self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="engine-discovery")
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("engine discovery failed; keeping the current replicas")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
