@@ -1,4 +1,5 @@
-"""Latency the gateway adds: engine called directly vs through the gateway, side by side.
+"""Latency the gateway adds: engine called directly vs through the gateway's gRPC front
+and through its OpenAI-compatible HTTP front (SSE), side by side.
 
     python -m bench.gateway_bench [--rounds 3] [--requests-c1 16] [--requests-c32 64]
                                   [--max-tokens 16]
@@ -11,7 +12,10 @@ alternating rounds so drift hits both sides alike. Per request it records
 TTFT (send -> first token) and the mean inter-token time; per round the
 p50/p99 of each; the report holds the median over rounds. The gateway side
 includes everything the gateway does: auth (cached), tokenizer_svc Encode,
-the Redis reserve/settle, routing, incremental detokenization.
+the Redis reserve/settle, routing, incremental detokenization. The "http"
+side is the same request as `POST /v1/completions` with `stream: true`
+(aiohttp client, time to the first SSE event carrying text), so http - gateway
+is what the HTTP front adds over the gRPC front.
 
 Writes bench/reports/gateway_bench.json and .png.
 """
@@ -43,7 +47,7 @@ from llm.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,
 )
-from ratelimit.testing import RedisServer
+from ratelimit.testing import RedisServer, free_port
 from tokenizer_svc.tokenizer import TextTokenizer
 
 REPORT_DIR = ROOT / "bench" / "reports"
@@ -92,6 +96,35 @@ async def run_side(side: str, addresses: dict[str, str], key: str, ids: list[int
         return list(await asyncio.gather(*(one(i) for i in range(num_requests))))
 
 
+async def run_http(base_url: str, key: str, num_requests: int, concurrency: int,
+                   max_tokens: int) -> list[Sample]:
+    """The gateway side's request through the HTTP front; one sample per request."""
+    import aiohttp
+
+    body = {"model": "", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    sem = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def one() -> Sample:
+            async with sem:
+                t0 = time.perf_counter()
+                stamps: list[float] = []
+                async with session.post(f"{base_url}/v1/completions", json=body,
+                                        headers=headers) as resp:
+                    resp.raise_for_status()
+                    async for line in resp.content:
+                        if line.startswith(b"data: {") and b'"text": ""' not in line:
+                            stamps.append(time.perf_counter())
+                return stamps[0] - t0, (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+
+        await one()  # untimed: opens the connection (a gRPC channel is open already too)
+        return list(await asyncio.gather(*(one() for _ in range(num_requests))))
+
+
 def summarize(samples: list[Sample]) -> dict[str, float]:
     ttft = [s[0] * 1000 for s in samples]
     itl = [s[1] * 1000 for s in samples]
@@ -109,11 +142,14 @@ def start_stack(log_dir: Path, redis: RedisServer, admin_key: str
                          args=[*common, "--model-dir", model_dir, "--max-num-seqs", "32"],
                          env={"LLM_ENGINE_CORE_DEVICE": "cpu",
                               "LLM_ENGINE_CORE_DTYPE": "float32"}).start(300)
+    http_port = free_port()
     gw = ManagedProcess(name="gateway", module="gateway", log_dir=log_dir,
                         args=[*common, "--engines", eng.address, "--tokenizer", tok.address,
-                              "--redis-url", redis.url, "--log-level", "warning"],
+                              "--redis-url", redis.url, "--log-level", "warning",
+                              "--http-port", str(http_port)],
                         env={"ADMIN_KEY": admin_key}).start(120)
-    return [gw, eng, tok], {"engine": eng.address, "gateway": gw.address}
+    return [gw, eng, tok], {"engine": eng.address, "gateway": gw.address,
+                            "http": f"http://127.0.0.1:{http_port}"}
 
 
 def make_key(address: str, admin_key: str) -> str:
@@ -136,9 +172,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for ax, conc in zip(axes, ("c1", "c32"), strict=True):
         res = report["results"][conc]
         xs = range(len(metrics))
-        ax.bar([x - 0.2 for x in xs], [res["engine"][m] for m in metrics], 0.4, label="engine")
-        ax.bar([x + 0.2 for x in xs], [res["gateway"][m] for m in metrics], 0.4,
-               label="via gateway")
+        for i, (side, label) in enumerate((("engine", "engine"), ("gateway", "gateway gRPC"),
+                                           ("http", "gateway HTTP (SSE)"))):
+            ax.bar([x + (i - 1) * 0.27 for x in xs], [res[side][m] for m in metrics], 0.27,
+                   label=label)
         ax.set_xticks(list(xs), [m.replace("_ms", "") for m in metrics])
         ax.set_ylabel("ms")
         ax.set_title(f"concurrency {conc[1:]} (median of {report['rounds']} rounds)")
@@ -152,14 +189,17 @@ def measure(args: argparse.Namespace, addresses: dict[str, str], key: str,
             ids: list[int]) -> dict[str, Any]:
     runs = {"c1": (1, args.requests_c1), "c32": (32, args.requests_c32)}
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
-        c: {"engine": [], "gateway": []} for c in runs}
-    with tqdm(total=args.rounds * len(runs) * 2, desc="gateway bench", unit="run") as bar:
+        c: {"engine": [], "gateway": [], "http": []} for c in runs}
+    with tqdm(total=args.rounds * len(runs) * 3, desc="gateway bench", unit="run") as bar:
         for r in range(args.rounds):
             for conc, (n_conc, n_req) in runs.items():
-                sides = ("engine", "gateway") if r % 2 == 0 else ("gateway", "engine")
+                sides = ["engine", "gateway", "http"]
+                sides = sides[r % 3:] + sides[:r % 3]  # rotate so drift hits every side
                 for name in sides:
-                    samples = asyncio.run(run_side(name, addresses, key, ids, n_req, n_conc,
-                                                   args.max_tokens))
+                    samples = asyncio.run(
+                        run_http(addresses["http"], key, n_req, n_conc, args.max_tokens)
+                        if name == "http" else
+                        run_side(name, addresses, key, ids, n_req, n_conc, args.max_tokens))
                     per_round[conc][name].append(summarize(samples))
                     bar.update(1)
     results: dict[str, Any] = {}
@@ -167,6 +207,7 @@ def measure(args: argparse.Namespace, addresses: dict[str, str], key: str,
         med = {side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
                for side, rounds in by_side.items()}
         med["added"] = {m: med["gateway"][m] - med["engine"][m] for m in med["engine"]}
+        med["http_vs_grpc"] = {m: med["http"][m] - med["gateway"][m] for m in med["engine"]}
         results[conc] = med
     return results
 
@@ -187,6 +228,7 @@ def main() -> None:
             key = make_key(addresses["gateway"], admin_key)
             asyncio.run(run_side("gateway", addresses, key, ids, 4, 4, 4))  # warm both paths
             asyncio.run(run_side("engine", addresses, key, ids, 4, 4, 4))
+            asyncio.run(run_http(addresses["http"], key, 4, 4, 4))
             results = measure(args, addresses, key, ids)
         finally:
             for p in procs:
@@ -196,7 +238,8 @@ def main() -> None:
                                                       "c32": args.requests_c32},
               "machine": {"python": platform.python_version(), "cpus": _cpus()},
               "note": "all services and the client share a 2-core CPU machine; figures are "
-                      "noisy. added = gateway - engine of the round medians.",
+                      "noisy. added = gateway (gRPC) - engine, http_vs_grpc = gateway HTTP "
+                      "front - gateway gRPC front, of the round medians.",
               "results": results}
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     (REPORT_DIR / "gateway_bench.json").write_text(json.dumps(report, indent=2))
