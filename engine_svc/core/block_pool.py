@@ -1,17 +1,39 @@
-"""The pool of fixed-size KV blocks: free queue and reference counts.
+"""The pool of fixed-size KV blocks: free queue, reference counts, prefix-cache map.
 
 The free queue is ordered (an OrderedDict used as an O(1) doubly linked list):
 blocks are taken from the front and returned to the back, so the block freed
-longest ago is reused first. That is LRU order, which the prefix cache
-(issue 4) relies on: a freed block keeps its ``block_hash`` until it is
-reused, and a cache hit can pull it out of the middle of the queue.
+longest ago is reused first. That is LRU order for the prefix cache: a freed
+block keeps its ``block_hash`` (and stays findable) until it is reused, and a
+cache hit pulls it out of the middle of the queue. Eviction therefore happens
+only when a new block is needed and the oldest free block is a cached one.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class BlockHash:
+    """Key of one full block: a hash chained over every block before it.
+
+    ``value`` is ``hash((parent_value, token_ids))``; the parent and the tokens
+    are kept so that a hit is checked token by token (a hash collision is a
+    miss, never wrong KV).
+    """
+
+    value: int
+    parent: int | None
+    token_ids: tuple[int, ...]
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The chained hash of a full block whose predecessor hashes to ``parent``."""
+    parent_value = None if parent is None else parent.value
+    tokens = tuple(token_ids)
+    return BlockHash(hash((parent_value, tokens)), parent_value, tokens)
 
 
 @dataclass(slots=True, eq=False)
@@ -21,19 +43,20 @@ class KVCacheBlock:
     Attributes:
         block_id: index into the cache tensors' block dimension.
         ref_cnt: requests holding this block; 0 means it sits in the free queue.
-        block_hash: hash-chain key of a full block (prefix caching), else None.
+        block_hash: key of a full, cached block (prefix caching), else None.
     """
 
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: BlockHash | None = None
 
 
 class BlockPool:
-    """Owns every ``KVCacheBlock``; hands them out and takes them back.
+    """Owns every ``KVCacheBlock``; hands them out, takes them back, indexes cached ones.
 
-    Invariants: a block is in the free queue iff its ``ref_cnt`` is 0; the
-    number of free plus held blocks is always ``num_blocks``.
+    Invariants: a block is in the free queue iff its ``ref_cnt`` is 0; free plus
+    held blocks is always ``num_blocks``; ``cached_blocks[h.value]`` is the only
+    block whose ``block_hash`` is ``h``.
 
     Args:
         num_blocks: blocks in the pool (the cache tensors' first dimension).
@@ -47,10 +70,12 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
+        self.cached_blocks: dict[int, KVCacheBlock] = {}
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks with ``ref_cnt == 0``."""
+        """Blocks with ``ref_cnt == 0`` (cached or not: both are reusable)."""
         return len(self._free)
 
     @property
@@ -66,17 +91,44 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the front of the free queue (ref_cnt 1).
 
-        The caller checks ``num_free_blocks`` first; asking for more is a bug.
+        A cached block taken here is evicted from the prefix cache. The caller
+        checks ``num_free_blocks`` first; asking for more is a bug.
         """
         assert num_blocks <= len(self._free), "allocate more blocks than are free"
         out = []
         for _ in range(num_blocks):
             _, block = self._free.popitem(last=False)
             assert block.ref_cnt == 0
+            self._evict(block)
             block.ref_cnt = 1
-            block.block_hash = None
             out.append(block)
         return out
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        if self.cached_blocks.get(block.block_hash.value) is block:
+            del self.cached_blocks[block.block_hash.value]
+            self.num_evictions += 1
+        block.block_hash = None
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The cached block for ``block_hash``, or None (also on a hash collision)."""
+        block = self.cached_blocks.get(block_hash.value)
+        if block is None or block.block_hash != block_hash:
+            return None
+        return block
+
+    def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register a block whose slots are all computed under ``block_hash``.
+
+        If another block already holds the same key (two requests computed the
+        same prefix at once) the first one stays the cached copy.
+        """
+        if block.block_hash is not None or block_hash.value in self.cached_blocks:
+            return
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash.value] = block
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block, pulling free ones out of the queue."""
@@ -92,6 +144,15 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; False (nothing done) while any block is held."""
+        if self.num_used_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True
 
     def free_block_ids(self) -> list[int]:
         """Ids in the free queue, front (next to be reused) first."""

@@ -55,7 +55,16 @@ class EngineConfig:
         kv_cache_memory_fraction: share of free memory (CPU MemAvailable or
             free GPU memory) given to the KV cache.
         max_model_len: 0 = the model's max_position_embeddings.
-        enable_prefix_caching: reserved for issue 4 (no sharing yet).
+        enable_prefix_caching: share full KV blocks between requests with
+            the same prefix (hash chain, ref counts, LRU eviction).
+        enable_speculative_decoding: default of requests that do not say
+            whether to use prompt-lookup speculative decoding.
+        num_speculative_tokens: drafts verified per step (k); 0 disables
+            speculation entirely, whatever requests ask.
+        prompt_lookup_min / prompt_lookup_max: n-gram lengths matched.
+        kv_cache_dtype: ``auto`` (the attention dtype) or ``fp8``
+            (float8_e4m3fn with per-layer, per-head scales).
+        quantization: ``none`` or ``fp8`` (per-output-channel e4m3 weights).
         seed: seed of the engine's unseeded sampling stream.
     """
 
@@ -72,7 +81,13 @@ class EngineConfig:
     max_waiting: int = 1024
     long_prefill_token_threshold: int = 0
     priority_aging_seconds: float = 10.0
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    enable_speculative_decoding: bool = False
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    kv_cache_dtype: str = "auto"
+    quantization: str = "none"
     num_threads: int = 0
     seed: int = 0
 

@@ -22,11 +22,13 @@ from common.config import default_model_dir
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.core.model_runner import ModelRunner, determine_num_blocks
+from engine_svc.core.ngram_proposer import NgramProposer
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sampler import Sampler
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
+from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
 from engine_svc.models.loader import load_model, resolve_dtype
 
@@ -58,6 +60,8 @@ def _make_output(req: Request) -> RequestOutput:
         num_output_tokens=req.num_output_tokens,
         num_resumed_tokens=req.num_resumed_tokens,
         num_preemptions=req.num_preemptions,
+        num_draft_tokens=req.num_draft_tokens,
+        num_accepted_tokens=req.num_accepted_tokens,
         arrival_time=req.arrival_time,
         first_scheduled_time=req.first_scheduled_time,
         first_token_time=req.first_token_time,
@@ -91,7 +95,12 @@ class LLMEngine:
             num_blocks, config.block_size, config.enable_prefix_caching
         )
         sched_cfg = config.scheduler_config(self.model_config.max_position_embeddings)
-        self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager, clock)
+        proposer = None
+        if config.num_speculative_tokens > 0:
+            proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+        self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager, clock, proposer)
         self.sampler = Sampler(self.model_config.vocab_size, self.device, config.seed)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self._pending: list[RequestOutput] = []
@@ -110,6 +119,7 @@ class LLMEngine:
         priority: int = PRIORITY_NORMAL,
         resumed_output_token_ids: Sequence[int] | None = None,
         arrival_time: float | None = None,
+        speculative: bool | None = None,
     ) -> bool:
         """Queue a request.
 
@@ -120,6 +130,9 @@ class LLMEngine:
             priority: llm.v1.Priority value (0 = unspecified = NORMAL).
             resumed_output_token_ids: outputs a previous replica already produced.
             arrival_time: engine-clock arrival; default now.
+            speculative: prompt-lookup speculative decoding for this request;
+                None = the engine's ``enable_speculative_decoding``. Has no
+                effect when the engine has ``num_speculative_tokens = 0``.
 
         Returns:
             True when queued, False when the waiting queue is full (retry later).
@@ -138,6 +151,9 @@ class LLMEngine:
             priority or PRIORITY_NORMAL,
             resumed,
             self.eos_token_ids,
+        )
+        req.use_spec = (
+            self.config.enable_speculative_decoding if speculative is None else speculative
         )
         if not self.scheduler.add_request(req):
             return False
@@ -217,7 +233,9 @@ class LLMEngine:
         self._totals["steps"] += 1
         try:
             logits, reqs = self.runner.execute_model(sched_out)
-            sampled = self.sampler(logits, reqs) if reqs else None
+            rows = expand_rows(sched_out.scheduled)
+            assert len(rows) == len(reqs)
+            sampled = self.sampler(logits, rows) if rows else None
         except Exception:
             logger.exception(
                 "model step failed; failing its %d request(s)", len(sched_out.scheduled)
@@ -225,14 +243,14 @@ class LLMEngine:
             ids = [e.request.request_id for e in sched_out.scheduled]
             failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             return outputs + [_make_output(r) for r in failed]
-        token_map: dict[str, int] = {}
+        token_map: dict[str, list[int]] = {}
         if sampled is not None:
-            for req, tok, lp in zip(reqs, sampled.token_ids, sampled.logprobs, strict=True):
-                token_map[req.request_id] = tok
-                if lp is not None:
-                    req.logprobs.append(lp)
+            token_map = accept(sched_out.scheduled, sampled.token_ids, sampled.logprobs)
+        gen_before = sum(e.request.num_output_tokens for e in sched_out.scheduled)
         updated, _finished = self.scheduler.update_from_output(sched_out, token_map)
-        self._totals["generation"] += len(updated)
+        gen_after = sum(e.request.num_output_tokens for e in sched_out.scheduled)
+        self._totals["generation"] += gen_after - gen_before
+
         for req in updated:
             out = _make_output(req)
             if out.new_token_ids or out.finished:
@@ -258,6 +276,9 @@ class LLMEngine:
             prefix_cache_hits=kv.num_prefix_hits,
             max_num_seqs=self.scheduler.config.max_num_seqs,
             max_waiting=self.scheduler.config.max_waiting,
+            num_draft_tokens_total=self.scheduler.num_draft_tokens_total,
+            num_accepted_tokens_total=self.scheduler.num_accepted_tokens_total,
+            prefix_cache_evictions=pool.num_evictions,
         )
 
     def model_info(self) -> ModelInfo:

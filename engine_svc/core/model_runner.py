@@ -97,14 +97,14 @@ class ModelRunner:
         """Run one step.
 
         Returns:
-            fp32 logits [N, vocab] for the N entries that sample this step, and
-            those entries' requests in the same order.
+            fp32 logits [N, vocab] for the rows that sample this step (one per
+            sampling entry, ``1 + drafts`` for a speculative one) and each
+            row's request in the same order.
         """
         entries = output.scheduled
         token_ids: list[int] = []
         for e in entries:
-            c = e.num_computed_tokens
-            token_ids += e.request.all_token_ids[c : c + e.num_new_tokens]
+            token_ids += e.input_token_ids
         meta, positions = build_attention_metadata(
             [e.num_computed_tokens for e in entries],
             [e.num_new_tokens for e in entries],
@@ -120,9 +120,9 @@ class ModelRunner:
         end = 0
         for e in entries:
             end += e.num_new_tokens
-            if e.sample:
-                last_rows.append(end - 1)
-                sampled.append(e.request)
+            rows = e.num_logit_rows  # 1 + drafts for a speculative entry
+            last_rows.extend(range(end - rows, end))
+            sampled.extend([e.request] * rows)
         if not last_rows:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
         if len(last_rows) < hidden.shape[0]:

@@ -20,6 +20,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         num_output_tokens: output so far, resumed tokens included.
         num_resumed_tokens: outputs inherited from another replica.
+        num_draft_tokens / num_accepted_tokens: speculative drafts proposed and
+            accepted so far; each accepted draft saved one forward pass.
         arrival_time / first_scheduled_time / first_token_time / finished_time:
             engine-clock seconds (monotonic), None until they happen.
     """
@@ -35,6 +37,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_resumed_tokens: int = 0
     num_preemptions: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -59,6 +63,9 @@ class EngineStats:
     prefix_cache_hits: int
     max_num_seqs: int
     max_waiting: int
+    num_draft_tokens_total: int = 0
+    num_accepted_tokens_total: int = 0
+    prefix_cache_evictions: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine_svc.core.block_pool import BlockHash
 from engine_svc.core.sampling_params import SamplingParams
 
 
@@ -95,6 +96,11 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    use_spec: bool = False
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @classmethod
     def create(

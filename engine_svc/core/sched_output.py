@@ -18,6 +18,8 @@ class ScheduledRequest:
         block_ids: the request's block table covering all of them.
         sample: True when this chunk reaches the last known token, so the
             step samples a new token for it (a partial prefill chunk does not).
+        spec_token_ids: draft tokens appended after the last known token; the
+            step computes them too and returns logits for ``1 + len`` rows.
     """
 
     request: Request
@@ -25,6 +27,19 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     sample: bool
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The tokens this step feeds the model: the scheduled slice plus drafts."""
+        c = self.num_computed_tokens
+        n = self.num_new_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[c : c + n] + self.spec_token_ids
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits this entry gets: 0 (partial prefill), 1, or 1 + drafts."""
+        return 1 + len(self.spec_token_ids) if self.sample else 0
 
     @property
     def is_decode(self) -> bool:

@@ -10,15 +10,20 @@ When the pool runs dry the least urgent running request (lowest effective
 priority, latest arrival) is preempted by recompute: its blocks are freed and
 it goes back to waiting with its progress reset. No new request is admitted in
 a step that preempted, so admission never causes thrashing.
+
+Waiting requests first take the longest cached prefix of full blocks (prefix
+caching); a decode with speculation on carries n-gram draft tokens and is
+scheduled as ``1 + len(drafts)`` tokens, verified in the same forward pass.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from engine_svc.core.config import SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
+from engine_svc.core.ngram_proposer import NgramProposer
 from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sched_output import ScheduledRequest, SchedulerOutput
 from engine_svc.core.stop_checker import check_stop
@@ -31,6 +36,7 @@ class Scheduler:
         config: scheduling limits.
         kv_cache_manager: block tables and the pool.
         clock: monotonic seconds; injectable so tests control aging.
+        proposer: n-gram draft proposer for requests with ``use_spec``; None = off.
     """
 
     def __init__(
@@ -38,15 +44,19 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
+        proposer: NgramProposer | None = None,
     ) -> None:
         config.validate()
         self.config = config
+        self.proposer = proposer
         self.kv_cache_manager = kv_cache_manager
         self.clock = clock
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions_total = 0
+        self.num_draft_tokens_total = 0
+        self.num_accepted_tokens_total = 0
         self._watermark_blocks = int(config.watermark * kv_cache_manager.block_pool.num_blocks)
 
     def get_num_unfinished_requests(self) -> int:
@@ -100,6 +110,7 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.append(req)
@@ -133,6 +144,14 @@ class Scheduler:
         self, req: Request, budget: int, chosen: dict[str, ScheduledRequest], out: SchedulerOutput
     ) -> int:
         num_new = self._chunk(req, budget)
+        req.spec_token_ids = self._propose(req, budget) if num_new == 1 else []
+        if req.spec_token_ids and (
+            self.kv_cache_manager.allocate_slots(req, 1 + len(req.spec_token_ids)) is not None
+        ):
+            num_new += len(req.spec_token_ids)
+            chosen[req.request_id] = self._entry(req, num_new)
+            return budget - num_new
+        req.spec_token_ids = []
         while self.kv_cache_manager.allocate_slots(req, num_new) is None:
             victim = self.running[-1]
             self._preempt(victim, out)
@@ -144,6 +163,17 @@ class Scheduler:
         chosen[req.request_id] = self._entry(req, num_new)
         return budget - num_new
 
+    def _propose(self, req: Request, budget: int) -> list[int]:
+        if self.proposer is None or not req.use_spec:
+            return []
+        params = req.sampling_params
+        room = min(
+            budget - 1,
+            params.max_tokens - req.num_output_tokens - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+        )
+        return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
+
     def _schedule_waiting(
         self, budget: int, now: float, chosen: dict[str, ScheduledRequest]
     ) -> int:
@@ -151,14 +181,16 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.num_computed_tokens == 0:
-                _blocks, num_cached = kv.get_computed_blocks(req)
-                req.num_cached_tokens = num_cached
+            hits, num_cached = kv.get_computed_blocks(req)
+            req.num_computed_tokens = num_cached
             num_new = self._chunk(req, budget)
             reserve = self._watermark_blocks if self.running else 0  # alone, it must fit
-            if not kv.can_allocate(kv.num_blocks_needed(req, num_new), reserve):
+            if not kv.can_allocate(kv.num_blocks_needed(req, num_new, hits), reserve):
+                req.num_computed_tokens = 0
                 break
-            kv.allocate_slots(req, num_new)
+            kv.allocate_slots(req, num_new, new_computed_blocks=hits)
+            kv.record_prefix_query(req.num_tokens, num_cached)
+            req.num_cached_tokens = num_cached
             self.waiting.pop(0)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
@@ -170,17 +202,22 @@ class Scheduler:
 
     @staticmethod
     def _entry(req: Request, num_new: int) -> ScheduledRequest:
-        sample = req.num_computed_tokens + num_new == req.num_tokens
-        return ScheduledRequest(req, req.num_computed_tokens, num_new, [], sample)
+        spec = req.spec_token_ids
+        sample = req.num_computed_tokens + num_new - len(spec) == req.num_tokens
+        return ScheduledRequest(req, req.num_computed_tokens, num_new, [], sample, list(spec))
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, output: SchedulerOutput, sampled_token_ids: Mapping[str, int | Sequence[int]]
     ) -> tuple[list[Request], list[Request]]:
         """Advance progress, append sampled tokens and retire finished requests.
 
+        A speculative entry brings ``accepted drafts + 1`` tokens: the cache
+        keeps only the verified positions (the rest is trimmed and overwritten
+        later), and a stop inside them drops the tokens after it.
+
         Args:
             output: the step's schedule.
-            sampled_token_ids: the new token of every entry with ``sample`` set.
+            sampled_token_ids: the new token(s) of every entry with ``sample`` set.
 
         Returns:
             (requests that received a token, requests that finished this step).
@@ -191,16 +228,37 @@ class Scheduler:
             req = entry.request
             if req.is_finished:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += entry.num_new_tokens
+            num_spec = len(entry.spec_token_ids)
+            req.num_computed_tokens += entry.num_new_tokens - num_spec
             if not entry.sample:
+                self.kv_cache_manager.cache_blocks(req)
                 continue
-            req.append_output_token(sampled_token_ids[req.request_id])
+            new = sampled_token_ids[req.request_id]
+            status = self._append(req, [new] if isinstance(new, int) else new, num_spec)
             if req.first_token_time is None:
                 req.first_token_time = now
             updated.append(req)
-            status = check_stop(req, self.config.max_model_len)
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
                 finished.append(req)
         return updated, finished
+
+    def _append(self, req: Request, tokens: Sequence[int], num_spec: int) -> RequestStatus | None:
+        """Append verified tokens one by one, stopping at the first stop condition."""
+        status = None
+        for i, tok in enumerate(tokens):
+            if i > 0:  # token i-1 was an accepted draft: its KV is valid
+                req.num_computed_tokens += 1
+            req.append_output_token(tok)
+            status = check_stop(req, self.config.max_model_len)
+            if status is not None:
+                break
+        if num_spec:
+            req.num_draft_tokens += num_spec
+            req.num_accepted_tokens += len(tokens) - 1
+            self.num_draft_tokens_total += num_spec
+            self.num_accepted_tokens_total += len(tokens) - 1
+            self.kv_cache_manager.trim(req, req.num_tokens)
+        self.kv_cache_manager.cache_blocks(req)
+        return status
