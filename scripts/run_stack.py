@@ -181,8 +181,8 @@ def banner(stack: Stack) -> str:
         f"  {'redis':<10} {stack.redis.url}",
         *(f"  {p.name:<10} grpc {p.address:<22} metrics http://{p.host}:{p.metrics_port}/metrics"
           f"   log {_rel(p.log_path)}" for p in stack.procs),
-        f"  {'envoy':<10} {edge:<27} (public: llm.v1.Gateway, admin as HTTP/JSON under "
-        f"/v1/admin/)   log {_rel(stack.log_dir / 'envoy-access.log')}",
+        f"  {'envoy':<10} {edge:<27} (public: llm.v1.Gateway, OpenAI /v1/*, admin as "
+        f"HTTP/JSON under /v1/admin/)   log {_rel(stack.log_dir / 'envoy-access.log')}",
         "",
         f"Keys: admin {_rel(RUN_DIR / 'admin.key')}, demo tenant {DEMO_TENANT!r} "
         f"{_rel(RUN_DIR / 'demo.key')} "
