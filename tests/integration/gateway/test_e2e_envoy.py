@@ -4,6 +4,7 @@ between gateway replicas (issue 8)."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -27,6 +28,10 @@ from tests.integration.gateway.conftest import (
 
 pytestmark = pytest.mark.integration
 
+# Each gateway replica caches tenants (policies, keys) this long; a change made
+# through one replica reaches the others within it ([ratelimit] auth_cache_ttl_ms).
+CACHE_TTL_MS = 1000
+
 
 @pytest.fixture(scope="module")
 def edge(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: RedisServer,
@@ -36,7 +41,8 @@ def edge(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: RedisS
     engines.ensure_running()
     logs = tmp_path_factory.mktemp("e2e-envoy")
     gws = [start_gateway(f"e2e-gw-{i}", engines.addresses, tokenizer_server.address,
-                         gw_redis.url, logs) for i in range(2)]
+                         gw_redis.url, logs, env={"LLM_RATELIMIT_AUTH_CACHE_TTL_MS": str(
+                             CACHE_TTL_MS)}) for i in range(2)]
     addrs = [g.proc.address for g in gws]
     cfg = render_config_file(logs / "envoy.yaml", listener_host="127.0.0.1", listener_port=0,
                              admin_port=0, gateway=addrs, admin=addrs,
@@ -93,10 +99,12 @@ def test_admin_over_http_json_then_a_tenant_streams_and_new_limits_apply(
     assert int(usage["requests_total"]) == 1
     assert int(usage["completion_tokens_total"]) == chunks[-1].usage.completion_tokens
 
-    # tighten the limit over HTTP: the very next request is refused
+    # tighten the limit over HTTP; once every replica's tenant cache has seen it (the
+    # bounded staleness across gateway replicas), the next request over it is refused
     code, _ = http(envoy, "PUT", "/v1/admin/tenants/e2e-team",
                    {"limits": {"requests_per_minute": 1, "request_burst": 1}})
     assert code == 200
+    time.sleep(CACHE_TTL_MS / 1000 + 0.2)
     code, _ = http(envoy, "POST", "/v1/admin/tenants/e2e-team/reset", {})
     assert code == 200
     stream(envoy, key)  # the one request the new burst allows
