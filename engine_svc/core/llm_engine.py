@@ -85,12 +85,17 @@ class LLMEngine:
         self.device = _resolve_device(config.device)
         self.weight_dtype = resolve_dtype("bfloat16" if config.dtype == "auto" else config.dtype)
         self.model_dir = config.model_dir or str(default_model_dir())
-        self.model = load_model(self.model_dir, self.weight_dtype, self.device)
-        self.model_config = self.model.config
-        num_blocks = determine_num_blocks(
-            config, self.model_config, self.model.attn_dtype, self.device
+        self.model = load_model(
+            self.model_dir, self.weight_dtype, self.device, quantization=config.quantization
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size)
+        self.model_config = self.model.config
+        if config.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r}: use 'auto' or 'fp8'")
+        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None
+        num_blocks = determine_num_blocks(
+            config, self.model_config, kv_dtype or self.model.attn_dtype, self.device
+        )
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -288,8 +293,10 @@ class LLMEngine:
             max_context_length=self.max_model_len,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.eos_token_ids),
-            weight_dtype=str(self.weight_dtype).removeprefix("torch."),
-            kv_cache_dtype=str(self.model.attn_dtype).removeprefix("torch."),
+            weight_dtype="float8_e4m3fn"
+            if self.config.quantization == "fp8"
+            else str(self.weight_dtype).removeprefix("torch."),
+            kv_cache_dtype=str(self.runner.kv_cache.dtype).removeprefix("torch."),
             kv_block_size=self.config.block_size,
             num_kv_blocks=self.runner.num_blocks,
             device=str(self.device),

@@ -10,6 +10,7 @@ import torch
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.request import Request
 from engine_svc.core.sched_output import SchedulerOutput
+from engine_svc.models import kv_fp8
 from engine_svc.models.attention import build_attention_metadata
 from engine_svc.models.config import ModelConfig
 from engine_svc.models.llama import LlamaForCausalLM
@@ -43,7 +44,7 @@ def determine_num_blocks(
     budget = config.kv_cache_memory_bytes
     if budget <= 0:
         budget = int(available_memory_bytes(device) * config.kv_cache_memory_fraction)
-    itemsize = torch.empty((), dtype=kv_dtype).element_size()
+    itemsize = kv_dtype.itemsize
     per_block = model_config.kv_bytes_per_token(itemsize) * config.block_size
     num_blocks = budget // per_block
     if num_blocks < 1:
@@ -66,9 +67,17 @@ class ModelRunner:
         model: the model.
         num_blocks: blocks in the pool.
         block_size: tokens per block.
+        kv_cache_dtype: None = the attention dtype; ``torch.float8_e4m3fn`` =
+            FP8 cache with per-layer, per-head scales calibrated at start.
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -82,10 +91,30 @@ class ModelRunner:
             block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
-            dtype=model.attn_dtype,
+            dtype=kv_cache_dtype or model.attn_dtype,
             device=self.device,
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
+        self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if self.kv_cache.dtype == torch.float8_e4m3fn:
+            self.kv_scales = self._calibrate_kv_scales()
+
+    @torch.inference_mode()
+    def _calibrate_kv_scales(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer, per-head K/V scales from one prefill into a scratch fp32 cache."""
+        cfg = self.model.config
+        tokens = kv_fp8.calibration_token_ids(cfg.vocab_size)
+        nblk = -(-len(tokens) // self.block_size)
+        shape = (cfg.num_hidden_layers, 2, nblk, self.block_size, cfg.num_key_value_heads)
+        scratch = torch.zeros(*shape, cfg.head_dim, dtype=self.model.attn_dtype, device=self.device)
+        meta, positions = build_attention_metadata(
+            [0], [len(tokens)], [list(range(nblk))], 0, self.block_size, self.device
+        )
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        self.model.forward(ids, positions, meta, [(c[0], c[1]) for c in scratch])
+        amax = scratch.abs().amax(dim=(2, 3, 5))  # [layers, 2, Hkv]
+        scales = kv_fp8.scales_from_amax(amax)
+        return [(layer[0].contiguous(), layer[1].contiguous()) for layer in scales]
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -114,7 +143,7 @@ class ModelRunner:
             self.device,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, self.kv_scales)
         last_rows: list[int] = []
         sampled: list[Request] = []
         end = 0

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine_svc.models import cpu_kernels
+from engine_svc.models import cpu_kernels, kv_fp8
 
 
 @dataclass(slots=True)
@@ -137,27 +137,34 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache and attend.
 
     Args:
-        q: [T, H, D]; k, v: [T, Hkv, D], all in the cache dtype.
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D], one layer's cache.
+        q: [T, H, D]; k, v: [T, Hkv, D], all in the attention dtype.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D], one layer's cache
+            (the attention dtype, or float8_e4m3fn with ``kv_scales``).
         meta: the step's metadata.
+        kv_scales: per-head K and V scales [Hkv] of an FP8 cache.
 
     Returns:
-        [T, H * D] attention output in the cache dtype.
+        [T, H * D] attention output in the attention dtype.
     """
     _, num_kv_heads, head_dim = k.shape
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    if kv_scales is not None:
+        kv_fp8.write_kv(k_cache, meta.slot_mapping, k, kv_scales[0])
+        kv_fp8.write_kv(v_cache, meta.slot_mapping, v, kv_scales[1])
+    else:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     num_tokens = q.shape[0]
     nd = meta.num_decode_tokens
     parts: list[torch.Tensor] = []
     if nd:
-        parts.append(_decode_attention(q[:nd], k_cache, v_cache, meta))
+        parts.append(_decode_attention(q[:nd], k_cache, v_cache, meta, kv_scales))
     if num_tokens > nd:
-        parts.append(_prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta))
+        parts.append(_prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, kv_scales))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -170,7 +177,11 @@ def _use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     nd, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -181,7 +192,7 @@ def _decode_attention(
             q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens, meta.decode_max_ctx
         )
         return out.view(nd, num_heads * head_dim)
-    kd, vd = _gather(k_cache, v_cache, meta.decode_blocks)
+    kd, vd = _gather(k_cache, v_cache, meta.decode_blocks, kv_scales)
     qd = q.reshape(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
     return out.reshape(nd, num_heads * head_dim)
@@ -194,6 +205,7 @@ def _prefill_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     if meta.prefill_fresh:
@@ -210,7 +222,7 @@ def _prefill_attention(
     assert meta.prefill_q_index is not None
     assert meta.prefill_out_rows is not None
     p = meta.prefill_blocks.shape[0]
-    kp, vp = _gather(k_cache, v_cache, meta.prefill_blocks)
+    kp, vp = _gather(k_cache, v_cache, meta.prefill_blocks, kv_scales)
     qp = q.index_select(0, meta.prefill_q_index).view(p, -1, num_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, enable_gqa=True)
     out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)
@@ -218,9 +230,17 @@ def _prefill_attention(
 
 
 def _gather(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Contexts [B, Hkv, nblk * block_size, D] of K and V for block tables [B, nblk]."""
+    if kv_scales is not None:
+        return (
+            kv_fp8.gather_kv(k_cache, blocks, kv_scales[0]),
+            kv_fp8.gather_kv(v_cache, blocks, kv_scales[1]),
+        )
     b, nblk = blocks.shape
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     flat = blocks.reshape(-1)

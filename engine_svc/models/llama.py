@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from engine_svc.models.attention import AttentionMetadata, paged_attention
 from engine_svc.models.config import ModelConfig
+from engine_svc.models.fp8 import Fp8Weight, linear
 from engine_svc.models.rotary import RotaryEmbedding
 
 
@@ -23,11 +24,18 @@ class LlamaLayer:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.in_norm = tensors["input_layernorm"]
         self.post_norm = tensors["post_attention_layernorm"]
-        self.qkv = tensors["qkv_proj"]
+        self.qkv: torch.Tensor | Fp8Weight = tensors["qkv_proj"]
         self.qkv_bias = tensors.get("qkv_bias")
-        self.o_proj = tensors["o_proj"]
-        self.gate_up = tensors["gate_up_proj"]
-        self.down = tensors["down_proj"]
+        self.o_proj: torch.Tensor | Fp8Weight = tensors["o_proj"]
+        self.gate_up: torch.Tensor | Fp8Weight = tensors["gate_up_proj"]
+        self.down: torch.Tensor | Fp8Weight = tensors["down_proj"]
+
+    def quantize_fp8(self) -> None:
+        """Replace the four projection weights by per-channel FP8 ones."""
+        for name in ("qkv", "o_proj", "gate_up", "down"):
+            w = getattr(self, name)
+            if isinstance(w, torch.Tensor):
+                setattr(self, name, Fp8Weight(w))
 
 
 class LlamaForCausalLM:
@@ -73,6 +81,7 @@ class LlamaForCausalLM:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Run the decoder over the step's flat tokens.
 
@@ -81,6 +90,7 @@ class LlamaForCausalLM:
             positions: [T] absolute positions.
             meta: attention metadata of the step.
             kv_caches: per layer (k, v) caches [num_blocks, block_size, Hkv, D].
+            kv_scales: per layer (k, v) head scales [Hkv] of an FP8 cache.
 
         Returns:
             [T, hidden] final hidden states (after the last norm).
@@ -90,18 +100,24 @@ class LlamaForCausalLM:
         h = F.embedding(input_ids, self.embed_tokens)
         num_tokens = h.shape[0]
         nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = self._rms_norm(h, layer.in_norm)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias).to(self.attn_dtype)
+            qkv = linear(x, layer.qkv, layer.qkv_bias).to(self.attn_dtype)
             qkv = qkv.view(num_tokens, nq + 2 * nkv, hd)
             qk = RotaryEmbedding.apply(qkv[:, : nq + nkv], cos, sin)
             attn = paged_attention(
-                qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv :], k_cache, v_cache, meta
+                qk[:, :nq],
+                qk[:, nq:],
+                qkv[:, nq + nkv :],
+                k_cache,
+                v_cache,
+                meta,
+                None if kv_scales is None else kv_scales[i],
             )
-            h = h + F.linear(attn.to(self.dtype), layer.o_proj)
+            h = h + linear(attn.to(self.dtype), layer.o_proj)
             x = self._rms_norm(h, layer.post_norm)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, layer.down)
         return self._rms_norm(h, self.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     attn_dtype: torch.dtype | None = None,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     """Build a ``LlamaForCausalLM`` from an HF directory.
 
@@ -73,10 +74,22 @@ def load_model(
         dtype: weight dtype.
         device: target device.
         attn_dtype: attention / KV dtype; default fp32 on CPU, ``dtype`` elsewhere.
+        quantization: ``none``, or ``fp8`` for per-output-channel e4m3 weights in
+            every decoder projection (embeddings, norms and LM head keep ``dtype``).
+
+    Raises:
+        ValueError: an unknown quantization.
     """
+    if quantization not in ("none", "fp8"):
+        raise ValueError(f"quantization {quantization!r} is not supported; use 'none' or 'fp8'")
     dev = torch.device(device)
     config = load_model_config(model_dir)
     if attn_dtype is None:
         attn_dtype = torch.float32 if dev.type == "cpu" else dtype
     weights = load_weights(model_dir, config, dtype, dev)
-    return LlamaForCausalLM(config, weights, attn_dtype)
+    model = LlamaForCausalLM(config, weights, attn_dtype)
+    if quantization == "fp8":
+        del weights  # the fused fp32/bf16 projections go as each layer is quantized
+        for layer in model.layers:
+            layer.quantize_fp8()
+    return model
