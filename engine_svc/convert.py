@@ -109,6 +109,11 @@ def response_from_output(out: RequestOutput, first: bool, now: float
             cached_prompt_tokens=out.num_cached_tokens))
         if out.stop_token_id is not None:
             resp.stop_token_id = out.stop_token_id
+        if out.num_draft_tokens:
+            resp.speculative.CopyFrom(engine_pb2.SpeculativeStats(
+                num_draft_tokens=out.num_draft_tokens,
+                num_accepted_tokens=out.num_accepted_tokens,
+                num_forward_passes_saved=out.num_accepted_tokens))
     return resp
 
 

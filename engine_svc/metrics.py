@@ -75,6 +75,13 @@ class StatsCollector(Collector):
              e.prefix_cache_hits),
             ("engine_generation_tokens_per_second", "Recent generation throughput",
              s.generation_tokens_per_second),
+            ("engine_prefix_cache_evictions_total", "Cached blocks evicted for reuse",
+             e.prefix_cache_evictions),
+            ("engine_spec_decode_num_draft_tokens_total", "Speculative tokens proposed",
+             e.num_draft_tokens_total),
+            ("engine_spec_decode_num_accepted_tokens_total",
+             "Speculative tokens accepted (= forward passes saved)",
+             e.num_accepted_tokens_total),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
 

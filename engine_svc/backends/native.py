@@ -193,7 +193,7 @@ class NativeBackend:
         try:
             ok = engine.add_request(
                 inp.request_id, inp.prompt_token_ids, inp.sampling_params, inp.priority,
-                inp.resumed_output_token_ids,
+                inp.resumed_output_token_ids, speculative=inp.speculative_decoding,
             )
         except ValueError as e:
             self._loop.call_soon_threadsafe(_resolve, fut, None, e)

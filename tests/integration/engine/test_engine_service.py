@@ -115,6 +115,26 @@ def test_concurrent_streams_match_offline_engine(
                 break
 
 
+def test_prefix_cache_and_speculative_decoding_over_grpc(
+    stub: engine_pb2_grpc.EngineStub, tok: TextTokenizer
+) -> None:
+    """The second request of a prompt is served from the prefix cache; asking for
+    prompt-lookup speculation gives the same greedy tokens with drafts accepted."""
+    ids, _ = tok.encode_chat([Message("user", "Repeat this list exactly: apple, banana, "
+                                      "cherry, date, elderberry, fig, grape, honeydew.")])
+    plain, plain_chunks = collect(stub, request("spec-off", ids, 20))
+    req = request("spec-on", ids, 20)
+    req.speculative_decoding = True
+    spec, chunks = collect(stub, req)
+    assert spec == plain
+    last = chunks[-1]
+    assert last.usage.cached_prompt_tokens >= 16 * (len(ids) // 16 - 1)  # whole blocks
+    assert plain_chunks[-1].usage.cached_prompt_tokens <= last.usage.cached_prompt_tokens
+    assert last.speculative.num_draft_tokens > 0
+    assert 0 < last.speculative.num_accepted_tokens <= last.speculative.num_draft_tokens
+    assert last.speculative.num_forward_passes_saved == last.speculative.num_accepted_tokens
+
+
 def test_cancel_mid_stream_frees_kv_blocks(stub: engine_pb2_grpc.EngineStub) -> None:
     before = wait_for_idle_kv(stub)
     call = stub.Generate(request("cancel-me", list(range(100, 400)), 1000, ignore_eos=True))
@@ -176,6 +196,8 @@ def test_bad_input_is_invalid_argument(stub: engine_pb2_grpc.EngineStub,
 def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub,
                            engine_server: ManagedProcess) -> None:
     collect(stub, request("m1", [1, 2, 3], 5))
+    with pytest.raises(grpc.RpcError):  # one rejection, counted by type
+        collect(stub, request("m2", [], 5))
     s = stub.GetStats(engine_pb2.GetStatsRequest())
     assert s.num_kv_blocks_total == 512
     assert s.num_requests_total >= 1
