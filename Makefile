@@ -61,6 +61,7 @@ check-all: lint test ## lint and the whole suite
 bench: setup ## benchmarks; reports go to bench/reports/
 	$(PY) -m bench.tokenizer_bench
 	$(PY) -m bench.ratelimit_bench
+	$(PY) -m bench.engine_bench
 	$(PY) -m bench.engine_grpc_bench
 	$(PY) -m bench.gateway_bench
 	$(PY) -m bench.quality
