@@ -9,7 +9,13 @@ Each step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
 When the pool runs dry the least urgent running request (lowest effective
 priority, latest arrival) is preempted by recompute: its blocks are freed and
 it goes back to waiting with its progress reset. No new request is admitted in
-a step that preempted, so admission never causes thrashing.
+a step that preempted for lack of blocks, so admission never causes thrashing.
+
+When the batch is full (``max_num_seqs``) and the most urgent waiting request
+outranks the least urgent running one by a whole priority class (aging
+included), that running request is preempted to make room: a CRITICAL arrival
+does not wait for a LOW stream to finish. Aging bounds it: a LOW request that
+has waited/run long enough ranks like a higher class and is no longer displaced.
 
 Waiting requests first take the longest cached prefix of full blocks (prefix
 caching); a decode with speculation on carries n-gram draft tokens and is
@@ -116,11 +122,22 @@ class Scheduler:
         self.waiting.append(req)
         out.preempted_req_ids.append(req.request_id)
 
+    def _make_room_for_priority(self, now: float, out: SchedulerOutput) -> None:
+        """Preempt the least urgent running request for a waiting one a class above it."""
+        if not self.waiting or len(self.running) < self.config.max_num_seqs:
+            return
+        head = min(self.waiting, key=lambda r: self._urgency(r, now))
+        victim = self.running[-1]  # sorted most urgent first
+        if self._urgency(victim, now)[0] - self._urgency(head, now)[0] >= 1.0:
+            self._preempt(victim, out)
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch. See the module docstring for the order."""
         now = self.clock()
         out = SchedulerOutput()
         self.running.sort(key=lambda r: self._urgency(r, now))
+        self._make_room_for_priority(now, out)
+        num_priority_preemptions = len(out.preempted_req_ids)
         chosen: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
@@ -131,7 +148,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             budget = self._schedule_running(req, budget, chosen, out)
-        if not out.preempted_req_ids:
+        if len(out.preempted_req_ids) == num_priority_preemptions:  # no lack of blocks
             budget = self._schedule_waiting(budget, now, chosen)
         entries = sorted(chosen.values(), key=lambda s: not s.is_decode)
         for entry in entries:

@@ -177,3 +177,43 @@ def test_invariants_under_random_workloads(
         finished |= {r.request_id for r in done}
     assert finished == {str(i) for i in range(len(reqs))}  # nobody starved
     assert s.kv_cache_manager.num_free_blocks == num_blocks
+
+
+def test_a_critical_arrival_displaces_a_low_request_from_a_full_batch() -> None:
+    clock = FakeClock()
+    s = make(clock=clock, max_num_seqs=1, priority_aging_seconds=10.0)
+    s.add_request(req("low", 3, max_tokens=50, priority=LOW))
+    run_step(s)
+    run_step(s)
+    s.add_request(req("crit", 3, priority=CRITICAL, t=clock.now))
+    out = run_step(s)
+    assert out.preempted_req_ids == ["low"]
+    assert plan(out) == [("crit", 3)]  # admitted in the same step
+    assert s.requests["low"].status == RequestStatus.PREEMPTED
+    assert s.requests["low"].num_preemptions == 1
+    while "crit" in s.requests:
+        run_step(s)
+    out = run_step(s)
+    assert plan(out)[0][0] == "low"  # resumes (recomputed) once the batch has room
+
+
+def test_equal_or_close_classes_do_not_displace_each_other() -> None:
+    clock = FakeClock()
+    s = make(clock=clock, max_num_seqs=1, priority_aging_seconds=10.0)
+    s.add_request(req("a", 3, max_tokens=50, priority=NORMAL))
+    run_step(s)
+    s.add_request(req("b", 3, priority=NORMAL, t=clock.now))
+    s.add_request(req("c", 3, priority=NORMAL, t=clock.now))
+    assert run_step(s).preempted_req_ids == []  # same class: first come, first served
+    assert s.requests["a"].status == RequestStatus.RUNNING
+
+
+def test_an_aged_low_request_is_no_longer_displaced() -> None:
+    clock = FakeClock()
+    s = make(clock=clock, max_num_seqs=1, priority_aging_seconds=10.0)
+    s.add_request(req("low", 3, max_tokens=500, priority=LOW))
+    run_step(s)
+    clock.now = 25.0  # 2.5 aging periods: LOW now ranks above a fresh CRITICAL
+    s.add_request(req("crit", 3, priority=CRITICAL, t=clock.now))
+    assert run_step(s).preempted_req_ids == []
+    assert s.requests["low"].status == RequestStatus.RUNNING
