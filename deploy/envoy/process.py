@@ -18,7 +18,6 @@ import importlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from common.pgroup import stop_process_group
 from deploy.envoy.config import ROOT
 
 # Loopback only: never through an HTTP proxy from the environment.
@@ -212,17 +212,9 @@ class EnvoyProcess:
         """SIGTERM the process group, SIGKILL after ``timeout``. Returns the exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-            except ProcessLookupError:
-                pass
+        code = stop_process_group(self.proc, timeout)
         self._close_log()
-        return self.proc.returncode
+        return code
 
     def _close_log(self) -> None:
         if self._log is not None:
