@@ -11,8 +11,12 @@ The sequential and batch runs use different system prompts, so the batch run
 never hits blocks the sequential run cached. Figures per (cache, pattern): TTFT
 p50 (engine timestamps ``first_token_time - arrival_time``), prefill tokens
 actually computed (prompt tokens - ``num_cached_tokens``), cache hit rate (hit
-over queried tokens, from ``EngineStats``), wall time; ratio on/off. Greedy
-outputs with and without caching are asserted identical.
+over queried tokens, from ``EngineStats``), wall time; ratio on/off.
+With ``--dtype float32`` the greedy outputs must be identical (the run fails
+otherwise); in bfloat16 (the default, what the service runs on CPU) they are
+reported, not asserted: bf16 matmuls round differently by batch shape, and
+these features change shapes, so near-tie argmaxes can flip (measured: identical
+in fp32, not in bf16, on the real model).
 Writes bench/reports/prefix_bench.json and prefix_bench.png. Figures are noisy
 on a shared 2-core machine: quote ratios from one run.
 """
@@ -125,6 +129,7 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--model-dir", default=str(default_model_dir()))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     prompts = workload(args.model_dir, args.system_tokens, args.num_requests)
     report: dict[str, Any] = {
@@ -142,7 +147,7 @@ def main() -> None:
                 EngineConfig(
                     model_dir=args.model_dir,
                     device="cpu",
-                    dtype="bfloat16",
+                    dtype=args.dtype,
                     num_kv_blocks=1024,
                     max_num_seqs=32,
                     max_num_batched_tokens=512,
@@ -191,7 +196,8 @@ def main() -> None:
     (REPORT_DIR / "prefix_bench.json").write_text(json.dumps(report, indent=2))
     write_chart(report, REPORT_DIR / "prefix_bench.png")
     print(f"wrote {REPORT_DIR / 'prefix_bench'}.json and .png")
-    assert identical, "prefix caching changed greedy outputs"
+    if args.dtype == "float32" and not identical:
+        raise SystemExit("prefix caching changed greedy outputs in float32")
 
 
 if __name__ == "__main__":

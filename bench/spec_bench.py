@@ -9,7 +9,12 @@ Sets (chat-formatted, one request at a time, batch 1):
 Per set and mode: tokens/s (median of ``--runs``), forward passes (engine steps)
 per generated token, acceptance rate (accepted / drafted), speedup on/off. On and
 off run interleaved prompt by prompt in one engine (prefix caching off, so both
-prefill the same). Greedy outputs on and off are asserted identical.
+prefill the same).
+With ``--dtype float32`` the greedy outputs must be identical (the run fails
+otherwise); in bfloat16 (the default, what the service runs on CPU) they are
+reported, not asserted: bf16 matmuls round differently by batch shape, and
+these features change shapes, so near-tie argmaxes can flip (measured: identical
+in fp32, not in bf16, on the real model).
 Writes bench/reports/spec_bench.json and spec_bench.png. Figures are noisy on a
 shared 2-core machine: quote ratios from one run.
 """
@@ -134,12 +139,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3, help="prompts per set")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--model-dir", default=str(default_model_dir()))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
     engine = LLMEngine(
         EngineConfig(
             model_dir=args.model_dir,
             device="cpu",
-            dtype="bfloat16",
+            dtype=args.dtype,
             num_kv_blocks=256,
             enable_prefix_caching=False,
             num_speculative_tokens=args.k,
@@ -217,7 +223,8 @@ def main() -> None:
     (REPORT_DIR / "spec_bench.json").write_text(json.dumps(report, indent=2))
     write_chart(report, REPORT_DIR / "spec_bench.png")
     print(f"wrote {REPORT_DIR / 'spec_bench'}.json and .png")
-    assert identical, "speculative decoding changed greedy outputs"
+    if args.dtype == "float32" and not identical:
+        raise SystemExit("speculative decoding changed greedy outputs in float32")
 
 
 if __name__ == "__main__":
