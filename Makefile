@@ -65,6 +65,9 @@ bench: setup ## benchmarks; reports go to bench/reports/
 	$(PY) -m bench.engine_grpc_bench
 	$(PY) -m bench.gateway_bench
 	$(PY) -m bench.quality
+	$(PY) -m bench.fp8_bench
+	$(PY) -m bench.prefix_bench
+	$(PY) -m bench.spec_bench
 
 bench-load: setup ## load run, rate sweep, fairness experiments, capacity template (~10 min)
 	$(PY) -m bench.load run --spawn --target gateway --rate 1 --duration 30 --mix chatlike --max-output-tokens 64 --tenant name=gold,priority=CRITICAL,share=1 --tenant name=free,priority=LOW,share=2 --no-progress
