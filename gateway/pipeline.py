@@ -38,7 +38,6 @@ from common.log import get_logger
 from gateway import metrics
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
-from gateway.denials import DenialMemo
 from gateway.domain import CallContext, Chunk, Deadline, GatewayError
 from gateway.encoder import Encoder
 from gateway.params import (
@@ -105,7 +104,6 @@ class Pipeline:
         self.dispatcher = dispatcher
         self.router = router
         self.shadow = shadow
-        self.denials = DenialMemo()
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()
@@ -184,7 +182,7 @@ class Pipeline:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         deadline = Deadline(call.timeout_s if call.timeout_s is not None
                             else self.config.request_timeout_s)
-        memo = self.denials.check(tenant.tenant_id, tenant.limits)
+        memo = self.limiter.known_denial(tenant)
         if memo is not None:  # refused before any tokenizer or Redis call
             metrics.LOCAL_DENIALS.labels(tenant.tenant_id).inc()
             raise self._denied(tenant, memo)
@@ -233,7 +231,6 @@ class Pipeline:
         except LimiterUnavailableError as e:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         if not decision.allowed:
-            self.denials.record(tenant.tenant_id, tenant.limits, decision)
             raise self._denied(tenant, decision)
         return decision.reservation
 

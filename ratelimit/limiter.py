@@ -29,6 +29,7 @@ from ratelimit.algorithm import Outcome
 from ratelimit.breaker import CircuitBreaker
 from ratelimit.config import FAIL_MODES, Dimension, LimitPolicy, Tenant
 from ratelimit.decision import Decision, Reservation
+from ratelimit.denials import DenialMemo
 from ratelimit.guard import StoreGuard
 from ratelimit.storage import Store, StoreError, UsageSnapshot
 from ratelimit.storage.memory import MemoryStore
@@ -78,6 +79,15 @@ class RateLimiter:
         self.fallback = fallback or MemoryStore(
             lease_ttl_ms=store.lease_ttl_ms, concurrency_retry_ms=1000
         )
+        self.denials = DenialMemo()
+
+    def known_denial(self, tenant: Tenant) -> Decision | None:
+        """A request-rate denial of ``tenant`` whose bucket has not refilled yet.
+
+        Exact (nothing refunds requests), so a caller may refuse at once, with the
+        remaining wait, without a store call. None: ask ``reserve``.
+        """
+        return self.denials.check(tenant.tenant_id, tenant.limits)
 
     async def reserve(self, tenant: Tenant, num_tokens: int) -> Decision:
         """Admit one request of ``num_tokens`` tokens (prompt + max new tokens) or not.
@@ -135,6 +145,7 @@ class RateLimiter:
         decision = Decision.from_outcome(
             tenant.tenant_id, policy, outcome, lease_id, num_tokens, source
         )
+        self.denials.record(tenant.tenant_id, tenant.limits, decision)
         label = "allowed" if outcome.taken else "shadow_denied" if outcome.allowed else "denied"
         metrics.DECISIONS.labels(label, source).inc()
         if outcome.denied != Dimension.NONE:

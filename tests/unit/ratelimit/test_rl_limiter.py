@@ -224,3 +224,18 @@ async def test_fail_open_share_still_fits_one_large_request() -> None:
     assert not d.allowed
     assert d.retry_after_ms == 144_000  # 600 tokens at the share's 250/min
     assert (await limiter.reserve(tenant, 1001)).retry_after_ms == -1
+
+
+async def test_a_request_rate_denial_is_known_until_the_bucket_refills() -> None:
+    limiter = RateLimiter(memory(Clock()))
+    tenant = Tenant("rpm", LimitPolicy(requests_per_minute=60, request_burst=1))
+    assert limiter.known_denial(tenant) is None
+    assert (await limiter.reserve(tenant, 1)).allowed
+    denied = await limiter.reserve(tenant, 1)
+    assert not denied.allowed
+    known = limiter.known_denial(tenant)  # no store call: the limiter remembers it
+    assert known is not None
+    assert not known.allowed
+    assert 0 < known.retry_after_ms <= denied.retry_after_ms
+    other = Tenant("other", LimitPolicy(requests_per_minute=60, request_burst=1))
+    assert limiter.known_denial(other) is None

@@ -1,11 +1,15 @@
 """Local memory of request-rate denials, so a refused tenant is refused cheaply.
 
+``RateLimiter`` records every denial here and offers ``known_denial(tenant)``,
+which a caller checks before any expensive work (the gateway: before the
+tokenizer call).
+
 When Redis says a tenant's *request* bucket is empty (and nothing else was
 short), no request of that tenant can pass before ``retry_after_ms``: the
 request bucket refills at a fixed rate and nothing refunds it (settling
 refunds tokens, never requests; other gateway replicas only take more). So
-until then this replica answers RESOURCE_EXHAUSTED itself, before the
-tokenizer call and without a Redis round trip, with the remaining wait.
+until then this process can answer RESOURCE_EXHAUSTED itself, without a
+Redis round trip, with the remaining wait.
 
 It never admits anything Redis would refuse, only refuses locally what Redis
 would refuse too. Two things can make it refuse a little too long, both

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.denials import DenialMemo
 from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.decision import Decision
+from ratelimit.denials import DenialMemo
 
 POLICY = LimitPolicy(requests_per_minute=60)
 
