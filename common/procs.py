@@ -22,7 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import ROOT
-from common.pgroup import stop_process_group, tail
+from common.pgroup import LoggedChild, tail
 
 
 class ServiceStartError(RuntimeError):
@@ -41,8 +41,10 @@ def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
 
 
 @dataclass
-class ManagedProcess:
+class ManagedProcess(LoggedChild):
     """One service subprocess: ``python -m <module> <args>`` with a port file."""
+
+    stop_timeout = 15.0  # services drain in-flight work on SIGTERM
 
     name: str
     module: str
@@ -101,19 +103,6 @@ class ManagedProcess:
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM the process group, SIGKILL after ``timeout``. Returns the exit code."""
-        if self.proc is None:
-            return None
-        code = stop_process_group(self.proc, timeout)
-        self._close_log()
-        return code
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
     def __enter__(self) -> ManagedProcess:
         return self.start()

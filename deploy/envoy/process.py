@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from common.pgroup import stop_process_group
+from common.pgroup import LoggedChild
 from deploy.envoy.config import ROOT
 
 # Loopback only: never through an HTTP proxy from the environment.
@@ -64,7 +64,7 @@ def _tail(path: Path, num_lines: int = 40) -> str:
         return "(no log)"
 
 
-class EnvoyProcess:
+class EnvoyProcess(LoggedChild):
     """One Envoy subprocess in its own process group."""
 
     def __init__(
@@ -207,19 +207,6 @@ class EnvoyProcess:
 
     def listener_address(self, name: str = "public", host: str = "127.0.0.1") -> str:
         return f"{host}:{self.listener_port(name)}"
-
-    def stop(self, timeout: float = 10.0) -> int | None:
-        """SIGTERM the process group, SIGKILL after ``timeout``. Returns the exit code."""
-        if self.proc is None:
-            return None
-        code = stop_process_group(self.proc, timeout)
-        self._close_log()
-        return code
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
 
     def __enter__(self) -> EnvoyProcess:
         return self.start()
