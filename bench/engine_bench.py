@@ -15,7 +15,6 @@ Writes bench/reports/engine_bench.json and engine_bench.png.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import random
@@ -28,10 +27,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from common.config import ROOT, default_model_dir
+from bench.report import save_report
+from common.config import default_model_dir
 from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
 
-REPORT_DIR = ROOT / "bench" / "reports"
 FIGURES = ("decode_1_stream", "prefill_512", "mixed_64")
 
 
@@ -219,10 +218,7 @@ def main() -> None:
         hf = report.get("transformers", {}).get(f)
         ratio = f"{report['ratio'][f]:.2f}x" if hf else "-"
         print(f"{f:<18}{report['ours'][f]:>12.1f}{hf or 0:>14.1f}{ratio:>8}")
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    (REPORT_DIR / f"{args.out}.json").write_text(json.dumps(report, indent=2))
-    write_chart(report, REPORT_DIR / f"{args.out}.png")
-    print(f"wrote {REPORT_DIR / args.out}.json and .png")
+    save_report(args.out, report, lambda path: write_chart(report, path))
 
 
 if __name__ == "__main__":

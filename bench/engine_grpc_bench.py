@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import tempfile
@@ -28,14 +27,14 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
-from common.config import ROOT, default_model_dir
+from bench.report import save_report
+from common.config import default_model_dir
 from common.procs import ManagedProcess
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.sampling_params import SamplingParams
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
-REPORT_DIR = ROOT / "bench" / "reports"
 CORE_ENV = {"LLM_ENGINE_CORE_DEVICE": "cpu", "LLM_ENGINE_CORE_NUM_KV_BLOCKS": "2048",
             "LLM_ENGINE_CORE_MAX_NUM_SEQS": "32", "LLM_ENGINE_CORE_MAX_MODEL_LEN": "2048"}
 
@@ -145,12 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             ratio = m["tokens_per_s"] / r["offline"]["tokens_per_s"]
             print(f"{conc:>5} {mode:<8}{m['ttft_p50_ms']:>8.1f}ms{m['ttft_p99_ms']:>8.1f}ms"
                   f"{m['tpot_p50_ms']:>8.1f}ms{m['tokens_per_s']:>9.1f}{ratio:>19.2f}x")
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
     report = {"bench": "engine_grpc", "max_tokens": args.max_tokens, "dtype": args.dtype,
               "repeats": args.repeats, "results": results}
-    (REPORT_DIR / "engine_grpc_bench.json").write_text(json.dumps(report, indent=2))
-    plot(results, REPORT_DIR / "engine_grpc_bench.png")
-    print(f"report: {REPORT_DIR / 'engine_grpc_bench.json'} and .png")
+    save_report("engine_grpc_bench", report, lambda path: plot(results, path))
     return 0
 
 

@@ -22,7 +22,6 @@ shared 2-core machine: quote ratios from one run.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -33,12 +32,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from common.config import ROOT, default_model_dir
+from bench.report import save_report
+from common.config import default_model_dir
 from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
 from engine_svc.core.model_runner import determine_num_blocks
 from engine_svc.models.fp8 import Fp8Weight
 
-REPORT_DIR = ROOT / "bench" / "reports"
 MIB = 1 << 20
 
 
@@ -292,10 +291,7 @@ def main() -> None:
             f"{r['decode_b8_tps']:>10.1f}"
         )
     print("fp8/bf16: " + ", ".join(f"{k} {v:.2f}x" for k, v in report["ratio"].items()))
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    (REPORT_DIR / "fp8_bench.json").write_text(json.dumps(report, indent=2))
-    write_chart(report, REPORT_DIR / "fp8_bench.png")
-    print(f"wrote {REPORT_DIR / 'fp8_bench'}.json and .png")
+    save_report("fp8_bench", report, lambda path: write_chart(report, path))
 
 
 if __name__ == "__main__":

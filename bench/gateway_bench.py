@@ -36,7 +36,8 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
-from common.config import ROOT, default_model_dir
+from bench.report import save_report
+from common.config import default_model_dir
 from common.procs import ManagedProcess
 from llm.v1 import (
     admin_pb2,
@@ -50,7 +51,6 @@ from llm.v1 import (
 from ratelimit.testing import RedisServer, free_port
 from tokenizer_svc.tokenizer import TextTokenizer
 
-REPORT_DIR = ROOT / "bench" / "reports"
 PROMPT = "Write a short poem about the sea and the wind, in four lines."
 Sample = tuple[float, float]  # (ttft seconds, mean inter-token seconds)
 
@@ -241,9 +241,7 @@ def main() -> None:
                       "noisy. added = gateway (gRPC) - engine, http_vs_grpc = gateway HTTP "
                       "front - gateway gRPC front, of the round medians.",
               "results": results}
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    (REPORT_DIR / "gateway_bench.json").write_text(json.dumps(report, indent=2))
-    plot(report, REPORT_DIR / "gateway_bench.png")
+    save_report("gateway_bench", report, lambda path: plot(report, path))
     for conc, res in results.items():
         print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()}
                                 for k, d in res.items()}))

@@ -32,10 +32,9 @@ from bench.loadlib.spawn import Stack, StackSpec, setup_tenants
 from bench.loadlib.stats import Slo, format_table
 from bench.loadlib.sweep import SweepConfig, run_sweep
 from bench.loadlib.workload import SHAPES, Caps, TenantSpec, TextPool
-from common.config import ROOT, default_model_dir
+from bench.report import REPORT_DIR
+from common.config import default_model_dir
 from tokenizer_svc.tokenizer import TextTokenizer
-
-REPORT_DIR = ROOT / "bench" / "reports"
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -24,7 +24,6 @@ on a shared 2-core machine: quote ratios from one run.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -34,10 +33,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from bench.report import save_report
 from common.config import ROOT, default_model_dir
 from engine_svc.core import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 
-REPORT_DIR = ROOT / "bench" / "reports"
 DATA = ROOT / "tests" / "data" / "quality"
 PATTERNS = ("sequential", "batch")
 
@@ -192,10 +191,7 @@ def main() -> None:
             f"{ratio['prefill_computed']:>17.2f}x{'':>20}{ratio['wall_s']:>7.2f}x"
         )
     print(f"greedy outputs identical with and without caching: {identical}")
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    (REPORT_DIR / "prefix_bench.json").write_text(json.dumps(report, indent=2))
-    write_chart(report, REPORT_DIR / "prefix_bench.png")
-    print(f"wrote {REPORT_DIR / 'prefix_bench'}.json and .png")
+    save_report("prefix_bench", report, lambda path: write_chart(report, path))
     if args.dtype == "float32" and not identical:
         raise SystemExit("prefix caching changed greedy outputs in float32")
 

@@ -30,12 +30,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from common.config import ROOT
+from bench.report import REPORT_DIR
 from ratelimit.config import LimitPolicy
 from ratelimit.loadgen import HammerResult, HammerSpec, hammer
 from ratelimit.testing import RedisServer
 
-REPORT_DIR = ROOT / "bench" / "reports"
 MODES = ("fixed_window", "lua", "bucket", "bucket_settle")
 # Generous limits: the benchmark measures the cost of a decision, not denials.
 POLICY = LimitPolicy(requests_per_minute=10**9, tokens_per_minute=10**12, max_concurrent=10**6)

@@ -22,7 +22,6 @@ shared 2-core machine: quote ratios from one run.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -32,10 +31,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from bench.report import save_report
 from common.config import ROOT, default_model_dir
 from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
 
-REPORT_DIR = ROOT / "bench" / "reports"
 DATA = ROOT / "tests" / "data" / "quality"
 SETS = ("extract", "free")
 MODES = ("off", "on")
@@ -219,10 +218,7 @@ def main() -> None:
             )
     print(f"greedy outputs identical on/off: {identical}")
     print(f"free generation slowdown within 10%: {report['free_slowdown_within_10pct']}")
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    (REPORT_DIR / "spec_bench.json").write_text(json.dumps(report, indent=2))
-    write_chart(report, REPORT_DIR / "spec_bench.png")
-    print(f"wrote {REPORT_DIR / 'spec_bench'}.json and .png")
+    save_report("spec_bench", report, lambda path: write_chart(report, path))
     if args.dtype == "float32" and not identical:
         raise SystemExit("speculative decoding changed greedy outputs in float32")
 

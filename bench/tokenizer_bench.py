@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import random
 import statistics
@@ -29,12 +28,12 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
+from bench.report import save_report
 from common.config import ROOT, default_model_dir
 from common.procs import ManagedProcess
 from llm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.tokenizer import TextTokenizer
 
-REPORT_DIR = ROOT / "bench" / "reports"
 CORPUS = ROOT / "tests" / "data" / "tokenizer_corpus.txt"
 
 
@@ -130,13 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, r in results.items():
         print(f"{name:<26}{r['texts_per_s']:>10.0f}{r['tokens_per_s']:>12.0f}"
               f"{r['us_per_text']:>10.1f}{r['texts_per_s'] / base:>14.2f}x")
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
     report = {"bench": "tokenizer", "num_texts": len(texts), "text_chars": 1024,
               "repeats": args.repeats, "machine": platform.machine(),
               "python": platform.python_version(), "results": results}
-    (REPORT_DIR / "tokenizer_bench.json").write_text(json.dumps(report, indent=2))
-    plot(results, REPORT_DIR / "tokenizer_bench.png")
-    print(f"report: {REPORT_DIR / 'tokenizer_bench.json'} and .png")
+    save_report("tokenizer_bench", report, lambda path: plot(results, path))
     return 0
 
 
