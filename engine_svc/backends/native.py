@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from common.log import get_logger
+from engine_svc import metrics
 from engine_svc.backends.base import (
     BackendStats,
     BackendUnavailableError,
@@ -160,6 +161,9 @@ class NativeBackend:
                 if not running:
                     break
                 outputs = engine.step()
+                if engine.last_step_timings is not None:
+                    metrics.observe_step(engine.last_step_timings)
+                    engine.last_step_timings = None
                 self._publish(engine)
                 for out in outputs:
                     if out.finished:

@@ -6,11 +6,12 @@ plain tensors and drivable from one service thread.
 
 from engine_svc.core.config import EngineConfig, SchedulerConfig
 from engine_svc.core.llm_engine import LLMEngine
-from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
+from engine_svc.core.outputs import STEP_PHASES, EngineStats, ModelInfo, RequestOutput, StepTimings
 from engine_svc.core.request import FinishReason, Request, RequestStatus, TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
 
 __all__ = [
+    "STEP_PHASES",
     "EngineConfig",
     "EngineStats",
     "FinishReason",
@@ -21,5 +22,6 @@ __all__ = [
     "RequestStatus",
     "SamplingParams",
     "SchedulerConfig",
+    "StepTimings",
     "TokenLogprobs",
 ]

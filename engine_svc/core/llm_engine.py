@@ -23,13 +23,16 @@ from engine_svc.core.config import EngineConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.core.model_runner import ModelRunner, determine_num_blocks
 from engine_svc.core.ngram_proposer import NgramProposer
-from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
+from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput, StepTimings
 from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sampler import Sampler
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
 from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
+from engine_svc.models import cpu_kernels
+from engine_svc.models.config import load_model_config
+from engine_svc.models.linear import LinearChoice, choose_cpu_linear
 from engine_svc.models.loader import load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -42,6 +45,17 @@ def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _choose_linear(config: EngineConfig, model_dir: str, device: torch.device) -> LinearChoice:
+    """Weight dtype and matmul form: measured on this CPU unless the config forces them."""
+    forced = None if config.dtype == "auto" else resolve_dtype(config.dtype)
+    if device.type != "cpu":
+        return LinearChoice(forced or torch.bfloat16, False, "device")
+    if config.quantization == "fp8":  # FP8 projections have their own kernels
+        return LinearChoice(forced or torch.bfloat16, False, "fp8")
+    mc = load_model_config(model_dir)
+    return choose_cpu_linear(mc.hidden_size, mc.intermediate_size, forced)
 
 
 def _make_output(req: Request) -> RequestOutput:
@@ -83,10 +97,15 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         self.device = _resolve_device(config.device)
-        self.weight_dtype = resolve_dtype("bfloat16" if config.dtype == "auto" else config.dtype)
         self.model_dir = config.model_dir or str(default_model_dir())
+        self.linear_choice = _choose_linear(config, self.model_dir, self.device)
+        self.weight_dtype = self.linear_choice.dtype
         self.model = load_model(
-            self.model_dir, self.weight_dtype, self.device, quantization=config.quantization
+            self.model_dir,
+            self.weight_dtype,
+            self.device,
+            quantization=config.quantization,
+            packed=self.linear_choice.packed,
         )
         self.model_config = self.model.config
         if config.kv_cache_dtype not in ("auto", "fp8"):
@@ -110,6 +129,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self._pending: list[RequestOutput] = []
         self._totals = {"requests": 0, "prompt": 0, "generation": 0, "steps": 0}
+        self.last_step_timings: StepTimings | None = None  # None until a step ran a batch
 
     @property
     def max_model_len(self) -> int:
@@ -232,15 +252,24 @@ class LLMEngine:
         ``FinishReason.ERROR`` instead of taking the engine down.
         """
         outputs, self._pending = self._pending, []
+        t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return outputs
         self._totals["steps"] += 1
+        timings = StepTimings(schedule=time.perf_counter() - t0, num_decodes=sched_out.num_decodes)
+        timings.num_prefill_tokens = sum(
+            e.num_new_tokens for e in sched_out.scheduled[sched_out.num_decodes :]
+        )
         try:
             logits, reqs = self.runner.execute_model(sched_out)
+            timings.prepare = self.runner.last_prepare_s
+            timings.forward = self.runner.last_forward_s
+            t_sample = time.perf_counter()
             rows = expand_rows(sched_out.scheduled)
             assert len(rows) == len(reqs)
             sampled = self.sampler(logits, rows) if rows else None
+            timings.sample = time.perf_counter() - t_sample
         except Exception:
             logger.exception(
                 "model step failed; failing its %d request(s)", len(sched_out.scheduled)
@@ -248,6 +277,7 @@ class LLMEngine:
             ids = [e.request.request_id for e in sched_out.scheduled]
             failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
             return outputs + [_make_output(r) for r in failed]
+        t_update = time.perf_counter()
         token_map: dict[str, list[int]] = {}
         if sampled is not None:
             token_map = accept(sched_out.scheduled, sampled.token_ids, sampled.logprobs)
@@ -260,6 +290,8 @@ class LLMEngine:
             out = _make_output(req)
             if out.new_token_ids or out.finished:
                 outputs.append(out)
+        timings.update = time.perf_counter() - t_update
+        self.last_step_timings = timings
         return outputs
 
     def get_stats(self) -> EngineStats:
@@ -300,4 +332,14 @@ class LLMEngine:
             kv_block_size=self.config.block_size,
             num_kv_blocks=self.runner.num_blocks,
             device=str(self.device),
+            compute=self.compute_description,
         )
+
+    @property
+    def compute_description(self) -> str:
+        """How this engine computes here and why (model info, logs, metrics)."""
+        c = self.linear_choice
+        kernels = "native" if cpu_kernels.ops_available() else "torch"
+        if self.device.type != "cpu":
+            kernels = self.device.type
+        return f"{c.name} ({c.reason}), kernels={kernels}, threads={torch.get_num_threads()}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -96,6 +97,8 @@ class ModelRunner:
         )
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv_cache]
         self.kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.last_prepare_s = 0.0  # input building of the latest step
+        self.last_forward_s = 0.0  # decoder + LM head of the latest step
         if self.kv_cache.dtype == torch.float8_e4m3fn:
             self.kv_scales = self._calibrate_kv_scales()
 
@@ -130,6 +133,7 @@ class ModelRunner:
             sampling entry, ``1 + drafts`` for a speculative one) and each
             row's request in the same order.
         """
+        t0 = time.perf_counter()
         entries = output.scheduled
         token_ids: list[int] = []
         for e in entries:
@@ -143,6 +147,8 @@ class ModelRunner:
             self.device,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        t1 = time.perf_counter()
+        self.last_prepare_s = t1 - t0
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, self.kv_scales)
         last_rows: list[int] = []
         sampled: list[Request] = []
@@ -153,7 +159,10 @@ class ModelRunner:
             last_rows.extend(range(end - rows, end))
             sampled.extend([e.request] * rows)
         if not last_rows:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32), []
-        if len(last_rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(last_rows, device=self.device)]
-        return self.model.compute_logits(hidden), sampled
+            logits = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        else:
+            if len(last_rows) < hidden.shape[0]:
+                hidden = hidden[torch.tensor(last_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden)
+        self.last_forward_s = time.perf_counter() - t1
+        return logits, sampled

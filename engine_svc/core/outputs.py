@@ -45,6 +45,35 @@ class RequestOutput:
     finished_time: float | None = None
 
 
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "update")
+
+
+@dataclass(slots=True)
+class StepTimings:
+    """Seconds one ``LLMEngine.step`` spent in each phase, and what it ran.
+
+    Attributes:
+        schedule: choosing the step's requests and allocating KV slots.
+        prepare: building input ids, positions and attention metadata.
+        forward: the model (decoder + LM head rows that sample).
+        sample: turning logits into tokens (and logprobs).
+        update: appending tokens, stop checks, freeing, building outputs.
+        num_decodes / num_prefill_tokens: the step's batch.
+    """
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0
+    num_decodes: int = 0
+    num_prefill_tokens: int = 0
+
+    def phases(self) -> dict[str, float]:
+        """Phase name -> seconds, in step order."""
+        return {p: getattr(self, p) for p in STEP_PHASES}
+
+
 @dataclass(slots=True)
 class EngineStats:
     """A snapshot of the engine's load and totals since start."""
@@ -89,3 +118,4 @@ class ModelInfo:
     num_kv_blocks: int = 0
     device: str = "cpu"
     backend: str = "native"
+    compute: str = ""

@@ -18,6 +18,7 @@ import torch
 
 from engine_svc.core.request import Request, TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.models import ops
 
 _MASK64 = (1 << 64) - 1
 
@@ -68,7 +69,7 @@ class Sampler:
         logits = self._apply_penalties(logits, requests)
         logits = self._suppress_stops(logits, requests)
         if all(p.greedy for p in params):
-            chosen = logits.argmax(dim=-1)
+            chosen = ops.argmax_rows(logits)
         else:
             chosen = self._sample(logits, requests)
         token_ids = chosen.tolist()
@@ -142,7 +143,7 @@ class Sampler:
                 self._row_gen.manual_seed(mix_seed(seed, r.num_output_tokens))
                 noise[i].exponential_(generator=self._row_gen)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy, ops.argmax_rows(logits), sampled)
 
     def _top_k_top_p(self, logits: torch.Tensor, ps: Sequence[SamplingParams]) -> torch.Tensor:
         dev = logits.device

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine_svc.models import cpu_kernels, kv_fp8
+from engine_svc.models import kv_fp8, ops
 
 
 @dataclass(slots=True)
@@ -138,42 +138,44 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cache_written: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache and attend.
+    """Write this step's K/V into the cache (unless already written) and attend.
 
     Args:
         q: [T, H, D]; k, v: [T, Hkv, D], all in the attention dtype.
         k_cache, v_cache: [num_blocks, block_size, Hkv, D], one layer's cache
-            (the attention dtype, or float8_e4m3fn with ``kv_scales``).
+            (fp32, bf16, or float8_e4m3fn with ``kv_scales``).
         meta: the step's metadata.
         kv_scales: per-head K and V scales [Hkv] of an FP8 cache.
+        cache_written: k and v are already in the cache (``ops.rotary_qkv``).
+        out_dtype: dtype of the result; default the attention dtype.
 
     Returns:
-        [T, H * D] attention output in the attention dtype.
+        [T, H * D] attention output.
     """
     _, num_kv_heads, head_dim = k.shape
+    out_dtype = out_dtype or q.dtype
     if kv_scales is not None:
         kv_fp8.write_kv(k_cache, meta.slot_mapping, k, kv_scales[0])
         kv_fp8.write_kv(v_cache, meta.slot_mapping, v, kv_scales[1])
-    else:
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    elif not cache_written:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, meta.slot_mapping, k.to(k_cache.dtype)
+        )
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, meta.slot_mapping, v.to(v_cache.dtype)
+        )
     num_tokens = q.shape[0]
     nd = meta.num_decode_tokens
     parts: list[torch.Tensor] = []
     if nd:
-        parts.append(_decode_attention(q[:nd], k_cache, v_cache, meta, kv_scales))
+        parts.append(_decode_attention(q[:nd], k_cache, v_cache, meta, kv_scales, out_dtype))
     if num_tokens > nd:
-        parts.append(_prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, kv_scales))
+        pre = _prefill_attention(q[nd:], k[nd:], v[nd:], k_cache, v_cache, meta, kv_scales)
+        parts.append(pre.to(out_dtype))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _use_kernel(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return (
-        q.device.type == "cpu"
-        and k_cache.dtype == torch.float32
-        and cpu_kernels.decode_kernel_available()
-    )
 
 
 def _decode_attention(
@@ -181,21 +183,22 @@ def _decode_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     nd, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert meta.decode_blocks is not None
-    if _use_kernel(q, k_cache):
+    if kv_scales is None and ops.decode_kernel_usable(q, k_cache):
         assert meta.decode_context_lens is not None
-        out = cpu_kernels.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens, meta.decode_max_ctx
+        return ops.paged_decode_attention(
+            q.float(), k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens, out_dtype
         )
-        return out.view(nd, num_heads * head_dim)
     kd, vd = _gather(k_cache, v_cache, meta.decode_blocks, kv_scales)
     qd = q.reshape(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    kd, vd = kd.to(q.dtype), vd.to(q.dtype)
     out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-    return out.reshape(nd, num_heads * head_dim)
+    return out.reshape(nd, num_heads * head_dim).to(out_dtype)
 
 
 def _prefill_attention(
@@ -223,6 +226,7 @@ def _prefill_attention(
     assert meta.prefill_out_rows is not None
     p = meta.prefill_blocks.shape[0]
     kp, vp = _gather(k_cache, v_cache, meta.prefill_blocks, kv_scales)
+    kp, vp = kp.to(q.dtype), vp.to(q.dtype)
     qp = q.index_select(0, meta.prefill_q_index).view(p, -1, num_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, enable_gqa=True)
     out = out.transpose(1, 2).reshape(-1, num_heads * head_dim)

@@ -1,22 +1,30 @@
-"""Optional C kernels for CPU, compiled once with the system C compiler.
+"""CPU kernels of the native engine, compiled once on the machine that runs them.
 
-The decode attention kernel reads K/V straight through the block table, so
-the per-layer gather copy that the SDPA path needs disappears. It is plain C
-(no torch headers, compiles in about a second), loaded with ctypes and cached
-under ``<cache>/kernels/<source hash>/``. No compiler, a failed build or
-``LLM_ENGINE_CPU_KERNELS=0`` leaves ``decode_kernel()`` returning None and the
-SDPA path in charge.
+Two libraries, both built with the system compiler and ``-march=native`` and
+cached under ``<cache>/kernels/<hash of source, flags, torch and CPU>/``:
+
+- ``csrc/cpu_ops.cpp``: torch operators (``torch.ops.llm_cpu.*``: RMSNorm,
+  add+RMSNorm, SiLU-and-mul, RoPE with the KV-cache write, paged decode
+  attention). They run on torch's own OpenMP pool through ``at::parallel_for``
+  and link torch's bundled libgomp, so there is one thread pool, never two.
+- ``csrc/fp8_linear.c``: FP8 weight GEMV/dequantization (plain C, ctypes).
+
+No compiler, a failed build or ``LLM_ENGINE_CPU_KERNELS=0`` makes
+``ops_available()`` False and the engine runs its pure-torch path, which
+computes the same thing.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 from functools import cache
 from pathlib import Path
 
@@ -26,105 +34,134 @@ from common.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-CFLAGS = [
+CSRC = Path(__file__).parent / "csrc"
+OPS_SOURCE = CSRC / "cpu_ops.cpp"
+C_FLAGS = [
     "-O3",
     "-march=native",
     "-ffp-contract=fast",
+    # reductions (dot products, sums) vectorize only when they may be reassociated
     "-fassociative-math",
     "-fno-signed-zeros",
+    "-fno-math-errno",
     "-fno-trapping-math",
     "-shared",
     "-fPIC",
-    "-std=gnu11",
     "-pthread",
 ]
+_build_lock = threading.Lock()
 
-_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+
+def cpu_signature() -> str:
+    """CPU model and ISA flags: a kernel built with -march=native is only valid there."""
+    model, flags = platform.processor(), ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].strip()
+                break
+    return f"{platform.machine()} {model} {flags}"
 
 
-def _build(source: Path, out_dir: Path) -> Path:
-    lib = out_dir / "libpaged_attention.so"
+def _compile(cmd: list[str], lib: Path) -> Path:
+    """Run ``cmd`` (which writes ``{out}``) into a temp file, then publish it atomically."""
     if lib.is_file():
         return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        proc = subprocess.run(
+            [str(tmp_lib) if c == "{out}" else c for c in cmd],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"compile failed: {proc.stderr[-2000:]}")
+        os.replace(tmp_lib, lib)  # concurrent builders never see half a file
+    return lib
+
+
+def _digest(*parts: str | bytes) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, bytes) else p.encode())
+    return h.hexdigest()[:16]
+
+
+def build_c_library(source: Path, name: str) -> Path:
+    """Compile a plain-C kernel file into a cached shared library.
+
+    Raises:
+        RuntimeError: no compiler, or the build failed.
+    """
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        tmp_lib = Path(tmp) / lib.name
-        subprocess.run(
-            [compiler, *CFLAGS, str(source), "-o", str(tmp_lib), "-lm"],
-            check=True,
-            capture_output=True,
-            timeout=120,
-        )
-        os.replace(tmp_lib, lib)  # atomic: concurrent builders never see half a file
-    return lib
+    key = _digest(source.read_bytes(), " ".join(C_FLAGS), cpu_signature())
+    lib = cache_dir() / "kernels" / f"{name}-{key}" / f"lib{name}.so"
+    return _compile([compiler, *C_FLAGS, "-std=gnu11", str(source), "-o", "{out}", "-lm"], lib)
+
+
+def _ops_command(compiler: str) -> list[str]:
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    lib_dirs = cpp_extension.library_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        compiler,
+        *C_FLAGS,
+        "-std=c++17",
+        "-fopenmp",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *includes,
+        str(OPS_SOURCE),
+        "-o",
+        "{out}",
+        *[f"-L{p}" for p in lib_dirs],
+        *[f"-Wl,-rpath,{p}" for p in lib_dirs],
+        # torch's own libgomp (same soname): the ops share torch's OpenMP pool
+        "-lc10",
+        "-ltorch_cpu",
+        "-lgomp",
+    ]
+
+
+def build_ops_library() -> Path:
+    """Compile ``cpu_ops.cpp`` against the installed torch (cached).
+
+    Raises:
+        RuntimeError: no C++ compiler, or the build failed.
+    """
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++/c++) on PATH")
+    cmd = _ops_command(compiler)
+    key = _digest(OPS_SOURCE.read_bytes(), " ".join(cmd), torch.__version__, cpu_signature())
+    lib = cache_dir() / "kernels" / f"cpu_ops-{key}" / "libllm_cpu_ops.so"
+    if not lib.is_file():
+        logger.info("compiling CPU kernels (once per machine, ~30 s): %s", lib)
+    return _compile(cmd, lib)
 
 
 @cache
-def _load() -> ctypes.CDLL | None:
-    if os.environ.get("LLM_ENGINE_CPU_KERNELS", "1") == "0":
-        return None
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+def _load_ops() -> bool:
+    if os.environ.get("LLM_ENGINE_CPU_KERNELS", "1") == "0" or sys.platform != "linux":
+        return False
     try:
-        lib = ctypes.CDLL(str(_build(SOURCE, cache_dir() / "kernels" / digest)))
+        with _build_lock:
+            torch.ops.load_library(str(build_ops_library()))  # type: ignore[no-untyped-call]
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU attention kernel unavailable, using SDPA: %s", exc)
-        return None
-    fn = lib.paged_decode_attention
-    fn.argtypes = [_ptr] * 6 + [_i64] * 7 + [_f32, _int]
-    fn.restype = None
-    return lib
+        logger.warning("CPU kernels unavailable, using the pure-torch path: %s", exc)
+        return False
+    return True
 
 
-def decode_kernel_available() -> bool:
-    """True when the compiled decode kernel can be used."""
-    return _load() is not None
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    max_ctx: int,
-) -> torch.Tensor:
-    """Decode attention over block tables with the C kernel (fp32, CPU).
-
-    Args:
-        q: [B, H, D] fp32 queries (made contiguous here).
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] fp32, contiguous.
-        block_tables: [B, max_blocks] int64, contiguous.
-        context_lens: [B] int64 tokens to attend per sequence.
-        max_ctx: the largest context length.
-
-    Returns:
-        [B, H, D] fp32 attention output.
-    """
-    lib = _load()
-    assert lib is not None
-    q = q.contiguous()
-    b, h, d = q.shape
-    _, block_size, hkv, _ = k_cache.shape
-    out = torch.empty_like(q)
-    lib.paged_decode_attention(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        context_lens.data_ptr(),
-        out.data_ptr(),
-        b,
-        h,
-        hkv,
-        d,
-        block_size,
-        block_tables.shape[1],
-        max_ctx,
-        d**-0.5,
-        torch.get_num_threads(),
-    )
-    return out
+def ops_available() -> bool:
+    """True when ``torch.ops.llm_cpu`` is built and loaded."""
+    return _load_ops()

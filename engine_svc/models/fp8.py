@@ -17,7 +17,6 @@ The per-channel scale is applied to the output: ``x @ (q * s)^T = (x @ q^T) * s`
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 from functools import cache
 from pathlib import Path
@@ -25,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.config import cache_dir
 from engine_svc.models import cpu_kernels
 
 logger = logging.getLogger(__name__)
@@ -69,10 +67,8 @@ class Fp8Weight:
 
 @cache
 def _lib() -> ctypes.CDLL | None:
-    digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16]
     try:
-        path = cpu_kernels._build(_SOURCE, cache_dir() / "kernels" / f"fp8-{digest}")
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(cpu_kernels.build_c_library(_SOURCE, "fp8_linear")))
     except Exception as exc:  # no compiler, failed build: torch paths stay correct
         logger.warning("fp8 CPU kernel unavailable, using torch dequantization: %s", exc)
         return None

@@ -1,8 +1,11 @@
 """Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) on paged attention.
 
-Projections are fused (q|k|v and gate|up) so a layer is a handful of large
-matmuls. Weights live in ``dtype``; attention math and the KV cache use
-``attn_dtype`` (fp32 on CPU, where SDPA in bf16 is several times slower).
+Projections are fused (q|k|v and gate|up) so a layer is four matmuls plus
+four fused small ops (``ops``: add+RMSNorm, RoPE with the KV write, decode
+attention, SiLU-and-mul). Weights live in ``dtype`` as ``Linear`` objects
+(oneDNN-prepacked on CPU when chosen) or FP8; attention math and the KV cache
+use ``attn_dtype`` (fp32 on CPU, where SDPA in bf16 is several times slower).
+The residual stream stays in ``dtype`` and is updated in place.
 """
 
 from __future__ import annotations
@@ -10,32 +13,45 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine_svc.models import ops
 from engine_svc.models.attention import AttentionMetadata, paged_attention
 from engine_svc.models.config import ModelConfig
-from engine_svc.models.fp8 import Fp8Weight, linear
+from engine_svc.models.fp8 import Fp8Weight, fp8_linear
+from engine_svc.models.linear import Linear
 from engine_svc.models.rotary import RotaryEmbedding
+
+Projection = Linear | Fp8Weight
+
+
+def _project(x: torch.Tensor, w: Projection) -> torch.Tensor:
+    return fp8_linear(x, w) if isinstance(w, Fp8Weight) else w(x)
 
 
 class LlamaLayer:
-    """One decoder layer's weights (fused projections) and its forward pass."""
+    """One decoder layer's weights (fused projections).
 
-    __slots__ = ("down", "gate_up", "in_norm", "o_proj", "post_norm", "qkv", "qkv_bias")
+    Args:
+        tensors: the fused layer tensors (``_fuse_layer``).
+        packed: prepack the projections for oneDNN.
+        fp8: quantize the projections to per-channel FP8 instead.
+    """
 
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+    __slots__ = ("down", "gate_up", "in_norm", "o_proj", "post_norm", "qkv")
+
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], packed: bool = False, fp8: bool = False
+    ) -> None:
+        def proj(name: str, bias: torch.Tensor | None = None) -> Projection:
+            if fp8 and bias is None:
+                return Fp8Weight(tensors[name])
+            return Linear(tensors[name], bias, packed=packed)
+
         self.in_norm = tensors["input_layernorm"]
         self.post_norm = tensors["post_attention_layernorm"]
-        self.qkv: torch.Tensor | Fp8Weight = tensors["qkv_proj"]
-        self.qkv_bias = tensors.get("qkv_bias")
-        self.o_proj: torch.Tensor | Fp8Weight = tensors["o_proj"]
-        self.gate_up: torch.Tensor | Fp8Weight = tensors["gate_up_proj"]
-        self.down: torch.Tensor | Fp8Weight = tensors["down_proj"]
-
-    def quantize_fp8(self) -> None:
-        """Replace the four projection weights by per-channel FP8 ones."""
-        for name in ("qkv", "o_proj", "gate_up", "down"):
-            w = getattr(self, name)
-            if isinstance(w, torch.Tensor):
-                setattr(self, name, Fp8Weight(w))
+        self.qkv = proj("qkv_proj", tensors.get("qkv_bias"))
+        self.o_proj = proj("o_proj")
+        self.gate_up = proj("gate_up_proj")
+        self.down = proj("down_proj")
 
 
 class LlamaForCausalLM:
@@ -45,19 +61,29 @@ class LlamaForCausalLM:
         config: the model's config.
         weights: HF-named tensors already in the target dtype and device.
         attn_dtype: dtype of attention math and of the KV cache.
+        packed: oneDNN-prepacked projection weights (CPU).
+        fp8: per-channel FP8 decoder projections.
     """
 
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], attn_dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        attn_dtype: torch.dtype,
+        packed: bool = False,
+        fp8: bool = False,
     ) -> None:
         self.config = config
         self.embed_tokens = weights["model.embed_tokens.weight"]
         self.dtype = self.embed_tokens.dtype
         self.device = self.embed_tokens.device
         self.attn_dtype = attn_dtype
+        self.packed = packed
         self.norm = weights["model.norm.weight"]
-        self.lm_head = weights.get("lm_head.weight", self.embed_tokens)
-        self.layers = [LlamaLayer(_fuse_layer(weights, i)) for i in range(config.num_hidden_layers)]
+        self.lm_head = Linear(weights.get("lm_head.weight", self.embed_tokens), packed=packed)
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            self.layers.append(LlamaLayer(_fuse_layer(weights, i), packed, fp8))
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -69,11 +95,6 @@ class LlamaForCausalLM:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
     def forward(
         self,
@@ -95,34 +116,40 @@ class LlamaForCausalLM:
         Returns:
             [T, hidden] final hidden states (after the last norm).
         """
-        cos, sin = self.rotary.lookup(positions)
-        cos, sin = cos.to(self.attn_dtype), sin.to(self.attn_dtype)
-        h = F.embedding(input_ids, self.embed_tokens)
-        num_tokens = h.shape[0]
-        nq, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        nq, nkv = self.num_heads, self.num_kv_heads
+        cos, sin = self.rotary.cos, self.rotary.sin
+        residual = F.embedding(input_ids, self.embed_tokens)
+        h: torch.Tensor | None = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = self._rms_norm(h, layer.in_norm)
-            qkv = linear(x, layer.qkv, layer.qkv_bias).to(self.attn_dtype)
-            qkv = qkv.view(num_tokens, nq + 2 * nkv, hd)
-            qk = RotaryEmbedding.apply(qkv[:, : nq + nkv], cos, sin)
+            if h is None:
+                x = ops.rms_norm(residual, layer.in_norm, self.eps)
+            else:
+                x = ops.add_rms_norm(h, residual, layer.in_norm, self.eps)
+            qkv = ops.rotary_qkv(
+                _project(x, layer.qkv), cos, sin, positions, meta.slot_mapping,
+                k_cache, v_cache, nq, nkv,
+            )  # fmt: skip
+            scales = None if kv_scales is None else kv_scales[i]
             attn = paged_attention(
-                qk[:, :nq],
-                qk[:, nq:],
+                qkv[:, :nq],
+                qkv[:, nq : nq + nkv],
                 qkv[:, nq + nkv :],
                 k_cache,
                 v_cache,
                 meta,
-                None if kv_scales is None else kv_scales[i],
+                scales,
+                cache_written=scales is None,
+                out_dtype=self.dtype,
             )
-            h = h + linear(attn.to(self.dtype), layer.o_proj)
-            x = self._rms_norm(h, layer.post_norm)
-            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, layer.down)
-        return self._rms_norm(h, self.norm)
+            h = _project(attn, layer.o_proj)
+            x = ops.add_rms_norm(h, residual, layer.post_norm, self.eps)
+            h = _project(ops.silu_and_mul(_project(x, layer.gate_up)), layer.down)
+        assert h is not None, "a model has at least one layer"
+        return ops.add_rms_norm(h, residual, self.norm, self.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project selected hidden states [N, hidden] to fp32 logits [N, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 def _fuse_layer(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:

@@ -29,10 +29,10 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: in
 
 @pytest.mark.parametrize("use_kernel", [True, False])
 def test_mixed_batch_matches_dense(monkeypatch: pytest.MonkeyPatch, use_kernel: bool) -> None:
-    if use_kernel and not cpu_kernels.decode_kernel_available():
+    if use_kernel and not cpu_kernels.ops_available():
         pytest.skip("no C compiler here: the CPU decode kernel is not built")
     if not use_kernel:
-        monkeypatch.setattr(cpu_kernels, "decode_kernel_available", lambda: False)
+        monkeypatch.setattr(cpu_kernels, "ops_available", lambda: False)
     g = torch.Generator().manual_seed(0)
     # run order 1, 2, 0, 3, 4: decodes with contexts 9 and 23, then prefills of
     # 1 fresh token, 4 new on 5 cached, and 7 fresh

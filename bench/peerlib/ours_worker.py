@@ -1,0 +1,148 @@
+"""The in-venv sides of bench.peers: our engine offline or over gRPC, and transformers.
+
+    python -m bench.peerlib.ours_worker SIDE WORKLOADS.json OUT.json [--dtype auto]
+
+SIDE is ``ours`` (LLMEngine in this process), ``ours-grpc`` (``python -m
+engine_svc`` with the stack's default engine config as a subprocess, every
+request of a workload a concurrent stream) or ``transformers`` (``generate()``,
+static left-padded batches of up to 32). Each runs in its own process so one
+side's threads, caches and allocator state never touch another's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+Request = tuple[list[int], int]
+
+
+def run_ours(workloads: dict[str, Any], dtype: str, model_dir: str) -> dict[str, Any]:
+    from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=model_dir,
+            dtype=dtype,
+            kv_cache_memory_bytes=2 << 30,
+            enable_prefix_caching=False,  # every prompt is computed, like the peers
+        )
+    )
+    load_s = time.perf_counter() - t0
+    n = 0
+
+    def run(reqs: list[Request]) -> tuple[float, int]:
+        nonlocal n
+        start = time.perf_counter()
+        for prompt, olen in reqs:
+            n += 1
+            engine.add_request(f"p{n}", prompt, SamplingParams(max_tokens=olen, ignore_eos=True))
+        generated = 0
+        while engine.has_unfinished_requests():
+            generated += sum(len(o.new_token_ids) for o in engine.step())
+        return time.perf_counter() - start, generated
+
+    run([([1, 2, 3, 4, 5, 6, 7, 8], 8)])
+    results = {}
+    for name, wl in workloads.items():
+        wall, generated = run(wl["requests"])
+        results[name] = {"wall_s": wall, "generated": generated}
+    return {"load_s": load_s, "compute": engine.compute_description, "results": results}
+
+
+async def _grpc_workload(address: str, reqs: list[Request], tag: str) -> tuple[float, int]:
+    import grpc
+
+    from llm.v1 import engine_pb2, engine_pb2_grpc
+
+    generated = 0
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = engine_pb2_grpc.EngineStub(ch)
+
+        async def one(i: int, prompt: list[int], olen: int) -> None:
+            nonlocal generated
+            req = engine_pb2.EngineGenerateRequest(
+                request_id=f"{tag}-{i}-{time.time_ns()}",
+                prompt_token_ids=prompt,
+                sampling=engine_pb2.EngineSamplingParams(max_tokens=olen, ignore_eos=True),
+            )
+            async for chunk in stub.Generate(req):
+                generated += len(chunk.token_ids)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, p, n) for i, (p, n) in enumerate(reqs)))
+        return time.perf_counter() - start, generated
+
+
+def run_ours_grpc(workloads: dict[str, Any], dtype: str) -> dict[str, Any]:
+    from common.procs import ManagedProcess
+
+    env = {"LLM_ENGINE_CORE_ENABLE_PREFIX_CACHING": "false"}
+    if dtype != "auto":
+        env["LLM_ENGINE_CORE_DTYPE"] = dtype
+    server = ManagedProcess(
+        name="peer-engine",
+        module="engine_svc",
+        args=["--port", "0", "--metrics-port", "-1", "--log-level", "warning"],
+        env=env,
+        log_dir=Path(tempfile.mkdtemp(prefix="peers-")),
+    )
+    t0 = time.perf_counter()
+    server.start(timeout=300)
+    load_s = time.perf_counter() - t0
+    try:
+        asyncio.run(_grpc_workload(server.address, [([1, 2, 3, 4, 5, 6, 7, 8], 8)], "warm"))
+        results = {}
+        for name, wl in workloads.items():
+            wall, generated = asyncio.run(_grpc_workload(server.address, wl["requests"], name))
+            results[name] = {"wall_s": wall, "generated": generated}
+    finally:
+        server.stop()
+    return {"load_s": load_s, "results": results}
+
+
+def run_transformers(workloads: dict[str, Any], dtype: str, model_dir: str) -> dict[str, Any]:
+    from bench.engine_bench import HF
+
+    torch_dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
+    t0 = time.perf_counter()
+    hf = HF(Path(model_dir), torch_dtype)
+    load_s = time.perf_counter() - t0
+    hf.run([([1, 2, 3, 4, 5, 6, 7, 8], 8)])
+    results = {}
+    for name, wl in workloads.items():
+        wall, generated = hf.run([(p, n) for p, n in wl["requests"]])
+        results[name] = {"wall_s": wall, "generated": generated}
+    return {"load_s": load_s, "results": results}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("side", choices=["ours", "ours-grpc", "transformers"])
+    ap.add_argument("workloads")
+    ap.add_argument("out")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--model-dir", required=True)
+    args = ap.parse_args()
+    workloads = json.loads(Path(args.workloads).read_text())
+    if args.side == "ours":
+        out = run_ours(workloads, args.dtype, args.model_dir)
+    elif args.side == "ours-grpc":
+        out = run_ours_grpc(workloads, args.dtype)
+    else:
+        out = run_transformers(workloads, args.dtype, args.model_dir)
+    Path(args.out).write_text(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

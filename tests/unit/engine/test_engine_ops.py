@@ -1,0 +1,153 @@
+"""The compiled CPU operators compute what their pure-torch versions compute."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_svc.models import cpu_kernels, ops
+from engine_svc.models.attention import _gather
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels.ops_available(), reason="no C++ compiler here: the CPU kernels are not built"
+)
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_and_add_rms_norm(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    res = torch.randn(7, 96, generator=g).to(dtype)
+    w = torch.rand(96, generator=g).to(dtype)
+    expected = (F.rms_norm(x.float(), (96,), None, 1e-5) * w.float()).to(dtype)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), expected, atol=TOL[dtype], rtol=0)
+    res_ref = res.clone()
+    out = ops.add_rms_norm(x, res, w, 1e-5)
+    res_ref += x
+    torch.testing.assert_close(res, res_ref)  # residual updated in place
+    torch.testing.assert_close(out, ops.rms_norm(res_ref, w, 1e-5), atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_torch_over_the_whole_range(dtype: torch.dtype) -> None:
+    gate = torch.linspace(-120, 120, 4001)  # fast exp and the sigmoid must not overflow
+    up = torch.linspace(-3, 3, 4001)
+    x = torch.cat([gate, up]).view(1, -1).to(dtype)
+    expected = (F.silu(x.float()[:, :4001]) * x.float()[:, 4001:]).to(dtype)
+    got = ops.silu_and_mul(x)
+    assert torch.isfinite(got.float()).all()
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-3, rtol=TOL[dtype])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num_tokens=st.integers(1, 9),
+    heads=st.sampled_from([(4, 2), (6, 3), (9, 3), (8, 8)]),
+    head_dim=st.sampled_from([8, 64, 128]),
+    dtype=st.sampled_from(DTYPES),
+    cache_dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 1000),
+)
+def test_rotary_qkv_writes_the_same_cache_as_torch(
+    num_tokens: int,
+    heads: tuple[int, int],
+    head_dim: int,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    seed: int,
+) -> None:
+    nq, nkv = heads
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(num_tokens, (nq + 2 * nkv) * head_dim, generator=g).to(dtype)
+    cos = torch.rand(64, head_dim // 2, generator=g)
+    sin = torch.rand(64, head_dim // 2, generator=g)
+    pos = torch.randint(0, 64, (num_tokens,), generator=g)
+    slots = torch.randperm(32, generator=g)[:num_tokens]
+    caches = [torch.zeros(8, 4, nkv, head_dim, dtype=cache_dtype) for _ in range(4)]
+    got = ops.rotary_qkv(qkv, cos, sin, pos, slots, caches[0], caches[1], nq, nkv)
+    cpu_kernels_on = cpu_kernels.ops_available
+    try:
+        cpu_kernels.ops_available = lambda: False  # type: ignore[assignment]
+        ref = ops.rotary_qkv(qkv, cos, sin, pos, slots, caches[2], caches[3], nq, nkv)
+    finally:
+        cpu_kernels.ops_available = cpu_kernels_on  # type: ignore[assignment]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[0], caches[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(caches[1], caches[3], atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    context_lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    heads=st.sampled_from([(4, 2), (9, 3), (8, 8)]),
+    head_dim=st.sampled_from([16, 64, 128]),
+    cache_dtype=st.sampled_from(DTYPES),
+    out_dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 1000),
+)
+def test_decode_attention_matches_sdpa_over_gathered_blocks(
+    context_lens: list[int],
+    heads: tuple[int, int],
+    head_dim: int,
+    cache_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    seed: int,
+) -> None:
+    nq, nkv = heads
+    bs, nb = 16, 40
+    g = torch.Generator().manual_seed(seed)
+    k_cache = (torch.randn(nb, bs, nkv, head_dim, generator=g) * 3).to(cache_dtype)
+    v_cache = torch.randn(nb, bs, nkv, head_dim, generator=g).to(cache_dtype)
+    b = len(context_lens)
+    tables = torch.randperm(nb, generator=g)[: b * 5].view(b, 5).contiguous()
+    ctx = torch.tensor(context_lens)
+    q = torch.randn(b, nq, head_dim, generator=g)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, out_dtype)
+    assert got.dtype == out_dtype
+    k, v = _gather(k_cache, v_cache, tables)
+    mask = (torch.arange(5 * bs)[None, :] < ctx[:, None])[:, None, None, :]
+    ref = F.scaled_dot_product_attention(
+        q.view(b, nkv, nq // nkv, head_dim), k.float(), v.float(), attn_mask=mask
+    ).reshape(b, nq * head_dim)
+    torch.testing.assert_close(got.float(), ref, atol=TOL[out_dtype], rtol=TOL[out_dtype])
+
+
+def test_kernels_run_on_torch_threads_only() -> None:
+    """The ops use torch's OpenMP pool: no thread outlives a call, none is added per call."""
+    q = torch.randn(32, 9, 64)
+    cache = torch.randn(64, 16, 3, 64)
+    tables = torch.arange(64).view(32, 2).contiguous()
+    ops.paged_decode_attention(q, cache, cache, tables, torch.full((32,), 30))
+    before = threading.active_count()
+    native_before = len(list(Path("/proc/self/task").iterdir()))
+    for _ in range(20):
+        ops.paged_decode_attention(q, cache, cache, tables, torch.full((32,), 30))
+        ops.silu_and_mul(torch.randn(32, 256))
+    assert threading.active_count() == before
+    assert len(list(Path("/proc/self/task").iterdir())) == native_before
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    vocab=st.integers(1, 300),
+    ties=st.booleans(),
+    seed=st.integers(0, 1000),
+)
+def test_argmax_rows_is_torch_argmax_including_ties(
+    rows: int, vocab: int, ties: bool, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g)
+    if ties:  # a few distinct values: the first maximum must win, like torch
+        logits = (logits * 2).round()
+    logits[0, vocab // 2] = float("-inf")
+    torch.testing.assert_close(ops.argmax_rows(logits), logits.argmax(dim=-1))
