@@ -62,9 +62,15 @@ class EngineConfig:
         num_speculative_tokens: drafts verified per step (k); 0 disables
             speculation entirely, whatever requests ask.
         prompt_lookup_min / prompt_lookup_max: n-gram lengths matched.
-        kv_cache_dtype: ``auto`` (the attention dtype) or ``fp8``
+        kv_cache_dtype: ``auto`` (bf16 with bf16 weights, else the attention
+            dtype), ``bfloat16``, ``float32`` or ``fp8``
             (float8_e4m3fn with per-layer, per-head scales).
         quantization: ``none`` or ``fp8`` (per-output-channel e4m3 weights).
+        num_threads: torch threads (one pool for matmuls and the CPU kernels);
+            0 = torch's default (the cores this process may use).
+        tune_linear_paths: on CPU, time the loaded model's projections at
+            start-up to choose the skinny-GEMM threshold and weight packing
+            (about a second); off = plain F.linear everywhere.
         seed: seed of the engine's unseeded sampling stream.
     """
 
@@ -89,6 +95,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quantization: str = "none"
     num_threads: int = 0
+    tune_linear_paths: bool = True
     seed: int = 0
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:

@@ -32,7 +32,7 @@ from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
 from engine_svc.models import cpu_kernels
 from engine_svc.models.config import load_model_config
-from engine_svc.models.linear import LinearChoice, choose_cpu_linear
+from engine_svc.models.linear import LinearChoice, choose_cpu_dtype, tune_linears
 from engine_svc.models.loader import load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -49,13 +49,31 @@ def _resolve_device(name: str) -> torch.device:
 
 def _choose_linear(config: EngineConfig, model_dir: str, device: torch.device) -> LinearChoice:
     """Weight dtype and matmul form: measured on this CPU unless the config forces them."""
-    forced = None if config.dtype == "auto" else resolve_dtype(config.dtype)
+    if config.dtype != "auto":
+        return LinearChoice(resolve_dtype(config.dtype), "forced")
     if device.type != "cpu":
-        return LinearChoice(forced or torch.bfloat16, False, "device")
+        return LinearChoice(torch.bfloat16, "device")
     if config.quantization == "fp8":  # FP8 projections have their own kernels
-        return LinearChoice(forced or torch.bfloat16, False, "fp8")
+        return LinearChoice(torch.bfloat16, "fp8")
     mc = load_model_config(model_dir)
-    return choose_cpu_linear(mc.hidden_size, mc.intermediate_size, forced)
+    return choose_cpu_dtype(mc.hidden_size, mc.intermediate_size)
+
+
+_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _kv_cache_dtype(name: str, weight_dtype: torch.dtype, attn_dtype: torch.dtype) -> torch.dtype:
+    """``auto``: bf16 beside bf16 weights (half the bytes every decode step reads), else the
+    attention dtype; or an explicit ``bfloat16``, ``float32`` or ``fp8``.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "auto":
+        return torch.bfloat16 if weight_dtype == torch.bfloat16 else attn_dtype
+    if name not in _KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype {name!r}: use 'auto', {', '.join(map(repr, _KV_DTYPES))}")
+    return _KV_DTYPES[name]
 
 
 def _make_output(req: Request) -> RequestOutput:
@@ -101,16 +119,12 @@ class LLMEngine:
         self.linear_choice = _choose_linear(config, self.model_dir, self.device)
         self.weight_dtype = self.linear_choice.dtype
         self.model = load_model(
-            self.model_dir,
-            self.weight_dtype,
-            self.device,
-            quantization=config.quantization,
-            packed=self.linear_choice.packed,
+            self.model_dir, self.weight_dtype, self.device, quantization=config.quantization
         )
+        if self.device.type == "cpu" and config.tune_linear_paths:
+            tune_linears(self.model.linears(), self.linear_choice)
         self.model_config = self.model.config
-        if config.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r}: use 'auto' or 'fp8'")
-        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else None
+        kv_dtype = _kv_cache_dtype(config.kv_cache_dtype, self.weight_dtype, self.model.attn_dtype)
         num_blocks = determine_num_blocks(
             config, self.model_config, kv_dtype or self.model.attn_dtype, self.device
         )

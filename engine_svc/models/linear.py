@@ -1,14 +1,20 @@
-"""Linear layers prepared for this CPU, and the start-up choice of weight dtype.
+"""Linear layers prepared for this CPU: weight dtype and matmul path chosen by measurement.
 
-A ``Linear`` holds one projection weight [N, K] in the form the fastest
-matmul of this machine wants: on CPU a oneDNN-prepacked weight (reordered
-once at load, so no call pays the reorder; ~2x faster than ``F.linear`` for
-decode-sized batches), elsewhere the plain tensor.
+A ``Linear`` keeps its weight [N, K] dense and picks a path per call by the
+number of rows:
 
-Which weight dtype is fastest depends on the CPU, not on habit: with AMX or
-AVX512-BF16 a bf16 GEMM is several times faster than fp32, on an AVX2-only
-CPU it is 4-6x slower. ``choose_cpu_linear`` times the model's own MLP shapes
-at decode and prefill batch sizes for each candidate and keeps the fastest.
+    rows <= skinny_max_rows   ops.skinny_linear: streams the weight once with
+                              the rows in L1 (decode is bound by reading weights)
+    otherwise                 oneDNN with a weight prepacked at load (``packed``),
+                              or F.linear
+
+Which dtype and which paths are fastest depends on the CPU, not on habit: with
+AMX or AVX512-BF16 a bf16 GEMM is several times faster than fp32, on an
+AVX2-only CPU it is 4-6x slower; a prepacked oneDNN weight is 2x faster on some
+machines and buys nothing on others. ``choose_cpu_dtype`` times the model's
+MLP shapes for each dtype before the weights are loaded; ``tune_linears`` then
+times the loaded model's own projections (weights streamed from memory, as in
+serving) at decode and prefill row counts and sets the thresholds.
 """
 
 from __future__ import annotations
@@ -16,16 +22,22 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 
+from engine_svc.models import ops
+
 logger = logging.getLogger(__name__)
 
 CANDIDATE_DTYPES = (torch.float32, torch.bfloat16)
-BENCH_ROWS = (1, 16, 64, 256)
+DTYPE_BENCH_ROWS = (1, 16, 64, 256)
+SKINNY_ROWS = (1, 2, 4, 8, 16, 32)
+LARGE_ROWS = (16, 64, 256)
+PACKING_MIN_GAIN = 1.10  # a packed copy costs memory: take it only when clearly faster
 
 
 def mkldnn_packing_available() -> bool:
@@ -36,124 +48,180 @@ def mkldnn_packing_available() -> bool:
 
 
 class Linear:
-    """``y = x @ W^T (+ b)`` over a weight prepared once.
+    """``y = x @ W^T (+ b)`` with a path chosen by row count (see the module doc).
 
     Args:
         weight: [N, K] in the compute dtype.
         bias: optional [N].
-        packed: prepack for oneDNN (CPU only); the dense weight is dropped.
     """
 
-    __slots__ = ("bias", "packed", "shape", "weight")
+    __slots__ = ("bias", "packed", "shape", "skinny_max_rows", "weight")
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: bool = False
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.shape = weight.shape
+        self.weight = weight.contiguous()
         self.bias = bias
-        self.packed = packed and weight.device.type == "cpu"
-        if self.packed:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 32)
-        else:
-            self.weight = weight
+        self.packed: torch.Tensor | None = None
+        self.skinny_max_rows = 0
 
     @property
     def dtype(self) -> torch.dtype:
         """The weight's dtype."""
-        return cast(torch.dtype, self.weight.dtype)
+        return self.weight.dtype
+
+    def pack(self) -> None:
+        """Add a oneDNN-prepacked copy used above ``skinny_max_rows`` (CPU)."""
+        if self.packed is None and self.weight.device.type == "cpu":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
+
+    def unpack(self) -> None:
+        """Drop the prepacked copy."""
+        self.packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.packed:
-            return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.shape[1])
-        y = cast(
-            torch.Tensor,
-            torch.ops.mkldnn._linear_pointwise(x2, self.weight, self.bias, "none", [], ""),
-        )
+        if x2.shape[0] <= self.skinny_max_rows and self.bias is None:
+            y = ops.skinny_linear(x2, self.weight)
+        elif self.packed is not None:
+            y = cast(
+                torch.Tensor,
+                torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], ""),
+            )
+        else:
+            y = F.linear(x2, self.weight, self.bias)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.shape[0])
 
 
 @dataclass(slots=True)
 class LinearChoice:
-    """The weight dtype and matmul form the engine runs with, and why.
+    """The weight dtype and matmul paths the engine runs with, and why.
 
     Attributes:
         dtype: weight / activation dtype of the decoder.
-        packed: oneDNN-prepacked weights.
-        reason: ``benchmark``, ``forced`` or ``device``.
-        timings_ms: candidate -> median ms per row count (empty unless measured).
+        reason: ``benchmark``, ``forced``, ``device`` or ``fp8``.
+        packed: oneDNN-prepacked copies above the skinny threshold.
+        skinny_max_rows: rows up to which the streaming kernel runs.
+        timings_ms: what was measured (candidate -> rows -> median ms).
     """
 
     dtype: torch.dtype
-    packed: bool
     reason: str
+    packed: bool = False
+    skinny_max_rows: int = 0
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
-        """``bfloat16+packed`` style label for logs and model info."""
-        return str(self.dtype).removeprefix("torch.") + ("+packed" if self.packed else "")
+        """``bfloat16+skinny<=4+packed`` style label for logs and model info."""
+        label = str(self.dtype).removeprefix("torch.")
+        if self.skinny_max_rows:
+            label += f"+skinny<={self.skinny_max_rows}"
+        return label + ("+packed" if self.packed else "")
 
 
-def _median_ms(fn: object, reps: int) -> float:
-    call = fn  # type: ignore[assignment]
+def _median_ms(fn: Callable[[], object], reps: int) -> float:
     for _ in range(2):
-        call()  # type: ignore[operator]
+        fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        call()  # type: ignore[operator]
+        fn()
         times.append(time.perf_counter() - t0)
     times.sort()
     return times[len(times) // 2] * 1e3
 
 
-def _time_candidate(
-    dtype: torch.dtype, packed: bool, hidden: int, intermediate: int
-) -> dict[int, float]:
+def _geomean(values: Sequence[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def choose_cpu_dtype(hidden: int, intermediate: int) -> LinearChoice:
+    """Pick the weight dtype for this CPU by timing the model's MLP shapes with F.linear.
+
+    Each dtype is scored by the geometric mean of its time over decode and
+    prefill row counts, so neither single-stream latency nor batched
+    throughput is sacrificed to the other.
+    """
     g = torch.Generator().manual_seed(0)
-    up = Linear(torch.randn(2 * intermediate, hidden, generator=g).to(dtype), packed=packed)
-    down = Linear(torch.randn(hidden, intermediate, generator=g).to(dtype), packed=packed)
+    timings: dict[str, dict[int, float]] = {}
+    best: tuple[float, torch.dtype] | None = None
+    with torch.inference_mode():
+        for dt in CANDIDATE_DTYPES:
+            up = torch.randn(2 * intermediate, hidden, generator=g).to(dt)
+            down = torch.randn(hidden, intermediate, generator=g).to(dt)
+            t: dict[int, float] = {}
+            for rows in DTYPE_BENCH_ROWS:
+                x = torch.randn(rows, hidden, generator=g).to(dt)
+                h = torch.randn(rows, intermediate, generator=g).to(dt)
+                reps = 15 if rows <= 64 else 5
+                t[rows] = _median_ms(
+                    lambda x=x, h=h, up=up, down=down: (F.linear(x, up), F.linear(h, down)), reps
+                )
+            timings[str(dt).removeprefix("torch.")] = t
+            score = _geomean(list(t.values()))
+            if best is None or score < best[0]:
+                best = (score, dt)
+    assert best is not None
+    return LinearChoice(best[1], "benchmark", timings_ms=timings)
+
+
+def _sweep(linears: Sequence[Linear], rows: Sequence[int], reps: int = 3) -> dict[int, float]:
+    """Median ms to run every linear once at each row count (weights streamed)."""
+    g = torch.Generator().manual_seed(0)
     out = {}
-    for rows in BENCH_ROWS:
-        x = torch.randn(rows, hidden, generator=g).to(dtype)
-        h = torch.randn(rows, intermediate, generator=g).to(dtype)
-        reps = 15 if rows <= 64 else 5
-        out[rows] = _median_ms(lambda x=x, h=h: (up(x), down(h)), reps)
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g).to(linears[0].dtype)
+              for k in {lin.shape[1] for lin in linears}}
+
+        def run(xs: dict[int, torch.Tensor] = xs) -> None:
+            for lin in linears:
+                lin(xs[lin.shape[1]])
+
+        out[m] = _median_ms(run, reps)
     return out
 
 
-def choose_cpu_linear(
-    hidden: int, intermediate: int, dtype: torch.dtype | None = None
-) -> LinearChoice:
-    """Pick weight dtype and packing for this CPU by timing the model's MLP shapes.
-
-    Every candidate is scored by the geometric mean of its time over decode
-    and prefill row counts (``BENCH_ROWS``), so neither single-stream latency
-    nor batched throughput is sacrificed to the other.
+def tune_linears(linears: Sequence[Linear], choice: LinearChoice) -> LinearChoice:
+    """Set the skinny threshold and packing of ``linears`` by timing them as loaded.
 
     Args:
-        hidden, intermediate: the model's sizes.
-        dtype: a dtype the config forces; only packing is then chosen.
+        linears: the model's projections (all of them: the sweep streams the
+            weights from memory the way a decode step does).
+        choice: the dtype choice; filled in and returned.
     """
-    dtypes = (dtype,) if dtype is not None else CANDIDATE_DTYPES
-    packings = (False, True) if mkldnn_packing_available() else (False,)
-    timings: dict[str, dict[int, float]] = {}
-    best: tuple[float, torch.dtype, bool] | None = None
+    if not linears or linears[0].weight.device.type != "cpu":
+        return choice
     with torch.inference_mode():
-        for dt in dtypes:
-            for packed in packings:
-                try:
-                    t = _time_candidate(dt, packed, hidden, intermediate)
-                except RuntimeError as exc:  # a build without this kernel
-                    logger.info("linear candidate %s packed=%s unusable: %s", dt, packed, exc)
-                    continue
-                label = str(dt).removeprefix("torch.") + ("+packed" if packed else "")
-                timings[label] = t
-                score = math.exp(sum(math.log(v) for v in t.values()) / len(t))
-                if best is None or score < best[0]:
-                    best = (score, dt, packed)
-    assert best is not None, "float32 F.linear always works"
-    choice = LinearChoice(best[1], best[2], "benchmark" if dtype is None else "forced", timings)
-    logger.info("linear layers: %s (ms per MLP pair by rows: %s)", choice.name, timings)
+        for lin in linears:
+            lin.skinny_max_rows = 0
+        large = {"dense": _sweep(linears, LARGE_ROWS)}
+        if mkldnn_packing_available():
+            for lin in linears:
+                lin.pack()
+            large["packed"] = _sweep(linears, LARGE_ROWS)
+        gain = _geomean(list(large["dense"].values())) / _geomean(
+            list(large.get("packed", large["dense"]).values())
+        )
+        choice.packed = gain >= PACKING_MIN_GAIN
+        if not choice.packed:
+            for lin in linears:
+                lin.unpack()
+        base = _sweep(linears, SKINNY_ROWS)
+        skinny: dict[int, float] = {}
+        if ops.skinny_available(linears[0].weight):
+            for lin in linears:
+                lin.skinny_max_rows = max(SKINNY_ROWS)
+            skinny = _sweep(linears, SKINNY_ROWS)
+        threshold = 0
+        for m in SKINNY_ROWS:  # the largest row count below which skinny always wins
+            if m not in skinny or skinny[m] >= base[m]:
+                break
+            threshold = m
+        for lin in linears:
+            lin.skinny_max_rows = threshold
+    choice.skinny_max_rows = threshold
+    choice.timings_ms.update({f"{k}-streamed": v for k, v in large.items()})
+    choice.timings_ms["large-path-streamed"] = base
+    choice.timings_ms["skinny-streamed"] = skinny
+    logger.info("linear layers: %s (measured ms: %s)", choice.name, choice.timings_ms)
     return choice

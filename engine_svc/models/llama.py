@@ -32,19 +32,16 @@ class LlamaLayer:
 
     Args:
         tensors: the fused layer tensors (``_fuse_layer``).
-        packed: prepack the projections for oneDNN.
-        fp8: quantize the projections to per-channel FP8 instead.
+        fp8: quantize the projections to per-channel FP8.
     """
 
     __slots__ = ("down", "gate_up", "in_norm", "o_proj", "post_norm", "qkv")
 
-    def __init__(
-        self, tensors: dict[str, torch.Tensor], packed: bool = False, fp8: bool = False
-    ) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor], fp8: bool = False) -> None:
         def proj(name: str, bias: torch.Tensor | None = None) -> Projection:
             if fp8 and bias is None:
                 return Fp8Weight(tensors[name])
-            return Linear(tensors[name], bias, packed=packed)
+            return Linear(tensors[name], bias)
 
         self.in_norm = tensors["input_layernorm"]
         self.post_norm = tensors["post_attention_layernorm"]
@@ -61,7 +58,6 @@ class LlamaForCausalLM:
         config: the model's config.
         weights: HF-named tensors already in the target dtype and device.
         attn_dtype: dtype of attention math and of the KV cache.
-        packed: oneDNN-prepacked projection weights (CPU).
         fp8: per-channel FP8 decoder projections.
     """
 
@@ -70,7 +66,6 @@ class LlamaForCausalLM:
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
         attn_dtype: torch.dtype,
-        packed: bool = False,
         fp8: bool = False,
     ) -> None:
         self.config = config
@@ -78,12 +73,11 @@ class LlamaForCausalLM:
         self.dtype = self.embed_tokens.dtype
         self.device = self.embed_tokens.device
         self.attn_dtype = attn_dtype
-        self.packed = packed
         self.norm = weights["model.norm.weight"]
-        self.lm_head = Linear(weights.get("lm_head.weight", self.embed_tokens), packed=packed)
-        self.layers = []
-        for i in range(config.num_hidden_layers):
-            self.layers.append(LlamaLayer(_fuse_layer(weights, i), packed, fp8))
+        self.lm_head = Linear(weights.get("lm_head.weight", self.embed_tokens))
+        self.layers = [
+            LlamaLayer(_fuse_layer(weights, i), fp8) for i in range(config.num_hidden_layers)
+        ]
         self.rotary = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -95,6 +89,16 @@ class LlamaForCausalLM:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+
+    def linears(self) -> list[Linear]:
+        """Every ``Linear`` of the model (the LM head last), for path tuning."""
+        out = [
+            w
+            for layer in self.layers
+            for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+            if isinstance(w, Linear)
+        ]
+        return [*out, self.lm_head]
 
     def forward(
         self,

@@ -66,7 +66,6 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_dtype: torch.dtype | None = None,
     quantization: str = "none",
-    packed: bool = False,
 ) -> LlamaForCausalLM:
     """Build a ``LlamaForCausalLM`` from an HF directory.
 
@@ -77,7 +76,6 @@ def load_model(
         attn_dtype: attention / KV dtype; default fp32 on CPU, ``dtype`` elsewhere.
         quantization: ``none``, or ``fp8`` for per-output-channel e4m3 weights in
             every decoder projection (embeddings, norms and LM head keep ``dtype``).
-        packed: oneDNN-prepacked projection weights (CPU; see ``linear.Linear``).
 
     Raises:
         ValueError: an unknown quantization.
@@ -89,4 +87,4 @@ def load_model(
     if attn_dtype is None:
         attn_dtype = torch.float32 if dev.type == "cpu" else dtype
     weights = load_weights(model_dir, config, dtype, dev)
-    return LlamaForCausalLM(config, weights, attn_dtype, packed, fp8=quantization == "fp8")
+    return LlamaForCausalLM(config, weights, attn_dtype, fp8=quantization == "fp8")

@@ -47,6 +47,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(x.dtype)
 
 
+def skinny_available(weight: torch.Tensor) -> bool:
+    """True when ``skinny_linear`` runs the compiled kernel for this weight."""
+    return _native(weight) and weight.dtype in (torch.float32, torch.bfloat16)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` for a few rows [M, K], streaming the weight [N, K] once."""
+    if skinny_available(weight) and x.dtype == weight.dtype:
+        return cast(torch.Tensor, torch.ops.llm_cpu.skinny_linear(x.contiguous(), weight))
+    return F.linear(x, weight)
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` for fp32 [N, V] (first maximum wins), several times faster."""
     if _native(logits) and logits.dtype == torch.float32 and logits.dim() == 2:

@@ -16,6 +16,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define LLM_HAVE_AVX512BF16 1
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -371,6 +376,114 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// ---------------------------------------------------------------- skinny GEMM
+// y[M, N] = x[M, K] @ w[N, K]^T for the few rows of a decode step. The step
+// is bound by reading the weights once, so the loop streams w row by row
+// (four rows at a time, split across threads by output channel) and keeps x,
+// a few KB, in L1. With AVX512-BF16 the dot products are vdpbf16ps on bf16
+// pairs; elsewhere plain loops that gcc vectorizes (bf16 widened to fp32).
+constexpr int64_t kRowBlock = 4;
+
+template <typename T>
+void gemv_rows_generic(const T* x, const T* w, T* y, int64_t M, int64_t N, int64_t K,
+                       int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* wr = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const T* xr = x + m * K;
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += to_f(xr[k]) * to_f(wr[k]);
+      y[m * N + n] = from_f<T>(acc);
+    }
+  }
+}
+
+#ifdef LLM_HAVE_AVX512BF16
+inline __m512bh load_bh(const BFloat16* p, __mmask32 mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
+}
+
+void gemv_rows_bf16(const BFloat16* x, const BFloat16* w, BFloat16* y, int64_t M, int64_t N,
+                    int64_t K, int64_t n0, int64_t n1) {
+  const int64_t full = K / 32 * 32;
+  const __mmask32 tail = K == full ? 0 : static_cast<__mmask32>((1ull << (K - full)) - 1);
+  int64_t n = n0;
+  for (; n + kRowBlock <= n1; n += kRowBlock) {
+    const BFloat16* w0 = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const BFloat16* xr = x + m * K;
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      for (int64_t k = 0; k < full; k += 32) {
+        if (m == 0) {  // the next row block, while this one is being used
+          const char* pf = reinterpret_cast<const char*>(w0 + kRowBlock * K + k);
+          _mm_prefetch(pf, _MM_HINT_T0);
+          _mm_prefetch(pf + K * 2, _MM_HINT_T0);
+          _mm_prefetch(pf + K * 4, _MM_HINT_T0);
+          _mm_prefetch(pf + K * 6, _MM_HINT_T0);
+        }
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr + k);
+        a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(w0 + k));
+        a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(w0 + K + k));
+        a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w0 + 2 * K + k));
+        a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512(w0 + 3 * K + k));
+      }
+      if (tail) {
+        const __m512bh xv = load_bh(xr + full, tail);
+        a0 = _mm512_dpbf16_ps(a0, xv, load_bh(w0 + full, tail));
+        a1 = _mm512_dpbf16_ps(a1, xv, load_bh(w0 + K + full, tail));
+        a2 = _mm512_dpbf16_ps(a2, xv, load_bh(w0 + 2 * K + full, tail));
+        a3 = _mm512_dpbf16_ps(a3, xv, load_bh(w0 + 3 * K + full, tail));
+      }
+      BFloat16* yr = y + m * N + n;
+      yr[0] = from_f<BFloat16>(_mm512_reduce_add_ps(a0));
+      yr[1] = from_f<BFloat16>(_mm512_reduce_add_ps(a1));
+      yr[2] = from_f<BFloat16>(_mm512_reduce_add_ps(a2));
+      yr[3] = from_f<BFloat16>(_mm512_reduce_add_ps(a3));
+    }
+  }
+  gemv_rows_generic(x, w, y, M, N, K, n, n1);
+}
+#endif
+
+template <typename T>
+void gemv_rows(const T* x, const T* w, T* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+               int64_t n1) {
+  gemv_rows_generic(x, w, y, M, N, K, n0, n1);
+}
+
+#ifdef LLM_HAVE_AVX512BF16
+template <>
+void gemv_rows<BFloat16>(const BFloat16* x, const BFloat16* w, BFloat16* y, int64_t M,
+                         int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  gemv_rows_bf16(x, w, y, M, N, K, n0, n1);
+}
+#endif
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
+  check_cpu(x, "x");
+  check_cpu(w, "w");
+  TORCH_CHECK(float_or_bf16(x) && w.scalar_type() == x.scalar_type() && x.dim() == 2 &&
+                  w.dim() == 2 && x.size(1) == w.size(1),
+              "skinny_linear: x [M, K] and w [N, K] must share K and a dtype (float32/bfloat16)");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  // at least ~64 KB of weights per task, in whole row blocks
+  const int64_t grain = std::max<int64_t>(kRowBlock, (65536 / (K * w.element_size())) / kRowBlock * kRowBlock);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "skinny_linear", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    at::parallel_for(0, (N + kRowBlock - 1) / kRowBlock, grain / kRowBlock,
+                     [&](int64_t b, int64_t e) {
+      const int64_t n0 = b * kRowBlock, n1 = std::min(N, e * kRowBlock);
+      gemv_rows(xp, wp, yp, M, N, K, n0, n1);
+    });
+  });
+  return y;
+}
+
 // ---------------------------------------------------------------- greedy pick
 // Index of the first maximum of each row of fp32 logits [N, V] (torch.argmax's
 // tie rule): a vectorized max, then the first position holding it.
@@ -402,6 +515,7 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
   m.def(
       "rotary_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, "
       "Tensor(a!)? k_cache, Tensor(b!)? v_cache, int num_heads, int num_kv_heads) -> Tensor");
@@ -415,6 +529,7 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("skinny_linear", &skinny_linear);
   m.impl("rotary_qkv", &rotary_qkv);
   m.impl("paged_decode_attention", &paged_decode_attention);
 }

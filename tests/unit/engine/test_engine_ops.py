@@ -80,8 +80,10 @@ def test_rotary_qkv_writes_the_same_cache_as_torch(
     finally:
         cpu_kernels.ops_available = cpu_kernels_on  # type: ignore[assignment]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(caches[0], caches[2], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(caches[1], caches[3], atol=1e-5, rtol=1e-5)
+    # one bf16 rounding step apart at most: fp32 math differs in the last bits
+    tol = 1e-5 if cache_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(caches[0], caches[2], atol=tol, rtol=tol)
+    torch.testing.assert_close(caches[1], caches[3], atol=tol, rtol=tol)
 
 
 @settings(max_examples=25, deadline=None)
