@@ -31,6 +31,7 @@ from engine_svc.core.scheduler import Scheduler
 from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
 from engine_svc.models import cpu_kernels
+from engine_svc.models.attention import choose_prefill_dtype
 from engine_svc.models.config import load_model_config
 from engine_svc.models.linear import LinearChoice, choose_cpu_dtype, tune_linears
 from engine_svc.models.loader import load_model, resolve_dtype
@@ -123,6 +124,16 @@ class LLMEngine:
         )
         if self.device.type == "cpu" and config.tune_linear_paths:
             tune_linears(self.model.linears(), self.linear_choice)
+            mc = self.model.config
+            candidates = tuple(dict.fromkeys((torch.float32, self.weight_dtype)))
+            dtype, timings = choose_prefill_dtype(
+                mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, candidates
+            )
+            self.model.prefill_attn_dtype = dtype
+            self.linear_choice.prefill_attention = dtype
+            self.linear_choice.timings_ms["prefill-attention-512"] = {
+                0: timings.get(str(dtype).removeprefix("torch."), 0.0)
+            }
         self.model_config = self.model.config
         kv_dtype = _kv_cache_dtype(config.kv_cache_dtype, self.weight_dtype, self.model.attn_dtype)
         num_blocks = determine_num_blocks(
@@ -356,4 +367,8 @@ class LLMEngine:
         kernels = "native" if cpu_kernels.ops_available() else "torch"
         if self.device.type != "cpu":
             kernels = self.device.type
-        return f"{c.name} ({c.reason}), kernels={kernels}, threads={torch.get_num_threads()}"
+        attn = str(c.prefill_attention or self.model.attn_dtype).removeprefix("torch.")
+        return (
+            f"{c.name} ({c.reason}), prefill attention {attn}, kernels={kernels}, "
+            f"threads={torch.get_num_threads()}"
+        )

@@ -146,6 +146,7 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        meta.prefill_dtype = self.model.prefill_attn_dtype
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         t1 = time.perf_counter()
         self.last_prepare_s = t1 - t0

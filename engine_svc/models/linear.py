@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 import torch
@@ -101,6 +102,7 @@ class LinearChoice:
         reason: ``benchmark``, ``forced``, ``device`` or ``fp8``.
         packed: oneDNN-prepacked copies above the skinny threshold.
         skinny_max_rows: rows up to which the streaming kernel runs.
+        prefill_attention: dtype of prefill attention math (None = fp32).
         timings_ms: what was measured (candidate -> rows -> median ms).
     """
 
@@ -108,6 +110,7 @@ class LinearChoice:
     reason: str
     packed: bool = False
     skinny_max_rows: int = 0
+    prefill_attention: torch.dtype | None = None
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
@@ -135,6 +138,11 @@ def _geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
+def _mlp_pair(x: torch.Tensor, h: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    F.linear(x, up)
+    F.linear(h, down)
+
+
 def choose_cpu_dtype(hidden: int, intermediate: int) -> LinearChoice:
     """Pick the weight dtype for this CPU by timing the model's MLP shapes with F.linear.
 
@@ -154,9 +162,7 @@ def choose_cpu_dtype(hidden: int, intermediate: int) -> LinearChoice:
                 x = torch.randn(rows, hidden, generator=g).to(dt)
                 h = torch.randn(rows, intermediate, generator=g).to(dt)
                 reps = 15 if rows <= 64 else 5
-                t[rows] = _median_ms(
-                    lambda x=x, h=h, up=up, down=down: (F.linear(x, up), F.linear(h, down)), reps
-                )
+                t[rows] = _median_ms(partial(_mlp_pair, x, h, up, down), reps)
             timings[str(dt).removeprefix("torch.")] = t
             score = _geomean(list(t.values()))
             if best is None or score < best[0]:

@@ -73,6 +73,7 @@ class LlamaForCausalLM:
         self.dtype = self.embed_tokens.dtype
         self.device = self.embed_tokens.device
         self.attn_dtype = attn_dtype
+        self.prefill_attn_dtype: torch.dtype | None = None  # None = attn_dtype
         self.norm = weights["model.norm.weight"]
         self.lm_head = Linear(weights.get("lm_head.weight", self.embed_tokens))
         self.layers = [
@@ -86,6 +87,13 @@ class LlamaForCausalLM:
             self.device,
         )
         self.eps = config.rms_norm_eps
+        # the compiled whole-step decode path needs plain (unbiased, non-FP8) projections
+        projections = [
+            w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ]
+        self._plain: list[Linear] | None = None
+        if all(isinstance(w, Linear) and w.bias is None for w in projections):
+            self._plain = [w for w in projections if isinstance(w, Linear)]
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -123,17 +131,21 @@ class LlamaForCausalLM:
         nq, nkv = self.num_heads, self.num_kv_heads
         cos, sin = self.rotary.cos, self.rotary.sin
         residual = F.embedding(input_ids, self.embed_tokens)
+        if self._plain is not None and meta.num_decode_tokens == input_ids.shape[0]:
+            out = self._decode_step(residual, positions, meta, kv_caches, kv_scales)
+            if out is not None:
+                return out
         h: torch.Tensor | None = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if h is None:
                 x = ops.rms_norm(residual, layer.in_norm, self.eps)
             else:
                 x = ops.add_rms_norm(h, residual, layer.in_norm, self.eps)
+            scales = None if kv_scales is None else kv_scales[i]
             qkv = ops.rotary_qkv(
                 _project(x, layer.qkv), cos, sin, positions, meta.slot_mapping,
-                k_cache, v_cache, nq, nkv,
+                k_cache, v_cache, nq, nkv, scales,
             )  # fmt: skip
-            scales = None if kv_scales is None else kv_scales[i]
             attn = paged_attention(
                 qkv[:, :nq],
                 qkv[:, nq : nq + nkv],
@@ -142,7 +154,7 @@ class LlamaForCausalLM:
                 v_cache,
                 meta,
                 scales,
-                cache_written=scales is None,
+                cache_written=True,
                 out_dtype=self.dtype,
             )
             h = _project(attn, layer.o_proj)
@@ -150,6 +162,42 @@ class LlamaForCausalLM:
             h = _project(ops.silu_and_mul(_project(x, layer.gate_up)), layer.down)
         assert h is not None, "a model has at least one layer"
         return ops.add_rms_norm(h, residual, self.norm, self.eps)
+
+    def _decode_step(
+        self,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> torch.Tensor | None:
+        """A decode-only step in one compiled call; None when that path cannot run here."""
+        plain = self._plain
+        if plain is None or not ops.decode_forward_usable(residual, kv_caches[0][0]):
+            return None
+        assert meta.decode_blocks is not None
+        assert meta.decode_context_lens is not None
+        packed = [w.packed for w in plain if w.packed is not None]
+        return ops.decode_forward(
+            residual,
+            [layer.in_norm for layer in self.layers],
+            [layer.post_norm for layer in self.layers],
+            [w.weight for w in plain],
+            packed if len(packed) == len(plain) else [],
+            plain[0].skinny_max_rows,
+            self.norm,
+            self.eps,
+            kv_caches,
+            kv_scales,
+            self.rotary.cos,
+            self.rotary.sin,
+            positions,
+            meta.slot_mapping,
+            meta.decode_blocks,
+            meta.decode_context_lens,
+            self.num_heads,
+            self.num_kv_heads,
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project selected hidden states [N, hidden] to fp32 logits [N, vocab]."""

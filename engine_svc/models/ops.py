@@ -13,7 +13,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from engine_svc.models import cpu_kernels
+from engine_svc.models import cpu_kernels, kv_fp8
 
 
 def _native(x: torch.Tensor) -> bool:
@@ -66,20 +66,17 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _writable_cache(cache: torch.Tensor | None) -> bool:
-    return cache is not None and cache.dtype in (torch.float32, torch.bfloat16)
-
-
 def rotary_qkv(
     qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     positions: torch.Tensor,
     slot_mapping: torch.Tensor,
-    k_cache: torch.Tensor | None,
-    v_cache: torch.Tensor | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """RoPE on q and k of a fused projection, and the KV-cache write.
 
@@ -87,19 +84,19 @@ def rotary_qkv(
         qkv: [T, (H + 2 * Hkv) * D] projection output (fp32 or bf16).
         cos, sin: fp32 tables [max_position, D / 2].
         positions, slot_mapping: [T] int64.
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] fp32/bf16 caches to
-            write k and v into, or None (the caller writes, e.g. an FP8 cache).
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] caches (fp32, bf16,
+            or float8_e4m3fn with ``kv_scales``) that receive k and v.
         num_heads, num_kv_heads: H and Hkv.
+        kv_scales: per-head (k, v) scales [Hkv] of an FP8 cache.
 
     Returns:
         fp32 [T, H + 2 * Hkv, D]: rotated q, rotated k, then v.
     """
-    if not (_writable_cache(k_cache) and _writable_cache(v_cache)):
-        k_cache = v_cache = None
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
     if _native(qkv) and qkv.dtype in (torch.float32, torch.bfloat16):
         out = torch.ops.llm_cpu.rotary_qkv(
             qkv.contiguous(), cos, sin, positions, slot_mapping, k_cache, v_cache,
-            num_heads, num_kv_heads,
+            num_heads, num_kv_heads, ks, vs,
         )  # fmt: skip
         return cast(torch.Tensor, out)
     t = qkv.shape[0]
@@ -109,20 +106,68 @@ def rotary_qkv(
     nqk = num_heads + num_kv_heads
     x1, x2 = x[:, :nqk].chunk(2, dim=-1)
     out = torch.cat((torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1), x[:, nqk:]), dim=1)
-    if k_cache is not None and v_cache is not None:
+    k, v = out[:, num_heads:nqk], out[:, nqk:]
+    if ks is not None and vs is not None:
+        kv_fp8.write_kv(k_cache, slot_mapping, k, ks)
+        kv_fp8.write_kv(v_cache, slot_mapping, v, vs)
+    else:
         d = out.shape[-1]
-        k_cache.view(-1, num_kv_heads, d).index_copy_(
-            0, slot_mapping, out[:, num_heads:nqk].to(k_cache.dtype)
-        )
-        v_cache.view(-1, num_kv_heads, d).index_copy_(
-            0, slot_mapping, out[:, nqk:].to(v_cache.dtype)
-        )
+        k_cache.view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
     return out
+
+
+def decode_forward(
+    residual: torch.Tensor,
+    in_norm: list[torch.Tensor],
+    post_norm: list[torch.Tensor],
+    weights: list[torch.Tensor],
+    packed: list[torch.Tensor],
+    skinny_max_rows: int,
+    final_norm: torch.Tensor,
+    eps: float,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """A whole decode-only step of the decoder in one compiled call (see cpu_ops.cpp).
+
+    ``weights`` holds qkv, o, gate_up, down of every layer in order (dense
+    [N, K]); ``packed`` the oneDNN copies in the same order, or is empty.
+    ``residual`` is the embedding output and is updated in place. Returns the
+    final-norm hidden states [B, hidden].
+    """
+    scales = [s for pair in kv_scales for s in pair] if kv_scales is not None else []
+    out = torch.ops.llm_cpu.decode_forward(
+        residual, in_norm, post_norm, weights, packed, skinny_max_rows, final_norm, eps,
+        [k for k, _ in kv_caches], [v for _, v in kv_caches], scales, cos, sin, positions,
+        slot_mapping, block_tables, context_lens, num_heads, num_kv_heads,
+    )  # fmt: skip
+    return cast(torch.Tensor, out)
+
+
+def decode_forward_usable(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """True when ``decode_forward`` can run for activations ``x`` and this KV cache."""
+    return (
+        _native(x)
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype in KERNEL_KV_DTYPES
+    )
+
+
+KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
 
 
 def decode_kernel_usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when ``paged_decode_attention`` runs the compiled kernel for these tensors."""
-    return _native(q) and k_cache.dtype in (torch.float32, torch.bfloat16)
+    return _native(q) and k_cache.dtype in KERNEL_KV_DTYPES
 
 
 def paged_decode_attention(
@@ -132,18 +177,22 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     out_dtype: torch.dtype = torch.float32,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention read through block tables by the compiled kernel.
 
     Args:
         q: fp32 [B, H, D] (heads contiguous; rows may be strided).
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] fp32 or bf16.
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] fp32, bf16, or
+            float8_e4m3fn with ``kv_scales``.
         block_tables: [B, max_blocks] int64; context_lens: [B] int64.
         out_dtype: dtype of the returned [B, H * D].
+        kv_scales: per-head (k, v) scales [Hkv] of an FP8 cache.
     """
     if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
     out = torch.ops.llm_cpu.paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, q.shape[-1] ** -0.5, out_dtype
+        q, k_cache, v_cache, block_tables, context_lens, q.shape[-1] ** -0.5, out_dtype, ks, vs
     )
     return cast(torch.Tensor, out)

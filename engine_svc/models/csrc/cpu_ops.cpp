@@ -14,6 +14,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -26,11 +29,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using at::BFloat16;
+using Float8 = c10::Float8_e4m3fn;
+constexpr float kFp8Max = 448.f;
 
 // exp(x) for x <= 0 to ~2 ulp, branch-free so loops over it vectorize (libm's
 // expf does not without -ffast-math): 2^(x*log2e) split into integer and
@@ -71,6 +77,10 @@ void check_cpu(const at::Tensor& t, const char* name) {
 
 bool float_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+bool kv_cache_type(const at::Tensor& t) {
+  return float_or_bf16(t) || t.scalar_type() == at::kFloat8_e4m3fn;
 }
 
 // ---------------------------------------------------------------- RMSNorm
@@ -163,11 +173,22 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 
 // ---------------------------------------------------------------- RoPE + KV write
 // Returns fp32 [T, H + 2 * Hkv, D]: q and k rotated, v copied. When caches are
-// given (fp32 or bf16), also writes each token's k and v at its slot.
+// given (fp32, bf16, or e4m3 with per-head scales), also writes each token's k
+// and v at its slot (FP8: divided by the head's scale, clamped to +-448, then
+// rounded to nearest even like torch's cast).
+template <typename C>
+inline C to_cache(float v, float inv_scale) {
+  if constexpr (std::is_same_v<C, Float8>) {
+    return Float8(std::min(std::max(v * inv_scale, -kFp8Max), kFp8Max));
+  } else {
+    return from_f<C>(v);
+  }
+}
+
 template <typename T, typename C>
 void rotary_rows(const T* qkv, const float* cos, const float* sin, const int64_t* pos,
-                 const int64_t* slots, C* kc, C* vc, float* out, int64_t t0, int64_t t1,
-                 int64_t H, int64_t Hkv, int64_t D) {
+                 const int64_t* slots, C* kc, C* vc, const float* k_inv, const float* v_inv,
+                 float* out, int64_t t0, int64_t t1, int64_t H, int64_t Hkv, int64_t D) {
   const int64_t half = D / 2, heads = H + 2 * Hkv, row = heads * D;
   for (int64_t t = t0; t < t1; ++t) {
     const T* src = qkv + t * row;
@@ -189,9 +210,12 @@ void rotary_rows(const T* qkv, const float* cos, const float* sin, const int64_t
       C* vd = vc + slots[t] * Hkv * D;
       const float* ks = dst + H * D;
       const float* vs = dst + (H + Hkv) * D;
-      for (int64_t i = 0; i < Hkv * D; ++i) {
-        kd[i] = from_f<C>(ks[i]);
-        vd[i] = from_f<C>(vs[i]);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float ki = k_inv ? k_inv[h] : 1.f, vi = v_inv ? v_inv[h] : 1.f;
+        for (int64_t i = h * D; i < (h + 1) * D; ++i) {
+          kd[i] = to_cache<C>(ks[i], ki);
+          vd[i] = to_cache<C>(vs[i], vi);
+        }
       }
     }
   }
@@ -201,7 +225,8 @@ at::Tensor rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                       const at::Tensor& positions, const at::Tensor& slot_mapping,
                       const std::optional<at::Tensor>& k_cache,
                       const std::optional<at::Tensor>& v_cache, int64_t num_heads,
-                      int64_t num_kv_heads) {
+                      int64_t num_kv_heads, const std::optional<at::Tensor>& k_scale,
+                      const std::optional<at::Tensor>& v_scale) {
   check_cpu(qkv, "qkv");
   check_cpu(cos, "cos");
   check_cpu(sin, "sin");
@@ -220,9 +245,22 @@ at::Tensor rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   if (write) {
     check_cpu(*k_cache, "k_cache");
     check_cpu(*v_cache, "v_cache");
-    TORCH_CHECK(k_cache->scalar_type() == v_cache->scalar_type() && float_or_bf16(*k_cache),
-                "rotary_qkv: caches must be float32 or bfloat16");
+    TORCH_CHECK(k_cache->scalar_type() == v_cache->scalar_type() && kv_cache_type(*k_cache),
+                "rotary_qkv: caches must be float32, bfloat16 or float8_e4m3fn");
   }
+  const bool fp8 = write && k_cache->scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              "rotary_qkv: k_scale and v_scale are required for, and only for, an FP8 cache");
+  at::Tensor k_inv, v_inv;
+  if (fp8) {
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->numel() == num_kv_heads &&
+                    v_scale->scalar_type() == at::kFloat && v_scale->numel() == num_kv_heads,
+                "rotary_qkv: k_scale and v_scale must be float32 [Hkv]");
+    k_inv = k_scale->reciprocal().contiguous();
+    v_inv = v_scale->reciprocal().contiguous();
+  }
+  const float* kip = fp8 ? k_inv.data_ptr<float>() : nullptr;
+  const float* vip = fp8 ? v_inv.data_ptr<float>() : nullptr;
   auto out = at::empty({T, heads, D}, qkv.options().dtype(at::kFloat));
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -234,15 +272,17 @@ at::Tensor rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
     const T_* xp = qkv.data_ptr<T_>();
     auto run = [&](auto* kc, auto* vc) {
       at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
-        rotary_rows(xp, cp, sp, pp, slp, kc, vc, op, b, e, num_heads, num_kv_heads, D);
+        rotary_rows(xp, cp, sp, pp, slp, kc, vc, kip, vip, op, b, e, num_heads, num_kv_heads, D);
       });
     };
     if (!write) {
       run(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
     } else if (k_cache->scalar_type() == at::kFloat) {
       run(k_cache->data_ptr<float>(), v_cache->data_ptr<float>());
-    } else {
+    } else if (k_cache->scalar_type() == at::kBFloat16) {
       run(k_cache->data_ptr<BFloat16>(), v_cache->data_ptr<BFloat16>());
+    } else {
+      run(k_cache->data_ptr<Float8>(), v_cache->data_ptr<Float8>());
     }
   });
   return out;
@@ -252,7 +292,9 @@ at::Tensor rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 // One work item per (sequence, KV head): the item's G = H / Hkv query heads
 // share every K/V row it reads. Blocks are read through the block table with
 // an online softmax (running max and sum per head), so nothing is gathered or
-// allocated per token.
+// allocated per token. Each K/V row is widened to fp32 once (from fp32, bf16
+// or e4m3) and then serves all G heads. An FP8 cache's per-head scales are
+// folded in: k's into the softmax scale, v's into the final normalization.
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxBlock = 256;
@@ -262,11 +304,12 @@ constexpr int64_t kMaxBlock = 256;
 template <int64_t kD, typename C, typename O>
 void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, int64_t ctx,
                  O* out, int64_t kvh, int64_t G, int64_t Hkv, int64_t D_, int64_t bs,
-                 float scale) {
+                 float scale, float v_scale) {
   const int64_t D = kD > 0 ? kD : D_;
-  float acc[kMaxGroup][kMaxHeadDim];
+  alignas(64) float acc[kMaxGroup][kMaxHeadDim];
+  alignas(64) float s[kMaxGroup][kMaxBlock];
+  alignas(64) float row[kMaxHeadDim];
   float m[kMaxGroup], l[kMaxGroup];
-  float s[kMaxGroup][kMaxBlock];
   for (int64_t g = 0; g < G; ++g) {
     m[g] = -1e30f;  // finite: fast_exp clamps, no inf - inf
     l[g] = 0.f;
@@ -280,10 +323,11 @@ void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, in
     const C* vb = vc + bt[blk] * bs * stride + kvh * D;
     for (int64_t t = 0; t < n; ++t) {
       const C* kr = kb + t * stride;
+      for (int64_t d = 0; d < D; ++d) row[d] = to_f(kr[d]);
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
         float dot = 0.f;
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_f(kr[d]);
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
         s[g][t] = dot * scale;
       }
     }
@@ -302,25 +346,54 @@ void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, in
     }
     for (int64_t t = 0; t < n; ++t) {
       const C* vr = vb + t * stride;
+      for (int64_t d = 0; d < D; ++d) row[d] = to_f(vr[d]);
       for (int64_t g = 0; g < G; ++g) {
         const float p = s[g][t];
         float* a = acc[g];
-        for (int64_t d = 0; d < D; ++d) a[d] += p * to_f(vr[d]);
+        for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
       }
     }
   }
   for (int64_t g = 0; g < G; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    const float inv = l[g] > 0.f ? v_scale / l[g] : 0.f;
     O* o = out + g * D;
     for (int64_t d = 0; d < D; ++d) o[d] = from_f<O>(acc[g][d] * inv);
   }
 }
 
-// q [B, H, D] fp32 (any row stride); returns [B, H * D] in out_dtype.
+template <typename C, typename O>
+void decode_all(const float* qp, int64_t q_stride, const C* kc, const C* vc, const int64_t* btp,
+                int64_t max_blocks, const int64_t* clp, O* op, int64_t B, int64_t H,
+                int64_t Hkv, int64_t D, int64_t bs, float sc, const float* k_scale,
+                const float* v_scale) {
+  const int64_t G = H / Hkv;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t b0, int64_t e0) {
+    for (int64_t it = b0; it < e0; ++it) {
+      const int64_t b = it / Hkv, kvh = it % Hkv;
+      const float* qi = qp + b * q_stride + kvh * G * D;
+      O* oi = op + b * H * D + kvh * G * D;
+      const int64_t* bti = btp + b * max_blocks;
+      const float ks = k_scale ? sc * k_scale[kvh] : sc;
+      const float vs = v_scale ? v_scale[kvh] : 1.f;
+      if (D == 64) {
+        decode_item<64>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
+      } else if (D == 128) {
+        decode_item<128>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
+      } else {
+        decode_item<0>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
+      }
+    }
+  });
+}
+
+// q [B, H, D] fp32 (any row stride); returns [B, H * D] in out_dtype. An FP8
+// (e4m3) cache needs k_scale and v_scale [Hkv]; other caches take none.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
-                                  at::ScalarType out_dtype) {
+                                  at::ScalarType out_dtype,
+                                  const std::optional<at::Tensor>& k_scale,
+                                  const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 &&
                   q.stride(2) == 1 && q.stride(1) == q.size(2),
               "paged_decode_attention: q must be float32 [B, H, D] with contiguous heads");
@@ -328,8 +401,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   check_cpu(v_cache, "v_cache");
   check_cpu(block_tables, "block_tables");
   check_cpu(context_lens, "context_lens");
-  TORCH_CHECK(float_or_bf16(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_decode_attention: caches must be float32 or bfloat16");
+  TORCH_CHECK(kv_cache_type(k_cache) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: caches must be float32, bfloat16 or float8_e4m3fn");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
               "paged_decode_attention: out_dtype must be float32 or bfloat16");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -338,40 +411,45 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                   k_cache.size(3) == D,
               "paged_decode_attention: unsupported shape (heads ", H, ", kv heads ", Hkv,
               ", head_dim ", D, ", block_size ", bs, ")");
-  const int64_t max_blocks = block_tables.size(1);
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 == (k_scale.has_value() && v_scale.has_value()),
+              "paged_decode_attention: k_scale and v_scale are required for, and only for, "
+              "a float8_e4m3fn cache");
+  const float* ksp = nullptr;
+  const float* vsp = nullptr;
+  if (fp8) {
+    check_cpu(*k_scale, "k_scale");
+    check_cpu(*v_scale, "v_scale");
+    TORCH_CHECK(k_scale->scalar_type() == at::kFloat && k_scale->numel() == Hkv &&
+                    v_scale->scalar_type() == at::kFloat && v_scale->numel() == Hkv,
+                "paged_decode_attention: k_scale and v_scale must be float32 [Hkv]");
+    ksp = k_scale->data_ptr<float>();
+    vsp = v_scale->data_ptr<float>();
+  }
   auto out = at::empty({B, H * D}, q.options().dtype(out_dtype));
   const float* qp = q.data_ptr<float>();
-  const int64_t q_stride = q.stride(0);
   const int64_t* btp = block_tables.data_ptr<int64_t>();
   const int64_t* clp = context_lens.data_ptr<int64_t>();
+  const int64_t mb = block_tables.size(1), qs = q.stride(0);
   const float sc = static_cast<float>(scale);
-  auto run = [&](const auto* kc, const auto* vc, auto* op) {
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t b0, int64_t e0) {
-      for (int64_t it = b0; it < e0; ++it) {
-        const int64_t b = it / Hkv, kvh = it % Hkv;
-        const float* qi = qp + b * q_stride + kvh * G * D;
-        auto* oi = op + b * H * D + kvh * G * D;
-        const int64_t* bti = btp + b * max_blocks;
-        if (D == 64) {
-          decode_item<64>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, sc);
-        } else if (D == 128) {
-          decode_item<128>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, sc);
-        } else {
-          decode_item<0>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, sc);
-        }
-      }
-    });
+  auto with_out = [&](const auto* kc, const auto* vc) {
+    if (out_dtype == at::kFloat) {
+      decode_all(qp, qs, kc, vc, btp, mb, clp, out.data_ptr<float>(), B, H, Hkv, D, bs, sc, ksp,
+                 vsp);
+    } else {
+      decode_all(qp, qs, kc, vc, btp, mb, clp, out.data_ptr<BFloat16>(), B, H, Hkv, D, bs, sc,
+                 ksp, vsp);
+    }
   };
-  const bool f32_cache = k_cache.scalar_type() == at::kFloat;
-  const bool f32_out = out_dtype == at::kFloat;
-  if (f32_cache && f32_out) {
-    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>());
-  } else if (f32_cache) {
-    run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<BFloat16>());
-  } else if (f32_out) {
-    run(k_cache.data_ptr<BFloat16>(), v_cache.data_ptr<BFloat16>(), out.data_ptr<float>());
-  } else {
-    run(k_cache.data_ptr<BFloat16>(), v_cache.data_ptr<BFloat16>(), out.data_ptr<BFloat16>());
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      with_out(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+      break;
+    case at::kBFloat16:
+      with_out(k_cache.data_ptr<BFloat16>(), v_cache.data_ptr<BFloat16>());
+      break;
+    default:
+      with_out(k_cache.data_ptr<Float8>(), v_cache.data_ptr<Float8>());
   }
   return out;
 }
@@ -498,14 +576,84 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* row = lp + r * v;
+      float part[16];  // 16 running maxima: a reduction gcc vectorizes
+      for (int64_t j = 0; j < 16; ++j) part[j] = row[0];
+      int64_t i = 0;
+      for (; i + 16 <= v; i += 16)
+        for (int64_t j = 0; j < 16; ++j) part[j] = row[i + j] > part[j] ? row[i + j] : part[j];
       float m = row[0];
-      for (int64_t i = 0; i < v; ++i) m = std::max(m, row[i]);
+      for (; i < v; ++i) m = row[i] > m ? row[i] : m;
+      for (int64_t j = 0; j < 16; ++j) m = part[j] > m ? part[j] : m;
       int64_t idx = 0;
       while (idx < v && row[idx] != m) ++idx;
       op[r] = idx < v ? idx : 0;  // a NaN row: no element equals the max
     }
   });
   return out;
+}
+
+// ---------------------------------------------------------------- whole decode step
+// The decoder for a step of decodes only (one token per sequence), in one
+// call: no Python between the ~300 operations of a step, and the GIL is free
+// for the service's other threads the whole time (llama.cpp runs a token as
+// one graph for the same reason). Prefill steps take the Python path.
+at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor* packed,
+                   int64_t skinny_max) {
+  if (x.size(0) <= skinny_max) return skinny_linear(x, w);
+  if (packed != nullptr) {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x, *packed, c10::IValue(), std::string("none"),
+                            c10::List<std::optional<c10::Scalar>>(), c10::IValue(std::string())};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  return at::linear(x, w);
+}
+
+at::Tensor decode_forward(at::Tensor residual, at::TensorList in_norm, at::TensorList post_norm,
+                          at::TensorList weights, at::TensorList packed, int64_t skinny_max,
+                          const at::Tensor& final_norm, double eps, at::TensorList k_caches,
+                          at::TensorList v_caches, at::TensorList kv_scales,
+                          const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& positions, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& context_lens,
+                          int64_t num_heads, int64_t num_kv_heads) {
+  const int64_t L = static_cast<int64_t>(in_norm.size());
+  TORCH_CHECK(L > 0 && post_norm.size() == in_norm.size() &&
+                  static_cast<int64_t>(weights.size()) == 4 * L &&
+                  (packed.empty() || packed.size() == weights.size()) &&
+                  static_cast<int64_t>(k_caches.size()) == L && v_caches.size() == k_caches.size() &&
+                  (kv_scales.empty() || static_cast<int64_t>(kv_scales.size()) == 2 * L),
+              "decode_forward: per-layer lists disagree (", L, " layers)");
+  const int64_t D = k_caches[0].size(3);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const auto dtype = residual.scalar_type();
+  residual = residual.contiguous();
+  at::Tensor h;
+  for (int64_t l = 0; l < L; ++l) {
+    auto w = [&](int64_t i) -> const at::Tensor& { return weights[4 * l + i]; };
+    auto p = [&](int64_t i) -> const at::Tensor* {
+      return packed.empty() ? nullptr : &packed[4 * l + i];
+    };
+    const at::Tensor x = l == 0 ? rms_norm(residual, in_norm[0], eps)
+                                : add_rms_norm(h, residual, in_norm[l], eps);
+    std::optional<at::Tensor> ks, vs;
+    if (!kv_scales.empty()) {
+      ks = kv_scales[2 * l];
+      vs = kv_scales[2 * l + 1];
+    }
+    const at::Tensor qkv = rotary_qkv(project(x, w(0), p(0), skinny_max), cos, sin, positions,
+                                      slot_mapping, k_caches[l], v_caches[l], num_heads,
+                                      num_kv_heads, ks, vs);
+    const at::Tensor attn =
+        paged_decode_attention(qkv.narrow(1, 0, num_heads), k_caches[l], v_caches[l],
+                               block_tables, context_lens, scale, dtype, ks, vs);
+    h = project(attn, w(1), p(1), skinny_max);
+    const at::Tensor x2 = add_rms_norm(h, residual, post_norm[l], eps);
+    h = project(silu_and_mul(project(x2, w(2), p(2), skinny_max)), w(3), p(3), skinny_max);
+  }
+  return add_rms_norm(h, residual, final_norm, eps);
 }
 
 }  // namespace
@@ -517,11 +665,19 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
   m.def(
+      "decode_forward(Tensor(a!) residual, Tensor[] in_norm, Tensor[] post_norm, "
+      "Tensor[] weights, Tensor[] packed, int skinny_max, Tensor final_norm, float eps, "
+      "Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor[] kv_scales, Tensor cos, "
+      "Tensor sin, Tensor positions, Tensor slot_mapping, Tensor block_tables, "
+      "Tensor context_lens, int num_heads, int num_kv_heads) -> Tensor");
+  m.def(
       "rotary_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, "
-      "Tensor(a!)? k_cache, Tensor(b!)? v_cache, int num_heads, int num_kv_heads) -> Tensor");
+      "Tensor(a!)? k_cache, Tensor(b!)? v_cache, int num_heads, int num_kv_heads, "
+      "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, ScalarType out_dtype) -> Tensor");
+      "Tensor context_lens, float scale, ScalarType out_dtype, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
@@ -530,6 +686,13 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("decode_forward", &decode_forward);
   m.impl("rotary_qkv", &rotary_qkv);
   m.impl("paged_decode_attention", &paged_decode_attention);
+}
+
+// decode_forward's packed weights are oneDNN tensors, which would otherwise
+// send the whole call to the MkldnnCPU dispatch key
+TORCH_LIBRARY_IMPL(llm_cpu, MkldnnCPU, m) {
+  m.impl("decode_forward", &decode_forward);
 }

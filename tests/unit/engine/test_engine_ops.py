@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(
     not cpu_kernels.ops_available(), reason="no C++ compiler here: the CPU kernels are not built"
 )
 DTYPES = [torch.float32, torch.bfloat16]
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
@@ -53,7 +54,7 @@ def test_silu_and_mul_matches_torch_over_the_whole_range(dtype: torch.dtype) -> 
     heads=st.sampled_from([(4, 2), (6, 3), (9, 3), (8, 8)]),
     head_dim=st.sampled_from([8, 64, 128]),
     dtype=st.sampled_from(DTYPES),
-    cache_dtype=st.sampled_from(DTYPES),
+    cache_dtype=st.sampled_from(KV_DTYPES),
     seed=st.integers(0, 1000),
 )
 def test_rotary_qkv_writes_the_same_cache_as_torch(
@@ -72,18 +73,22 @@ def test_rotary_qkv_writes_the_same_cache_as_torch(
     pos = torch.randint(0, 64, (num_tokens,), generator=g)
     slots = torch.randperm(32, generator=g)[:num_tokens]
     caches = [torch.zeros(8, 4, nkv, head_dim, dtype=cache_dtype) for _ in range(4)]
-    got = ops.rotary_qkv(qkv, cos, sin, pos, slots, caches[0], caches[1], nq, nkv)
+    scales = None
+    if cache_dtype == torch.float8_e4m3fn:
+        ks, vs = torch.rand(nkv, generator=g), torch.rand(nkv, generator=g)
+        scales = (ks / 50 + 1e-3, vs / 50 + 1e-3)
+    got = ops.rotary_qkv(qkv, cos, sin, pos, slots, caches[0], caches[1], nq, nkv, scales)
     cpu_kernels_on = cpu_kernels.ops_available
     try:
         cpu_kernels.ops_available = lambda: False  # type: ignore[assignment]
-        ref = ops.rotary_qkv(qkv, cos, sin, pos, slots, caches[2], caches[3], nq, nkv)
+        ref = ops.rotary_qkv(qkv, cos, sin, pos, slots, caches[2], caches[3], nq, nkv, scales)
     finally:
         cpu_kernels.ops_available = cpu_kernels_on  # type: ignore[assignment]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    # one bf16 rounding step apart at most: fp32 math differs in the last bits
-    tol = 1e-5 if cache_dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(caches[0], caches[2], atol=tol, rtol=tol)
-    torch.testing.assert_close(caches[1], caches[3], atol=tol, rtol=tol)
+    # one rounding step of the cache format apart at most: fp32 math differs in the last bits
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float8_e4m3fn: 0.13}[cache_dtype]
+    for a, b in ((caches[0], caches[2]), (caches[1], caches[3])):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
 @settings(max_examples=25, deadline=None)
@@ -91,7 +96,7 @@ def test_rotary_qkv_writes_the_same_cache_as_torch(
     context_lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
     heads=st.sampled_from([(4, 2), (9, 3), (8, 8)]),
     head_dim=st.sampled_from([16, 64, 128]),
-    cache_dtype=st.sampled_from(DTYPES),
+    cache_dtype=st.sampled_from(KV_DTYPES),
     out_dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 1000),
 )
@@ -108,13 +113,16 @@ def test_decode_attention_matches_sdpa_over_gathered_blocks(
     g = torch.Generator().manual_seed(seed)
     k_cache = (torch.randn(nb, bs, nkv, head_dim, generator=g) * 3).to(cache_dtype)
     v_cache = torch.randn(nb, bs, nkv, head_dim, generator=g).to(cache_dtype)
+    scales = None
+    if cache_dtype == torch.float8_e4m3fn:  # the stored values times a per-head scale
+        scales = (torch.rand(nkv, generator=g) + 0.1, torch.rand(nkv, generator=g) + 0.1)
     b = len(context_lens)
     tables = torch.randperm(nb, generator=g)[: b * 5].view(b, 5).contiguous()
     ctx = torch.tensor(context_lens)
     q = torch.randn(b, nq, head_dim, generator=g)
-    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, out_dtype)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, out_dtype, scales)
     assert got.dtype == out_dtype
-    k, v = _gather(k_cache, v_cache, tables)
+    k, v = _gather(k_cache, v_cache, tables, scales)
     mask = (torch.arange(5 * bs)[None, :] < ctx[:, None])[:, None, None, :]
     ref = F.scaled_dot_product_attention(
         q.view(b, nkv, nq // nkv, head_dim), k.float(), v.float(), attn_mask=mask
