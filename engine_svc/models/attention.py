@@ -34,9 +34,7 @@ class AttentionMetadata:
         slot_mapping: [T] cache slot of each new token.
         num_decode_tokens: the first ``num_decode_tokens`` rows are decodes (q_len 1).
         decode_blocks: [Bd, nblk] block table of each decode (0 = padding).
-        decode_mask: [Bd, 1, 1, nblk * block_size] keys to attend, None when none is padding.
-        decode_context_lens: [Bd] tokens each decode attends to (for the C kernel).
-        decode_max_ctx: the largest of them.
+        decode_context_lens: [Bd] tokens each decode attends to.
         prefill_fresh: one prefill with no cached prefix: plain causal attention.
         prefill_q_index: [P * Qmax] rows of the prefill tokens, padded per sequence.
         prefill_blocks: [P, nblk] block table of each prefill (0 = padding).
@@ -49,9 +47,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     num_decode_tokens: int
     decode_blocks: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
     decode_context_lens: torch.Tensor | None = None
-    decode_max_ctx: int = 0
     prefill_fresh: bool = False
     prefill_q_index: torch.Tensor | None = None
     prefill_blocks: torch.Tensor | None = None
@@ -83,6 +79,8 @@ def build_attention_metadata(
         block_size: tokens per block.
         device: where the tensors go.
     """
+    if num_decodes == len(num_new):
+        return _decode_only_metadata(num_computed, block_tables, block_size, device)
     width = max(len(b) for b in block_tables)
     bt = torch.tensor(_pad(block_tables, width), dtype=torch.long, device=device)
     computed = torch.tensor(num_computed, dtype=torch.long, device=device)
@@ -97,15 +95,33 @@ def build_attention_metadata(
         nblk = -(-int(ctx.max()) // block_size)
         meta.decode_blocks = bt[:num_decodes, :nblk].contiguous()
         meta.decode_context_lens = ctx
-        meta.decode_max_ctx = int(ctx.max())
-        if int(ctx.min()) != nblk * block_size:
-            valid = torch.arange(nblk * block_size, device=device) < ctx[:, None]
-            meta.decode_mask = valid[:, None, None, :]
     if len(num_new) > num_decodes:
         _prefill_metadata(
             meta, computed[num_decodes:], new[num_decodes:], bt[num_decodes:], block_size
         )
     return meta, positions
+
+
+def _decode_only_metadata(
+    num_computed: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    device: torch.device,
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The common step (every sequence decodes one token), built from Python lists:
+    three tensor constructions instead of a dozen small tensor ops."""
+    ctx = [c + 1 for c in num_computed]
+    nblk = -(-max(ctx) // block_size)
+    slots = [bt[c // block_size] * block_size + c % block_size
+             for c, bt in zip(num_computed, block_tables, strict=True)]
+    tables = _pad([bt[:nblk] for bt in block_tables], nblk)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        num_decode_tokens=len(ctx),
+        decode_blocks=torch.tensor(tables, dtype=torch.long, device=device),
+        decode_context_lens=torch.tensor(ctx, dtype=torch.long, device=device),
+    )
+    return meta, torch.tensor(list(num_computed), dtype=torch.long, device=device)
 
 
 def _prefill_metadata(
@@ -201,10 +217,13 @@ def _decode_attention(
             q.float(), k_cache, v_cache, meta.decode_blocks, meta.decode_context_lens,
             out_dtype, kv_scales,
         )  # fmt: skip
+    assert meta.decode_context_lens is not None
     kd, vd = _gather(k_cache, v_cache, meta.decode_blocks, kv_scales)
     qd = q.reshape(nd, num_kv_heads, num_heads // num_kv_heads, head_dim)
     kd, vd = kd.to(q.dtype), vd.to(q.dtype)
-    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+    keys = torch.arange(kd.shape[2], device=q.device)
+    mask = (keys < meta.decode_context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask)
     return out.reshape(nd, num_heads * head_dim).to(out_dtype)
 
 

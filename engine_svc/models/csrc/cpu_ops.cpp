@@ -301,11 +301,14 @@ constexpr int64_t kMaxBlock = 256;
 
 // kD > 0 fixes the head dimension at compile time (fully unrolled, no loop
 // tails: 2-3x faster for the common 64 and 128); kD == 0 takes it at run time.
-template <int64_t kD, typename C, typename O>
+// kG > 0 likewise fixes the query heads per KV head, so the G accumulators
+// stay in registers across a block.
+template <int64_t kD, int64_t kG, typename C, typename O>
 void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, int64_t ctx,
-                 O* out, int64_t kvh, int64_t G, int64_t Hkv, int64_t D_, int64_t bs,
+                 O* out, int64_t kvh, int64_t G_, int64_t Hkv, int64_t D_, int64_t bs,
                  float scale, float v_scale) {
   const int64_t D = kD > 0 ? kD : D_;
+  const int64_t G = kG > 0 ? kG : G_;
   alignas(64) float acc[kMaxGroup][kMaxHeadDim];
   alignas(64) float s[kMaxGroup][kMaxBlock];
   alignas(64) float row[kMaxHeadDim];
@@ -375,12 +378,18 @@ void decode_all(const float* qp, int64_t q_stride, const C* kc, const C* vc, con
       const int64_t* bti = btp + b * max_blocks;
       const float ks = k_scale ? sc * k_scale[kvh] : sc;
       const float vs = v_scale ? v_scale[kvh] : 1.f;
-      if (D == 64) {
-        decode_item<64>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
+      if (D == 64 && G == 3) {  // SmolLM2-135M
+        decode_item<64, 3>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
+      } else if (D == 64 && G == 4) {
+        decode_item<64, 4>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
+      } else if (D == 64) {
+        decode_item<64, 0>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
+      } else if (D == 128 && G == 4) {  // Llama-3 8B
+        decode_item<128, 4>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
       } else if (D == 128) {
-        decode_item<128>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
+        decode_item<128, 0>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
       } else {
-        decode_item<0>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
+        decode_item<0, 0>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
       }
     }
   });
