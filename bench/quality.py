@@ -2,7 +2,8 @@
 
     python -m bench.quality [--max-tokens 4096] [--new-tokens 32]
 
-Modes: fp32, bf16, fp8-KV (bf16 weights), fp8-weights, both. Perplexity runs
+Modes: fp32, default (the stack's engine config: dtype, KV dtype and prefill
+attention chosen for this CPU), bf16, fp8-KV (bf16 weights), fp8-weights, both. Perplexity runs
 over tests/data/quality/*.txt (public-domain US founding documents) in
 128-token chunks through the paged cache, so every chunk after the first reads
 the (possibly FP8) KV cache. Greedy agreement: each mode's continuation of a
@@ -29,6 +30,8 @@ DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality"
 REPORT = Path(__file__).resolve().parent / "reports" / "quality.json"
 MODES: dict[str, dict[str, str]] = {
     "fp32": {"dtype": "float32"},
+    # what `make run` serves: dtype, KV and prefill attention chosen for this CPU
+    "default": {"dtype": "auto"},
     "bf16": {"dtype": "bfloat16"},
     "fp8-kv": {"dtype": "bfloat16", "kv_cache_dtype": "fp8"},
     "fp8-weights": {"dtype": "bfloat16", "quantization": "fp8"},
@@ -72,6 +75,7 @@ def perplexity(engine: LLMEngine, docs: list[list[int]]) -> float:
             meta, pos = build_attention_metadata(
                 [start], [len(chunk)], [table], 0, bs, engine.device
             )
+            meta.prefill_dtype = model.prefill_attn_dtype  # as the engine's own steps run
             x = torch.tensor(chunk, dtype=torch.long)
             hidden = model.forward(x, pos, meta, runner.kv_caches, runner.kv_scales)
             logp = torch.log_softmax(model.compute_logits(hidden), dim=-1)
