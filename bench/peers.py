@@ -15,8 +15,9 @@ service with the stack's default config, every request a concurrent gRPC
 stream), ``vllm`` (offline LLM.generate, bf16 and fp32), ``transformers``
 (generate(), static batches of 32, bf16 and fp32). Each peer's best dtype on
 this CPU is the one with the higher W1 figure; ratios are against it.
-The report records the CPU model, its ISA flags, threads and the load
-average before and after every side. Writes bench/reports/peers.{json,png}.
+The report records the CPU model, its ISA flags, threads, the load
+average before and after every side, and each side's peak RSS (process and
+children: the vLLM engine core, our engine service). Writes bench/reports/peers.{json,png}.
 """
 
 from __future__ import annotations
@@ -180,6 +181,15 @@ def plot(table: dict[str, dict[str, float]], facts: dict[str, Any], path: Path) 
     fig.savefig(path, dpi=120)
 
 
+def peak_rss(runs: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """Largest peak RSS (MiB) of each side's process tree over its rounds."""
+    out = {}
+    for label, rs in runs.items():
+        peaks = [max(r.get("peak_rss_mib", {}).values(), default=0.0) for r in rs]
+        out[label] = max(peaks, default=0.0)
+    return out
+
+
 def print_table(table: dict[str, dict[str, float]], rat: dict[str, dict[str, float]]) -> None:
     names = list(next(iter(table.values())))
     print(f"\n{'side':<20}" + "".join(f"{n:>10}" for n in names))
@@ -231,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                           "max_tokens": w["requests"][0][1]} for n, w in workloads.items()},
         "tok_per_s": table, "ratios": rat,
         "best_dtype": {p: best_of(table, p) for p in PEERS},
+        "peak_rss_mib": peak_rss(runs),
         "runs": runs,
     }
     save_report(args.out, report, lambda path: plot(table, facts, path))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -125,6 +126,14 @@ def run_transformers(workloads: dict[str, Any], dtype: str, model_dir: str) -> d
     return {"load_s": load_s, "results": results}
 
 
+def peak_rss_mib() -> dict[str, float]:
+    """Peak resident memory of this process and of its (waited-for) children, MiB."""
+    return {
+        "self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("side", choices=["ours", "ours-grpc", "transformers"])
@@ -140,6 +149,7 @@ def main() -> int:
         out = run_ours_grpc(workloads, args.dtype)
     else:
         out = run_transformers(workloads, args.dtype, args.model_dir)
+    out["peak_rss_mib"] = peak_rss_mib()
     Path(args.out).write_text(json.dumps(out))
     return 0
 

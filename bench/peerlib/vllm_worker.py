@@ -64,8 +64,14 @@ def main() -> int:
         wall, generated = run(wl["requests"])
         results[name] = {"wall_s": wall, "generated": generated}
         print(f"vllm {args.dtype} {name}: {wall:.2f} s", file=sys.stderr, flush=True)
+    import resource
+
+    rss = {  # the engine core runs in a child process
+        "self": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+    }
     with open(args.out, "w") as f:
-        json.dump({"load_s": load_s, "results": results}, f)
+        json.dump({"load_s": load_s, "results": results, "peak_rss_mib": rss}, f)
     return 0
 
 
