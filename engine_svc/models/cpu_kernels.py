@@ -1,13 +1,12 @@
 """CPU kernels of the native engine, compiled once on the machine that runs them.
 
-Two libraries, both built with the system compiler and ``-march=native`` and
-cached under ``<cache>/kernels/<hash of source, flags, torch and CPU>/``:
-
-- ``csrc/cpu_ops.cpp``: torch operators (``torch.ops.llm_cpu.*``: RMSNorm,
-  add+RMSNorm, SiLU-and-mul, RoPE with the KV-cache write, paged decode
-  attention). They run on torch's own OpenMP pool through ``at::parallel_for``
-  and link torch's bundled libgomp, so there is one thread pool, never two.
-- ``csrc/fp8_linear.c``: FP8 weight GEMV/dequantization (plain C, ctypes).
+``csrc/cpu_ops.cpp`` holds torch operators (``torch.ops.llm_cpu.*``: RMSNorm,
+add+RMSNorm, SiLU-and-mul, RoPE with the KV-cache write, paged decode
+attention, the skinny and FP8 GEMMs, argmax, the whole decode step), built with
+the system C++ compiler and ``-march=native`` against the installed torch and
+cached under ``<cache>/kernels/<hash of source, flags, torch and CPU>/``. They
+run on torch's own OpenMP pool through ``at::parallel_for`` and link torch's
+bundled libgomp, so there is one thread pool, never two.
 
 No compiler, a failed build or ``LLM_ENGINE_CPU_KERNELS=0`` makes
 ``ops_available()`` False and the engine runs its pure-torch path, which
@@ -90,20 +89,6 @@ def _digest(*parts: str | bytes) -> str:
     for p in parts:
         h.update(p if isinstance(p, bytes) else p.encode())
     return h.hexdigest()[:16]
-
-
-def build_c_library(source: Path, name: str) -> Path:
-    """Compile a plain-C kernel file into a cached shared library.
-
-    Raises:
-        RuntimeError: no compiler, or the build failed.
-    """
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (gcc/cc) on PATH")
-    key = _digest(source.read_bytes(), " ".join(C_FLAGS), cpu_signature())
-    lib = cache_dir() / "kernels" / f"{name}-{key}" / f"lib{name}.so"
-    return _compile([compiler, *C_FLAGS, "-std=gnu11", str(source), "-o", "{out}", "-lm"], lib)
 
 
 def _ops_command(compiler: str) -> list[str]:

@@ -5,21 +5,19 @@ fp32. The linear op picks a path by device and batch:
 
 - CUDA with compute capability >= 8.9: ``torch._scaled_mm`` (fp8 tensor cores),
   activations quantized per row on the fly.
-- CPU, few rows (decode): a C kernel that decodes e4m3 in registers inside the
-  GEMV, so each weight byte is read once and never expanded in memory.
+- CPU, few rows (decode): a compiled op (``llm_cpu::fp8_gemv``) that decodes
+  e4m3 in registers inside the GEMV, so each weight byte is read once and never
+  expanded in memory.
 - CPU, many rows (prefill) or no compiler: dequantize this weight alone into
-  one reused bf16 buffer (C, or a torch bit trick) and run a bf16 matmul; the
-  buffer holds the largest single weight, never the model.
+  one reused bf16 buffer (compiled op, or torch's cast) and run a bf16 matmul;
+  the buffer holds the largest single weight, never the model.
 
 The per-channel scale is applied to the output: ``x @ (q * s)^T = (x @ q^T) * s``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +28,6 @@ logger = logging.getLogger(__name__)
 
 FP8_MAX = 448.0
 GEMV_MAX_ROWS = 8
-_SOURCE = Path(__file__).parent / "csrc" / "fp8_linear.c"
-_i64, _int, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
 
 
 class Fp8Weight:
@@ -65,16 +61,8 @@ class Fp8Weight:
         return (self.qweight.float() * self.scale[:, None]).to(dtype)
 
 
-@cache
-def _lib() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(cpu_kernels.build_c_library(_SOURCE, "fp8_linear")))
-    except Exception as exc:  # no compiler, failed build: torch paths stay correct
-        logger.warning("fp8 CPU kernel unavailable, using torch dequantization: %s", exc)
-        return None
-    lib.fp8_gemv.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _int]
-    lib.fp8_dequant_bf16.argtypes = [_ptr, _ptr, _i64, _i64, _int]
-    return lib
+def _native(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and cpu_kernels.ops_available()
 
 
 _buffers: dict[torch.device, torch.Tensor] = {}
@@ -91,9 +79,8 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 def _dequant_bf16(w: Fp8Weight) -> torch.Tensor:
     n, k = w.shape
     out = _scratch(n * k, w.qweight.device).view(n, k)
-    lib = _lib() if w.qweight.device.type == "cpu" else None
-    if lib is not None:
-        lib.fp8_dequant_bf16(w.qweight.data_ptr(), out.data_ptr(), n, k, torch.get_num_threads())
+    if _native(w.qweight):
+        torch.ops.llm_cpu.fp8_dequant_bf16(w.qweight.view(torch.uint8), out)
     else:
         out.copy_(w.qweight)
     return out
@@ -123,19 +110,9 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None) 
         except RuntimeError:
             y = None  # shape or build without fp8 GEMM support: dequantize instead
     if y is None:
-        lib = _lib() if x.device.type == "cpu" else None
-        if lib is not None and rows <= GEMV_MAX_ROWS:
+        if _native(x) and rows <= GEMV_MAX_ROWS:
             xf = x2.float().contiguous()
-            acc = torch.empty(rows, n, dtype=torch.float32)
-            lib.fp8_gemv(
-                xf.data_ptr(),
-                w.qweight.data_ptr(),
-                acc.data_ptr(),
-                rows,
-                n,
-                k,
-                torch.get_num_threads(),
-            )
+            acc = torch.ops.llm_cpu.fp8_gemv(xf, w.qweight.view(torch.uint8))
             y = (acc * w.scale).to(x.dtype)
         else:
             y = (F.linear(x2.to(torch.bfloat16), _dequant_bf16(w)).float() * w.scale).to(x.dtype)

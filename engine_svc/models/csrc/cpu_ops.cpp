@@ -571,6 +571,70 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+// ---------------------------------------------------------------- FP8 weights
+// e4m3 bytes -> fp32 without a table: for a normal value the 7 magnitude bits
+// shifted into the fp32 exponent/mantissa, plus a bias of (127 - 7) in the
+// exponent, are the exact value; a subnormal is m * 2^-9. Branch-free, so the
+// loops vectorize. Weights are [N, K] bytes; the per-row scale is applied by
+// the caller (y = (x @ q^T) * s).
+inline float e4m3_to_f32(uint8_t b) {
+  const uint32_t mag = b & 0x7Fu;
+  const uint32_t bits = (mag << 20) + (120u << 23);
+  float normal;
+  std::memcpy(&normal, &bits, sizeof(normal));
+  const float sub = static_cast<float>(mag & 7u) * (1.0f / 512.0f);
+  const float v = (mag >> 3) ? normal : sub;
+  return (b & 0x80u) ? -v : v;
+}
+
+// y[M, N] = x[M, K] @ e4m3(w)[N, K]^T, fp32, each weight row decoded once.
+at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& w) {
+  check_cpu(x, "x");
+  check_cpu(w, "w");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kByte && x.dim() == 2 &&
+                  w.dim() == 2 && x.size(1) == w.size(1) && w.size(1) <= 65536,
+              "fp8_gemv: x must be float32 [M, K] and w uint8 (e4m3 bits) [N, K]");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = wp + n * K;
+      for (int64_t k = 0; k < K; ++k) row[k] = e4m3_to_f32(wr[k]);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = xp + m * K;
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k) acc += xr[k] * row[k];
+        yp[m * N + n] = acc;
+      }
+    }
+  });
+  return y;
+}
+
+// out[N, K] (bf16) = e4m3(w), exact: e4m3 has 3 mantissa bits.
+void fp8_dequant_bf16(const at::Tensor& w, at::Tensor out) {
+  check_cpu(w, "w");
+  check_cpu(out, "out");
+  TORCH_CHECK(w.scalar_type() == at::kByte && out.scalar_type() == at::kBFloat16 &&
+                  w.sizes() == out.sizes(),
+              "fp8_dequant_bf16: w must be uint8 (e4m3 bits) and out bfloat16 of its shape");
+  const int64_t N = w.size(0), K = w.numel() / std::max<int64_t>(N, 1);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<BFloat16>());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t i = n0 * K; i < n1 * K; ++i) {
+      const float f = e4m3_to_f32(wp[i]);
+      uint32_t bits;
+      std::memcpy(&bits, &f, sizeof(bits));
+      op[i] = static_cast<uint16_t>(bits >> 16);
+    }
+  });
+}
+
 // ---------------------------------------------------------------- greedy pick
 // Index of the first maximum of each row of fp32 logits [N, V] (torch.argmax's
 // tie rule): a vectorized max, then the first position holding it.
@@ -673,6 +737,8 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("fp8_gemv(Tensor x, Tensor w) -> Tensor");
+  m.def("fp8_dequant_bf16(Tensor w, Tensor(a!) out) -> ()");
   m.def(
       "decode_forward(Tensor(a!) residual, Tensor[] in_norm, Tensor[] post_norm, "
       "Tensor[] weights, Tensor[] packed, int skinny_max, Tensor final_norm, float eps, "
@@ -695,6 +761,8 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("fp8_gemv", &fp8_gemv);
+  m.impl("fp8_dequant_bf16", &fp8_dequant_bf16);
   m.impl("decode_forward", &decode_forward);
   m.impl("rotary_qkv", &rotary_qkv);
   m.impl("paged_decode_attention", &paged_decode_attention);

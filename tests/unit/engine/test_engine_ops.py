@@ -141,6 +141,7 @@ def test_kernels_run_on_torch_threads_only() -> None:
     for _ in range(20):
         ops.paged_decode_attention(q, cache, cache, tables, torch.full((32,), 30))
         ops.silu_and_mul(torch.randn(32, 256))
+        torch.ops.llm_cpu.fp8_gemv(torch.randn(2, 64), torch.randint(0, 255, (96, 64)).byte())
     assert threading.active_count() == before
     assert len(list(Path("/proc/self/task").iterdir())) == native_before
 
