@@ -70,6 +70,27 @@ inline T from_f(float v) {
   return static_cast<T>(v);
 }
 
+// e4m3 bytes -> fp32 without a table: for a normal value the 7 magnitude bits
+// shifted into the fp32 exponent/mantissa, plus a bias of (127 - 7) in the
+// exponent, are the exact value; a subnormal is m * 2^-9. Branch-free, so the
+// loops vectorize.
+inline float e4m3_to_f32(uint8_t b) {
+  const uint32_t mag = b & 0x7Fu;
+  const uint32_t bits = (mag << 20) + (120u << 23);
+  float normal;
+  std::memcpy(&normal, &bits, sizeof(normal));
+  const float sub = static_cast<float>(mag & 7u) * (1.0f / 512.0f);
+  const float v = (mag >> 3) ? normal : sub;
+  return (b & 0x80u) ? -v : v;
+}
+
+// an FP8 KV cache read in registers (values are clamped to +-448 when
+// written, so the e4m3 NaN pattern never occurs)
+template <>
+inline float to_f<Float8>(Float8 v) {
+  return e4m3_to_f32(v.x);
+}
+
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -572,21 +593,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // ---------------------------------------------------------------- FP8 weights
-// e4m3 bytes -> fp32 without a table: for a normal value the 7 magnitude bits
-// shifted into the fp32 exponent/mantissa, plus a bias of (127 - 7) in the
-// exponent, are the exact value; a subnormal is m * 2^-9. Branch-free, so the
-// loops vectorize. Weights are [N, K] bytes; the per-row scale is applied by
-// the caller (y = (x @ q^T) * s).
-inline float e4m3_to_f32(uint8_t b) {
-  const uint32_t mag = b & 0x7Fu;
-  const uint32_t bits = (mag << 20) + (120u << 23);
-  float normal;
-  std::memcpy(&normal, &bits, sizeof(normal));
-  const float sub = static_cast<float>(mag & 7u) * (1.0f / 512.0f);
-  const float v = (mag >> 3) ? normal : sub;
-  return (b & 0x80u) ? -v : v;
-}
-
+// The per-row scale is applied by the caller (y = (x @ q^T) * s).
 // y[M, N] = x[M, K] @ e4m3(w)[N, K]^T, fp32, each weight row decoded once.
 at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& w) {
   check_cpu(x, "x");
