@@ -4,7 +4,7 @@ A front (the gRPC servicer today, the OpenAI-compatible HTTP front later)
 builds a ``CallContext`` from its headers, iterates ``Pipeline.generate`` and
 turns ``Chunk``s and ``GatewayError``s into its own wire format. Status codes
 are ``grpc.StatusCode`` values because they are the contract's vocabulary
-(DESIGN §6); an HTTP front maps them to HTTP statuses.
+(docs/architecture.md, "Status codes"); an HTTP front maps them to HTTP statuses.
 """
 
 from __future__ import annotations
