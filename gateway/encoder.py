@@ -1,4 +1,4 @@
-"""The tokenizer_svc client of the pipeline (DESIGN §2 step 3).
+"""The tokenizer_svc client of the pipeline (docs/architecture.md, request step 3).
 
 Prompts and chat messages are encoded by tokenizer_svc (one place applies
 the chat template); its INVALID_ARGUMENT messages pass through to the

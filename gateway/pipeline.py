@@ -1,4 +1,4 @@
-"""The request pipeline: one object every front calls (DESIGN §2, §3).
+"""The request pipeline: one object every front calls (docs/architecture.md).
 
     auth ─► model + params ─► encode ─► length vs context ─► version ─► reserve ─► engine attempts
     (bearer)  (ModelInfo)   (tokenizer_svc)          (routing policy,  (Redis)   (route, retry,

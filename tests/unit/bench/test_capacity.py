@@ -25,7 +25,7 @@ def smollm2() -> ModelConfig:
 
 def test_kv_bytes_per_token_by_dtype() -> None:
     cfg = smollm2()
-    # 30 layers x 2 (K, V) x 3 KV heads x 64 x bytes; PERF-NOTES: 23,040 in bf16
+    # 30 layers x 2 (K, V) x 3 KV heads x 64 x bytes: 23,040 in bf16
     assert {d: cfg.kv_bytes_per_token(capacity.DTYPE_BYTES[d]) for d in ("fp32", "bf16", "fp8")
             } == {"fp32": 46080, "bf16": 23040, "fp8": 11520}
 

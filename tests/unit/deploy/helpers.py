@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 DESCRIPTOR_SET = ROOT / "build" / "llm_v1.pb"
 
-# DESIGN.md §7 defaults; config/stack.yaml wins for the sections it has.
+# the documented default ports (README); config/stack.yaml wins for the sections it has.
 DESIGN_PORTS: dict[str, dict[str, int]] = {
     "gateway": {"port": 50051, "metrics_port": 9451, "http_port": 8000},
     "tokenizer": {"port": 50061, "metrics_port": 9461},

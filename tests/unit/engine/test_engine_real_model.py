@@ -2,7 +2,7 @@
 
 Greedy continuations must match token for token, except after a position
 where HF's own top-1/top-2 margin is inside numeric noise (there either
-choice is right; see PERF-NOTES "Batch invariance").
+choice is right: kernels block differently per batch shape).
 """
 
 from __future__ import annotations
