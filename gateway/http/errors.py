@@ -1,6 +1,6 @@
 """OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` plus the HTTP status.
 
-The pipeline speaks ``grpc.StatusCode`` (docs/architecture.md, "Status codes"); this module is the one
+The pipeline speaks ``grpc.StatusCode`` (docs/architecture.md); this module is the one
 place that maps it to HTTP, the way OpenAI's SDKs classify it:
 
     INVALID_ARGUMENT   400 invalid_request_error  (param when the field is known)

@@ -1,4 +1,4 @@
-"""The fixed API contract (protos/llm/v1, docs/architecture.md): names, field numbers, HTTP mappings."""
+"""The fixed API contract (protos/llm/v1): names, field numbers, HTTP mappings."""
 
 from __future__ import annotations
 
