@@ -130,14 +130,11 @@ class LLMEngine:
                 mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, candidates
             )
             self.model.prefill_attn_dtype = dtype
-            self.linear_choice.prefill_attention = dtype
-            self.linear_choice.timings_ms["prefill-attention-512"] = {
-                0: timings.get(str(dtype).removeprefix("torch."), 0.0)
-            }
+            logger.info("prefill attention: %s (ms per 512-token prompt: %s)", dtype, timings)
         self.model_config = self.model.config
         kv_dtype = _kv_cache_dtype(config.kv_cache_dtype, self.weight_dtype, self.model.attn_dtype)
         num_blocks = determine_num_blocks(
-            config, self.model_config, kv_dtype or self.model.attn_dtype, self.device
+            config, self.model_config, kv_dtype, self.device
         )
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype)
         self.kv_cache_manager = KVCacheManager(
@@ -367,7 +364,7 @@ class LLMEngine:
         kernels = "native" if cpu_kernels.ops_available() else "torch"
         if self.device.type != "cpu":
             kernels = self.device.type
-        attn = str(c.prefill_attention or self.model.attn_dtype).removeprefix("torch.")
+        attn = str(self.model.prefill_attn_dtype or self.model.attn_dtype).removeprefix("torch.")
         return (
             f"{c.name} ({c.reason}), prefill attention {attn}, kernels={kernels}, "
             f"threads={torch.get_num_threads()}"

@@ -102,7 +102,6 @@ class LinearChoice:
         reason: ``benchmark``, ``forced``, ``device`` or ``fp8``.
         packed: oneDNN-prepacked copies above the skinny threshold.
         skinny_max_rows: rows up to which the streaming kernel runs.
-        prefill_attention: dtype of prefill attention math (None = fp32).
         timings_ms: what was measured (candidate -> rows -> median ms).
     """
 
@@ -110,7 +109,6 @@ class LinearChoice:
     reason: str
     packed: bool = False
     skinny_max_rows: int = 0
-    prefill_attention: torch.dtype | None = None
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
