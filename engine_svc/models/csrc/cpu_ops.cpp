@@ -19,9 +19,12 @@
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define LLM_HAVE_AVX512 1
+#if defined(__AVX512BF16__)
 #define LLM_HAVE_AVX512BF16 1
+#endif
 #endif
 
 #include <algorithm>
@@ -320,6 +323,24 @@ constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxBlock = 256;
 
+// Asks for the rows of one head in the next block while this block computes:
+// the hardware prefetcher does not follow a block table, and without this the
+// kernel waits on memory for most of a long context.
+template <typename C>
+inline void prefetch_block_rows(const C* k, const C* v, int64_t rows, int64_t stride,
+                                int64_t D) {
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
+  const int64_t stride_bytes = stride * static_cast<int64_t>(sizeof(C));
+  const char* kp = reinterpret_cast<const char*>(k);
+  const char* vp = reinterpret_cast<const char*>(v);
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t c = 0; c < row_bytes; c += 64) {
+      __builtin_prefetch(kp + t * stride_bytes + c, 0, 3);
+      __builtin_prefetch(vp + t * stride_bytes + c, 0, 3);
+    }
+  }
+}
+
 // kD > 0 fixes the head dimension at compile time (fully unrolled, no loop
 // tails: 2-3x faster for the common 64 and 128); kD == 0 takes it at run time.
 // kG > 0 likewise fixes the query heads per KV head, so the G accumulators
@@ -345,6 +366,10 @@ void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, in
     const int64_t n = std::min(bs, ctx - blk * bs);
     const C* kb = kc + bt[blk] * bs * stride + kvh * D;
     const C* vb = vc + bt[blk] * bs * stride + kvh * D;
+    if (blk + 1 < nblk) {
+      prefetch_block_rows(kc + bt[blk + 1] * bs * stride + kvh * D,
+                          vc + bt[blk + 1] * bs * stride + kvh * D, bs, stride, D);
+    }
     for (int64_t t = 0; t < n; ++t) {
       const C* kr = kb + t * stride;
       for (int64_t d = 0; d < D; ++d) row[d] = to_f(kr[d]);
@@ -385,6 +410,134 @@ void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, in
   }
 }
 
+#ifdef LLM_HAVE_AVX512
+// The same attention with AVX-512 intrinsics for fp32 and bf16 caches, 16
+// tokens at a time: the 16 q.k products of a head are reduced together by a
+// transpose-and-add tree (four shuffle levels for 16 scores instead of 16
+// horizontal sums), the block's softmax runs on one vector per head, and V is
+// accumulated in registers. bf16 widens to fp32 by a shift, so the math is the
+// generic kernel's (fp32 throughout).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// lane i of the result = the sum of the 16 lanes of v[i]
+inline __m512 sum16x16(const __m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i) {
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88),
+                       _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+// fast_exp on 16 lanes (same polynomial); scalef puts in the integer part
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, fi);
+}
+
+template <int64_t kD, int64_t kG, typename C, typename O>
+void decode_item_avx512(const float* q, const C* kc, const C* vc, const int64_t* bt,
+                        int64_t ctx, O* out, int64_t kvh, int64_t Hkv, int64_t bs, float scale,
+                        float v_scale) {
+  static_assert(kD % 16 == 0 && kG > 0, "decode_item_avx512: D a multiple of 16, G fixed");
+  constexpr int64_t kV = kD / 16;
+  __m512 qv[kG][kV], acc[kG][kV];
+  float m[kG], l[kG];
+  alignas(64) float p[kG][16];
+  for (int64_t g = 0; g < kG; ++g) {
+    m[g] = -1e30f;
+    l[g] = 0.f;
+    for (int64_t d = 0; d < kV; ++d) {
+      qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * kD + 16 * d), _mm512_set1_ps(scale));
+      acc[g][d] = _mm512_setzero_ps();
+    }
+  }
+  const int64_t stride = Hkv * kD;
+  const int64_t nblk = (ctx + bs - 1) / bs;
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    const int64_t n_blk = std::min(bs, ctx - blk * bs);
+    const C* kb = kc + bt[blk] * bs * stride + kvh * kD;
+    const C* vb = vc + bt[blk] * bs * stride + kvh * kD;
+    if (blk + 1 < nblk) {
+      prefetch_block_rows(kc + bt[blk + 1] * bs * stride + kvh * kD,
+                          vc + bt[blk + 1] * bs * stride + kvh * kD, bs, stride, kD);
+    }
+    for (int64_t t0 = 0; t0 < n_blk; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, n_blk - t0);
+      const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
+      __m512 prod[kG][16];
+      for (int64_t t = 0; t < 16; ++t) {
+        if (t < n) {
+          const C* kr = kb + (t0 + t) * stride;
+          __m512 kv[kV];
+          for (int64_t d = 0; d < kV; ++d) kv[d] = load16(kr + 16 * d);
+          for (int64_t g = 0; g < kG; ++g) {
+            __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+            for (int64_t d = 1; d < kV; ++d) a = _mm512_fmadd_ps(qv[g][d], kv[d], a);
+            prod[g][t] = a;
+          }
+        } else {
+          for (int64_t g = 0; g < kG; ++g) prod[g][t] = _mm512_setzero_ps();
+        }
+      }
+      for (int64_t g = 0; g < kG; ++g) {
+        const __m512 s =
+            _mm512_mask_blend_ps(valid, _mm512_set1_ps(-1e30f), sum16x16(prod[g]));
+        const float bm = std::max(m[g], _mm512_reduce_max_ps(s));
+        const float corr = fast_exp(m[g] - bm);
+        m[g] = bm;
+        const __m512 pg = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(s, _mm512_set1_ps(bm))));
+        l[g] = l[g] * corr + _mm512_reduce_add_ps(pg);
+        const __m512 cv = _mm512_set1_ps(corr);
+        for (int64_t d = 0; d < kV; ++d) acc[g][d] = _mm512_mul_ps(acc[g][d], cv);
+        _mm512_store_ps(p[g], pg);
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const C* vr = vb + (t0 + t) * stride;
+        __m512 vv[kV];
+        for (int64_t d = 0; d < kV; ++d) vv[d] = load16(vr + 16 * d);
+        for (int64_t g = 0; g < kG; ++g) {
+          const __m512 pb = _mm512_set1_ps(p[g][t]);
+          for (int64_t d = 0; d < kV; ++d) acc[g][d] = _mm512_fmadd_ps(pb, vv[d], acc[g][d]);
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < kG; ++g) {
+    const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? v_scale / l[g] : 0.f);
+    alignas(64) float row[kD];
+    for (int64_t d = 0; d < kV; ++d) _mm512_store_ps(row + 16 * d, _mm512_mul_ps(acc[g][d], inv));
+    O* o = out + g * kD;
+    for (int64_t d = 0; d < kD; ++d) o[d] = from_f<O>(row[d]);
+  }
+}
+#endif
+
 template <typename C, typename O>
 void decode_all(const float* qp, int64_t q_stride, const C* kc, const C* vc, const int64_t* btp,
                 int64_t max_blocks, const int64_t* clp, O* op, int64_t B, int64_t H,
@@ -399,7 +552,23 @@ void decode_all(const float* qp, int64_t q_stride, const C* kc, const C* vc, con
       const int64_t* bti = btp + b * max_blocks;
       const float ks = k_scale ? sc * k_scale[kvh] : sc;
       const float vs = v_scale ? v_scale[kvh] : 1.f;
-      if (D == 64 && G == 3) {  // SmolLM2-135M
+#ifdef LLM_HAVE_AVX512
+      if constexpr (!std::is_same_v<C, Float8>) {
+        if (D == 64 && G == 3) {  // SmolLM2-135M
+          decode_item_avx512<64, 3>(qi, kc, vc, bti, clp[b], oi, kvh, Hkv, bs, ks, vs);
+          continue;
+        }
+        if (D == 64 && G == 4) {
+          decode_item_avx512<64, 4>(qi, kc, vc, bti, clp[b], oi, kvh, Hkv, bs, ks, vs);
+          continue;
+        }
+        if (D == 128 && G == 4) {  // Llama-3 8B
+          decode_item_avx512<128, 4>(qi, kc, vc, bti, clp[b], oi, kvh, Hkv, bs, ks, vs);
+          continue;
+        }
+      }
+#endif
+      if (D == 64 && G == 3) {
         decode_item<64, 3>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
       } else if (D == 64 && G == 4) {
         decode_item<64, 4>(qi, kc, vc, bti, clp[b], oi, kvh, G, Hkv, D, bs, ks, vs);
