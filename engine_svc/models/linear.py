@@ -5,13 +5,16 @@ number of rows:
 
     rows <= skinny_max_rows   ops.skinny_linear: streams the weight once with
                               the rows in L1 (decode is bound by reading weights)
-    otherwise                 oneDNN with a weight prepacked at load (``packed``),
+    otherwise                 a weight prepacked at load (``packed``): our AMX
+                              tile kernel (``amx``) or oneDNN's (``onednn``);
                               or F.linear
 
 Which dtype and which paths are fastest depends on the CPU, not on habit: with
 AMX or AVX512-BF16 a bf16 GEMM is several times faster than fp32, on an
 AVX2-only CPU it is 4-6x slower; a prepacked oneDNN weight is 2x faster on some
-machines and buys nothing on others. ``choose_cpu_dtype`` times the model's
+machines and buys nothing on others; where the CPU has AMX, our tile kernel
+(the weight streamed once in tile order) is ~2x faster than oneDNN's at decode
+and prefill row counts on the machines measured. ``choose_cpu_dtype`` times the model's
 MLP shapes for each dtype before the weights are loaded; ``tune_linears`` then
 times the loaded model's own projections (weights streamed from memory, as in
 serving) at decode and prefill row counts and sets the thresholds.
@@ -39,6 +42,7 @@ DTYPE_BENCH_ROWS = (1, 16, 64, 256)
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32)
 LARGE_ROWS = (16, 64, 256)
 PACKING_MIN_GAIN = 1.10  # a packed copy costs memory: take it only when clearly faster
+PACKINGS = ("amx", "onednn")
 
 
 def mkldnn_packing_available() -> bool:
@@ -56,13 +60,14 @@ class Linear:
         bias: optional [N].
     """
 
-    __slots__ = ("bias", "packed", "shape", "skinny_max_rows", "weight")
+    __slots__ = ("bias", "packed", "packing", "shape", "skinny_max_rows", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.shape = weight.shape
         self.weight = weight.contiguous()
         self.bias = bias
         self.packed: torch.Tensor | None = None
+        self.packing = ""  # "amx" | "onednn" while packed
         self.skinny_max_rows = 0
 
     @property
@@ -70,19 +75,38 @@ class Linear:
         """The weight's dtype."""
         return self.weight.dtype
 
-    def pack(self) -> None:
-        """Add a oneDNN-prepacked copy used above ``skinny_max_rows`` (CPU)."""
-        if self.packed is None and self.weight.device.type == "cpu":
+    def can_pack(self, packing: str) -> bool:
+        """True when ``pack(packing)`` applies to this weight on this machine."""
+        if self.weight.device.type != "cpu":
+            return False
+        if packing == "amx":
+            return ops.amx_available(self.weight)
+        return packing == "onednn" and mkldnn_packing_available()
+
+    def pack(self, packing: str = "onednn") -> None:
+        """Add a prepacked copy (``amx`` tile order or ``onednn``'s) used above
+        ``skinny_max_rows``; a weight the packing does not apply to stays dense."""
+        if self.packing == packing or not self.can_pack(packing):
+            return
+        if packing == "amx":
+            self.packed = torch.ops.llm_cpu.amx_pack(self.weight)
+        else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
+        self.packing = packing
 
     def unpack(self) -> None:
         """Drop the prepacked copy."""
         self.packed = None
+        self.packing = ""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.shape[1])
         if x2.shape[0] <= self.skinny_max_rows and self.bias is None:
             y = ops.skinny_linear(x2, self.weight)
+        elif self.packing == "amx":
+            y = cast(torch.Tensor, torch.ops.llm_cpu.amx_linear(x2.contiguous(), self.packed))
+            if self.bias is not None:
+                y = y + self.bias
         elif self.packed is not None:
             y = cast(
                 torch.Tensor,
@@ -100,7 +124,8 @@ class LinearChoice:
     Attributes:
         dtype: weight / activation dtype of the decoder.
         reason: ``benchmark``, ``forced``, ``device`` or ``fp8``.
-        packed: oneDNN-prepacked copies above the skinny threshold.
+        packed: prepacked copies above the skinny threshold.
+        packing: which (``amx`` or ``onednn``; empty when not packed).
         skinny_max_rows: rows up to which the streaming kernel runs.
         timings_ms: what was measured (candidate -> rows -> median ms).
     """
@@ -108,6 +133,7 @@ class LinearChoice:
     dtype: torch.dtype
     reason: str
     packed: bool = False
+    packing: str = ""
     skinny_max_rows: int = 0
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
@@ -117,7 +143,9 @@ class LinearChoice:
         label = str(self.dtype).removeprefix("torch.")
         if self.skinny_max_rows:
             label += f"+skinny<={self.skinny_max_rows}"
-        return label + ("+packed" if self.packed else "")
+        if self.packed:
+            label += "+amx" if self.packing == "amx" else "+packed"
+        return label
 
 
 def _median_ms(fn: Callable[[], object], reps: int) -> float:
@@ -174,8 +202,10 @@ def _sweep(linears: Sequence[Linear], rows: Sequence[int], reps: int = 3) -> dic
     g = torch.Generator().manual_seed(0)
     out = {}
     for m in rows:
-        xs = {k: torch.randn(m, k, generator=g).to(linears[0].dtype)
-              for k in {lin.shape[1] for lin in linears}}
+        xs = {
+            k: torch.randn(m, k, generator=g).to(linears[0].dtype)
+            for k in {lin.shape[1] for lin in linears}
+        }
 
         def run(xs: dict[int, torch.Tensor] = xs) -> None:
             for lin in linears:
@@ -183,6 +213,28 @@ def _sweep(linears: Sequence[Linear], rows: Sequence[int], reps: int = 3) -> dic
 
         out[m] = _median_ms(run, reps)
     return out
+
+
+def _choose_packing(linears: Sequence[Linear], choice: LinearChoice) -> dict[str, dict[int, float]]:
+    """Time the large-row path dense and under each packing; keep the fastest packing
+    when it beats dense by PACKING_MIN_GAIN. Returns the timings."""
+    large = {"dense": _sweep(linears, LARGE_ROWS)}
+    for packing in PACKINGS:
+        if not any(lin.can_pack(packing) for lin in linears):
+            continue
+        for lin in linears:
+            lin.unpack()
+            lin.pack(packing)
+        large[packing] = _sweep(linears, LARGE_ROWS)
+    for lin in linears:
+        lin.unpack()
+    cost = {k: _geomean(list(v.values())) for k, v in large.items()}
+    best = min(cost, key=lambda k: cost[k])
+    choice.packed = best != "dense" and cost["dense"] / cost[best] >= PACKING_MIN_GAIN
+    choice.packing = best if choice.packed else ""
+    for lin in linears if choice.packed else ():
+        lin.pack(best)
+    return large
 
 
 def tune_linears(linears: Sequence[Linear], choice: LinearChoice) -> LinearChoice:
@@ -198,18 +250,7 @@ def tune_linears(linears: Sequence[Linear], choice: LinearChoice) -> LinearChoic
     with torch.inference_mode():
         for lin in linears:
             lin.skinny_max_rows = 0
-        large = {"dense": _sweep(linears, LARGE_ROWS)}
-        if mkldnn_packing_available():
-            for lin in linears:
-                lin.pack()
-            large["packed"] = _sweep(linears, LARGE_ROWS)
-        gain = _geomean(list(large["dense"].values())) / _geomean(
-            list(large.get("packed", large["dense"]).values())
-        )
-        choice.packed = gain >= PACKING_MIN_GAIN
-        if not choice.packed:
-            for lin in linears:
-                lin.unpack()
+        large = _choose_packing(linears, choice)
         base = _sweep(linears, SKINNY_ROWS)
         skinny: dict[int, float] = {}
         if ops.skinny_available(linears[0].weight):

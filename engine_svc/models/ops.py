@@ -59,6 +59,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def amx_available(weight: torch.Tensor) -> bool:
+    """True when ``amx_linear`` can run for this weight: a bf16 [N, K] with N and K
+    multiples of 32, on a CPU (and kernel build) with AMX tiles the OS lets us use."""
+    return (
+        _native(weight)
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[0] % 32 == 0
+        and weight.shape[1] % 32 == 0
+        and bool(torch.ops.llm_cpu.amx_available())
+    )
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` for fp32 [N, V] (first maximum wins), several times faster."""
     if _native(logits) and logits.dtype == torch.float32 and logits.dim() == 2:

@@ -511,7 +511,8 @@ void decode_item_avx512(const float* q, const C* kc, const C* vc, const int64_t*
         const float bm = std::max(m[g], _mm512_reduce_max_ps(s));
         const float corr = fast_exp(m[g] - bm);
         m[g] = bm;
-        const __m512 pg = _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(s, _mm512_set1_ps(bm))));
+        const __m512 pg =
+            _mm512_maskz_mov_ps(valid, fast_exp16(_mm512_sub_ps(s, _mm512_set1_ps(bm))));
         l[g] = l[g] * corr + _mm512_reduce_add_ps(pg);
         const __m512 cv = _mm512_set1_ps(corr);
         for (int64_t d = 0; d < kV; ++d) acc[g][d] = _mm512_mul_ps(acc[g][d], cv);
@@ -846,9 +847,175 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // call: no Python between the ~300 operations of a step, and the GIL is free
 // for the service's other threads the whole time (llama.cpp runs a token as
 // one graph for the same reason). Prefill steps take the Python path.
+// ---------------------------------------------------------------- AMX GEMM
+// y[M, N] = x[M, K] @ w[N, K]^T in bf16 with fp32 accumulation on AMX tiles,
+// from a weight packed once at load into tile order: for each block of 16
+// output channels and each 32 of K, one 1 KB tile whose row kp holds the
+// (k = 2kp, 2kp + 1) pairs of the 16 channels (the layout TDPBF16PS reads).
+// Each thread owns blocks of 32 channels and walks their packed weights
+// front to back, so a decode step streams every weight once, in order; for
+// more than 32 rows the 32-channel panel is reused from cache by every
+// 32-row chunk of x. Tiles: 0-3 C (rows 0-15 / 16-31 x channel halves), 4-5
+// A (x rows), 6-7 B (weights).
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define LLM_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool amx_permitted() {  // Linux hands out the tile state only on request
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+void amx_configure(int rows0, int rows1) {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = static_cast<uint8_t>(rows0);
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = static_cast<uint8_t>(rows1);
+  if (rows1 == 0) cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[5] = 0;
+  cfg.rows[6] = cfg.rows[7] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+void amx_gemm_panels(const BFloat16* x, const BFloat16* packed, BFloat16* y, int64_t M,
+                     int64_t N, int64_t K, int64_t p0, int64_t p1) {
+  const int64_t KB = K / 32;
+  const int64_t tile_elems = 16 * 32;  // one packed tile: 16 rows of 32 bf16
+  alignas(64) float buf[32][32];
+  int cur0 = -1, cur1 = -1;
+  for (int64_t p = p0; p < p1; ++p) {
+    const BFloat16* b0 = packed + (2 * p) * KB * tile_elems;
+    const BFloat16* b1 = b0 + KB * tile_elems;
+    for (int64_t mc = 0; mc < M; mc += 32) {
+      const int rows0 = static_cast<int>(std::min<int64_t>(16, M - mc));
+      const int rows1 = static_cast<int>(std::clamp<int64_t>(M - mc - 16, 0, 16));
+      if (rows0 != cur0 || rows1 != cur1) {
+        amx_configure(rows0, rows1);
+        cur0 = rows0;
+        cur1 = rows1;
+      }
+      const BFloat16* xa = x + mc * K;
+      const BFloat16* xb = xa + 16 * K;
+      _tile_zero(0);
+      _tile_zero(1);
+      if (rows1) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        if (mc == 0 && kb + 4 < KB) {  // the weight streams, a few tiles ahead
+          const char* n0 = reinterpret_cast<const char*>(b0 + (kb + 4) * tile_elems);
+          const char* n1 = reinterpret_cast<const char*>(b1 + (kb + 4) * tile_elems);
+          for (int c = 0; c < 1024; c += 64) {
+            _mm_prefetch(n0 + c, _MM_HINT_T0);
+            _mm_prefetch(n1 + c, _MM_HINT_T0);
+          }
+        }
+        _tile_loadd(4, xa + kb * 32, K * 2);
+        _tile_loadd(6, b0 + kb * tile_elems, 64);
+        _tile_loadd(7, b1 + kb * tile_elems, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (rows1) {
+          _tile_loadd(5, xb + kb * 32, K * 2);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, &buf[0][0], 128);
+      _tile_stored(1, &buf[0][16], 128);
+      if (rows1) {
+        _tile_stored(2, &buf[16][0], 128);
+        _tile_stored(3, &buf[16][16], 128);
+      }
+      for (int r = 0; r < rows0 + rows1; ++r) {
+        BFloat16* yr = y + (mc + r) * N + 32 * p;
+        for (int c = 0; c < 32; ++c) yr[c] = from_f<BFloat16>(buf[r][c]);
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
+bool amx_available() {
+#ifdef LLM_HAVE_AMX
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+bool amx_shape_ok(int64_t N, int64_t K) { return N % 32 == 0 && K % 32 == 0 && K > 0; }
+
+// w [N, K] bf16 -> [N / 16, K / 32, 16, 32] bf16 in tile order (see above)
+at::Tensor amx_pack(const at::Tensor& w) {
+  check_cpu(w, "w");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 &&
+                  amx_shape_ok(w.size(0), w.size(1)),
+              "amx_pack: w must be bfloat16 [N, K] with N and K multiples of 32");
+  const int64_t N = w.size(0), K = w.size(1);
+  auto out = at::empty({N / 16, K / 32, 16, 32}, w.options());
+  const BFloat16* src = w.data_ptr<BFloat16>();
+  BFloat16* dst = out.data_ptr<BFloat16>();
+  at::parallel_for(0, N / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      for (int64_t kb = 0; kb < K / 32; ++kb) {
+        BFloat16* tile = dst + (nb * (K / 32) + kb) * 512;
+        for (int64_t kp = 0; kp < 16; ++kp) {
+          for (int64_t n = 0; n < 16; ++n) {
+            for (int64_t j = 0; j < 2; ++j) {
+              tile[kp * 32 + n * 2 + j] = src[(nb * 16 + n) * K + kb * 32 + 2 * kp + j];
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(amx_available(), "amx_linear: this CPU (or kernel) does not allow AMX");
+  check_cpu(x, "x");
+  check_cpu(packed, "packed");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 32 &&
+                  packed.scalar_type() == at::kBFloat16,
+              "amx_linear: packed must come from amx_pack");
+  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16,
+              "amx_linear: x must be bfloat16 [M, ", K, "]");
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+#ifdef LLM_HAVE_AMX
+  const BFloat16* xp = x.data_ptr<BFloat16>();
+  const BFloat16* pp = packed.data_ptr<BFloat16>();
+  BFloat16* yp = y.data_ptr<BFloat16>();
+  at::parallel_for(0, N / 32, 1, [&](int64_t p0, int64_t p1) {
+    amx_gemm_panels(xp, pp, yp, M, N, K, p0, p1);
+  });
+#endif
+  return y;
+}
+
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const at::Tensor* packed,
                    int64_t skinny_max) {
   if (x.size(0) <= skinny_max) return skinny_linear(x, w);
+  if (packed != nullptr && packed->dim() == 4) return amx_linear(x, *packed);
   if (packed != nullptr) {
     static const auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -913,6 +1080,9 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("amx_available() -> bool", &amx_available);
+  m.def("amx_pack(Tensor w) -> Tensor");
+  m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("fp8_gemv(Tensor x, Tensor w) -> Tensor");
   m.def("fp8_dequant_bf16(Tensor w, Tensor(a!) out) -> ()");
   m.def(
@@ -937,6 +1107,8 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("argmax_rows", &argmax_rows);
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("amx_pack", &amx_pack);
+  m.impl("amx_linear", &amx_linear);
   m.impl("fp8_gemv", &fp8_gemv);
   m.impl("fp8_dequant_bf16", &fp8_dequant_bf16);
   m.impl("decode_forward", &decode_forward);

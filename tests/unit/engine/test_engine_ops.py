@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from engine_svc.models import cpu_kernels, ops
 from engine_svc.models.attention import _gather
+from engine_svc.models.linear import Linear
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels.ops_available(), reason="no C++ compiler here: the CPU kernels are not built"
@@ -167,3 +168,45 @@ def test_argmax_rows_is_torch_argmax_including_ties(
         logits = (logits * 2).round()
     logits[0, vocab // 2] = float("-inf")
     torch.testing.assert_close(ops.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.skipif(
+    not bool(torch.ops.llm_cpu.amx_available()) if cpu_kernels.ops_available() else True,
+    reason="this CPU has no AMX tiles (or the OS does not grant them)",
+)
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    n_blocks=st.integers(1, 6),
+    k_blocks=st.integers(1, 6),
+    seed=st.integers(0, 1000),
+)
+def test_amx_linear_is_a_bf16_matmul_for_every_row_count(
+    rows: int, n_blocks: int, k_blocks: int, seed: int
+) -> None:
+    """Partial 16-row tiles, one or two row tiles, several 32-row chunks; packed once."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = 32 * n_blocks, 32 * k_blocks
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    lin = Linear(w)
+    assert lin.can_pack("amx")
+    lin.pack("amx")
+    assert lin.packing == "amx"
+    assert lin.packed is not None
+    got = lin(x)
+    ref = (x.float() @ w.float().T).bfloat16()  # fp32 accumulation, one final rounding
+    assert got.dtype == torch.bfloat16
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-2 * k**0.5, rtol=1e-2)
+
+
+def test_amx_packing_refuses_what_it_cannot_run() -> None:
+    odd = Linear(torch.randn(48, 64).bfloat16())  # 48 output channels: not whole 32-blocks
+    assert not odd.can_pack("amx")
+    odd.pack("amx")
+    assert odd.packed is None
+    assert odd.packing == ""
+    assert not Linear(torch.randn(64, 64)).can_pack("amx")  # fp32 weights
+    with pytest.raises(RuntimeError, match="amx_pack"):
+        torch.ops.llm_cpu.amx_pack(torch.randn(48, 64).bfloat16())
