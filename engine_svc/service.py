@@ -17,7 +17,12 @@ import structlog
 from common.log import get_logger
 from common.server import Context
 from engine_svc import convert, metrics
-from engine_svc.backends.base import Backend, BackendUnavailableError, QueueFullError
+from engine_svc.backends.base import (
+    Backend,
+    BackendUnavailableError,
+    DuplicateRequestError,
+    QueueFullError,
+)
 from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.request import FinishReason
 from llm.v1 import engine_pb2, engine_pb2_grpc
@@ -60,15 +65,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.num_active += 1
         self._idle.clear()
         try:
-            async for resp in self._stream(inp.request_id, inp.priority,
-                                           self._backend.generate(inp), timeout, context):
+            async for resp in self._stream(inp.priority, self._backend.generate(inp), timeout,
+                                           context):
                 yield resp
         finally:
             self.num_active -= 1
             if self.num_active == 0:
                 self._idle.set()
 
-    async def _stream(self, request_id: str, priority: int,
+    async def _stream(self, priority: int,
                       stream: AsyncIterator[RequestOutput], seconds_left: float | None,
                       context: Context) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         loop = asyncio.get_running_loop()
@@ -94,11 +99,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 sent_tokens += len(out.new_token_ids)
                 yield convert.response_from_output(out, first, time.monotonic())
                 first = False
-        except TimeoutError:
-            await self._backend.abort(request_id)
+        except TimeoutError:  # the backend's stream, cancelled, aborted its request
             await self._reject(context, grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"deadline exceeded after {sent_tokens} tokens; the request "
                                "was aborted and its KV blocks freed", "deadline")
+        except DuplicateRequestError as e:
+            await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(e), "duplicate")
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
         except QueueFullError as e:
@@ -108,8 +114,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         except BackendUnavailableError as e:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e), "unavailable")
         finally:
-            if not finished:  # cancelled by the client, deadline or an error: free at once
-                await self._backend.abort(request_id)
+            # Closing the backend's stream aborts the request this call registered (client
+            # gone, deadline, error) and frees its KV blocks at once. Never abort by id here:
+            # a call refused as a duplicate must not end the live request holding that id.
             await stream.aclose()  # type: ignore[attr-defined]
 
     async def GetStats(self, request: engine_pb2.GetStatsRequest,

@@ -30,6 +30,8 @@ class GatewayConfig(ServiceConfig):
             (capped by the model's context).
         max_max_tokens: Largest ``max_tokens`` a request may ask for (0 = the context).
         request_timeout_s: Deadline of a request without a client deadline.
+        max_request_timeout_s: Longest deadline a client may ask for (``grpc-timeout``,
+            ``x-request-timeout``); longer ones are cut to this.
         encode_timeout_s: Budget of one tokenizer call.
         max_attempts: Engine attempts before the first token (1 = no retries).
         retry_backoff_base_ms / retry_backoff_max_ms: Full-jitter exponential backoff.
@@ -66,6 +68,7 @@ class GatewayConfig(ServiceConfig):
     default_max_tokens: int = 256
     max_max_tokens: int = 0
     request_timeout_s: float = 600.0
+    max_request_timeout_s: float = 3600.0
     encode_timeout_s: float = 10.0
     max_attempts: int = 3
     retry_backoff_base_ms: int = 25
@@ -101,6 +104,10 @@ class GatewayConfig(ServiceConfig):
             host, _, port = addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"[gateway] engines: {addr!r} is not host:port")
+        if not self.request_timeout_s <= self.max_request_timeout_s < float("inf"):
+            raise ValueError("[gateway] max_request_timeout_s must be finite and >= "
+                             f"request_timeout_s ({self.request_timeout_s}), got "
+                             f"{self.max_request_timeout_s}")
         positive = ("default_max_tokens", "request_timeout_s", "encode_timeout_s",
                     "max_attempts", "breaker_min_calls", "breaker_consecutive_failures",
                     "breaker_open_s", "breaker_half_open_probes", "stats_interval_s",

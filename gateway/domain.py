@@ -9,6 +9,7 @@ are ``grpc.StatusCode`` values because they are the contract's vocabulary
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 import time
@@ -98,12 +99,54 @@ class CallContext:
         self.traceparent, self.trace_id = new_traceparent(self.traceparent)
 
 
+def engine_request_id(tenant_id: str) -> str:
+    """The id the gateway gives one request at the engines.
+
+    A client's ``request_id`` / ``x-request-id`` is a correlation id only: it
+    never reaches an engine, so no client can name (cancel, collide with,
+    read) a stream it did not start. This id is 128 random bits, unguessable
+    and unique, prefixed by the tenant (as a readable, log-safe label).
+    """
+    label = _UNSAFE_ID_CHARS.sub("_", tenant_id)[:48] or "tenant"
+    return f"{label}.{secrets.token_hex(16)}"
+
+
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]")
+
+
 class Deadline:
-    """One deadline across every attempt of a request (monotonic clock)."""
+    """One deadline across every attempt of a request (monotonic clock).
+
+    Args:
+        seconds: From now; must be a positive finite number (``clamp`` first
+            for a client's value).
+    """
 
     def __init__(self, seconds: float) -> None:
+        if not 0.0 < seconds < float("inf"):
+            raise ValueError(f"a deadline must be a positive number of seconds, got {seconds}")
         self._at = time.monotonic() + seconds
         self._wall_at = time.time() + seconds
+
+    @classmethod
+    def for_client(cls, requested: float | None, default_s: float, maximum_s: float
+                   ) -> Deadline:
+        """The deadline of a request: the client's (cut to ``maximum_s``) or ``default_s``.
+
+        Raises:
+            GatewayError: INVALID_ARGUMENT for a deadline that is not a positive
+                finite number, or DEADLINE_EXCEEDED when none is left.
+        """
+        if requested is None:
+            return cls(min(default_s, maximum_s))
+        if math.isnan(requested) or requested < 0:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the request deadline must be a positive number of seconds, "
+                               f"got {requested}")
+        if requested == 0:
+            raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "the request deadline had passed before the gateway got it")
+        return cls(min(requested, maximum_s))
 
     def remaining(self) -> float:
         """Seconds left (never negative)."""

@@ -38,7 +38,7 @@ from common.log import get_logger
 from gateway import metrics
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
-from gateway.domain import CallContext, Chunk, Deadline, GatewayError
+from gateway.domain import CallContext, Chunk, Deadline, GatewayError, engine_request_id
 from gateway.encoder import Encoder
 from gateway.params import (
     engine_sampling,
@@ -180,8 +180,8 @@ class Pipeline:
             validate_stop_token_ids(request.sampling, info.vocab_size)
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        deadline = Deadline(call.timeout_s if call.timeout_s is not None
-                            else self.config.request_timeout_s)
+        deadline = Deadline.for_client(call.timeout_s, self.config.request_timeout_s,
+                                       self.config.max_request_timeout_s)
         memo = self.limiter.known_denial(tenant)
         if memo is not None:  # refused before any tokenizer or Redis call
             metrics.LOCAL_DENIALS.labels(tenant.tenant_id).inc()
@@ -194,14 +194,18 @@ class Pipeline:
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         route = await self._route(model, request.model_version, tenant, call)
-        reservation = await self._reserve(tenant, len(prompt_ids) + max_tokens)
-        job = EngineJob(request_id=call.request_id, traceparent=call.traceparent,
+        engine_id = engine_request_id(tenant.tenant_id)
+        structlog.contextvars.bind_contextvars(engine_request_id=engine_id)
+        job = EngineJob(request_id=engine_id, correlation_id=call.request_id,
+                        traceparent=call.traceparent,
                         tenant_id=tenant.tenant_id,
                         priority=common_pb2.Priority.ValueType(int(tenant.priority)), model=model,
                         model_version=route.version, prompt_token_ids=prompt_ids,
                         sampling=engine_sampling(request.sampling, max_tokens),
                         deadline=deadline, stop_strings=list(request.sampling.stop),
                         fallback_versions=route.fallbacks)
+        # the last step: from the reservation on, _serve's finally settles it on every path
+        reservation = await self._reserve(tenant, len(prompt_ids) + max_tokens)
         return _Admitted(tenant, job, reservation, route.shadow_version)
 
     async def _route(self, model: str, version: str, tenant: Tenant,
@@ -244,13 +248,14 @@ class Pipeline:
     async def _serve(self, admitted: _Admitted, start: float,
                      labels: _Labels) -> AsyncIterator[Chunk]:
         job = admitted.job
-        text = TextStream(job.request_id, self.tokenizer, job.stop_strings,
-                          len(job.prompt_token_ids))
         tenant = admitted.tenant.tenant_id
         first_at: float | None = None
-        if admitted.shadow_version and self.shadow is not None:
-            self.shadow.mirror(job, admitted.shadow_version)
+        text: TextStream | None = None
         try:
+            text = TextStream(job.correlation_id, self.tokenizer, job.stop_strings,
+                              len(job.prompt_token_ids))
+            if admitted.shadow_version and self.shadow is not None:
+                self.shadow.mirror(job, admitted.shadow_version)
             async with self.limiter.keep_alive(admitted.reservation):
                 async for chunk in self.dispatcher.run(job, text):
                     labels.version = text.model_version or labels.version
@@ -260,15 +265,32 @@ class Pipeline:
                             first_at - start)
                         metrics.OVERHEAD.observe(max(0.0, text.attempt_started_at - start))
                     yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            if text is not None:
+                text.ended_by_client = True
+            raise
+        except GatewayError as e:
+            if text is not None and e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                text.ended_by_client = True
+            raise
         finally:
-            if first_at is not None and len(text.token_ids) > 1:
+            if text is not None and first_at is not None and len(text.token_ids) > 1:
                 metrics.TPOT.labels(job.model, labels.version).observe(
                     (time.perf_counter() - first_at) / (len(text.token_ids) - 1))
             await asyncio.shield(self._settle(admitted, text))
 
-    async def _settle(self, admitted: _Admitted, text: TextStream) -> None:
-        prompt = text.num_prompt_tokens if text.engine_answered else 0
-        completion = len(text.token_ids)
+    async def _settle(self, admitted: _Admitted, text: TextStream | None) -> None:
+        """Charge what was used and give back the rest of the reservation.
+
+        The prompt is charged once an engine answered, or once it was sent to an
+        engine and the client left (cancel, deadline) before the answer: prefill
+        work it started is not free. An engine's refusal or failure charges nothing.
+        """
+        prompt = 0
+        if text is not None and (text.engine_answered
+                                 or (text.dispatched and text.ended_by_client)):
+            prompt = text.num_prompt_tokens
+        completion = len(text.token_ids) if text is not None else 0
         tenant = admitted.tenant.tenant_id
         metrics.TOKENS_CHARGED.labels(tenant, "prompt").inc(prompt)
         metrics.TOKENS_CHARGED.labels(tenant, "completion").inc(completion)
@@ -276,7 +298,7 @@ class Pipeline:
             await self.limiter.settle(admitted.reservation, prompt_tokens=prompt,
                                       completion_tokens=completion)
         log.info("request settled", prompt_tokens=prompt, completion_tokens=completion,
-                 finish_reason=int(text.finish_reason))
+                 finish_reason=int(text.finish_reason) if text is not None else 0)
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests; wait up to ``grace_s`` for the ones in flight."""

@@ -37,6 +37,8 @@ class TextStream:
         self.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
         self.num_cached_tokens = 0
         self.engine_answered = False  # an engine accepted the request (prefill ran)
+        self.dispatched = False  # the prompt was sent to an engine (prefill may be running)
+        self.ended_by_client = False  # the client left or its deadline passed
         self.first_token_at: float | None = None
         self.attempt_started_at = 0.0
         self.model = ""

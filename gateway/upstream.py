@@ -15,10 +15,11 @@ replica's breaker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -40,7 +41,11 @@ FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNA
 
 @dataclass(slots=True)
 class EngineJob:
-    """What admission decided for one request."""
+    """What admission decided for one request.
+
+    ``request_id`` is the id the gateway minted for the engines (never the
+    client's); ``correlation_id`` is the client's, echoed in its chunks.
+    """
 
     request_id: str
     traceparent: str
@@ -53,6 +58,7 @@ class EngineJob:
     deadline: Deadline
     stop_strings: list[str]
     fallback_versions: tuple[str, ...] = ()  # tried in order when model_version has none
+    correlation_id: str = ""
 
 
 class EngineCallError(Exception):
@@ -109,8 +115,11 @@ class Dispatcher:
             replica = self._pick(job, tried, errors)
             tried.append(replica.address)
             try:
-                async for chunk in self._attempt(replica, job, text):
-                    yield chunk
+                # aclosing: a client gone mid-stream closes the attempt (cancel the engine
+                # call, release the replica) now, not when the generator is collected
+                async with contextlib.aclosing(self._attempt(replica, job, text)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
                 return
             except EngineCallError as e:
                 errors.append(e)
@@ -181,17 +190,20 @@ class Dispatcher:
             deadline=deadline, model=job.model, resumed_output_token_ids=text.token_ids)
 
     async def _attempt(self, replica: Replica, job: EngineJob, text: TextStream
-                       ) -> AsyncIterator[Chunk]:
-        text.attempt_started_at = time.perf_counter()
-        if replica.info is not None:
-            text.model, text.model_version = replica.info.model, replica.info.version
-        metadata = (("x-request-id", job.request_id), ("traceparent", job.traceparent))
-        call = replica.stub.Generate(self._engine_request(job, text),
-                                     timeout=job.deadline.remaining(), metadata=metadata)
+                       ) -> AsyncGenerator[Chunk, None]:
+        # ``replica`` was acquired by _pick: from here every path ends in release()
         verdict: bool | None = None
         num_tokens = 0
         ttft: float | None = None
+        call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
         try:
+            text.attempt_started_at = time.perf_counter()
+            if replica.info is not None:
+                text.model, text.model_version = replica.info.model, replica.info.version
+            metadata = (("x-request-id", job.request_id), ("traceparent", job.traceparent))
+            call = replica.stub.Generate(self._engine_request(job, text),
+                                         timeout=job.deadline.remaining(), metadata=metadata)
+            text.dispatched = True
             async for resp in call:
                 if resp.finish_reason == common_pb2.ERROR:
                     raise EngineCallError(replica.address, grpc.StatusCode.INTERNAL,
@@ -216,7 +228,8 @@ class Dispatcher:
             verdict = False
             raise
         finally:
-            call.cancel()  # no-op when it ended; else the engine aborts and frees KV at once
+            if call is not None:  # no-op when it ended; else the engine aborts and frees KV
+                call.cancel()
             replica.release(verdict)
             if self.on_attempt is not None:
                 self.on_attempt(replica, verdict, ttft)

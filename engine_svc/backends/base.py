@@ -27,6 +27,11 @@ class BackendUnavailableError(Exception):
     """The backend cannot take work (stopped, failed, draining)."""
 
 
+class DuplicateRequestError(Exception):
+    """A live request already has this id. Nothing was registered, so the caller's
+    clean-up must not touch the live request (it belongs to another call)."""
+
+
 @dataclass(slots=True)
 class GenerateInput:
     """One generation request in domain terms (converted from the proto)."""
@@ -64,8 +69,12 @@ class Backend(Protocol):
     def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request.
 
+        Closing the iterator early (cancel, deadline, error) aborts the request
+        this call registered and frees its KV blocks; nothing else.
+
         Raises (on first iteration):
             ValueError: the request is invalid; the message says how to fix it.
+            DuplicateRequestError: the id is in use by a live request (left untouched).
             QueueFullError: no room now; retry after ``retry_after_ms``.
             BackendUnavailableError: the backend is stopped or failed.
         """

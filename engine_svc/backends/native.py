@@ -28,6 +28,7 @@ from engine_svc import metrics
 from engine_svc.backends.base import (
     BackendStats,
     BackendUnavailableError,
+    DuplicateRequestError,
     GenerateInput,
     QueueFullError,
 )
@@ -104,7 +105,8 @@ class NativeBackend:
         if self._thread is None or self._loop is None:
             raise BackendUnavailableError("the engine is not running")
         if inp.request_id in self._queues:
-            raise ValueError(f"request_id {inp.request_id!r} is already in use by a live request")
+            raise DuplicateRequestError(
+                f"request_id {inp.request_id!r} is already in use by a live request")
         out_q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[inp.request_id] = out_q
         finished = False

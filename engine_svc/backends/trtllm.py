@@ -30,7 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine_svc.backends.base import BackendStats, BackendUnavailableError, GenerateInput
+from engine_svc.backends.base import (
+    BackendStats,
+    BackendUnavailableError,
+    DuplicateRequestError,
+    GenerateInput,
+)
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason
@@ -235,6 +240,9 @@ class TrtLlmBackend:
     async def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
         if self._llm is None:
             raise BackendUnavailableError("the TensorRT-LLM engine is not running")
+        if inp.request_id in self._live:
+            raise DuplicateRequestError(
+                f"request_id {inp.request_id!r} is already in use by a live request")
         info = self.model_info()
         params = self._trt.SamplingParams(**sampling_kwargs(inp.sampling_params,
                                                             info.eos_token_ids))

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
 _MAX_SEED = 2**64 - 1
+# below this a temperature is greedy: logits / 1e-30 overflow fp32 and the softmax
+# turns into NaN, while argmax is what such a temperature means
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
@@ -18,7 +21,7 @@ class SamplingParams:
 
     Attributes:
         max_tokens: output tokens allowed, resumed tokens included.
-        temperature: 0 means greedy (argmax).
+        temperature: 0 (or below ``GREEDY_TEMPERATURE``) means greedy (argmax).
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 = all.
         min_p: drop tokens below ``min_p * p_max``; 0 = off.
@@ -57,7 +60,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when sampling is argmax."""
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -76,7 +79,10 @@ class SamplingParams:
         """
         checks: list[tuple[bool, str]] = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            (
+                0.0 <= self.temperature < float("inf"),
+                f"temperature must be a finite number >= 0, got {self.temperature}",
+            ),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),

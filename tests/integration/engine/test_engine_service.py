@@ -149,6 +149,27 @@ def test_cancel_mid_stream_frees_kv_blocks(stub: engine_pb2_grpc.EngineStub) -> 
     assert wait_for_idle_kv(stub) == before
 
 
+def test_reused_live_request_id_is_refused_and_the_live_stream_is_untouched(
+    stub: engine_pb2_grpc.EngineStub,
+) -> None:
+    """A second call with a live id gets ALREADY_EXISTS; its clean-up must not abort
+    the first stream, which runs to its full length."""
+    before = wait_for_idle_kv(stub)
+    first = stub.Generate(request("owned", [5, 6, 7], 40, ignore_eos=True))
+    tokens = []
+    for chunk in first:
+        tokens.extend(chunk.token_ids)
+        if tokens:
+            with pytest.raises(grpc.RpcError) as err:
+                collect(stub, request("owned", [1, 2, 3], 4))
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert "already in use" in (err.value.details() or "")
+            break
+    tokens.extend(t for chunk in first for t in chunk.token_ids)
+    assert len(tokens) == 40
+    assert wait_for_idle_kv(stub) == before
+
+
 def test_deadline_exceeded_aborts_and_frees(stub: engine_pb2_grpc.EngineStub) -> None:
     before = wait_for_idle_kv(stub)
     with pytest.raises(grpc.RpcError) as err:
@@ -173,7 +194,7 @@ BAD = [
     (request("b3", [1, 49152], 4), "outside the vocabulary"),
     (request("b4", list(range(1, 2049)), 4), "leaving no room for output"),
     (request("b5", [1, 2], 2047), "lower max_tokens to 2046"),
-    (request("b6", [1, 2], 4, temperature=-1), "temperature must be >= 0"),
+    (request("b6", [1, 2], 4, temperature=-1), "temperature must be a finite number >= 0"),
     (request("b7", [1, 2], 4, top_p=1.5), "top_p must be in (0, 1]"),
     (request("b8", [1, 2], 4, logprobs=50), "logprobs must be in [0, 20]"),
     (request("b9", [1, 2], 4, min_tokens=9), "must not exceed max_tokens"),

@@ -31,6 +31,16 @@ def test_greedy_is_argmax() -> None:
     assert s(LOGITS.repeat(2, 1), [r("a"), r("b")]).token_ids == [2, 2]
 
 
+@pytest.mark.parametrize("temperature", [1e-36, 5e-324, 1e-6])
+def test_temperatures_so_small_that_logits_overflow_are_greedy(temperature: float) -> None:
+    """logits / 1e-30 is inf in fp32 and softmax(inf) is NaN: such a request is greedy."""
+    s = Sampler(V, CPU, seed=5)
+    big = LOGITS * 1e4  # large logits overflow sooner
+    reqs = [r("t", temperature=temperature, top_p=0.9), r("g")]
+    for _ in range(5):
+        assert s(big.repeat(2, 1), reqs).token_ids == [2, 2]
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     s = Sampler(V, CPU, seed=3)
     reqs = [r("k", temperature=1.5, top_k=1), r("p", temperature=1.5, top_p=0.01)]

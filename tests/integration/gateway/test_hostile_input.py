@@ -1,0 +1,153 @@
+"""Hostile callers against the real stack: ids they do not own, absurd deadlines.
+
+Every case ends by checking that nothing is held afterwards: the gateway's
+in-flight gauge, every replica's outstanding count and the tenant's
+concurrency leases (Redis) are back at zero, and the engines' KV pools idle.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2
+from tests.integration.gateway.conftest import EnginePair, GatewayProcess, HttpGateway, chat
+
+pytestmark = pytest.mark.integration
+
+LONG = chat("Count from one to one hundred, one number per line.", max_tokens=48,
+            ignore_eos=True)
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
+
+
+def assert_idle(gw: GatewayProcess, tenant_id: str, engines: EnginePair) -> None:
+    """Nothing a finished request took is still held, anywhere."""
+    assert wait_until(lambda: gw.metric("gateway_in_flight") == 0), "requests still in flight"
+    assert wait_until(lambda: gw.metric("gateway_replica_outstanding") == 0), \
+        "a replica slot was never released"
+    assert wait_until(lambda: gw.usage(tenant_id).concurrent_in_use == 0), "a lease leaked"
+    for address in engines.addresses:
+        with grpc.insecure_channel(address) as ch:
+            stub = engine_pb2_grpc.EngineStub(ch)
+
+            def engine_idle(stub: engine_pb2_grpc.EngineStub = stub) -> bool:
+                stats = stub.GetStats(engine_pb2.GetStatsRequest())
+                return stats.num_running == 0 and stats.num_waiting == 0
+
+            assert wait_until(engine_idle), f"engine {address} still holds requests"
+
+
+def test_a_reused_request_id_never_touches_another_stream(
+    gateway: GatewayProcess, engines: EnginePair
+) -> None:
+    """Two tenants (and one of them twice) send the same live request id at once: each
+    stream runs to its full length, and each sees the id it sent (a correlation id only)."""
+    tid_a, key_a = gateway.tenant()
+    tid_b, key_b = gateway.tenant()
+    shared = "victim-request-1"
+    req = gateway_pb2.GenerateRequest()
+    req.CopyFrom(LONG)
+    req.request_id = shared
+    results: dict[str, list[gateway_pb2.GenerateResponse]] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str, key: str) -> None:
+        try:
+            results[name] = gateway.generate(key, req, timeout=120)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    first = threading.Thread(target=run, args=("a1", key_a))
+    first.start()
+    time.sleep(0.3)  # the first stream is live when the others arrive
+    others = [threading.Thread(target=run, args=(n, k)) for n, k in (("b", key_b), ("a2", key_a))]
+    for t in others:
+        t.start()
+    for t in (first, *others):
+        t.join(180)
+    assert not errors, errors
+    for name, chunks in results.items():
+        assert sum(len(c.token_ids) for c in chunks) == 48, name
+        assert chunks[-1].finish_reason == common_pb2.LENGTH, name
+        assert {c.request_id for c in chunks} == {shared}, name
+    for tid in (tid_a, tid_b):
+        assert_idle(gateway, tid, engines)
+
+
+# x-request-timeout values a hostile or careless client sends, and what they must get
+TIMEOUTS = st.sampled_from(["1e12", "1e308", "99999999", "0", "-1", "nan", "NaN", "inf",
+                            "-inf", "99999999H", "", "abc", "1e-9", "0.000001"]) | st.floats(
+    allow_nan=True, allow_infinity=True).map(repr)
+
+
+def expected_http_status(raw: str) -> set[int]:
+    try:
+        value = float(raw)
+    except ValueError:
+        return {400}
+    if math.isnan(value) or value <= 0 or math.isinf(value):
+        return {400}
+    if value < 30:
+        return {200, 504}  # may pass before the answer on a slow, shared machine
+    return {200}
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(raw=TIMEOUTS)
+def test_absurd_http_deadlines_get_a_clear_status_and_release_everything(
+    http_gateway: HttpGateway, engines: EnginePair, raw: str
+) -> None:
+    gw = http_gateway.gw
+    tid, key = gw.tenant()
+    conn = http.client.HTTPConnection("127.0.0.1", http_gateway.http_port, timeout=120)
+    try:
+        body = json.dumps({"model": "", "prompt": "Hi", "max_tokens": 2})
+        conn.request("POST", "/v1/completions", body=body, headers={
+            "Authorization": f"Bearer {key}", "Content-Type": "application/json",
+            "x-request-timeout": raw})
+        resp = conn.getresponse()
+        payload = json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+    assert resp.status in expected_http_status(raw), (raw, resp.status, payload)
+    if resp.status == 400:
+        assert "x-request-timeout" in payload["error"]["message"]
+    assert_idle(gw, tid, engines)
+
+
+@pytest.mark.parametrize("timeout_s", [1e9, 1e7, 3600.5, 86400.0 * 365])
+def test_huge_grpc_deadlines_are_cut_to_the_maximum_and_release_everything(
+    gateway: GatewayProcess, engines: EnginePair, timeout_s: float
+) -> None:
+    tid, key = gateway.tenant()
+    chunks = gateway.generate(key, chat("Hi", max_tokens=2), timeout=timeout_s)
+    assert chunks[-1].finish_reason in (common_pb2.STOP, common_pb2.LENGTH)
+    assert_idle(gateway, tid, engines)
+
+
+def test_a_deadline_that_passes_mid_stream_releases_everything(
+    gateway: GatewayProcess, engines: EnginePair
+) -> None:
+    tid, key = gateway.tenant()
+    with pytest.raises(grpc.RpcError) as err:
+        gateway.generate(key, LONG, timeout=0.4)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_idle(gateway, tid, engines)
