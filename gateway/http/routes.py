@@ -38,6 +38,7 @@ log = get_logger(__name__)
 CALL_KEY = web.RequestKey("call", CallContext)
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the HTTP twin of grpc-timeout
 OWNER = "llm-serving-stack"
+LOGGED_FIELD_CHARS = 64  # client-supplied strings are truncated to this in logs
 
 
 def call_context(request: web.Request) -> CallContext:
@@ -143,9 +144,14 @@ class OpenAIRoutes:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         call = request[CALL_KEY]
+        try:  # the key first: an unauthenticated caller gets no body read or parsed
+            await self.pipeline.auth.tenant(call.authorization)
+        except GatewayError as e:
+            raise ApiError.from_gateway(e, chat=chat) from None
         parsed = await self._parse(request, chat)
-        if parsed.user:
-            log.info("openai request", user=parsed.user, model=parsed.request.model)
+        if parsed.user:  # client text in logs: cut short
+            log.info("openai request", user=parsed.user[:LOGGED_FIELD_CHARS],
+                     model=parsed.request.model[:LOGGED_FIELD_CHARS])
         fmt = Formatter(parsed, call.request_id, parsed.request.model)
         chunks = self.pipeline.generate(parsed.request, call)
         async with contextlib.aclosing(chunks):

@@ -151,3 +151,39 @@ def test_a_deadline_that_passes_mid_stream_releases_everything(
         gateway.generate(key, LONG, timeout=0.4)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_idle(gateway, tid, engines)
+
+
+def post(hg: HttpGateway, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, object]]:
+    conn = http.client.HTTPConnection("127.0.0.1", hg.http_port, timeout=60)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body,
+                     headers={"Content-Type": "application/json", **headers})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("authorization", ["", "Bearer sk-not-a-real-key", "Basic abc"])
+def test_the_key_is_checked_before_the_body_is_read(http_gateway: HttpGateway,
+                                                    authorization: str) -> None:
+    """A malformed body from a caller without a valid key is a 401, not a 400: nothing
+    of the body was parsed (or logged) before authentication."""
+    marker = "unauthenticated-user-marker"
+    body = b'{"messages": [' + b"[" * 5000 + b'], "user": "' + marker.encode() + b'"'
+    status, payload = post(http_gateway, body, {"Authorization": authorization}
+                           if authorization else {})
+    assert status == 401, payload
+    assert marker not in http_gateway.gw.proc.log_path.read_text()
+
+
+def test_logged_client_fields_are_truncated(http_gateway: HttpGateway) -> None:
+    _, key = http_gateway.gw.tenant()
+    user = "u" * 5000
+    body = json.dumps({"model": "", "messages": [{"role": "user", "content": "Hi"}],
+                       "max_tokens": 1, "user": user}).encode()
+    status, _ = post(http_gateway, body, {"Authorization": f"Bearer {key}"})
+    assert status == 200
+    log = http_gateway.gw.proc.log_path.read_text()
+    assert "u" * 64 in log
+    assert "u" * 65 not in log
