@@ -47,6 +47,9 @@ class ServiceConfig:
     log_level: str = "info"
     log_format: str = "auto"  # auto (JSON unless a TTY) | json | console
     port_file: str = ""  # where to write the bound ports as JSON (for supervisors)
+    # largest gRPC message accepted or sent; a bigger request is RESOURCE_EXHAUSTED before
+    # any handler runs (a prompt of the largest context is well under 1 MiB)
+    max_message_bytes: int = 4 * 1024 * 1024
 
 
 C = TypeVar("C")

@@ -94,8 +94,8 @@ async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> 
     server = grpc.aio.server(
         interceptors=[RequestIdInterceptor(), *hooks.interceptors],
         options=[
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ],
     )

@@ -5,14 +5,19 @@ Every answer (a principal, or a failure) is reused for at most
 once). That TTL is the bound on how long another gateway replica still
 honours a revoked key or an old policy; the replica that makes a change
 clears its own cache immediately. The hot path is one dict lookup.
+
+Both caches are bounded LRUs, and failures live in their own: a caller
+spraying made-up keys only evicts other failures, never the valid keys.
 """
 
 from __future__ import annotations
 
 import hmac
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ratelimit import metrics
 from ratelimit.config import Tenant
@@ -58,11 +63,36 @@ class KeyCache:
         self.get_tenant = get_tenant
         self.ttl_ms = ttl_ms
         self.clock = clock or (lambda: time.monotonic() * 1000.0)
-        self._cache: dict[str, tuple[float, Principal | AuthFailure]] = {}
+        self._good: OrderedDict[str, tuple[float, Principal]] = OrderedDict()
+        self._bad: OrderedDict[str, tuple[float, AuthFailure]] = OrderedDict()
 
     def clear(self) -> None:
         """Forget every cached answer (after a local mutation)."""
-        self._cache.clear()
+        self._good.clear()
+        self._bad.clear()
+
+    def __len__(self) -> int:
+        return len(self._good) + len(self._bad)
+
+    def _cached(self, digest: str, now: float) -> Principal | AuthFailure | None:
+        for cache in (self._good, self._bad):
+            hit = cache.get(digest)
+            if hit is not None and hit[0] > now:
+                cache.move_to_end(digest)
+                return hit[1]
+        return None
+
+    def _store(self, digest: str, now: float, answer: Principal | AuthFailure) -> None:
+        self._good.pop(digest, None)
+        self._bad.pop(digest, None)
+        if isinstance(answer, AuthFailure):
+            self._bad[digest] = (now + min(self.ttl_ms, NEGATIVE_CACHE_MS), answer)
+            cache: OrderedDict[str, Any] = self._bad
+        else:
+            self._good[digest] = (now + self.ttl_ms, answer)
+            cache = self._good
+        while len(cache) > MAX_CACHE_ENTRIES:
+            cache.popitem(last=False)  # the least recently used
 
     async def authenticate(self, plaintext: str, role: KeyRole = KeyRole.TENANT) -> Principal:
         """See ``Registry.authenticate``."""
@@ -73,17 +103,10 @@ class KeyCache:
             )
         digest = hash_key(plaintext)
         now = self.clock()
-        cached = self._cache.get(digest)
-        if cached is not None and cached[0] > now:
-            answer = cached[1]
-        else:
+        answer = self._cached(digest, now)
+        if answer is None:
             answer = await self._resolve(digest)
-            ttl = self.ttl_ms
-            if isinstance(answer, AuthFailure):
-                ttl = min(ttl, NEGATIVE_CACHE_MS)
-            if len(self._cache) >= MAX_CACHE_ENTRIES:
-                self._cache.clear()
-            self._cache[digest] = (now + ttl, answer)
+            self._store(digest, now, answer)
         if isinstance(answer, AuthFailure):
             metrics.AUTH_RESULTS.labels(answer.result).inc()
             raise answer.error()

@@ -30,6 +30,7 @@ class TokenizerConfig(ServiceConfig):
     model_name: str = "SmolLM2-135M-Instruct"
     max_input_chars: int = 1_000_000
     max_batch_size: int = 256
+    max_message_bytes: int = 64 * 1024 * 1024  # batches of long texts (max_input_chars each)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

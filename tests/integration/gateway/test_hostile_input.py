@@ -187,3 +187,17 @@ def test_logged_client_fields_are_truncated(http_gateway: HttpGateway) -> None:
     log = http_gateway.gw.proc.log_path.read_text()
     assert "u" * 64 in log
     assert "u" * 65 not in log
+
+
+def test_an_oversized_grpc_message_is_refused_before_any_work(gateway: GatewayProcess,
+                                                               engines: EnginePair) -> None:
+    """Over the gateway's max_message_bytes (4 MiB): RESOURCE_EXHAUSTED from gRPC itself,
+    before authentication, tokenization or metering run."""
+    tid, key = gateway.tenant()
+    before = gateway.metric("gateway_requests_total")
+    huge = gateway_pb2.GenerateRequest(prompt="x" * (5 * 1024 * 1024))
+    with pytest.raises(grpc.RpcError) as err:
+        gateway.generate(key, huge, timeout=60)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert gateway.metric("gateway_requests_total") == before  # the pipeline never ran
+    assert_idle(gateway, tid, engines)
