@@ -80,6 +80,7 @@ class RateLimiter:
             lease_ttl_ms=store.lease_ttl_ms, concurrency_retry_ms=1000
         )
         self.denials = DenialMemo()
+        self._background: set[asyncio.Task[None]] = set()
 
     def known_denial(self, tenant: Tenant) -> Decision | None:
         """A request-rate denial of ``tenant`` whose bucket has not refilled yet.
@@ -115,7 +116,11 @@ class RateLimiter:
                     shadow=tenant.shadow_mode,
                 ),
             )
+        except asyncio.CancelledError:
+            self._compensate(tenant, lease_id, num_tokens)  # the script may have run
+            raise
         except StoreError as exc:
+            self._compensate(tenant, lease_id, num_tokens)
             if self.fail_mode == "closed":
                 metrics.DECISIONS.labels("unavailable", source).inc()
                 raise LimiterUnavailableError(
@@ -132,6 +137,45 @@ class RateLimiter:
             )
         metrics.DECISION_SECONDS.labels(source).observe(time.perf_counter() - start)
         return self._decision(tenant, policy, outcome, lease_id, num_tokens, source)
+
+    def _compensate(self, tenant: Tenant, lease_id: str, num_tokens: int) -> None:
+        """Undo a reserve whose outcome is unknown (timed out, cancelled, connection lost).
+
+        The store may have taken the tokens and the lease before the answer was lost.
+        A settle by lease id that refunds only if that lease exists gives back exactly
+        what the reserve took, or nothing; it runs in the background (the caller is
+        going away or falling back) and is retried a few times.
+        """
+        if tenant.shadow_mode:
+            return
+
+        async def run() -> None:
+            for attempt in range(3):
+                try:
+                    held = await self._call(
+                        "compensate",
+                        lambda: self.store.settle(
+                            tenant.tenant_id,
+                            tenant.limits,
+                            lease_id=lease_id,
+                            refund_tokens=num_tokens,
+                            prompt_tokens=0,
+                            completion_tokens=0,
+                            only_if_held=True,
+                        ),
+                    )
+                except StoreError:
+                    await asyncio.sleep(0.05 * 2**attempt)
+                    continue
+                metrics.COMPENSATIONS.labels("refunded" if held else "nothing_held").inc()
+                return
+            metrics.COMPENSATIONS.labels("failed").inc()
+            log.warning("could not compensate a reserve with an unknown outcome; its lease "
+                        "expires after its TTL", tenant=tenant.tenant_id, lease_id=lease_id)
+
+        task = asyncio.get_running_loop().create_task(run(), name=f"compensate-{lease_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _decision(
         self,

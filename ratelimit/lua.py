@@ -116,19 +116,22 @@ return {allowed, denied, wait, fmt(r), fmt(t), n, fmt(now)}
 )
 
 # KEYS: bucket, leases, usage
-# ARGV: now, rpm, rcap, tpm, tcap, refund_tokens, prompt_tokens, completion_tokens, lease_id
+# ARGV: now, rpm, rcap, tpm, tcap, refund_tokens, prompt_tokens, completion_tokens, lease_id,
+#       only_if_held (0/1: refund only when the lease was still there; a reserve whose
+#       outcome is unknown is compensated this way, exactly once)
 SETTLE = (
     _PRELUDE
     + """
 local now = clock(ARGV[1])
 local refund = tonumber(ARGV[6])
+local held = 0
+if ARGV[9] ~= '' then held = redis.call('ZREM', KEYS[2], ARGV[9]) end
+if ARGV[10] == '1' and held == 0 then refund = 0 end
 if refund ~= 0 and tpm > 0 then
   local r, t = load(KEYS[1], now, rpm, rcap, tpm, tcap)
   t = math.min(tcap, t + refund)
   save(KEYS[1], now, r, t, rpm, rcap, tpm, tcap)
 end
-local held = 0
-if ARGV[9] ~= '' then held = redis.call('ZREM', KEYS[2], ARGV[9]) end
 if tonumber(ARGV[7]) > 0 then redis.call('HINCRBY', KEYS[3], 'prompt_tokens', ARGV[7]) end
 if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', KEYS[3], 'completion_tokens', ARGV[8]) end
 return held

@@ -38,6 +38,12 @@ SETTLE_SKIPPED = Counter(
     "ratelimit_settle_skipped_total",
     "Settlements that could not reach the store (their leases expire by TTL instead).",
 )
+COMPENSATIONS = Counter(
+    "ratelimit_compensations_total",
+    "Reserves with an unknown outcome (timeout, cancel) undone by lease id: refunded "
+    "(the reserve had run), nothing_held (it had not), failed (store unreachable).",
+    ["result"],
+)
 LEASES_LOST = Counter(
     "ratelimit_leases_lost_total",
     "Heartbeats that found their lease already expired.",

@@ -63,8 +63,14 @@ class Store(Protocol):
         refund_tokens: int,
         prompt_tokens: int,
         completion_tokens: int,
+        only_if_held: bool = False,
     ) -> bool:
-        """Refund tokens, drop the lease, add usage; True if the lease was still held."""
+        """Refund tokens, drop the lease, add usage; True if the lease was still held.
+
+        ``only_if_held``: refund only when the lease was still there (compensates a
+        reserve whose outcome is unknown: it refunds what that reserve took, or
+        nothing when it never ran or was already settled).
+        """
         ...
 
     async def heartbeat(self, tenant_id: str, lease_id: str) -> bool:

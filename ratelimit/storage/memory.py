@@ -96,11 +96,13 @@ class MemoryStore:
         refund_tokens: int,
         prompt_tokens: int,
         completion_tokens: int,
+        only_if_held: bool = False,
     ) -> bool:
         """See ``Store.settle``."""
         st = self._state(tenant_id)
-        st.bucket = algorithm.refund(policy, st.bucket, self.clock(), refund_tokens)
         held = st.leases.pop(lease_id, None) is not None
+        if held or not only_if_held:
+            st.bucket = algorithm.refund(policy, st.bucket, self.clock(), refund_tokens)
         st.totals["prompt_tokens"] += max(prompt_tokens, 0)
         st.totals["completion_tokens"] += max(completion_tokens, 0)
         return held

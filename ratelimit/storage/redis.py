@@ -126,6 +126,7 @@ class RedisStore:
         refund_tokens: int,
         prompt_tokens: int,
         completion_tokens: int,
+        only_if_held: bool = False,
     ) -> bool:
         """See ``Store.settle``."""
         args = [
@@ -135,6 +136,7 @@ class RedisStore:
             prompt_tokens,
             completion_tokens,
             lease_id,
+            int(only_if_held),
         ]
         return bool(await self._run(_SETTLE, bucket_keys(self.prefix, tenant_id), args))
 

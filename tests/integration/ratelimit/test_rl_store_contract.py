@@ -139,3 +139,20 @@ async def test_noscript_is_reloaded(redis_client: Redis, prefix: str) -> None:
     await redis_client.script_flush()
     o = await store.reserve("t", POLICY, num_tokens=1, lease_id="a", shadow=False)
     assert o.taken
+
+
+async def test_settle_only_if_held_refunds_exactly_once(store: Store) -> None:
+    """The compensation of a reserve whose answer was lost: refund iff its lease exists."""
+    o = await store.reserve("t", POLICY, num_tokens=2500, lease_id="lost", shadow=False)
+    assert o.taken
+
+    async def compensate(lease_id: str) -> bool:
+        return await store.settle("t", POLICY, lease_id=lease_id, refund_tokens=2500,
+                                  prompt_tokens=0, completion_tokens=0, only_if_held=True)
+
+    assert await compensate("never-ran") is False
+    assert (await store.usage("t", POLICY)).tokens_available == 3500  # nothing given back
+    assert await compensate("lost") is True
+    assert await compensate("lost") is False  # once only
+    u = await store.usage("t", POLICY)
+    assert (u.tokens_available, u.concurrent_in_use) == (6000.0, 0)

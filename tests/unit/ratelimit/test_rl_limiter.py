@@ -239,3 +239,70 @@ async def test_a_request_rate_denial_is_known_until_the_bucket_refills() -> None
     assert 0 < known.retry_after_ms <= denied.retry_after_ms
     other = Tenant("other", LimitPolicy(requests_per_minute=60, request_burst=1))
     assert limiter.known_denial(other) is None
+
+
+class LostReplyStore(BrokenStore):
+    """The reserve runs in the store, then its answer is lost (error) or never comes (hang)."""
+
+    def __init__(self, inner: MemoryStore, after: str) -> None:
+        super().__init__(inner)
+        self.after = after
+
+    async def reserve(self, *args: Any, **kwargs: Any) -> Outcome:
+        outcome = await self.inner.reserve(*args, **kwargs)
+        if self.after == "error":
+            raise StoreError("connection reset while reading the reply")
+        await asyncio.sleep(3600)
+        return outcome
+
+
+async def _drain(limiter: RateLimiter) -> None:
+    for _ in range(100):
+        if not limiter._background:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("compensation still running")
+
+
+@pytest.mark.parametrize("after", ["error", "hang"])
+async def test_a_reserve_with_a_lost_answer_is_compensated_by_lease_id(after: str) -> None:
+    """Timeout (the guard's 100 ms) or error after the script ran: the tokens and the
+    lease it took in the shared store come back; the request falls back to local."""
+    inner = memory(Clock())
+    limiter = RateLimiter(LostReplyStore(inner, after), timeout_ms=100)  # type: ignore[arg-type]
+    d = await limiter.reserve(TENANT, 1000)
+    assert d.allowed  # fail-open: the local share decided
+    await _drain(limiter)
+    usage = await inner.usage(TENANT.tenant_id, TENANT.limits)
+    assert usage.tokens_available == 6000
+    assert usage.concurrent_in_use == 0
+
+
+async def test_a_cancelled_reserve_is_compensated() -> None:
+    inner = memory(Clock())
+    limiter = RateLimiter(LostReplyStore(inner, "hang"), timeout_ms=10_000)  # type: ignore[arg-type]
+    task = asyncio.create_task(limiter.reserve(TENANT, 1000))
+    await asyncio.sleep(0.05)  # the script ran; the answer never comes
+    assert (await inner.usage(TENANT.tenant_id, TENANT.limits)).concurrent_in_use == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _drain(limiter)
+    usage = await inner.usage(TENANT.tenant_id, TENANT.limits)
+    assert usage.tokens_available == 6000
+    assert usage.concurrent_in_use == 0
+
+
+async def test_compensation_never_refunds_a_reserve_that_did_not_run() -> None:
+    inner = memory(Clock())
+    broken = BrokenStore(inner)
+    broken.mode = "error"  # fails before the script runs
+    limiter = RateLimiter(broken)  # type: ignore[arg-type]
+    first = await RateLimiter(inner).reserve(TENANT, 1000)  # someone else's live reservation
+    assert first.allowed
+    await limiter.reserve(TENANT, 2000)
+    broken.mode = "ok"
+    await _drain(limiter)
+    usage = await inner.usage(TENANT.tenant_id, TENANT.limits)
+    assert usage.tokens_available == 5000  # not 7000: nothing was given back
+    assert usage.concurrent_in_use == 1
