@@ -156,7 +156,7 @@ def test_reused_live_request_id_is_refused_and_the_live_stream_is_untouched(
     the first stream, which runs to its full length."""
     before = wait_for_idle_kv(stub)
     first = stub.Generate(request("owned", [5, 6, 7], 40, ignore_eos=True))
-    tokens = []
+    tokens: list[int] = []
     for chunk in first:
         tokens.extend(chunk.token_ids)
         if tokens:
