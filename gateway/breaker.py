@@ -47,6 +47,24 @@ class BreakerPolicy:
     half_open_probes: int = 1
 
 
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """What ``admit`` gave one call; hand it back to ``record`` when the call ends.
+
+    ``probe`` is the half-open period the call probes (0: an ordinary call), so a
+    stream admitted before the breaker tripped cannot pass for the probe when it
+    ends during the half-open period.
+    """
+
+    probe: int = 0
+
+    def __bool__(self) -> bool:  # admitted
+        return True
+
+
+ORDINARY = Ticket()
+
+
 class CircuitBreaker:
     """One replica's breaker.
 
@@ -74,6 +92,7 @@ class CircuitBreaker:
         self._open_until = 0.0
         self._probes_in_flight = 0
         self._probe_successes = 0
+        self._half_open_period = 0  # numbers the half-open periods (probe tickets)
 
     @property
     def state(self) -> BreakerState:
@@ -81,6 +100,7 @@ class CircuitBreaker:
         if self._state == BreakerState.OPEN and self._clock() >= self._open_until:
             self._set(BreakerState.HALF_OPEN)
             self._probes_in_flight = self._probe_successes = 0
+            self._half_open_period += 1
         return self._state
 
     def available(self) -> bool:
@@ -91,25 +111,32 @@ class CircuitBreaker:
         return (state == BreakerState.HALF_OPEN
                 and self._probes_in_flight < self.policy.half_open_probes)
 
-    def admit(self) -> bool:
-        """Take a call; in HALF_OPEN this uses one probe slot. False when not available."""
+    def admit(self) -> Ticket | None:
+        """Take a call; in HALF_OPEN this uses one probe slot. None when not available."""
         if not self.available():
-            return False
+            return None
         if self._state == BreakerState.HALF_OPEN:
             self._probes_in_flight += 1
-        return True
+            return Ticket(self._half_open_period)
+        return ORDINARY
 
-    def record(self, ok: bool | None) -> None:
-        """Report a call admitted by ``admit``: True success, False failure, None neutral."""
+    def record(self, ok: bool | None, ticket: Ticket = ORDINARY) -> None:
+        """Report the end of a call admitted by ``admit`` with its ticket: True success,
+        False failure, None neutral.
+
+        In HALF_OPEN only the probes of this half-open period decide; a call admitted
+        before the trip that ends now says nothing about the replica's recovery.
+        """
         half_open = self.state == BreakerState.HALF_OPEN
-        if half_open and self._probes_in_flight > 0:
+        probe = half_open and ticket.probe == self._half_open_period
+        if probe and self._probes_in_flight > 0:
             self._probes_in_flight -= 1
-        if ok is None:
+        if ok is None or (half_open and not probe):
             return
         now = self._clock()
         self._calls.append((now, ok))
         self._consecutive = 0 if ok else self._consecutive + 1
-        if half_open:
+        if probe:
             self._record_probe(ok)
         elif self._state == BreakerState.CLOSED and not ok and self._should_trip(now):
             self._trip()

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.log import get_logger
 from gateway import metrics
-from gateway.breaker import CircuitBreaker
+from gateway.breaker import ORDINARY, CircuitBreaker, Ticket
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
 log = get_logger(__name__)
@@ -89,11 +89,12 @@ class Replica:
         self.last_pick = time.monotonic()
         metrics.OUTSTANDING.labels(self.address).set(self.outstanding)
 
-    def release(self, verdict: bool | None) -> None:
-        """End one call: True success, False failure, None neutral (for the breaker)."""
+    def release(self, verdict: bool | None, ticket: Ticket = ORDINARY) -> None:
+        """End one call: True success, False failure, None neutral (for the breaker),
+        with the ticket its admission got."""
         self.outstanding -= 1
         metrics.OUTSTANDING.labels(self.address).set(self.outstanding)
-        self.breaker.record(verdict)
+        self.breaker.record(verdict, ticket)
 
     def _set_healthy(self, healthy: bool, why: str = "") -> None:
         if healthy != self.healthy:

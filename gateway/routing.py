@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from common.log import get_logger
 from gateway import metrics
-from gateway.breaker import BreakerGroup, BreakerPolicy, BreakerState
+from gateway.breaker import BreakerGroup, BreakerPolicy, BreakerState, Ticket
 from gateway.replica import Replica
 from llm.v1 import engine_pb2
 
@@ -178,10 +178,11 @@ class ReplicaPool:
         return groups
 
     def choose(self, model: str, version: str = "", exclude: Iterable[str] = (),
-               fallbacks: Sequence[str] = ()) -> Replica:
+               fallbacks: Sequence[str] = ()) -> tuple[Replica, Ticket]:
         """Pick and acquire a replica of ``version``, else of each fallback version in order.
 
-        ``release`` the replica when the call ends.
+        ``release(verdict, ticket)`` the replica when the call ends (the ticket tells
+        its breaker whether this call is a half-open probe).
 
         Raises:
             NoReplicaError: none can serve; the message says why for each replica.
@@ -191,9 +192,10 @@ class ReplicaPool:
             found = self.candidates(model, v, exclude)
             found.sort(key=lambda r: (score(r, self.queue_weight, self.kv_weight), r.last_pick))
             for r in found:
-                if r.breaker.admit():
+                ticket = r.breaker.admit()
+                if ticket is not None:
                     r.acquire()
-                    return r
+                    return r, ticket
         raise NoReplicaError(self.explain(model, version, exclude, fallbacks))
 
     def explain(self, model: str, version: str, exclude: set[str],

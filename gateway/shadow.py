@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -84,7 +85,7 @@ class ShadowMirror:
 
     async def _run(self, job: EngineJob, version: str) -> None:
         try:
-            replica = self.pool.choose(job.model, version)
+            replica, ticket = self.pool.choose(job.model, version)
         except NoReplicaError as e:
             metrics.SHADOW_SKIPPED.labels(job.model, "unavailable").inc()
             self.stats.record(job.model, version, ok=False)
@@ -94,10 +95,11 @@ class ShadowMirror:
         start = time.perf_counter()
         ttft: float | None = None
         code = grpc.StatusCode.OK
-        call = replica.stub.Generate(shadow_request(job), timeout=job.deadline.remaining(),
-                                     metadata=(("x-request-id", f"{job.request_id}-shadow"),
-                                               ("x-shadow", "1")))
-        try:
+        call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
+        try:  # the replica is acquired: every path below ends in release()
+            call = replica.stub.Generate(shadow_request(job), timeout=job.deadline.remaining(),
+                                         metadata=(("x-request-id", f"{job.request_id}-shadow"),
+                                                   ("x-shadow", "1")))
             async for resp in call:
                 if resp.finish_reason == common_pb2.ERROR:
                     code = grpc.StatusCode.INTERNAL
@@ -116,9 +118,10 @@ class ShadowMirror:
             code = grpc.StatusCode.INTERNAL
             log.exception("shadow call failed")
         finally:
-            call.cancel()
+            if call is not None:
+                call.cancel()
             verdict = breaker_verdict(code) if code != grpc.StatusCode.CANCELLED else None
-            replica.release(verdict)
+            replica.release(verdict, ticket)
             metrics.SHADOW_REQUESTS.labels(job.model, version, code.name).inc()
             if verdict is not None:
                 self.stats.record(job.model, version, ok=verdict, ttft_s=ttft)

@@ -26,6 +26,7 @@ from google.protobuf import timestamp_pb2
 
 from common.log import get_logger
 from gateway import metrics
+from gateway.breaker import Ticket
 from gateway.domain import Chunk, Deadline, GatewayError
 from gateway.replica import Replica
 from gateway.retry import RetryBudget, RetryPolicy, breaker_verdict, is_retryable
@@ -112,12 +113,13 @@ class Dispatcher:
         errors: list[EngineCallError] = []
         num_retries = num_failovers = 0
         while True:
-            replica = self._pick(job, tried, errors)
+            replica, ticket = self._pick(job, tried, errors)
             tried.append(replica.address)
             try:
                 # aclosing: a client gone mid-stream closes the attempt (cancel the engine
                 # call, release the replica) now, not when the generator is collected
-                async with contextlib.aclosing(self._attempt(replica, job, text)) as chunks:
+                async with contextlib.aclosing(
+                        self._attempt(replica, ticket, job, text)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 return
@@ -147,7 +149,8 @@ class Dispatcher:
     def _may_fail_over(self, e: EngineCallError, num_failovers: int) -> bool:
         return self.failover and e.code in FAILOVER_CODES and num_failovers < self.max_failovers
 
-    def _pick(self, job: EngineJob, tried: list[str], errors: list[EngineCallError]) -> Replica:
+    def _pick(self, job: EngineJob, tried: list[str], errors: list[EngineCallError]
+              ) -> tuple[Replica, Ticket]:
         try:
             return self.pool.choose(job.model, job.model_version, tried, job.fallback_versions)
         except NoReplicaError as e:
@@ -189,8 +192,8 @@ class Dispatcher:
             sampling=job.sampling, priority=job.priority, tenant_id=job.tenant_id,
             deadline=deadline, model=job.model, resumed_output_token_ids=text.token_ids)
 
-    async def _attempt(self, replica: Replica, job: EngineJob, text: TextStream
-                       ) -> AsyncGenerator[Chunk, None]:
+    async def _attempt(self, replica: Replica, ticket: Ticket, job: EngineJob,
+                       text: TextStream) -> AsyncGenerator[Chunk, None]:
         # ``replica`` was acquired by _pick: from here every path ends in release()
         verdict: bool | None = None
         num_tokens = 0
@@ -230,6 +233,6 @@ class Dispatcher:
         finally:
             if call is not None:  # no-op when it ended; else the engine aborts and frees KV
                 call.cancel()
-            replica.release(verdict)
+            replica.release(verdict, ticket)
             if self.on_attempt is not None:
                 self.on_attempt(replica, verdict, ttft)

@@ -26,8 +26,9 @@ def state(b: CircuitBreaker) -> BreakerState:
 
 
 def call(b: CircuitBreaker, ok: bool | None) -> None:
-    assert b.admit()
-    b.record(ok)
+    ticket = b.admit()
+    assert ticket
+    b.record(ok, ticket)
 
 
 def test_consecutive_failures_open_then_half_open_probe_closes() -> None:
@@ -41,9 +42,10 @@ def test_consecutive_failures_open_then_half_open_probe_closes() -> None:
     assert not b.available()
     clock.now += 5
     assert state(b) == BreakerState.HALF_OPEN
-    assert b.admit()  # the one probe
+    probe = b.admit()  # the one probe
+    assert probe
     assert not b.available()  # no second probe while it runs
-    b.record(True)
+    b.record(True, probe)
     assert state(b) == BreakerState.CLOSED
 
 
@@ -110,3 +112,53 @@ def test_group_ejects_at_most_half_and_always_one() -> None:
     for _ in range(3):
         call(only, False)
     assert state(only) == BreakerState.OPEN  # one replica: it may still be ejected
+
+
+def test_only_the_admitted_probe_decides_the_half_open_state() -> None:
+    """A stream admitted before the trip that ends during half-open is not the probe:
+    neither its success closes the breaker nor its failure reopens it."""
+    clock = Clock()
+    b = breaker(clock)
+    old_ok, old_bad = b.admit(), b.admit()
+    assert old_ok
+    assert old_bad
+    for _ in range(3):
+        call(b, False)
+    assert state(b) == BreakerState.OPEN
+    clock.now += 5
+    probe = b.admit()
+    assert probe
+    assert probe.probe > 0
+    b.record(True, old_ok)  # a long stream from before the trip finishes fine
+    assert state(b) == BreakerState.HALF_OPEN
+    assert not b.available()  # the probe slot is still taken
+    b.record(False, old_bad)
+    assert state(b) == BreakerState.HALF_OPEN
+    b.record(True, probe)
+    assert state(b) == BreakerState.CLOSED
+
+
+def test_a_probe_of_an_earlier_half_open_period_does_not_count() -> None:
+    clock = Clock()
+    b = breaker(clock, BreakerPolicy(window_s=10, min_calls=4, error_ratio=0.5,
+                                     consecutive_failures=3, open_s=5, max_open_s=20,
+                                     half_open_probes=2))
+    for _ in range(3):
+        call(b, False)
+    clock.now += 5
+    p1, p2 = b.admit(), b.admit()
+    assert p1
+    assert p2
+    b.record(False, p1)  # a probe fails: open again, for 10 s
+    assert state(b) == BreakerState.OPEN
+    clock.now += 10
+    assert state(b) == BreakerState.HALF_OPEN  # a new half-open period
+    b.record(True, p2)  # the earlier period's other probe ends now: says nothing
+    assert state(b) == BreakerState.HALF_OPEN
+    q1, q2 = b.admit(), b.admit()
+    assert q1
+    assert q2
+    assert not b.available()  # p2 did not free one of this period's slots
+    b.record(True, q1)
+    b.record(True, q2)
+    assert state(b) == BreakerState.CLOSED

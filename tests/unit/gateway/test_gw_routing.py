@@ -32,7 +32,7 @@ async def test_least_loaded_weighted_by_queue_and_kv(pool: ReplicaPool) -> None:
     b.stats = engine_pb2.EngineStats(num_waiting=3)
     c.stats = engine_pb2.EngineStats(kv_cache_usage=0.9)
     # scores: a (2+1)*1 = 3, b (3+1)*1 = 4, c (0+1)*1.9 = 1.9
-    assert pool.choose(MODEL) is c
+    assert pool.choose(MODEL)[0] is c
     assert c.outstanding == 1
     c.release(True)
 
@@ -40,9 +40,9 @@ async def test_least_loaded_weighted_by_queue_and_kv(pool: ReplicaPool) -> None:
 async def test_ties_go_to_the_least_recently_picked(pool: ReplicaPool) -> None:
     order = []
     for _ in range(6):
-        r = pool.choose(MODEL)
+        r, ticket = pool.choose(MODEL)
         order.append(r.address)
-        r.release(True)
+        r.release(True, ticket)
     assert order == ["a:1", "b:2", "c:3", "a:1", "b:2", "c:3"]
 
 
@@ -51,7 +51,7 @@ async def test_skips_unhealthy_draining_open_excluded_and_other_versions(
     a, b, c = pool.replicas
     a.healthy, a.last_error = False, "unreachable (UNAVAILABLE: connection refused)"
     b.stats = engine_pb2.EngineStats(draining=True)
-    assert pool.choose(MODEL) is c
+    assert pool.choose(MODEL)[0] is c
     c.release(False)  # one failure opens c's breaker (consecutive_failures=1)
     with pytest.raises(NoReplicaError) as info:
         pool.choose(MODEL)
@@ -60,7 +60,7 @@ async def test_skips_unhealthy_draining_open_excluded_and_other_versions(
     assert "b:2 draining" in text
     assert "c:3 circuit open" in text
     b.stats = engine_pb2.EngineStats()
-    assert pool.choose(MODEL, exclude=["c:3"]) is b
+    assert pool.choose(MODEL, exclude=["c:3"])[0] is b
     b.release(None)
     with pytest.raises(NoReplicaError, match="already tried"):
         pool.choose(MODEL, exclude=["b:2"])

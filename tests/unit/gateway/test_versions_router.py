@@ -49,8 +49,8 @@ def policy(weights: dict[str, int], **kw: object) -> RoutingPolicy:
 async def route(router: VersionRouter, pool: ReplicaPool, tenant: str = "t",
                 session: str = "") -> str:
     d = await router.decide(MODEL, "", tenant, session)
-    replica = pool.choose(MODEL, d.version, (), d.fallbacks)
-    replica.release(True)
+    replica, ticket = pool.choose(MODEL, d.version, (), d.fallbacks)
+    replica.release(True, ticket)
     assert replica.info is not None
     return replica.info.version
 
@@ -97,10 +97,10 @@ async def test_unavailable_canary_falls_back_to_stable_and_counts_as_its_error(
     d = await router.decide(MODEL, "", "t", "s")
     assert d.version == "v2"
     assert d.fallbacks == ("v1",)
-    replica = pool.choose(MODEL, d.version, (), d.fallbacks)
+    replica, ticket = pool.choose(MODEL, d.version, (), d.fallbacks)
     assert replica.info is not None
     assert replica.info.version == "v1"
-    replica.release(True)
+    replica.release(True, ticket)
     assert stats.summary(MODEL, "v2", 60).num_errors == 1
     with pytest.raises(NoReplicaError, match="c:3 unhealthy"):
         pool.choose(MODEL, "v2")
