@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ class Mode(enum.Enum):
     OK = "ok"  # three chunks, then a clean end
     UNAVAILABLE_AT_ONCE = "unavailable_at_once"  # trailers-only UNAVAILABLE
     UNAVAILABLE_AFTER_FIRST_CHUNK = "unavailable_after_first_chunk"
+    SLOW = "slow"  # the three chunks 0.8 s apart: a stream that outlives short timeouts
 
 
 class FakeGateway(gateway_pb2_grpc.GatewayServicer):
@@ -68,6 +70,8 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
         if self.mode is Mode.UNAVAILABLE_AFTER_FIRST_CHUNK:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: engine died mid-stream")
         for text in (" says", " hi"):
+            if self.mode is Mode.SLOW:
+                time.sleep(0.8)
             yield gateway_pb2.GenerateResponse(request_id=request.request_id, text=text)
         yield gateway_pb2.GenerateResponse(
             request_id=request.request_id, finish_reason=common_pb2.STOP)

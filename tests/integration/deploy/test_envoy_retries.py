@@ -7,7 +7,7 @@ what Envoy retried.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,15 +47,17 @@ class Pair:
         return out
 
 
-def _pair(mode_a: Mode, workdir: Path) -> Iterator[Pair]:
+def _pair(mode_a: Mode, workdir: Path, mode_b: Mode = Mode.OK,
+          edit: Callable[[str], str] = lambda text: text) -> Iterator[Pair]:
     a = FakeGateway("a", mode_a).start()
-    b = FakeGateway("b").start()
+    b = FakeGateway("b", mode_b).start()
     envoy = None
     try:
         config = render_config_file(
             workdir / "envoy.yaml", listener_host="127.0.0.1", listener_port=0, admin_port=0,
             gateway=[a.address, b.address], admin=[a.address],
             access_log_path=workdir / "access.log")
+        config.write_text(edit(config.read_text()))
         envoy = EnvoyProcess(config, log_dir=workdir).start()
         yield Pair(a, b, envoy)
     finally:
@@ -108,3 +110,22 @@ def test_no_retry_once_the_response_has_started(unavailable_mid_stream: Pair) ->
     assert pair.partial in (["a"], ["b"])
     stats = pair.envoy.stats(r"^cluster\.gateway\.upstream_rq_retry$")
     assert stats["cluster.gateway.upstream_rq_retry"] == 0
+
+
+@pytest.fixture
+def slow_streams_short_request_timeout(tmp_path: Path) -> Iterator[Pair]:
+    """The real config with its request_timeout cut from 60 s to 1 s, and streams of 1.6 s."""
+
+    def shorten(text: str) -> str:
+        assert "request_timeout: 60s" in text
+        return text.replace("request_timeout: 60s", "request_timeout: 1s")
+
+    yield from _pair(Mode.SLOW, tmp_path, Mode.SLOW, shorten)
+
+
+def test_request_timeout_never_cuts_a_response_stream(
+        slow_streams_short_request_timeout: Pair) -> None:
+    """Envoy's request_timeout bounds receiving the request (slow uploads); it stops once
+    the request is in, so a stream that outlives it is delivered whole."""
+    out = slow_streams_short_request_timeout.generate(2)
+    assert all(text in ("a says hi", "b says hi") for text in out), out
