@@ -12,6 +12,29 @@ import grpc
 from gateway.domain import CallContext, Deadline, GatewayError
 from llm.v1 import gateway_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
+# No token of the tokenizers this stack serves is longer than this many characters
+# (SmolLM2's longest is 81: a run of '#'): a prompt above
+# ``context * MAX_CHARS_PER_TOKEN`` characters cannot fit, whatever it says.
+MAX_CHARS_PER_TOKEN = 128
+
+
+def check_prompt_size(request: gateway_pb2.GenerateRequest, max_context_tokens: int) -> None:
+    """Refuse a prompt that cannot fit ``max_context_tokens`` by its length alone.
+
+    Raises:
+        GatewayError: INVALID_ARGUMENT naming the sizes.
+    """
+    if request.WhichOneof("input") == "messages":
+        chars = sum(len(m.content) + len(m.role) for m in request.messages.messages)
+    else:
+        chars = len(request.prompt)
+    limit = max_context_tokens * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"the prompt has {chars} characters, more than the model's context "
+                           f"of {max_context_tokens} tokens can hold (at most {limit} "
+                           "characters); shorten it")
+
 
 class Encoder:
     """Encodes GenerateRequest inputs through tokenizer_svc.
@@ -32,12 +55,18 @@ class Encoder:
         await self.channel.close(None)
 
     async def encode(self, request: gateway_pb2.GenerateRequest, call: CallContext,
-                     deadline: Deadline) -> list[int]:
+                     deadline: Deadline, max_context_tokens: int = 0) -> list[int]:
         """Prompt token ids (the chat template applied for messages).
+
+        ``max_context_tokens`` > 0 refuses, before any tokenizer call, a prompt with
+        more characters than that many tokens could ever hold
+        (``MAX_CHARS_PER_TOKEN`` each): tokenizing it would be wasted work.
 
         Raises:
             GatewayError: INVALID_ARGUMENT (bad input), DEADLINE_EXCEEDED, UNAVAILABLE.
         """
+        if max_context_tokens > 0:
+            check_prompt_size(request, max_context_tokens)
         which = request.WhichOneof("input")
         if which == "prompt":
             req = tokenizer_pb2.EncodeRequest(text=request.prompt)

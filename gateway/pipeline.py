@@ -186,7 +186,8 @@ class Pipeline:
         if memo is not None:  # refused before any tokenizer or Redis call
             metrics.LOCAL_DENIALS.labels(tenant.tenant_id).inc()
             raise self._denied(tenant, memo)
-        prompt_ids = await self.encoder.encode(request, call, deadline)
+        prompt_ids = await self.encoder.encode(request, call, deadline,
+                                               info.max_context_length)
         try:
             max_tokens = resolve_max_tokens(
                 request.sampling, len(prompt_ids), info.max_context_length,

@@ -12,6 +12,7 @@ import json
 import math
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 
 import grpc
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common.procs import ManagedProcess
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2
 from tests.integration.gateway.conftest import EnginePair, GatewayProcess, HttpGateway, chat
 
@@ -201,3 +203,27 @@ def test_an_oversized_grpc_message_is_refused_before_any_work(gateway: GatewayPr
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert gateway.metric("gateway_requests_total") == before  # the pipeline never ran
     assert_idle(gateway, tid, engines)
+
+
+def test_a_prompt_longer_than_any_context_could_hold_is_refused_before_tokenizing(
+    gateway: GatewayProcess, engines: EnginePair, tokenizer_server: ManagedProcess
+) -> None:
+    """2,048-token context here: 300,000 characters cannot fit (at most 128 a token), so
+    the gateway refuses it without a tokenizer call or a reservation."""
+    tid, key = gateway.tenant()
+    encodes_before = tokenizer_encodes(tokenizer_server)
+    with pytest.raises(grpc.RpcError) as err:
+        gateway.generate(key, gateway_pb2.GenerateRequest(prompt="word " * 60_000), timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "300000 characters" in (err.value.details() or "")
+    assert tokenizer_encodes(tokenizer_server) == encodes_before
+    assert gateway.usage(tid).requests_total == 0  # nothing was reserved
+    assert_idle(gateway, tid, engines)
+
+
+def tokenizer_encodes(tokenizer: ManagedProcess) -> float:
+    url = f"http://127.0.0.1:{tokenizer.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tokenizer_requests_total{") and 'method="Encode"' in line)
