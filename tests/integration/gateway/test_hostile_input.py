@@ -227,3 +227,25 @@ def tokenizer_encodes(tokenizer: ManagedProcess) -> float:
         text = resp.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("tokenizer_requests_total{") and 'method="Encode"' in line)
+
+
+@pytest.mark.parametrize("service", ["gateway", "engine"])
+def test_invalid_utf8_in_a_string_field_is_invalid_argument(
+    gateway: GatewayProcess, engines: EnginePair, service: str
+) -> None:
+    """grpc's own answer would be INTERNAL ("Exception deserializing request!")."""
+    if service == "gateway":
+        address, method = gateway.proc.address, "/llm.v1.Gateway/Generate"
+        raw = gateway_pb2.GenerateRequest(prompt="ab").SerializeToString()
+    else:
+        address, method = engines.addresses[0], "/llm.v1.Engine/Generate"
+        raw = engine_pb2.EngineGenerateRequest(request_id="ab", prompt_token_ids=[1]
+                                               ).SerializeToString()
+    bad = raw.replace(b"ab", b"\xff\xfe")
+    assert bad != raw
+    with grpc.insecure_channel(address) as ch:
+        call = ch.unary_stream(method, None, None)  # bytes in, bytes out
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(bad, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in (err.value.details() or "")
