@@ -47,6 +47,9 @@ class ServiceConfig:
     log_level: str = "info"
     log_format: str = "auto"  # auto (JSON unless a TTY) | json | console
     port_file: str = ""  # where to write the bound ports as JSON (for supervisors)
+    # the shared secret of internal calls (common/service_auth.py): engines and tokenizers
+    # require it, the gateway sends it; "" = open (development and tests only)
+    service_token_file: str = ""
     # largest gRPC message accepted or sent; a bigger request is RESOURCE_EXHAUSTED before
     # any handler runs (a prompt of the largest context is well under 1 MiB)
     max_message_bytes: int = 4 * 1024 * 1024
@@ -142,6 +145,8 @@ def add_service_args(parser: Any) -> None:
     parser.add_argument("--port-file", help="write bound ports here as JSON once serving")
     parser.add_argument("--log-level")
     parser.add_argument("--log-format", choices=["auto", "json", "console"])
+    parser.add_argument("--service-token-file",
+                        help="file with the shared secret of internal calls")
 
 
 def service_overrides(args: Any) -> dict[str, Any]:
@@ -153,4 +158,5 @@ def service_overrides(args: Any) -> dict[str, Any]:
         "port_file": args.port_file,
         "log_level": args.log_level,
         "log_format": args.log_format,
+        "service_token_file": args.service_token_file,
     }

@@ -32,6 +32,7 @@ from prometheus_client import start_http_server
 
 from common.config import ServiceConfig
 from common.log import get_logger
+from common.service_auth import ServiceTokenInterceptor, read_service_token
 
 log = get_logger(__name__)
 
@@ -147,6 +148,8 @@ class ServiceHooks:
     on_drain: Callable[[], Awaitable[None]] | None = None  # stop admitting work
     on_stop: Callable[[], Awaitable[None]] | None = None  # release resources
     interceptors: Sequence[Any] = ()
+    # internal services (engine, tokenizer): refuse calls without the service token
+    require_service_token: bool = False
 
 
 @dataclass(slots=True)
@@ -161,10 +164,22 @@ def _write_port_file(path: str, ports: BoundPorts) -> None:
     tmp.replace(path)  # atomic: a reader never sees half a file
 
 
+def _auth_interceptors(config: ServiceConfig, hooks: ServiceHooks) -> list[Any]:
+    if not hooks.require_service_token:
+        return []
+    token = read_service_token(config.service_token_file)
+    if not token:
+        log.warning("no service_token_file: this internal service answers any caller that "
+                    "reaches its port; set one outside development")
+        return []
+    return [ServiceTokenInterceptor(token)]
+
+
 async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully. Returns after cleanup."""
     server = grpc.aio.server(
-        interceptors=[RequestIdInterceptor(), DecodeErrorInterceptor(), *hooks.interceptors],
+        interceptors=[RequestIdInterceptor(), *_auth_interceptors(config, hooks),
+                      DecodeErrorInterceptor(), *hooks.interceptors],
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),

@@ -154,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     async def on_drain() -> None:
         await servicer.drain(svc.grace_seconds)
 
-    hooks = ServiceHooks(register=register, ready=ready, on_drain=on_drain, on_stop=backend.stop)
+    hooks = ServiceHooks(register=register, ready=ready, on_drain=on_drain, on_stop=backend.stop,
+                         require_service_token=True)
     asyncio.run(run_service("engine", svc, hooks))
 
 

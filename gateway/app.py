@@ -13,6 +13,7 @@ from pathlib import Path
 
 from common.config import default_model_dir
 from common.log import get_logger
+from common.service_auth import read_service_token
 from gateway.auth import Authenticator
 from gateway.breaker import BreakerPolicy
 from gateway.config import GatewayConfig
@@ -55,12 +56,13 @@ class GatewayApp:
     def from_config(cls, config: GatewayConfig, rl_config: RateLimitConfig) -> GatewayApp:
         """Build everything; no network I/O until ``start``."""
         stack = RateLimitStack.from_config(rl_config)
+        token = read_service_token(config.service_token_file)
         pool = ReplicaPool(config.engines, breaker_policy(config),
                            max_ejected_fraction=config.max_ejected_fraction,
                            stats_interval_s=config.stats_interval_s,
                            queue_weight=config.queue_weight, kv_weight=config.kv_weight,
-                           default_model=config.default_model)
-        encoder = Encoder(config.tokenizer, config.encode_timeout_s)
+                           default_model=config.default_model, service_token=token)
+        encoder = Encoder(config.tokenizer, config.encode_timeout_s, token)
         tokenizer = TextTokenizer(Path(config.model_dir or default_model_dir()))
         dispatcher = Dispatcher(
             pool,

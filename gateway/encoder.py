@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 
+from common.service_auth import token_metadata
 from gateway.domain import CallContext, Deadline, GatewayError
 from llm.v1 import gateway_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -44,8 +45,9 @@ class Encoder:
         timeout_s: Budget of one Encode call (the request deadline may cut it shorter).
     """
 
-    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 10.0, service_token: str = "") -> None:
         self.address = address
+        self._token_md = token_metadata(service_token)
         self.timeout_s = timeout_s
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self.channel)
@@ -78,7 +80,8 @@ class Encoder:
         else:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
                                "set either `prompt` or `messages` in the request")
-        metadata = (("x-request-id", call.request_id), ("traceparent", call.traceparent))
+        metadata = (("x-request-id", call.request_id), ("traceparent", call.traceparent),
+                    *self._token_md)
         timeout = min(self.timeout_s, deadline.remaining())
         try:
             resp = await self.stub.Encode(req, timeout=timeout, metadata=metadata)

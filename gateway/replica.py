@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.log import get_logger
+from common.service_auth import token_metadata
 from gateway import metrics
 from gateway.breaker import ORDINARY, CircuitBreaker, Ticket
 from llm.v1 import engine_pb2, engine_pb2_grpc
@@ -46,8 +47,10 @@ class Replica:
         stats_interval_s: GetStats period.
     """
 
-    def __init__(self, address: str, breaker: CircuitBreaker, stats_interval_s: float) -> None:
+    def __init__(self, address: str, breaker: CircuitBreaker, stats_interval_s: float,
+                 service_token: str = "") -> None:
         self.address = address
+        self.call_metadata = token_metadata(service_token)  # sent on every engine call
         self.breaker = breaker
         self.stats_interval_s = stats_interval_s
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -125,8 +128,10 @@ class Replica:
 
     async def _refresh_info(self) -> None:
         try:
-            self.info = await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=5)
-            self.stats = await self.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5)
+            self.info = await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=5,
+                                                     metadata=self.call_metadata)
+            self.stats = await self.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5,
+                                                  metadata=self.call_metadata)
         except grpc.aio.AioRpcError as e:
             self.last_error = f"GetModelInfo failed ({e.code().name}: {e.details()})"
 
@@ -138,6 +143,7 @@ class Replica:
                 continue
             try:
                 self.stats = await self.stub.GetStats(engine_pb2.GetStatsRequest(),
-                                                      timeout=max(1.0, self.stats_interval_s))
+                                                      timeout=max(1.0, self.stats_interval_s),
+                                                      metadata=self.call_metadata)
             except grpc.aio.AioRpcError as e:
                 self.last_error = f"GetStats failed ({e.code().name})"

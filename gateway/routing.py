@@ -72,12 +72,13 @@ class ReplicaPool:
     def __init__(self, addresses: Sequence[str], policy: BreakerPolicy, *,
                  max_ejected_fraction: float = 0.5, stats_interval_s: float = 0.5,
                  queue_weight: float = 1.0, kv_weight: float = 1.0,
-                 default_model: str = "") -> None:
+                 default_model: str = "", service_token: str = "") -> None:
+        self.service_token = service_token
         self.breakers = BreakerGroup(policy, max_ejected_fraction, on_change=self._on_breaker)
         self.stats_interval_s = stats_interval_s
         self.retire_grace_s = 60.0
         self._retiring: set[asyncio.Future[None]] = set()
-        self.replicas = [Replica(a, self.breakers.add(a), stats_interval_s)
+        self.replicas = [Replica(a, self.breakers.add(a), stats_interval_s, service_token)
                          for a in dict.fromkeys(addresses)]
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight
@@ -103,7 +104,8 @@ class ReplicaPool:
         added = [a for a in wanted if a not in current]
         if not gone and not added:
             return
-        fresh = [Replica(a, self.breakers.add(a), self.stats_interval_s) for a in added]
+        fresh = [Replica(a, self.breakers.add(a), self.stats_interval_s, self.service_token)
+                 for a in added]
         self.replicas = [r for r in self.replicas if r.address in wanted] + fresh
         for r in gone:
             self.breakers.remove(r.address)

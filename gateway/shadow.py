@@ -99,7 +99,7 @@ class ShadowMirror:
         try:  # the replica is acquired: every path below ends in release()
             call = replica.stub.Generate(shadow_request(job), timeout=job.deadline.remaining(),
                                          metadata=(("x-request-id", f"{job.request_id}-shadow"),
-                                                   ("x-shadow", "1")))
+                                                   ("x-shadow", "1"), *replica.call_metadata))
             async for resp in call:
                 if resp.finish_reason == common_pb2.ERROR:
                     code = grpc.StatusCode.INTERNAL

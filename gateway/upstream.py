@@ -203,7 +203,8 @@ class Dispatcher:
             text.attempt_started_at = time.perf_counter()
             if replica.info is not None:
                 text.model, text.model_version = replica.info.model, replica.info.version
-            metadata = (("x-request-id", job.request_id), ("traceparent", job.traceparent))
+            metadata = (("x-request-id", job.request_id), ("traceparent", job.traceparent),
+                        *replica.call_metadata)
             call = replica.stub.Generate(self._engine_request(job, text),
                                          timeout=job.deadline.remaining(), metadata=metadata)
             text.dispatched = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -28,6 +29,7 @@ import grpc
 
 from common.config import ROOT, load_config
 from common.procs import ManagedProcess, ServiceStartError
+from common.service_auth import MIN_TOKEN_CHARS
 from deploy.envoy import EnvoyProcess, render_config_file
 from engine_svc.__main__ import EngineServiceConfig
 from gateway.config import GatewayConfig
@@ -111,6 +113,15 @@ def admin_key() -> str:
     return key
 
 
+def service_token_file() -> Path:
+    """.run/service.token: the shared secret of internal calls (made once, mode 0600)."""
+    path = RUN_DIR / "service.token"
+    if not path.exists() or len(path.read_text().strip()) < MIN_TOKEN_CHARS:
+        path.write_text(secrets.token_hex(32) + "\n")
+    path.chmod(0o600)
+    return path
+
+
 async def create_demo_tenant(address: str, key: str) -> str:
     """Upsert the demo tenant and give it a fresh key (written to .run/demo.key)."""
     md = (("authorization", f"Bearer {key}"),)
@@ -136,7 +147,8 @@ def bring_up(stack: Stack) -> None:
     print("starting redis ...", flush=True)
     redis_url = stack.start_redis(rl.redis_url)
     stack.admin_key = admin_key()
-    common = ["--log-format", "json"]
+    # engines and the tokenizer answer only callers with this secret (the gateway)
+    common = ["--log-format", "json", "--service-token-file", str(service_token_file())]
     stack.start(ManagedProcess(
         name="tokenizer", module="tokenizer_svc", log_dir=stack.log_dir, host=tok.host,
         args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port), *common]))

@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
         return [tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name]
 
-    asyncio.run(run_service("tokenizer", cfg, ServiceHooks(register=register)))
+    asyncio.run(run_service("tokenizer", cfg,
+                            ServiceHooks(register=register, require_service_token=True)))
 
 
 if __name__ == "__main__":

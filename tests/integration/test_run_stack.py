@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import ROOT
 from llm.v1 import (
@@ -56,9 +57,24 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
         addr = dict(re.findall(r"^\s+(tokenizer|gateway|envoy)\s+(?:grpc )?(127\.0\.0\.1:\d+)",
                                out, re.M))
         assert set(addr) == {"tokenizer", "gateway", "envoy"}, out
+        token = (tmp_path / "service.token").read_text().strip()
+        assert len(token) >= 32
+        assert (tmp_path / "service.token").stat().st_mode & 0o077 == 0
         with grpc.insecure_channel(addr["tokenizer"]) as ch:
             stub = tokenizer_pb2_grpc.TokenizerStub(ch)
-            assert stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10).token_ids
+            # internal services answer only the gateway (which got the token)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10,
+                            metadata=(("x-service-token", "x" * 64),))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10,
+                               metadata=(("x-service-token", token),)).token_ids
+            health = health_pb2_grpc.HealthStub(ch)  # probes stay open
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
         admin_key = (tmp_path / "admin.key").read_text().strip()
         demo_key = (tmp_path / "demo.key").read_text().strip()
         assert admin_key.startswith("sk-llm-")
