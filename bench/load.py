@@ -6,7 +6,8 @@
     python -m bench.load sweep --spawn --target engine --ttft-p95-target-ms 2000
     python -m bench.load fairness --spawn            # issue 9 item 4 (a) (b) (c)
     python -m bench.load run --target gateway --address 127.0.0.1:50051 \\
-        --admin-key-file .run/admin.key --engine-stats 127.0.0.1:50071
+        --admin-key-file .run/admin.key --engine-stats 127.0.0.1:50071 \\
+        --service-token-file .run/service.token
 
 Without --spawn, point --address at a running service (and --engine-stats at its
 engines). Every run is bounded by --num-requests and --duration. Reports go
@@ -34,6 +35,7 @@ from bench.loadlib.sweep import SweepConfig, run_sweep
 from bench.loadlib.workload import SHAPES, Caps, TenantSpec, TextPool
 from bench.report import REPORT_DIR
 from common.config import default_model_dir
+from common.service_auth import read_service_token
 from tokenizer_svc.tokenizer import TextTokenizer
 
 
@@ -44,6 +46,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-stats", default="", help="engines to poll GetStats on, a,b")
     g.add_argument("--admin-key", default="", help="admin key: creates the tenants")
     g.add_argument("--admin-key-file", help="file holding the admin key")
+    g.add_argument("--service-token-file", default="",
+                   help="the engines' internal-call secret (make run: .run/service.token; "
+                        "needed to call or poll its engines directly)")
     g.add_argument("--spawn", action="store_true", help="start the services it needs")
     g.add_argument("--num-engines", type=int, default=1)
     g.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
@@ -118,7 +123,8 @@ def _endpoint(args: argparse.Namespace, stack: Stack | None) -> Endpoint:
         stats = [a for a in args.engine_stats.split(",") if a]
         if args.target == "engine" and not stats:
             stats = [args.address]
-        return Endpoint(args.target, args.address, stats)
+        return Endpoint(args.target, args.address, stats,
+                        read_service_token(args.service_token_file))
     address = {"engine": stack.engines[0] if stack.engines else "", "gateway": stack.gateway,
                "envoy": stack.envoy}[args.target]
     return Endpoint(args.target, address, list(stack.engines))

@@ -26,16 +26,19 @@ class Endpoint:
         kind: ``engine``, ``gateway`` or ``envoy``.
         address: host:port of the target.
         stats: engine replicas to poll with GetStats (may be empty).
+        service_token: the internal-call secret engines require (``make run``'s
+            ``.run/service.token``); "" for engines without one.
     """
 
     kind: str
     address: str
     stats: list[str] = field(default_factory=list)
+    service_token: str = ""
 
     def target(self, tenants: list[TenantSpec]) -> Target:
         """A fresh client for this endpoint (keys from the tenants on Gateway APIs)."""
         if self.kind == "engine":
-            return EngineTarget(self.address)
+            return EngineTarget(self.address, self.service_token)
         return GatewayTarget(self.address, {t.name: t.key for t in tenants}, self.kind)
 
 
@@ -70,7 +73,8 @@ async def run_phase(phase: Phase, pool: TextPool) -> tuple[dict[str, Any], list[
     streams = {t.name: tenant_requests(t, phase.mix, pool, phase.run.seed, phase.caps)
                for t in phase.tenants}
     target = phase.endpoint.target(phase.tenants)
-    sampler = EngineSampler(phase.endpoint.stats, phase.stats_interval)
+    sampler = EngineSampler(phase.endpoint.stats, phase.stats_interval,
+                            phase.endpoint.service_token)
     started = time.time()
     try:
         result = await run_load(target, phase.tenants, streams, phase.run, sampler.start)

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from common.service_auth import token_metadata
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
 
@@ -37,8 +38,10 @@ class StatsSample:
 class EngineSampler:
     """Polls ``GetStats`` on each address every ``interval`` seconds until stopped."""
 
-    def __init__(self, addresses: list[str], interval: float = 0.25) -> None:
+    def __init__(self, addresses: list[str], interval: float = 0.25,
+                 service_token: str = "") -> None:
         self.addresses = addresses
+        self.metadata = token_metadata(service_token)
         self.interval = interval
         self.samples: list[StatsSample] = []
         self.first: dict[str, StatsSample] = {}
@@ -53,7 +56,8 @@ class EngineSampler:
         now = time.perf_counter() - self._t0
         for addr, stub in zip(self.addresses, self._stubs, strict=True):
             try:
-                s = await stub.GetStats(engine_pb2.GetStatsRequest(), timeout=2.0)
+                s = await stub.GetStats(engine_pb2.GetStatsRequest(), timeout=2.0,
+                                        metadata=self.metadata)
             except grpc.aio.AioRpcError:
                 continue
             sample = StatsSample(now, addr, s.num_waiting, s.num_running, s.num_kv_blocks_used,

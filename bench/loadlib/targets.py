@@ -24,6 +24,7 @@ from typing import Protocol
 import grpc
 
 from bench.loadlib.workload import RequestSpec
+from common.service_auth import token_metadata
 from llm.v1 import (
     common_pb2,
     engine_pb2,
@@ -90,9 +91,10 @@ class EngineTarget:
 
     name = "engine"
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, service_token: str = "") -> None:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = engine_pb2_grpc.EngineStub(self.channel)
+        self.metadata = token_metadata(service_token)
 
     async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[Progress]:
         """See ``Target.stream``."""
@@ -100,7 +102,7 @@ class EngineTarget:
             request_id=f"load-{spec.tenant}-{spec.index}", prompt_token_ids=spec.prompt_ids,
             sampling=engine_pb2.EngineSamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
             priority=common_pb2.Priority.ValueType(spec.priority), tenant_id=spec.tenant)
-        async for chunk in self.stub.Generate(req, timeout=timeout_s):
+        async for chunk in self.stub.Generate(req, timeout=timeout_s, metadata=self.metadata):
             yield len(chunk.token_ids), len(spec.prompt_ids), ""
 
     async def close(self) -> None:
