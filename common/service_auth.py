@@ -12,11 +12,14 @@ single-host development), and the service logs that it is.
 from __future__ import annotations
 
 import hmac
+import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+
+from common.config import ROOT
 
 if TYPE_CHECKING:
     Handler = grpc.RpcMethodHandler[Any, Any]
@@ -44,6 +47,13 @@ def read_service_token(path: str) -> str:
         raise ValueError(f"service_token_file {path!r} must hold a token of at least "
                          f"{MIN_TOKEN_CHARS} characters (e.g. `openssl rand -hex 32`)")
     return token
+
+
+def default_token_file() -> str:
+    """``make run``'s token (``$LLM_RUN_DIR`` or ``.run/``, ``service.token``) when it
+    exists, else "": what command-line clients use unless told otherwise."""
+    path = Path(os.environ.get("LLM_RUN_DIR") or ROOT / ".run") / "service.token"
+    return str(path) if path.is_file() else ""
 
 
 def token_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -72,6 +72,11 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10,
                                metadata=(("x-service-token", token),)).token_ids
+            tok_client = subprocess.run(  # the README's client finds make run's token itself
+                [sys.executable, "-m", "tokenizer_svc.client", "--address", addr["tokenizer"],
+                 "encode", "hi"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            assert tok_client.returncode == 0, tok_client.stderr
+            assert tok_client.stdout.split()
             health = health_pb2_grpc.HealthStub(ch)  # probes stay open
             assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
                 health_pb2.HealthCheckResponse.SERVING
