@@ -198,7 +198,8 @@ def banner(stack: Stack) -> str:
         "",
         f"Keys: admin {_rel(RUN_DIR / 'admin.key')}, demo tenant {DEMO_TENANT!r} "
         f"{_rel(RUN_DIR / 'demo.key')} "
-        f"({stack.demo_key[:11]}...)",
+        f"({stack.demo_key[:11]}...); engines and the tokenizer answer only callers with "
+        f"{_rel(RUN_DIR / 'service.token')} (x-service-token)",
         "",
         "Try it (through Envoy):",
         f"  {py} -m gateway.client --address {edge} chat 'What is the capital of France?'",

@@ -72,6 +72,14 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10,
                                metadata=(("x-service-token", token),)).token_ids
+            engine = re.search(r"^\s+engine-0\s+grpc (127\.0\.0\.1:\d+)", out, re.M)
+            assert engine is not None, out
+            eng_client = subprocess.run(  # straight to the engine, with make run's token
+                [sys.executable, "-m", "engine_svc.client", "--address", engine.group(1),
+                 "--tokenizer", addr["tokenizer"], "--max-tokens", "3", "Hi"],
+                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+            assert eng_client.returncode == 0, eng_client.stderr
+            assert "completion 3" in eng_client.stderr
             tok_client = subprocess.run(  # the README's client finds make run's token itself
                 [sys.executable, "-m", "tokenizer_svc.client", "--address", addr["tokenizer"],
                  "encode", "hi"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
