@@ -14,7 +14,12 @@ from collections.abc import Sequence
 
 
 class StopMatcher:
-    """Finds the earliest stop string in the stream; emits only text before it.
+    """Finds the first stop string to complete in the stream; emits only text before it.
+
+    "First to complete" (the match that ends earliest; of two ending together, the
+    longer) is what a token-by-token stream can decide, so the result is the same
+    however the text is split into deltas: with stops ``a`` and ``!aa`` the text
+    ``!aa`` stops at ``a`` (complete after ``!a``), in one delta or three.
 
     Args:
         stops: Stop strings (empty strings are ignored).
@@ -37,11 +42,12 @@ class StopMatcher:
         if not self.stops:
             return text
         buf = self._pending + text
-        best = -1
+        best, best_end = -1, -1
         for stop in self.stops:
-            i = buf.find(stop)
-            if i >= 0 and (best < 0 or i < best):
-                best, self.matched = i, stop
+            i = buf.find(stop)  # the earliest start of this stop is also its earliest end
+            end = i + len(stop)
+            if i >= 0 and (best < 0 or end < best_end or (end == best_end and i < best)):
+                best, best_end, self.matched = i, end, stop
         if best >= 0:
             self.stopped = True
             self._pending = ""

@@ -19,8 +19,10 @@ def run(stops: list[str], deltas: list[str]) -> tuple[str, bool]:
 
 
 def reference(stops: list[str], text: str) -> tuple[str, bool]:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return (text[: min(hits)], True) if hits else (text, False)
+    """The whole text at once: the stop that completes first (earliest end; of two ending
+    together, the longer one) cuts the text where it starts."""
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s and s in text]
+    return (text[: min(hits)[1]], True) if hits else (text, False)
 
 
 def test_stop_split_across_deltas_is_trimmed() -> None:
@@ -28,6 +30,10 @@ def test_stop_split_across_deltas_is_trimmed() -> None:
     assert run(["END"], ["the E", "n"]) == ("the En", False)
     assert run(["a", "bc"], ["xb", "c"]) == ("x", True)
     assert run([], ["free"]) == ("free", False)
+    # a stop that completes first wins over a longer one that started earlier
+    assert run(["a", "!aa"], ["!a", "a"]) == ("!", True)
+    assert run(["a", "!aa"], ["!aa"]) == ("!", True)
+    assert run(["ab", "b"], ["ab"]) == ("", True)  # both end together: the longer one
 
 
 def test_after_a_stop_nothing_more_is_emitted() -> None:
