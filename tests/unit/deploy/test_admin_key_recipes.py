@@ -11,7 +11,8 @@ import pytest
 from ratelimit.records import looks_like_key
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
-RECIPE = re.compile(r"(\S*)\$\(openssl rand -hex (\d+)\)")
+# ADMIN_KEY=sk-llm-$(openssl rand -hex 24) / admin-key="sk-llm-$(openssl rand -hex 24)"
+RECIPE = re.compile(r"(?:ADMIN_KEY|admin-key)=[\"']?(\S*?)\$\(openssl rand -hex (\d+)\)")
 
 
 @pytest.mark.parametrize("path", ["compose.yaml", "k8s/secret.yaml"])
@@ -20,6 +21,5 @@ def test_documented_admin_key_generator_passes_the_format_check(path: str) -> No
     recipes = RECIPE.findall(text)
     assert recipes, f"no `openssl rand` recipe in {path}"
     for prefix, nbytes in recipes:
-        prefix = prefix.split("=")[-1].strip("'\"")  # ADMIN_KEY=sk-llm-... / admin-key="..."
         key = prefix + secrets.token_hex(int(nbytes))
         assert looks_like_key(key), f"{path}: {prefix}$(openssl rand -hex {nbytes}) -> {key!r}"

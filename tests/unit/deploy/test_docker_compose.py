@@ -216,3 +216,14 @@ def test_gateway_waits_for_its_dependencies_and_scales(compose: dict[str, Any]) 
     for name in model_users:
         dep = compose["services"][name]["depends_on"]["model"]
         assert dep["condition"] == "service_completed_successfully"
+
+
+def test_internal_services_share_the_service_token_secret(compose: dict[str, Any]) -> None:
+    """Engine and tokenizer require the secret; the gateway sends it: one compose secret."""
+    (name,) = compose["secrets"]
+    assert compose["secrets"][name] == {"environment": "SERVICE_TOKEN"}
+    for svc, section in (("engine", "ENGINE"), ("tokenizer", "TOKENIZER"),
+                         ("gateway", "GATEWAY")):
+        spec = compose["services"][svc]
+        assert name in spec["secrets"], svc
+        assert env_of(spec)[f"LLM_{section}_SERVICE_TOKEN_FILE"] == f"/run/secrets/{name}"

@@ -150,6 +150,19 @@ def test_admin_key_comes_from_a_secret(docs: list[Doc]) -> None:
 
 
 @pytest.mark.parametrize("name", ["tokenizer", "engine", "gateway"])
+def test_internal_calls_share_the_service_token_secret(docs: list[Doc], name: str) -> None:
+    """Engine and tokenizer require it, the gateway sends it: one Secret, mounted as a file."""
+    deployment = find(docs, "Deployment", name)
+    c = container(deployment, name)
+    (env,) = [e for e in c["env"] if e["name"] == f"LLM_{name.upper()}_SERVICE_TOKEN_FILE"]
+    path = Path(env["value"])
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(path.parent)]
+    (volume,) = [v for v in pod_spec(deployment)["volumes"] if v["name"] == mount["name"]]
+    secret = find(docs, "Secret", volume["secret"]["secretName"])
+    assert path.name in secret["stringData"]
+
+
+@pytest.mark.parametrize("name", ["tokenizer", "engine", "gateway"])
 def test_probes_are_grpc_health_on_the_service_port(docs: list[Doc], name: str) -> None:
     c = container(find(docs, "Deployment", name), name)
     port = service_ports(name)["port"]
