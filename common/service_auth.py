@@ -84,15 +84,20 @@ class ServiceTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc,
         handler = await continuation(handler_call_details)
         if handler is None or self._allowed(handler_call_details):
             return handler
-        message = ("this service answers only the gateway: the call carries no valid "
-                   f"{SERVICE_TOKEN_KEY}")
+        return refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
+                                "this service answers only the gateway: the call carries no "
+                                f"valid {SERVICE_TOKEN_KEY}")
 
-        async def refuse(request: Any, context: Any) -> None:  # any RPC kind may be a coroutine
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
-        return make(refuse, request_deserializer=handler.request_deserializer,  # type: ignore[operator]
-                    response_serializer=handler.response_serializer)
+def refusing_handler(handler: Handler, code: grpc.StatusCode, message: str) -> Handler:
+    """A handler of the same kind as ``handler`` that ends every call with ``code``."""
+
+    async def refuse(request: Any, context: Any) -> None:  # any RPC kind may be a coroutine
+        await context.abort(code, message)
+
+    make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse, request_deserializer=handler.request_deserializer,  # type: ignore[operator]
+                response_serializer=handler.response_serializer)
 
 
 _HANDLER_KINDS = {

@@ -25,6 +25,7 @@ from common.log import configure_logging
 from common.server import ServiceHooks, run_service
 from gateway import routing_admin, service
 from gateway.app import GatewayApp
+from gateway.auth import ReflectionAuthInterceptor
 from gateway.config import GatewayConfig
 from gateway.http import HttpFront
 from ratelimit.config import RateLimitConfig
@@ -83,7 +84,8 @@ async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
 
     # SIGTERM: app.drain makes the pipeline refuse new requests (gRPC and HTTP alike,
     # /health answers 503) and waits for streams in flight; then both servers stop.
-    hooks = ServiceHooks(register=register, ready=ready, on_drain=app.drain, on_stop=stop)
+    hooks = ServiceHooks(register=register, ready=ready, on_drain=app.drain, on_stop=stop,
+                         interceptors=[ReflectionAuthInterceptor(app.stack.registry)])
     await run_service("gateway", config, hooks)
 
 
