@@ -49,10 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             def token_stream() -> object:
                 for chunk in eng.Generate(req, timeout=300, metadata=md):
+                    if chunk.finish_reason:  # before the yield: the tokenizer ends its
+                        token_stream.last = chunk  # type: ignore[attr-defined]  # stream on it
                     yield tokenizer_pb2.DecodeStreamRequest(token_ids=chunk.token_ids,
                                                             finish=bool(chunk.finish_reason))
-                    if chunk.finish_reason:
-                        token_stream.last = chunk  # type: ignore[attr-defined]
 
             for delta in tok.DecodeStream(token_stream(), metadata=md):  # type: ignore[arg-type]
                 print(delta.text, end="", flush=True)

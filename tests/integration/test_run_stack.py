@@ -128,3 +128,5 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
