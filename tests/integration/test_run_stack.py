@@ -125,8 +125,12 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)  # every service is gone, none orphaned
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc.poll() is None:  # a failure above: let make run stop its services first
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # its children would be orphaned: only after the grace
+                proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
