@@ -341,6 +341,25 @@ inline void prefetch_block_rows(const C* k, const C* v, int64_t rows, int64_t st
   }
 }
 
+// Walks one sequence's KV head block by block through its block table:
+// body(k_rows, v_rows, n) gets the block's first K and V row of the head and
+// its n valid rows (row stride ``stride``); the next block's rows are
+// prefetched before the body runs. Both decode kernels iterate through this.
+template <typename C, typename Body>
+inline __attribute__((always_inline)) void for_each_kv_block(
+    const C* kc, const C* vc, const int64_t* bt, int64_t ctx, int64_t bs, int64_t stride,
+    int64_t head_offset, int64_t D, Body&& body) {
+  const int64_t nblk = (ctx + bs - 1) / bs;
+  for (int64_t blk = 0; blk < nblk; ++blk) {
+    if (blk + 1 < nblk) {
+      const int64_t next = bt[blk + 1] * bs * stride + head_offset;
+      prefetch_block_rows(kc + next, vc + next, bs, stride, D);
+    }
+    const int64_t at = bt[blk] * bs * stride + head_offset;
+    body(kc + at, vc + at, std::min(bs, ctx - blk * bs));
+  }
+}
+
 // kD > 0 fixes the head dimension at compile time (fully unrolled, no loop
 // tails: 2-3x faster for the common 64 and 128); kD == 0 takes it at run time.
 // kG > 0 likewise fixes the query heads per KV head, so the G accumulators
@@ -361,15 +380,8 @@ void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, in
     for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
   }
   const int64_t stride = Hkv * D;
-  const int64_t nblk = (ctx + bs - 1) / bs;
-  for (int64_t blk = 0; blk < nblk; ++blk) {
-    const int64_t n = std::min(bs, ctx - blk * bs);
-    const C* kb = kc + bt[blk] * bs * stride + kvh * D;
-    const C* vb = vc + bt[blk] * bs * stride + kvh * D;
-    if (blk + 1 < nblk) {
-      prefetch_block_rows(kc + bt[blk + 1] * bs * stride + kvh * D,
-                          vc + bt[blk + 1] * bs * stride + kvh * D, bs, stride, D);
-    }
+  for_each_kv_block(kc, vc, bt, ctx, bs, stride, kvh * D, D,
+                    [&](const C* kb, const C* vb, int64_t n) {
     for (int64_t t = 0; t < n; ++t) {
       const C* kr = kb + t * stride;
       for (int64_t d = 0; d < D; ++d) row[d] = to_f(kr[d]);
@@ -402,7 +414,7 @@ void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, in
         for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
       }
     }
-  }
+  });
   for (int64_t g = 0; g < G; ++g) {
     const float inv = l[g] > 0.f ? v_scale / l[g] : 0.f;
     O* o = out + g * D;
@@ -478,15 +490,8 @@ void decode_item_avx512(const float* q, const C* kc, const C* vc, const int64_t*
     }
   }
   const int64_t stride = Hkv * kD;
-  const int64_t nblk = (ctx + bs - 1) / bs;
-  for (int64_t blk = 0; blk < nblk; ++blk) {
-    const int64_t n_blk = std::min(bs, ctx - blk * bs);
-    const C* kb = kc + bt[blk] * bs * stride + kvh * kD;
-    const C* vb = vc + bt[blk] * bs * stride + kvh * kD;
-    if (blk + 1 < nblk) {
-      prefetch_block_rows(kc + bt[blk + 1] * bs * stride + kvh * kD,
-                          vc + bt[blk + 1] * bs * stride + kvh * kD, bs, stride, kD);
-    }
+  for_each_kv_block(kc, vc, bt, ctx, bs, stride, kvh * kD, kD,
+                    [&](const C* kb, const C* vb, int64_t n_blk) {
     for (int64_t t0 = 0; t0 < n_blk; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, n_blk - t0);
       const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
@@ -528,7 +533,7 @@ void decode_item_avx512(const float* q, const C* kc, const C* vc, const int64_t*
         }
       }
     }
-  }
+  });
   for (int64_t g = 0; g < kG; ++g) {
     const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? v_scale / l[g] : 0.f);
     alignas(64) float row[kD];
