@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
 import json
 import os
 import signal
@@ -31,17 +30,16 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from common.config import ServiceConfig
+from common.interceptors import DecodeErrorInterceptor, Handler, ServiceTokenInterceptor
 from common.log import get_logger
-from common.service_auth import ServiceTokenInterceptor, read_service_token
+from common.service_auth import read_service_token
 
 log = get_logger(__name__)
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
-    Handler = grpc.RpcMethodHandler[Any, Any]
-else:  # the runtime classes are not subscriptable
+else:  # the runtime class is not subscriptable
     Context = grpc.aio.ServicerContext
-    Handler = grpc.RpcMethodHandler
 
 REQUEST_ID_KEY = "x-request-id"
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
@@ -66,77 +64,6 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc,typ
             request_id=str(rid), rpc=handler_call_details.method
         )
         return await continuation(handler_call_details)
-
-
-class _Undecodable:
-    """Stands in for a request message that did not parse (e.g. bad UTF-8 in a string)."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
-    if deserialize is None:
-        return None
-
-    def parse(raw: bytes) -> Any:
-        try:
-            return deserialize(raw)
-        except Exception as e:  # DecodeError and friends: the client's bytes are bad
-            return _Undecodable(str(e))
-
-    return parse
-
-
-def _invalid_message(bad: _Undecodable) -> str:
-    return (f"the request message could not be decoded ({bad.reason}); string fields must "
-            "be valid UTF-8")
-
-
-class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc,type-arg]
-    """A request that does not parse is INVALID_ARGUMENT with the parser's reason.
-
-    grpc answers such a request with INTERNAL ("Exception deserializing request!"),
-    which blames the server for the client's bytes (invalid UTF-8 in a string field,
-    a truncated message). Unary-request handlers get a deserializer that never
-    raises and a behaviour that refuses the undecodable request before it runs.
-    """
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler:
-        handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming:
-            return handler
-        behavior: Any = handler.unary_stream if handler.response_streaming else handler.unary_unary
-        wrapped: Any
-        if inspect.isasyncgenfunction(behavior):  # yields its responses
-
-            async def wrapped(request: Any, context: Any) -> Any:
-                if isinstance(request, _Undecodable):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        _invalid_message(request))
-                async for item in behavior(request, context):
-                    yield item
-
-        elif inspect.iscoroutinefunction(behavior):  # returns a response or context.write()s
-
-            async def wrapped(request: Any, context: Any) -> Any:
-                if isinstance(request, _Undecodable):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        _invalid_message(request))
-                return await behavior(request, context)
-
-        else:
-            return handler
-        make = (grpc.unary_stream_rpc_method_handler if handler.response_streaming
-                else grpc.unary_unary_rpc_method_handler)
-        return make(wrapped, request_deserializer=_tolerant(handler.request_deserializer),
-                    response_serializer=handler.response_serializer)
 
 
 @dataclass(slots=True)

@@ -6,12 +6,9 @@ tenant key learns nothing else (not even whether its parameters are valid).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
-
 import grpc
 
-from common.service_auth import refusing_handler
+from common.interceptors import GateInterceptor
 from gateway.domain import GatewayError
 from ratelimit.config import Tenant
 from ratelimit.errors import PermissionDeniedError, StoreError, UnauthenticatedError
@@ -20,13 +17,8 @@ from ratelimit.registry import Registry
 
 SCHEME = "bearer"
 
-if TYPE_CHECKING:
-    Handler = grpc.RpcMethodHandler[Any, Any]
-else:
-    Handler = grpc.RpcMethodHandler
 
-
-class ReflectionAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc,type-arg]
+class ReflectionAuthInterceptor(GateInterceptor):
     """gRPC reflection describes the whole API: only callers with a valid key (a tenant's
     or an admin's) get it; anyone else gets UNAUTHENTICATED. Other methods pass through
     (they authenticate themselves)."""
@@ -34,26 +26,22 @@ class ReflectionAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[mis
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Handler:
-        handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith("/grpc.reflection."):
-            return handler
-        md = {k: v for k, v in handler_call_details.invocation_metadata or ()}
+    async def refusal(self, details: grpc.HandlerCallDetails
+                      ) -> tuple[grpc.StatusCode, str] | None:
+        if not details.method.startswith("/grpc.reflection."):
+            return None
+        md = dict(details.invocation_metadata or ())
         try:
             key = bearer_key(str(md.get("authorization", "")))
             try:
                 await self.registry.authenticate(key, KeyRole.TENANT)
-            except PermissionDeniedError:
+            except PermissionDeniedError:  # an admin key: also fine here
                 await self.registry.authenticate(key, KeyRole.ADMIN)
         except (GatewayError, UnauthenticatedError, PermissionDeniedError, StoreError):
-            return refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED,
-                                    "reflection needs a valid API key: send metadata "
-                                    "'authorization: Bearer sk-llm-...'")
-        return handler
+            return (grpc.StatusCode.UNAUTHENTICATED,
+                    "reflection needs a valid API key: send metadata "
+                    "'authorization: Bearer sk-llm-...'")
+        return None
 
 
 def bearer_key(authorization: str) -> str:
