@@ -15,10 +15,14 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
 from llm.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from ratelimit.config import Tenant
 
 _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
 _TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
@@ -76,6 +80,8 @@ class CallContext:
         request_id: Client-chosen id ("" = generate one).
         traceparent: Incoming W3C traceparent ("" = start a trace).
         timeout_s: Client deadline in seconds from now (None = the configured default).
+        tenant: The caller's tenant when the front already authenticated the key
+            (the HTTP front does, before it reads the body); None = the pipeline does.
         session_key: Sticky routing key of a conversation (gRPC: ``x-session-id``
             metadata; HTTP: the ``x-session-id`` header or the body's ``user``);
             "" = none. Requests with one key stay on one model version.
@@ -86,6 +92,7 @@ class CallContext:
     traceparent: str = ""
     timeout_s: float | None = None
     session_key: str = ""
+    tenant: Tenant | None = None
     trace_id: str = field(default="", init=False)
     request_id_error: str = field(default="", init=False)
 
@@ -97,6 +104,9 @@ class CallContext:
             self.request_id = ""
         self.request_id = self.request_id or uuid.uuid4().hex
         self.traceparent, self.trace_id = new_traceparent(self.traceparent)
+
+
+_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 
 
 def engine_request_id(tenant_id: str) -> str:
@@ -111,15 +121,12 @@ def engine_request_id(tenant_id: str) -> str:
     return f"{label}.{secrets.token_hex(16)}"
 
 
-_UNSAFE_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]")
-
-
 class Deadline:
     """One deadline across every attempt of a request (monotonic clock).
 
     Args:
-        seconds: From now; must be a positive finite number (``clamp`` first
-            for a client's value).
+        seconds: From now; must be a positive finite number (a client's value
+            goes through ``for_client``).
     """
 
     def __init__(self, seconds: float) -> None:

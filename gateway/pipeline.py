@@ -129,7 +129,7 @@ class Pipeline:
                                                trace_id=call.trace_id)
         self._enter()
         try:
-            tenant = await self.auth.tenant(call.authorization)
+            tenant = call.tenant or await self.auth.tenant(call.authorization)
             tenant_label = tenant.tenant_id
             structlog.contextvars.bind_contextvars(tenant=tenant.tenant_id)
             if call.request_id_error:
@@ -252,6 +252,7 @@ class Pipeline:
         tenant = admitted.tenant.tenant_id
         first_at: float | None = None
         text: TextStream | None = None
+        client_left = False  # cancelled, or its deadline passed
         try:
             text = TextStream(job.correlation_id, self.tokenizer, job.stop_strings,
                               len(job.prompt_token_ids))
@@ -267,20 +268,19 @@ class Pipeline:
                         metrics.OVERHEAD.observe(max(0.0, text.attempt_started_at - start))
                     yield chunk
         except (asyncio.CancelledError, GeneratorExit):
-            if text is not None:
-                text.ended_by_client = True
+            client_left = True
             raise
         except GatewayError as e:
-            if text is not None and e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                text.ended_by_client = True
+            client_left = e.code == grpc.StatusCode.DEADLINE_EXCEEDED
             raise
         finally:
             if text is not None and first_at is not None and len(text.token_ids) > 1:
                 metrics.TPOT.labels(job.model, labels.version).observe(
                     (time.perf_counter() - first_at) / (len(text.token_ids) - 1))
-            await asyncio.shield(self._settle(admitted, text))
+            await asyncio.shield(self._settle(admitted, text, client_left))
 
-    async def _settle(self, admitted: _Admitted, text: TextStream | None) -> None:
+    async def _settle(self, admitted: _Admitted, text: TextStream | None,
+                      client_left: bool) -> None:
         """Charge what was used and give back the rest of the reservation.
 
         The prompt is charged once an engine answered, or once it was sent to an
@@ -288,8 +288,7 @@ class Pipeline:
         work it started is not free. An engine's refusal or failure charges nothing.
         """
         prompt = 0
-        if text is not None and (text.engine_answered
-                                 or (text.dispatched and text.ended_by_client)):
+        if text is not None and (text.engine_answered or (text.dispatched and client_left)):
             prompt = text.num_prompt_tokens
         completion = len(text.token_ids) if text is not None else 0
         tenant = admitted.tenant.tenant_id

@@ -38,7 +38,6 @@ class TextStream:
         self.num_cached_tokens = 0
         self.engine_answered = False  # an engine accepted the request (prefill ran)
         self.dispatched = False  # the prompt was sent to an engine (prefill may be running)
-        self.ended_by_client = False  # the client left or its deadline passed
         self.first_token_at: float | None = None
         self.attempt_started_at = 0.0
         self.model = ""

@@ -145,7 +145,7 @@ class OpenAIRoutes:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         call = request[CALL_KEY]
         try:  # the key first: an unauthenticated caller gets no body read or parsed
-            await self.pipeline.auth.tenant(call.authorization)
+            call.tenant = await self.pipeline.auth.tenant(call.authorization)
         except GatewayError as e:
             raise ApiError.from_gateway(e, chat=chat) from None
         parsed = await self._parse(request, chat)
