@@ -69,22 +69,34 @@ def test_a_reused_request_id_never_touches_another_stream(
     req.request_id = shared
     results: dict[str, list[gateway_pb2.GenerateResponse]] = {}
     errors: list[BaseException] = []
+    first_is_live = threading.Event()
+    ended: dict[str, float] = {}
 
     def run(name: str, key: str) -> None:
+        chunks: list[gateway_pb2.GenerateResponse] = []
         try:
-            results[name] = gateway.generate(key, req, timeout=120)
+            for chunk in gateway.stub.Generate(
+                    req, metadata=(("authorization", f"Bearer {key}"),), timeout=120):
+                chunks.append(chunk)
+                first_is_live.set()
+            results[name] = chunks
         except BaseException as e:  # surfaced below
             errors.append(e)
+        finally:
+            first_is_live.set()
+            ended[name] = time.monotonic()
 
     first = threading.Thread(target=run, args=("a1", key_a))
     first.start()
-    time.sleep(0.3)  # the first stream is live when the others arrive
+    assert first_is_live.wait(120)  # its first chunk arrived: the id is live on an engine
+    started_others = time.monotonic()
     others = [threading.Thread(target=run, args=(n, k)) for n, k in (("b", key_b), ("a2", key_a))]
     for t in others:
         t.start()
     for t in (first, *others):
         t.join(180)
     assert not errors, errors
+    assert ended["a1"] > started_others  # the three streams overlapped
     for name, chunks in results.items():
         assert sum(len(c.token_ids) for c in chunks) == 48, name
         assert chunks[-1].finish_reason == common_pb2.LENGTH, name
@@ -148,9 +160,14 @@ def test_huge_grpc_deadlines_are_cut_to_the_maximum_and_release_everything(
 def test_a_deadline_that_passes_mid_stream_releases_everything(
     gateway: GatewayProcess, engines: EnginePair
 ) -> None:
+    """The deadline is a quarter of what the whole stream takes on this machine (measured
+    first), so it passes mid-stream however fast or slow the machine is."""
     tid, key = gateway.tenant()
+    start = time.monotonic()
+    assert gateway.generate(key, LONG, timeout=120)[-1].finish_reason == common_pb2.LENGTH
+    whole = time.monotonic() - start
     with pytest.raises(grpc.RpcError) as err:
-        gateway.generate(key, LONG, timeout=0.4)
+        gateway.generate(key, LONG, timeout=whole / 4)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert_idle(gateway, tid, engines)
 

@@ -247,9 +247,11 @@ class LostReplyStore(BrokenStore):
     def __init__(self, inner: MemoryStore, after: str) -> None:
         super().__init__(inner)
         self.after = after
+        self.ran = asyncio.Event()  # the reserve took its tokens and lease
 
     async def reserve(self, *args: Any, **kwargs: Any) -> Outcome:
         outcome = await self.inner.reserve(*args, **kwargs)
+        self.ran.set()
         if self.after == "error":
             raise StoreError("connection reset while reading the reply")
         await asyncio.sleep(3600)
@@ -264,6 +266,11 @@ async def _drain(limiter: RateLimiter) -> None:
     raise AssertionError("compensation still running")
 
 
+async def assert_store_holds(store: MemoryStore, tokens: float, leases: int) -> None:
+    usage = await store.usage(TENANT.tenant_id, TENANT.limits)
+    assert (usage.tokens_available, usage.concurrent_in_use) == (tokens, leases)
+
+
 @pytest.mark.parametrize("after", ["error", "hang"])
 async def test_a_reserve_with_a_lost_answer_is_compensated_by_lease_id(after: str) -> None:
     """Timeout (the guard's 100 ms) or error after the script ran: the tokens and the
@@ -273,24 +280,21 @@ async def test_a_reserve_with_a_lost_answer_is_compensated_by_lease_id(after: st
     d = await limiter.reserve(TENANT, 1000)
     assert d.allowed  # fail-open: the local share decided
     await _drain(limiter)
-    usage = await inner.usage(TENANT.tenant_id, TENANT.limits)
-    assert usage.tokens_available == 6000
-    assert usage.concurrent_in_use == 0
+    await assert_store_holds(inner, 6000, 0)
 
 
 async def test_a_cancelled_reserve_is_compensated() -> None:
     inner = memory(Clock())
-    limiter = RateLimiter(LostReplyStore(inner, "hang"), timeout_ms=10_000)  # type: ignore[arg-type]
+    store = LostReplyStore(inner, "hang")
+    limiter = RateLimiter(store, timeout_ms=10_000)  # type: ignore[arg-type]
     task = asyncio.create_task(limiter.reserve(TENANT, 1000))
-    await asyncio.sleep(0.05)  # the script ran; the answer never comes
-    assert (await inner.usage(TENANT.tenant_id, TENANT.limits)).concurrent_in_use == 1
+    await store.ran.wait()  # the script ran; the answer never comes
+    await assert_store_holds(inner, 5000, 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     await _drain(limiter)
-    usage = await inner.usage(TENANT.tenant_id, TENANT.limits)
-    assert usage.tokens_available == 6000
-    assert usage.concurrent_in_use == 0
+    await assert_store_holds(inner, 6000, 0)
 
 
 async def test_compensation_never_refunds_a_reserve_that_did_not_run() -> None:
@@ -303,6 +307,4 @@ async def test_compensation_never_refunds_a_reserve_that_did_not_run() -> None:
     await limiter.reserve(TENANT, 2000)
     broken.mode = "ok"
     await _drain(limiter)
-    usage = await inner.usage(TENANT.tenant_id, TENANT.limits)
-    assert usage.tokens_available == 5000  # not 7000: nothing was given back
-    assert usage.concurrent_in_use == 1
+    await assert_store_holds(inner, 5000, 1)  # not 7000: nothing was given back
