@@ -31,9 +31,11 @@ def profile_batch(
     engine: LLMEngine, batch: int, context: int, steps: int, num_ops: int, tag: str
 ) -> dict[str, Any]:
     rng = random.Random(batch)
+    # the first prompts decode while later ones prefill: room for those steps too
+    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
     for i in range(batch):
         prompt = [rng.randrange(100, 40000) for _ in range(context)]
-        params = SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True)
+        params = SamplingParams(max_tokens=2 * steps + 8 + prefill_steps, ignore_eos=True)
         assert engine.add_request(f"{tag}-{batch}-{i}", prompt, params)
     while engine.scheduler.waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
