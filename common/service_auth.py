@@ -27,16 +27,29 @@ def read_service_token(path: str) -> str:
     Raises:
         ValueError: the file is missing, or holds fewer than 32 characters.
     """
+    return read_secret_file(path, "service_token_file")
+
+
+def read_secret_file(path: str, setting: str) -> str:
+    """The secret in ``path`` (surrounding whitespace stripped; "" for an empty path).
+
+    Args:
+        path: the file (a mounted Secret, ``make run``'s ``.run/`` file).
+        setting: the config key that named it, for the error message.
+
+    Raises:
+        ValueError: the file is missing, or holds fewer than 32 characters.
+    """
     if not path:
         return ""
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"service_token_file {path!r} does not exist")
-    token = file.read_text().strip()
-    if len(token) < MIN_TOKEN_CHARS:
-        raise ValueError(f"service_token_file {path!r} must hold a token of at least "
-                         f"{MIN_TOKEN_CHARS} characters (e.g. `openssl rand -hex 32`)")
-    return token
+        raise ValueError(f"{setting} {path!r} does not exist")
+    secret = file.read_text().strip()
+    if len(secret) < MIN_TOKEN_CHARS or any(c.isspace() for c in secret):
+        raise ValueError(f"{setting} {path!r} must hold a secret of at least {MIN_TOKEN_CHARS} "
+                         "characters without whitespace (e.g. `openssl rand -hex 32`)")
+    return secret
 
 
 def default_token_file() -> str:

@@ -40,6 +40,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engines", help="comma-separated engine replicas, host:port")
     parser.add_argument("--tokenizer", help="tokenizer_svc address, host:port")
     parser.add_argument("--redis-url", help="Redis for keys, tenants and limits")
+    parser.add_argument("--redis-username", help="Redis ACL user")
+    parser.add_argument("--redis-password-file", help="file holding the Redis user's password")
     parser.add_argument("--model-dir", help="HF checkpoint for in-process detokenization")
     parser.add_argument("--admin-key-file", help="file holding the bootstrap admin key")
     parser.add_argument("--failover", choices=["on", "off"], help="mid-stream failover")
@@ -55,7 +57,8 @@ def load_configs(args: argparse.Namespace) -> tuple[GatewayConfig, RateLimitConf
         **service_overrides(args), "engines": args.engines, "tokenizer": args.tokenizer,
         "model_dir": args.model_dir, "failover": failover, "http_port": args.http_port})
     rl = load_config(RateLimitConfig, "ratelimit", path=args.config, overrides={
-        "redis_url": args.redis_url, "admin_key_file": args.admin_key_file})
+        "redis_url": args.redis_url, "admin_key_file": args.admin_key_file,
+        "redis_username": args.redis_username, "redis_password_file": args.redis_password_file})
     return gw, rl
 
 

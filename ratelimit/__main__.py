@@ -24,6 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m ratelimit", description=__doc__)
     add_service_args(parser)
     parser.add_argument("--redis-url")
+    parser.add_argument("--redis-username", help="Redis ACL user")
+    parser.add_argument("--redis-password-file", help="file holding the Redis user's password")
     parser.add_argument("--key-prefix")
     parser.add_argument("--fail-mode", choices=["open", "closed"])
     parser.add_argument("--admin-key-file")
@@ -48,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {
         **service_overrides(args),
         "redis_url": args.redis_url,
+        "redis_username": args.redis_username,
+        "redis_password_file": args.redis_password_file,
         "key_prefix": args.key_prefix,
         "fail_mode": args.fail_mode,
         "admin_key_file": args.admin_key_file,

@@ -161,6 +161,8 @@ class RateLimitConfig(ServiceConfig):
 
     port: int = 50081
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_username: str = ""  # ACL user (e.g. "llm"); "" = the URL's, else none
+    redis_password_file: str = ""  # file holding that user's password (a mounted Secret)
     key_prefix: str = "rl:"
     timeout_ms: int = 100  # budget for one limiter call to Redis
     pool_size: int = 64

@@ -22,6 +22,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from common.log import get_logger
+from common.service_auth import read_secret_file
 from ratelimit.audit import AuditLog
 from ratelimit.breaker import CircuitBreaker
 from ratelimit.config import RateLimitConfig
@@ -39,8 +40,11 @@ log = get_logger(__name__)
 def make_client(config: RateLimitConfig) -> Redis:
     """A pooled ``redis.asyncio`` client with ``decode_responses=True``."""
     backstop = max(1.0, 10 * config.timeout_ms / 1000.0)
+    password = read_secret_file(config.redis_password_file, "redis_password_file")
     return Redis.from_url(
         config.redis_url,
+        username=config.redis_username or None,
+        password=password or None,
         decode_responses=True,
         max_connections=config.pool_size,
         socket_timeout=backstop,

@@ -27,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 from common.pgroup import stop_process_group, tail
+from ratelimit.redis_acl import SERVICE_USER, acl_file
 
 
 def find_server_binary() -> str:
@@ -44,6 +45,15 @@ def find_server_binary() -> str:
     return str(binary.get_binary_path())
 
 
+def _resp(*args: str) -> bytes:
+    """One command in RESP (a multi-bulk array), safe for any argument bytes."""
+    out = [f"*{len(args)}\r\n".encode()]
+    for a in args:
+        b = a.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -52,15 +62,29 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RedisServer:
-    """One Redis-protocol server subprocess on a free port (no persistence)."""
+    """One Redis-protocol server subprocess on a free port (no persistence).
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", binary: str | None = None) -> None:
+    With ``password`` the server runs the stack's ACL (``ratelimit.redis_acl``):
+    no anonymous access, one service user (``username``) limited to keys under
+    ``key_prefix`` and to non-dangerous commands.
+    """
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", binary: str | None = None,
+                 *, password: str = "", username: str = SERVICE_USER,
+                 key_prefix: str = "rl:") -> None:
         self.host = host
         self.port = port or free_port(host)
         self.binary = binary or find_server_binary()
         self.workdir = Path(tempfile.mkdtemp(prefix="redis-test-"))
         self.log_path = self.workdir / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.username = username if password else ""
+        self.password = password
+        self.acl_path: Path | None = None
+        if password:
+            self.acl_path = self.workdir / "users.acl"
+            self.acl_path.touch(mode=0o600)
+            self.acl_path.write_text(acl_file(password, key_prefix, username))
 
     @property
     def url(self) -> str:
@@ -88,6 +112,8 @@ class RedisServer:
             "--daemonize",
             "no",
         ]
+        if self.acl_path is not None:
+            cmd += ["--aclfile", str(self.acl_path)]
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -114,11 +140,21 @@ class RedisServer:
         return self.proc is not None and self.proc.poll() is None
 
     def ping(self) -> bool:
-        """True when the server answers ``PING`` (raw RESP, no client library)."""
+        """True when the server answers ``PING`` (raw RESP, no client library),
+        as the service user when the server has an ACL."""
+        ping = _resp("PING")
+        if self.password:
+            ping = _resp("AUTH", self.username, self.password) + ping
         try:
             with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
+                sock.sendall(ping)
+                reply = b""
+                while reply.count(b"\r\n") < (2 if self.password else 1):
+                    chunk = sock.recv(256)
+                    if not chunk:
+                        break
+                    reply += chunk
+                return reply.endswith(b"+PONG\r\n") and b"-" not in reply[:1]
         except OSError:
             return False
 

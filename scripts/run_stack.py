@@ -36,6 +36,7 @@ from gateway.config import GatewayConfig
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from ratelimit.config import RateLimitConfig
 from ratelimit.records import generate_key
+from ratelimit.redis_acl import SERVICE_USER
 from ratelimit.testing import RedisServer
 from tokenizer_svc.__main__ import TokenizerConfig
 
@@ -76,12 +77,12 @@ class Stack:
     def by_name(self, name: str) -> ManagedProcess:
         return next(p for p in self.procs if p.name == name)
 
-    def start_redis(self, url: str) -> str:
+    def start_redis(self, url: str, password: str, key_prefix: str) -> str:
         host_port = url.split("//", 1)[1].split("/", 1)[0]
         host, port = host_port.rsplit(":", 1)
         wanted = int(port)
         self.redis = RedisServer(port=wanted if wanted and port_free(host, wanted) else 0,
-                                 host=host)
+                                 host=host, password=password, key_prefix=key_prefix)
         self.redis.start()
         return self.redis.url
 
@@ -113,10 +114,12 @@ def admin_key() -> str:
     return key
 
 
-def service_token_file() -> Path:
-    """.run/service.token: the shared secret of internal calls (made once, mode 0600)."""
-    path = RUN_DIR / "service.token"
+def secret_file(name: str) -> Path:
+    """.run/<name>: a random secret made once, mode 0600 (the service token, which
+    engines and the tokenizer require of every caller; Redis's ACL password)."""
+    path = RUN_DIR / name
     if not path.exists() or len(path.read_text().strip()) < MIN_TOKEN_CHARS:
+        path.touch(mode=0o600)
         path.write_text(secrets.token_hex(32) + "\n")
     path.chmod(0o600)
     return path
@@ -145,10 +148,13 @@ def bring_up(stack: Stack) -> None:
     eng = load_config(EngineServiceConfig, "engine")
     gw = load_config(GatewayConfig, "gateway")
     print("starting redis ...", flush=True)
-    redis_url = stack.start_redis(rl.redis_url)
+    # no anonymous Redis: one ACL user, limited to the limiter's keys and commands
+    redis_password = secret_file("redis.password")
+    redis_url = stack.start_redis(rl.redis_url, redis_password.read_text().strip(),
+                                  rl.key_prefix)
     stack.admin_key = admin_key()
     # engines and the tokenizer answer only callers with this secret (the gateway)
-    common = ["--log-format", "json", "--service-token-file", str(service_token_file())]
+    common = ["--log-format", "json", "--service-token-file", str(secret_file("service.token"))]
     stack.start(ManagedProcess(
         name="tokenizer", module="tokenizer_svc", log_dir=stack.log_dir, host=tok.host,
         args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port), *common]))
@@ -161,8 +167,9 @@ def bring_up(stack: Stack) -> None:
         args=["--port", str(gw.port), "--metrics-port", str(gw.metrics_port),
               "--http-port", str(gw.http_port), "--engines", engine,
               "--tokenizer", stack.by_name("tokenizer").address,
-              "--redis-url", redis_url, "--admin-key-file", str(RUN_DIR / "admin.key"),
-              *common]))
+              "--redis-url", redis_url, "--redis-username", SERVICE_USER,
+              "--redis-password-file", str(redis_password),
+              "--admin-key-file", str(RUN_DIR / "admin.key"), *common]))
     gateway = stack.by_name("gateway").address
     print("starting envoy ...", flush=True)
     ev = load_config(EnvoyConfig, "envoy")
@@ -190,7 +197,8 @@ def banner(stack: Stack) -> str:
     lines = [
         "",
         "The stack is up:",
-        f"  {'redis':<10} {stack.redis.url}",
+        f"  {'redis':<10} {stack.redis.url} (ACL user {SERVICE_USER!r}, password "
+        f"{_rel(RUN_DIR / 'redis.password')})",
         *(f"  {p.name:<10} grpc {p.address:<22} metrics http://{p.host}:{p.metrics_port}/metrics"
           f"   log {_rel(p.log_path)}" for p in stack.procs),
         f"  {'envoy':<10} {edge:<27} (public: llm.v1.Gateway, OpenAI /v1/*, admin as "

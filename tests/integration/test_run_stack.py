@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import ROOT
@@ -60,6 +61,18 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
         token = (tmp_path / "service.token").read_text().strip()
         assert len(token) >= 32
         assert (tmp_path / "service.token").stat().st_mode & 0o077 == 0
+        redis_url = re.search(r"^\s+redis\s+(redis://\S+)", out, re.M)
+        assert redis_url is not None, out
+        redis_password = (tmp_path / "redis.password").read_text().strip()
+        assert (tmp_path / "redis.password").stat().st_mode & 0o077 == 0
+        anonymous = redis.Redis.from_url(redis_url.group(1))
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            anonymous.get("rl:x")  # Redis answers nobody but the gateway's ACL user
+        service = redis.Redis.from_url(redis_url.group(1), username="llm", password=redis_password)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            service.flushall()
+        anonymous.close()
+        service.close()
         with grpc.insecure_channel(addr["tokenizer"]) as ch:
             stub = tokenizer_pb2_grpc.TokenizerStub(ch)
             # internal services answer only the gateway (which got the token)

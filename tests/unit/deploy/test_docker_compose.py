@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
+from ratelimit.config import RateLimitConfig
+from ratelimit.redis_acl import SERVICE_USER, service_rules
 from tests.unit.deploy.helpers import (
     DEPLOY,
     ENVOY_PUBLIC_PORT,
@@ -151,7 +153,7 @@ def test_every_long_running_service_has_a_healthcheck(compose: dict[str, Any]) -
             continue
         test = svc.get("healthcheck", {}).get("test")
         assert test, f"{name} has no healthcheck"
-        assert test[0] == "CMD", f"{name}: healthcheck must exec a command"
+        assert test[0] in ("CMD", "CMD-SHELL"), f"{name}: healthcheck must run a command"
 
 
 def test_compose_ports_match_the_config(compose: dict[str, Any]) -> None:
@@ -220,10 +222,28 @@ def test_gateway_waits_for_its_dependencies_and_scales(compose: dict[str, Any]) 
 
 def test_internal_services_share_the_service_token_secret(compose: dict[str, Any]) -> None:
     """Engine and tokenizer require the secret; the gateway sends it: one compose secret."""
-    (name,) = compose["secrets"]
+    name = "service_token"
     assert compose["secrets"][name] == {"environment": "SERVICE_TOKEN"}
     for svc, section in (("engine", "ENGINE"), ("tokenizer", "TOKENIZER"),
                          ("gateway", "GATEWAY")):
         spec = compose["services"][svc]
         assert name in spec["secrets"], svc
         assert env_of(spec)[f"LLM_{section}_SERVICE_TOKEN_FILE"] == f"/run/secrets/{name}"
+
+
+def test_redis_has_an_acl_user_and_the_gateway_uses_it(compose: dict[str, Any]) -> None:
+    """No anonymous Redis: ratelimit.redis_acl's rules, the password a compose secret."""
+    assert compose["secrets"]["redis_password"] == {"environment": "REDIS_PASSWORD"}
+    redis = compose["services"]["redis"]
+    script = " ".join(redis["command"])
+    assert "user default off" in script
+    assert "--aclfile" in script
+    assert f"user {SERVICE_USER} on >%s {service_rules(RateLimitConfig().key_prefix)}" in script
+    assert "$$(cat /run/secrets/redis_password)" in script
+    assert "redis_password" in redis["secrets"]
+    assert f"--user {SERVICE_USER}" in redis["healthcheck"]["test"][1]
+    gateway = compose["services"]["gateway"]
+    assert "redis_password" in gateway["secrets"]
+    env = env_of(gateway)
+    assert env["LLM_RATELIMIT_REDIS_USERNAME"] == SERVICE_USER
+    assert env["LLM_RATELIMIT_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password"

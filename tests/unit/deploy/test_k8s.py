@@ -14,6 +14,7 @@ from kubernetes_validate import utils as kv_utils  # type: ignore[import-untyped
 from common.config import load_config
 from deploy.envoy.config import CONTAINER_PRESET, Endpoint
 from ratelimit.config import RateLimitConfig
+from ratelimit.redis_acl import SERVICE_USER, service_rules
 from tests.unit.deploy.helpers import DEPLOY, HEALTH_SERVICE, load_yaml_docs, service_ports
 
 K8S = DEPLOY / "k8s"
@@ -207,3 +208,79 @@ def test_pods_run_as_non_root(docs: list[Doc]) -> None:
         assert spec["securityContext"]["runAsNonRoot"] is True, w["metadata"]["name"]
         for c in spec["containers"] + spec.get("initContainers", []):
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_redis_has_an_acl_user_and_the_gateway_uses_it(docs: list[Doc]) -> None:
+    """No anonymous Redis: the ACL the StatefulSet renders is ratelimit.redis_acl's, the
+    password comes from one Secret that both Redis and the gateway mount."""
+    redis = find(docs, "StatefulSet", "redis")
+    script = " ".join(container(redis, "redis")["args"])
+    prefix = RateLimitConfig().key_prefix
+    assert "user default off" in script
+    assert f"user {SERVICE_USER} on >%s {service_rules(prefix)}" in script
+    assert "--aclfile" in script
+
+    def secret_of(workload: Doc, c: Doc, path: Path) -> tuple[str, str]:
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(path.parent)]
+        (volume,) = [v for v in pod_spec(workload)["volumes"] if v["name"] == mount["name"]]
+        name = volume["secret"]["secretName"]
+        assert path.name in find(docs, "Secret", name)["stringData"]
+        return name, path.name
+
+    password_path = Path(script.split("$(cat ", 1)[1].split(")", 1)[0])
+    gateway = find(docs, "Deployment", "gateway")
+    gw = container(gateway, "gateway")
+    env = {e["name"]: e.get("value") for e in gw["env"]}
+    assert env["LLM_RATELIMIT_REDIS_USERNAME"] == SERVICE_USER
+    assert secret_of(gateway, gw, Path(env["LLM_RATELIMIT_REDIS_PASSWORD_FILE"])) == \
+        secret_of(redis, container(redis, "redis"), password_path)
+    probe = " ".join(container(redis, "redis")["readinessProbe"]["exec"]["command"])
+    assert f"--user {SERVICE_USER}" in probe
+    assert "grep -q PONG" in probe
+
+
+def _allowed(docs: list[Doc], src: dict[str, str] | None, dst: dict[str, str], port: int) -> bool:
+    """Whether NetworkPolicies let a pod labelled ``src`` (None: outside the namespace)
+    reach a pod labelled ``dst`` on ``port`` (the Kubernetes semantics, ingress only)."""
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"
+                and "Ingress" in d["spec"]["policyTypes"]
+                and d["spec"]["podSelector"].get("matchLabels", {}).items() <= dst.items()]
+    if not policies:
+        return True  # not isolated
+    for pol in policies:
+        for rule in pol["spec"].get("ingress", []):
+            if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+                continue
+            peers = rule.get("from")
+            if peers is None:
+                return True
+            for peer in peers:
+                if src is not None and "podSelector" in peer and "namespaceSelector" not in peer \
+                        and peer["podSelector"]["matchLabels"].items() <= src.items():
+                    return True
+    return False
+
+
+def test_network_policies_allow_only_the_call_graph(docs: list[Doc]) -> None:
+    apps = ["envoy", "gateway", "engine", "tokenizer", "redis"]
+    labels = {a: {"app.kubernetes.io/name": a, "app.kubernetes.io/part-of": "llm-stack"}
+              for a in apps}
+    ports = {"envoy": [8080, 9901, 9902], "gateway": [50051, 8000, 9451],
+             "engine": [50071, 9471], "tokenizer": [50061, 9461], "redis": [6379]}
+    expected = {("envoy", "gateway", 50051), ("envoy", "gateway", 8000),
+                ("gateway", "engine", 50071), ("gateway", "tokenizer", 50061),
+                ("gateway", "redis", 6379)}
+    for dst in apps:
+        for port in ports[dst]:
+            outside = _allowed(docs, None, labels[dst], port)
+            assert outside == (dst == "envoy" and port == 8080), (dst, port)
+            for src in apps:
+                if src != dst:
+                    allowed = _allowed(docs, labels[src], labels[dst], port)
+                    assert allowed == ((src, dst, port) in expected or outside), (src, dst, port)
+    kinds = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "NetworkPolicy"}
+    assert kinds["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    backends = kinds["no-egress-for-backends"]
+    assert backends["egress"] == []
+    selected = set(backends["podSelector"]["matchExpressions"][0]["values"])
+    assert selected == {"engine", "tokenizer", "redis"}
