@@ -81,6 +81,7 @@ class GatewayApp:
     async def start(self) -> None:
         """Connect Redis, watch the engines, wait (bounded) for one SERVING engine."""
         await self.stack.start()
+        await self.stack.join()  # the live replica count divides the fail-open share
         await self.release.start()
         if has_names(self.config.engines):
             await self.discovery.refresh()  # start from the resolved addresses

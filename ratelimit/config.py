@@ -167,7 +167,8 @@ class RateLimitConfig(ServiceConfig):
     timeout_ms: int = 100  # budget for one limiter call to Redis
     pool_size: int = 64
     fail_mode: str = "open"  # open: local buckets (policy / num_replicas); closed: UNAVAILABLE
-    num_replicas: int = 1  # gateway replicas sharing the limits (divides the fail-open policy)
+    num_replicas: int = 1  # fail-open divisor until the live replica count is read from Redis
+    replica_ttl_ms: int = 15_000  # a gateway not heard from for this long stops counting
     breaker_failures: int = 3  # consecutive store errors that open the breaker
     breaker_open_ms: int = 2000  # how long an open breaker skips Redis before one probe
     lease_ttl_ms: int = 30_000  # a lease not heartbeated for this long is reclaimed
@@ -186,6 +187,7 @@ class RateLimitConfig(ServiceConfig):
             "timeout_ms",
             "pool_size",
             "num_replicas",
+            "replica_ttl_ms",
             "breaker_failures",
             "breaker_open_ms",
             "lease_ttl_ms",

@@ -13,6 +13,7 @@ time budget and breaker); socket timeouts are a backstop above that budget.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 from common.log import get_logger
 from common.service_auth import read_secret_file
@@ -28,6 +30,7 @@ from ratelimit.breaker import CircuitBreaker
 from ratelimit.config import RateLimitConfig
 from ratelimit.guard import log_breaker_change
 from ratelimit.limiter import RateLimiter
+from ratelimit.membership import ReplicaMembership
 from ratelimit.registry import Registry
 from ratelimit.service import RateLimitAdminServicer
 from ratelimit.storage import StoreError
@@ -74,6 +77,7 @@ class RateLimitStack:
     limiter: RateLimiter
     registry: Registry
     audit: AuditLog
+    membership: ReplicaMembership
 
     @classmethod
     def from_config(cls, config: RateLimitConfig) -> RateLimitStack:
@@ -85,11 +89,7 @@ class RateLimitStack:
             lease_ttl_ms=config.lease_ttl_ms,
             concurrency_retry_ms=config.concurrency_retry_ms,
         )
-        return cls(
-            config=config,
-            client=client,
-            store=store,
-            limiter=RateLimiter(
+        limiter = RateLimiter(
                 store,
                 fail_mode=config.fail_mode,
                 timeout_ms=config.timeout_ms,
@@ -101,11 +101,21 @@ class RateLimitStack:
                     lease_ttl_ms=config.lease_ttl_ms,
                     concurrency_retry_ms=config.concurrency_retry_ms,
                 ),
-            ),
+            )
+        return cls(
+            config=config,
+            client=client,
+            store=store,
+            limiter=limiter,
             registry=Registry(
                 client, prefix=config.key_prefix, auth_cache_ttl_ms=config.auth_cache_ttl_ms
             ),
             audit=AuditLog(client, prefix=config.key_prefix, max_events=config.audit_max_events),
+            membership=ReplicaMembership(
+                client, prefix=config.key_prefix, ttl_ms=config.replica_ttl_ms,
+                on_count=limiter.set_live_replicas,
+                timeout_s=max(1.0, 10 * config.timeout_ms / 1000.0),
+            ),
         )
 
     def servicer(self) -> RateLimitAdminServicer:
@@ -129,6 +139,14 @@ class RateLimitStack:
             key = await self.registry.ensure_admin_key(admin_key)
             log.info("admin key ready", key_id=key.key_id, display_prefix=key.display_prefix)
 
+    async def join(self) -> None:
+        """Count this process as a gateway replica sharing the limits (the fail-open
+        share divides by the live count); ``aclose`` leaves. Not for the admin service."""
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await self.membership.refresh()  # the count right away, when Redis answers
+        self.membership.start()
+
     async def aclose(self) -> None:
-        """Close the Redis pool."""
+        """Leave the replica set, close the Redis pool."""
+        await self.membership.leave()
         await self.limiter.close()

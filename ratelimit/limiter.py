@@ -53,7 +53,8 @@ class RateLimiter:
         store: The shared store (``RedisStore``).
         fail_mode: ``"open"`` (local fallback buckets) or ``"closed"`` (raise).
         timeout_ms: Budget of one store call.
-        num_replicas: Gateway replicas sharing the limits; divides the fallback policy.
+        num_replicas: Gateway replicas sharing the limits; divides the fallback policy
+            until ``set_live_replicas`` reports the live count.
         breaker: Circuit breaker around the store (default: 3 failures, 2 s open).
         fallback: Local store used when failing open (default: a ``MemoryStore``).
     """
@@ -89,6 +90,11 @@ class RateLimiter:
         remaining wait, without a store call. None: ask ``reserve``.
         """
         return self.denials.check(tenant.tenant_id, tenant.limits)
+
+    def set_live_replicas(self, count: int) -> None:
+        """The live number of gateway replicas (``ReplicaMembership``): the divisor of
+        the fail-open share from now on."""
+        self.num_replicas = max(1, count)
 
     async def reserve(self, tenant: Tenant, num_tokens: int) -> Decision:
         """Admit one request of ``num_tokens`` tokens (prompt + max new tokens) or not.

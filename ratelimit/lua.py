@@ -169,6 +169,23 @@ return {fmt(r), fmt(t), n, u[1], u[2], u[3], u[4], u[5], fmt(now)}
 )
 
 
+# KEYS: replicas zset; ARGV: replica id, ttl ms (or "" to leave). Returns live replicas.
+# One clock (Redis TIME) for every replica, so skewed hosts count alike.
+REPLICAS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if ARGV[2] == '' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+else
+  local ttl = tonumber(ARGV[2])
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ttl * 2)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
 class LuaScript:
     """A script loaded once per server and called by EVALSHA.
 

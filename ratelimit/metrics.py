@@ -30,6 +30,11 @@ STORE_ERRORS = Counter(
     "Store failures by operation and kind (timeout, error).",
     ["op", "kind"],
 )
+LIVE_REPLICAS = Gauge(
+    "ratelimit_live_replicas",
+    "Gateway replicas sharing the limits, as last counted in Redis (divides the "
+    "fail-open share).",
+)
 BREAKER_STATE = Gauge(
     "ratelimit_breaker_state",
     "Redis circuit breaker: 0 closed, 1 half-open, 2 open.",

@@ -20,6 +20,7 @@ from ratelimit.breaker import CircuitBreaker
 from ratelimit.config import Dimension, LimitPolicy, Tenant
 from ratelimit.limiter import LimiterUnavailableError, RateLimiter
 from ratelimit.lua import LuaScript
+from ratelimit.membership import ReplicaMembership
 from ratelimit.storage.redis import SCRIPTS, RedisStore
 from ratelimit.testing import RedisServer
 
@@ -157,6 +158,41 @@ async def test_redis_killed_fails_open_then_recovers(
 
     await wait_until(shared_again)
     assert reloads() > before  # the restarted server had no scripts: NOSCRIPT -> reload
+
+
+async def test_fail_open_share_follows_the_live_replica_count(
+    own_redis: RedisServer, limiter_factory: Callable[[str], RateLimiter]
+) -> None:
+    """The fail-open divisor is the live number of gateways (configured: 2), counted in
+    Redis: joins, a clean leave, and a replica that went silent past its TTL."""
+    limiter: RateLimiter = limiter_factory("open")
+    clients = [client_for(own_redis.url) for _ in range(4)]
+    members = [ReplicaMembership(c, prefix="f:", ttl_ms=60_000,
+                                 on_count=limiter.set_live_replicas) for c in clients[:3]]
+    silent = ReplicaMembership(clients[3], prefix="f:", ttl_ms=300, on_count=lambda n: None)
+    try:
+        for m in members:
+            await m.refresh()
+        assert await silent.refresh() == 4
+        assert await members[0].refresh() == 4
+        assert limiter.num_replicas == 4
+        await members[2].leave()  # a clean shutdown
+
+        async def silent_one_gone() -> bool:
+            return await members[0].refresh() == 2  # the short-TTL entry expired
+
+        await wait_until(silent_one_gone)
+        assert limiter.num_replicas == 2
+        assert len({m.id for m in (*members, silent)}) == 4
+        await members[1].leave()
+        assert await members[0].refresh() == 1
+        own_redis.kill()
+        decision = await limiter.reserve(TENANT, 1)
+        assert decision.source == "local"
+        assert decision.policy == TENANT.limits  # the whole policy: one live replica
+    finally:
+        for c in clients:
+            await c.aclose()
 
 
 async def test_redis_killed_fails_closed_then_recovers(
