@@ -77,9 +77,14 @@ class Outcome:
 
 
 def refill(level: float | None, capacity: int, per_minute: int, elapsed_ms: float) -> float:
-    """Level after ``elapsed_ms`` of refill; ``UNLIMITED`` when ``per_minute`` is 0."""
+    """Level after ``elapsed_ms`` of refill; ``math.inf`` when ``per_minute`` is 0.
+
+    Unlimited is infinity, not a sentinel level: a real level can go negative
+    (an overrun charged at settle) and must never read as "no limit".
+    A negative ``elapsed_ms`` (the clock stepped back) credits nothing.
+    """
     if per_minute == 0:
-        return UNLIMITED
+        return math.inf
     if level is None:
         return float(capacity)
     if elapsed_ms < 0:
@@ -87,8 +92,24 @@ def refill(level: float | None, capacity: int, per_minute: int, elapsed_ms: floa
     return min(float(capacity), level + elapsed_ms * per_minute / MS_PER_MINUTE)
 
 
+def reported(level: float) -> float:
+    """A level as callers see it: ``UNLIMITED`` (-1) for no limit, else never below 0."""
+    return UNLIMITED if math.isinf(level) else max(0.0, level)
+
+
+def _stored(level: float) -> float | None:
+    return None if math.isinf(level) else level
+
+
+def _stamp(state: BucketState | None, now_ms: float) -> float:
+    """The time a new state is stamped with: never earlier than the stored one, so a
+    clock that steps back and forward again cannot credit the same interval twice."""
+    return now_ms if state is None else max(state.updated_ms, now_ms)
+
+
 def levels_at(policy: LimitPolicy, state: BucketState | None, now_ms: float) -> tuple[float, float]:
-    """Current (requests, tokens) levels of ``state`` refilled up to ``now_ms``."""
+    """Current (requests, tokens) levels of ``state`` refilled up to ``now_ms``
+    (``math.inf`` for a dimension without a limit)."""
     if state is None:
         state = BucketState(None, None, now_ms)
     elapsed = now_ms - state.updated_ms
@@ -133,13 +154,13 @@ def decide(
     denied = Dimension.NONE
     wait = 0
     never = False
-    if req != UNLIMITED and req < 1 - EPSILON:
+    if req < 1 - EPSILON:
         denied |= Dimension.REQUESTS
         wait = max(wait, wait_ms(1 - req, policy.requests_per_minute))
-    if tok != UNLIMITED and num_tokens > policy.token_capacity:
+    if policy.tokens_per_minute and num_tokens > policy.token_capacity:
         denied |= Dimension.TOKENS
         never = True
-    elif tok != UNLIMITED and tok < num_tokens - EPSILON:
+    elif tok < num_tokens - EPSILON:
         denied |= Dimension.TOKENS
         wait = max(wait, wait_ms(num_tokens - tok, policy.tokens_per_minute))
     if policy.max_concurrent and num_leases >= policy.max_concurrent:
@@ -149,10 +170,9 @@ def decide(
             hint = min(hint, max(1, math.ceil(first_lease_expiry_ms - now_ms)))
         wait = max(wait, hint)
     if denied == Dimension.NONE:
-        req = req - 1 if req != UNLIMITED else req
-        tok = tok - num_tokens if tok != UNLIMITED else tok
+        req, tok = req - 1, tok - num_tokens  # infinity stays infinity
         new_state: BucketState | None = BucketState(
-            None if req == UNLIMITED else req, None if tok == UNLIMITED else tok, now_ms
+            _stored(req), _stored(tok), _stamp(state, now_ms)
         )
         num_leases += 1
     else:
@@ -161,8 +181,8 @@ def decide(
         allowed=denied == Dimension.NONE or shadow,
         denied=denied,
         retry_after_ms=-1 if never else wait,
-        requests_left=req,
-        tokens_left=tok,
+        requests_left=reported(req),
+        tokens_left=reported(tok),
         num_leases=num_leases,
         now_ms=now_ms,
     )
@@ -181,4 +201,4 @@ def refund(
         return state
     req, tok = levels_at(policy, state, now_ms)
     tok = min(float(policy.token_capacity), tok + num_tokens)
-    return BucketState(None if req == UNLIMITED else req, tok, now_ms)
+    return BucketState(_stored(req), tok, _stamp(state, now_ms))

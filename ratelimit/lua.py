@@ -8,6 +8,10 @@ Every script touches only the keys of one tenant, all hash-tagged
     {t}:l   zset  lease_id -> expiry ms     live leases (concurrent streams)
     {t}:u   hash  requests, prompt_tokens, completion_tokens, denied, shadow_denied
 
+Unlimited is ``math.huge``, never a level value: a real level can go negative
+(an overrun) and must not read as "no limit". A bucket's timestamp never moves
+backwards, so a clock that steps back credits nothing twice.
+
 The clock is Redis ``TIME`` (one clock for every gateway replica), unless the
 caller passes ``now`` (tests inject it). ``decide``/``refund`` mirror
 ``ratelimit.algorithm`` statement for statement; keep them in step.
@@ -31,10 +35,14 @@ local function clock(arg)
 end
 local function fmt(x) return string.format('%.17g', x) end
 local function refill(level, cap, per_min, elapsed)
-  if per_min == 0 then return -1 end
+  if per_min == 0 then return math.huge end
   if level == nil then return cap end
   if elapsed < 0 then elapsed = 0 end
   return math.min(cap, level + elapsed * per_min / 60000)
+end
+local function rep(level)
+  if level == math.huge then return '-1' end
+  return fmt(math.max(0, level))
 end
 local function wait_ms(deficit, per_min)
   return math.max(1, math.ceil((deficit - EPS) * 60000 / per_min))
@@ -42,16 +50,17 @@ end
 local function load(key, now, rpm, rcap, tpm, tcap)
   local b = redis.call('HMGET', key, 'r', 't', 'ts')
   local ts = tonumber(b[3]) or now
-  return refill(tonumber(b[1]), rcap, rpm, now - ts), refill(tonumber(b[2]), tcap, tpm, now - ts)
+  local r = refill(tonumber(b[1]), rcap, rpm, now - ts)
+  return r, refill(tonumber(b[2]), tcap, tpm, now - ts), math.max(ts, now)
 end
-local function save(key, now, r, t, rpm, rcap, tpm, tcap)
+local function save(key, ts, r, t, rpm, rcap, tpm, tcap)
   local ttl = 0
-  redis.call('HSET', key, 'ts', fmt(now))
-  if r == -1 then redis.call('HDEL', key, 'r') else
+  redis.call('HSET', key, 'ts', fmt(ts))
+  if rpm == 0 then redis.call('HDEL', key, 'r') else
     redis.call('HSET', key, 'r', fmt(r))
     ttl = math.max(ttl, (rcap - r) * 60000 / rpm)
   end
-  if t == -1 then redis.call('HDEL', key, 't') else
+  if tpm == 0 then redis.call('HDEL', key, 't') else
     redis.call('HSET', key, 't', fmt(t))
     ttl = math.max(ttl, (tcap - t) * 60000 / tpm)
   end
@@ -69,18 +78,18 @@ RESERVE = (
     + """
 local now = clock(ARGV[1])
 local maxc, cost, lease_ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[9])
-local r, t = load(KEYS[1], now, rpm, rcap, tpm, tcap)
+local r, t, ts = load(KEYS[1], now, rpm, rcap, tpm, tcap)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 local n = redis.call('ZCARD', KEYS[2])
 local denied, wait, never = 0, 0, false
-if r ~= -1 and r < 1 - EPS then
+if r < 1 - EPS then
   denied = denied + 1
   wait = math.max(wait, wait_ms(1 - r, rpm))
 end
-if t ~= -1 and cost > tcap then
+if tpm > 0 and cost > tcap then
   denied = denied + 2
   never = true
-elseif t ~= -1 and t < cost - EPS then
+elseif t < cost - EPS then
   denied = denied + 2
   wait = math.max(wait, wait_ms(cost - t, tpm))
 end
@@ -94,9 +103,8 @@ end
 local allowed = 0
 if denied == 0 then
   allowed = 1
-  if r ~= -1 then r = r - 1 end
-  if t ~= -1 then t = t - cost end
-  save(KEYS[1], now, r, t, rpm, rcap, tpm, tcap)
+  r, t = r - 1, t - cost
+  save(KEYS[1], ts, r, t, rpm, rcap, tpm, tcap)
   redis.call('ZADD', KEYS[2], now + lease_ttl, ARGV[8])
   if redis.call('PTTL', KEYS[2]) < lease_ttl + 1000 then
     redis.call('PEXPIRE', KEYS[2], math.ceil(lease_ttl) + 1000)
@@ -111,7 +119,7 @@ else
   redis.call('HINCRBY', KEYS[3], 'denied', 1)
 end
 if never then wait = -1 end
-return {allowed, denied, wait, fmt(r), fmt(t), n, fmt(now)}
+return {allowed, denied, wait, rep(r), rep(t), n, fmt(now)}
 """
 )
 
@@ -128,9 +136,9 @@ local held = 0
 if ARGV[9] ~= '' then held = redis.call('ZREM', KEYS[2], ARGV[9]) end
 if ARGV[10] == '1' and held == 0 then refund = 0 end
 if refund ~= 0 and tpm > 0 then
-  local r, t = load(KEYS[1], now, rpm, rcap, tpm, tcap)
+  local r, t, ts = load(KEYS[1], now, rpm, rcap, tpm, tcap)
   t = math.min(tcap, t + refund)
-  save(KEYS[1], now, r, t, rpm, rcap, tpm, tcap)
+  save(KEYS[1], ts, r, t, rpm, rcap, tpm, tcap)
 end
 if tonumber(ARGV[7]) > 0 then redis.call('HINCRBY', KEYS[3], 'prompt_tokens', ARGV[7]) end
 if tonumber(ARGV[8]) > 0 then redis.call('HINCRBY', KEYS[3], 'completion_tokens', ARGV[8]) end
@@ -164,7 +172,7 @@ local n = redis.call('ZCOUNT', KEYS[2], '(' .. fmt(now), '+inf')
 local u = redis.call('HMGET', KEYS[3], 'requests', 'prompt_tokens', 'completion_tokens',
   'denied', 'shadow_denied')
 for i = 1, 5 do u[i] = tonumber(u[i]) or 0 end
-return {fmt(r), fmt(t), n, u[1], u[2], u[3], u[4], u[5], fmt(now)}
+return {rep(r), rep(t), n, u[1], u[2], u[3], u[4], u[5], fmt(now)}
 """
 )
 

@@ -123,8 +123,8 @@ class MemoryStore:
         st = self._tenants.get(tenant_id) or _TenantState()
         req, tok = algorithm.levels_at(policy, st.bucket, now)
         return UsageSnapshot(
-            requests_available=req,
-            tokens_available=tok,
+            requests_available=algorithm.reported(req),
+            tokens_available=algorithm.reported(tok),
             concurrent_in_use=sum(1 for e in st.leases.values() if e > now),
             requests_total=st.totals["requests"],
             prompt_tokens_total=st.totals["prompt_tokens"],

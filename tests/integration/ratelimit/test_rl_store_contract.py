@@ -156,3 +156,35 @@ async def test_settle_only_if_held_refunds_exactly_once(store: Store) -> None:
     assert await compensate("lost") is False  # once only
     u = await store.usage("t", POLICY)
     assert (u.tokens_available, u.concurrent_in_use) == (6000.0, 0)
+
+
+async def test_an_overrun_to_exactly_minus_one_is_not_unlimited(store: Store, clock: Clock) -> None:
+    """A level driven to -1 by an overrun (settled usage above the reservation) stays a
+    debt; it is not read back as the "unlimited" a dimension without a limit reports."""
+    policy = LimitPolicy(tokens_per_minute=6000)
+    o = await store.reserve("t", policy, num_tokens=6000, lease_id="a", shadow=False)
+    assert o.taken
+    assert o.tokens_left == 0.0
+    await store.settle("t", policy, lease_id="a", refund_tokens=-1, prompt_tokens=6000,
+                       completion_tokens=1)  # used one token more than reserved
+    u = await store.usage("t", policy)
+    assert u.tokens_available == 0.0  # reported never below 0, never as -1 (unlimited)
+    assert u.requests_available == -1.0  # the dimension without a limit
+    o = await store.reserve("t", policy, num_tokens=1, lease_id="b", shadow=False)
+    assert not o.allowed
+    assert o.denied == Dimension.TOKENS
+    assert o.retry_after_ms == 20  # the debt of 1 and the token asked for, at 100/s
+
+
+async def test_a_clock_stepping_back_credits_nothing(store: Store, clock: Clock) -> None:
+    """Back 30 s then forward again: no refill for the interval seen twice."""
+    policy = LimitPolicy(tokens_per_minute=6000)
+    assert (await store.reserve("t", policy, num_tokens=6000, lease_id="a", shadow=False)).taken
+    start = clock.now
+    clock.now = start - 30_000
+    assert not (await store.reserve("t", policy, num_tokens=1, lease_id="b", shadow=False)).taken
+    await store.settle("t", policy, lease_id="a", refund_tokens=3000, prompt_tokens=0,
+                       completion_tokens=0)  # a write while the clock is behind
+    clock.now = start + 1000  # one real second after the take
+    u = await store.usage("t", policy)
+    assert u.tokens_available == pytest.approx(3100.0)  # the refund + 1 s at 100/s, not 31 s
