@@ -4,19 +4,22 @@
 which a caller checks before any expensive work (the gateway: before the
 tokenizer call).
 
-When Redis says a tenant's *request* bucket is empty (and nothing else was
-short), no request of that tenant can pass before ``retry_after_ms``: the
-request bucket refills at a fixed rate and nothing refunds it (settling
-refunds tokens, never requests; other gateway replicas only take more). So
-until then this process can answer RESOURCE_EXHAUSTED itself, without a
-Redis round trip, with the remaining wait.
+When Redis says a tenant's *request* bucket is empty (whatever else was short
+too), no request of that tenant can pass before that bucket has refilled one
+request: it refills at a fixed rate and nothing refunds it (settling refunds
+tokens, never requests; other gateway replicas only take more). So until then
+this process can answer RESOURCE_EXHAUSTED itself, without a Redis round trip
+and before the tokenizer, with the remaining wait. A flood over the request
+rate therefore costs one tokenizer call per refill interval, not one per
+request.
 
 It never admits anything Redis would refuse, only refuses locally what Redis
 would refuse too. Two things can make it refuse a little too long, both
 bounded by one request's refill time (60 s / requests_per_minute): an admin
 ResetLimits, and a raised limit (a changed policy drops the memo as soon as
-the gateway's tenant cache sees it). Token and concurrency denials are not
-memoised: refunds and lease releases can end them early.
+the gateway's tenant cache sees it). Token and concurrency denials without a
+request shortage are not memoised: refunds and lease releases can end them
+early.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import math
 import time
 from collections.abc import Callable
 
+from ratelimit.algorithm import wait_ms
 from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.decision import Decision
 
@@ -47,14 +51,22 @@ class DenialMemo:
         self._memos: dict[str, _Memo] = {}
 
     def record(self, tenant_id: str, policy: LimitPolicy, decision: Decision) -> None:
-        """Remember a denial if it is a pure request-rate one with a known wait."""
-        if (decision.allowed or decision.denied != Dimension.REQUESTS
-                or decision.retry_after_ms <= 0):
+        """Remember a denial whose request bucket was short, until it refills one request.
+
+        The wait is the request bucket's own (at the rate of the policy that decided,
+        the fail-open share included), not the decision's: a token or concurrency
+        shortage can end early (refunds, releases), the request one cannot.
+        """
+        rpm = decision.policy.requests_per_minute
+        if decision.allowed or not decision.denied & Dimension.REQUESTS or rpm <= 0:
             return
+        wait = wait_ms(1 - max(0.0, decision.requests_remaining), rpm)
         if len(self._memos) >= self._max:
             self._prune()
-        until = self._clock() + decision.retry_after_ms / 1000
-        self._memos[tenant_id] = _Memo(until, decision, policy)
+        until = self._clock() + wait / 1000
+        only_requests = dataclasses.replace(decision, denied=Dimension.REQUESTS,
+                                            retry_after_ms=wait)
+        self._memos[tenant_id] = _Memo(until, only_requests, policy)
 
     def check(self, tenant_id: str, policy: LimitPolicy) -> Decision | None:
         """The memoised denial with its remaining wait, or None (ask Redis)."""

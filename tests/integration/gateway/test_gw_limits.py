@@ -49,6 +49,23 @@ def test_requests_per_minute(gateway: GatewayProcess) -> None:
                           dimension="requests") == 2
 
 
+def test_a_request_shortage_is_memoised_even_when_tokens_were_short_too(
+        gateway: GatewayProcess) -> None:
+    """Over both the request and the token rate: the next calls are refused by the
+    gateway itself (no tokenizer, no Redis) for the request bucket's own wait."""
+    tid, key = gateway.tenant(requests_per_minute=6, request_burst=1,
+                              tokens_per_minute=60, token_burst=50)
+    assert gateway.generate(key, prompt(40))[-1].finish_reason == common_pb2.LENGTH  # 9 left
+    details, retry_ms = denied(gateway, key, prompt(30))  # short of requests and tokens
+    assert "requests_per_minute" in details
+    assert "tokens_per_minute" in details
+    assert retry_ms > 10_000  # the answer's wait: the longer one, 22 tokens at 1/s
+    details2, retry_ms2 = denied(gateway, key, prompt(30))
+    assert "requests_per_minute" in details2
+    assert 0 < retry_ms2 <= 10_000  # the request bucket's own wait (1 request at 6/min)
+    assert gateway.metric("gateway_ratelimit_local_denials_total", tenant=tid) == 1
+
+
 def test_tokens_per_minute(gateway: GatewayProcess) -> None:
     tid, key = gateway.tenant(tokens_per_minute=1200, token_burst=50)
     first = gateway.stub.Generate(prompt(40), metadata=(("authorization", f"Bearer {key}"),),

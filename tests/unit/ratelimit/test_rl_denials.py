@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.decision import Decision
 from ratelimit.denials import DenialMemo
@@ -39,13 +41,27 @@ def test_request_rate_denial_is_answered_locally_until_the_bucket_refills() -> N
     assert memo.check("other", POLICY) is None
 
 
-def test_only_pure_request_rate_denials_are_memoised() -> None:
+def test_denials_with_a_request_shortage_are_memoised_for_the_request_wait() -> None:
     memo = DenialMemo(Clock())
-    for dims in (Dimension.TOKENS, Dimension.CONCURRENCY, Dimension.REQUESTS | Dimension.TOKENS):
+    for dims in (Dimension.TOKENS, Dimension.CONCURRENCY, Dimension.TOKENS | Dimension.CONCURRENCY):
         memo.record("t", POLICY, denial(dims, 1000))  # refunds/releases may end these early
         assert memo.check("t", POLICY) is None
-    memo.record("t", POLICY, denial(Dimension.REQUESTS, -1))  # never fits: nothing to wait for
-    assert memo.check("t", POLICY) is None
+    # requests and tokens short: the token wait (30 s) could end early, the request one
+    # (one request at 60/min = 1 s) cannot, so that is what is memoised
+    memo.record("t", POLICY, denial(Dimension.REQUESTS | Dimension.TOKENS, 30_000))
+    hit = memo.check("t", POLICY)
+    assert hit is not None
+    assert (hit.denied, hit.retry_after_ms) == (Dimension.REQUESTS, 1000)
+    half = dataclasses.replace(denial(Dimension.REQUESTS, 999), requests_remaining=0.5)
+    memo.record("u", POLICY, half)
+    hit = memo.check("u", POLICY)
+    assert hit is not None
+    assert hit.retry_after_ms == 500  # half a request left: half the wait
+    shared = dataclasses.replace(denial(Dimension.REQUESTS, 999), policy=POLICY.divided(2))
+    memo.record("v", POLICY, shared)  # a fail-open share refills at its own, slower rate
+    hit = memo.check("v", POLICY)
+    assert hit is not None
+    assert hit.retry_after_ms == 2000
 
 
 def test_a_changed_policy_drops_the_memo() -> None:
