@@ -14,7 +14,7 @@ from pathlib import Path
 from common.config import default_model_dir
 from common.log import get_logger
 from common.service_auth import read_service_token
-from gateway.auth import Authenticator
+from gateway.auth import Authenticator, FailedAuthThrottle
 from gateway.breaker import BreakerPolicy
 from gateway.config import GatewayConfig
 from gateway.discovery import Discovery, has_names
@@ -72,7 +72,8 @@ class GatewayApp:
                         config.retry_budget_window_s),
             failover=config.failover, max_failovers=config.max_failovers)
         release = ReleaseControl.build(config, stack, pool, dispatcher)
-        pipeline = Pipeline(config, Authenticator(stack.registry), encoder, tokenizer,
+        pipeline = Pipeline(config, Authenticator(stack.registry, FailedAuthThrottle(
+            config.auth_failures_per_minute, config.auth_failure_burst)), encoder, tokenizer,
                             stack.limiter, pool, dispatcher, router=release.router,
                             shadow=release.shadow)
         discovery = Discovery(config.engines, pool.sync, config.discovery_interval_s)

@@ -33,6 +33,10 @@ class GatewayConfig(ServiceConfig):
         max_request_timeout_s: Longest deadline a client may ask for (``grpc-timeout``,
             ``x-request-timeout``); longer ones are cut to this.
         encode_timeout_s: Budget of one tokenizer call.
+        auth_failures_per_minute / auth_failure_burst: Failed authentications one
+            client address may make (a token bucket); past that its calls with keys
+            not already known valid get RESOURCE_EXHAUSTED until the bucket refills
+            (0 = no limit).
         max_attempts: Engine attempts before the first token (1 = no retries).
         retry_backoff_base_ms / retry_backoff_max_ms: Full-jitter exponential backoff.
         retry_budget_ratio: Retries allowed as a share of requests (0.2 = 20% extra load).
@@ -70,6 +74,8 @@ class GatewayConfig(ServiceConfig):
     request_timeout_s: float = 600.0
     max_request_timeout_s: float = 3600.0
     encode_timeout_s: float = 10.0
+    auth_failures_per_minute: int = 30
+    auth_failure_burst: int = 20
     max_attempts: int = 3
     retry_backoff_base_ms: int = 25
     retry_backoff_max_ms: int = 250
@@ -111,13 +117,14 @@ class GatewayConfig(ServiceConfig):
         positive = ("default_max_tokens", "request_timeout_s", "encode_timeout_s",
                     "max_attempts", "breaker_min_calls", "breaker_consecutive_failures",
                     "breaker_open_s", "breaker_half_open_probes", "stats_interval_s",
-                    "retry_budget_window_s", "guard_interval_s")
+                    "retry_budget_window_s", "guard_interval_s", "auth_failure_burst")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"[gateway] {name} must be > 0, got {getattr(self, name)}")
         for name in ("max_max_tokens", "max_failovers", "retry_budget_min",
                      "retry_backoff_base_ms", "retry_backoff_max_ms", "startup_wait_s",
-                     "routing_policy_cache_ms", "shadow_max_in_flight"):
+                     "routing_policy_cache_ms", "shadow_max_in_flight",
+                     "auth_failures_per_minute"):
             if getattr(self, name) < 0:
                 raise ValueError(f"[gateway] {name} must be >= 0, got {getattr(self, name)}")
         if self.http_port < -1:

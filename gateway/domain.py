@@ -71,6 +71,20 @@ def new_traceparent(parent: str | None) -> tuple[str, str]:
     return f"00-{trace_id}-{secrets.token_hex(8)}-{flags}", trace_id
 
 
+def client_source(forwarded_for: str, peer: str) -> str:
+    """The client address of a call: the last ``x-forwarded-for`` entry (the one the
+    edge proxy appended; earlier ones are whatever the client sent), else ``peer``
+    without its port (gRPC's ``ipv4:1.2.3.4:5678`` / ``ipv6:[::1]:5678`` or aiohttp's
+    plain address). Cut to 64 characters: it is a label, logged and used as a key."""
+    last = forwarded_for.rsplit(",", 1)[-1].strip()
+    if last:
+        return last[:64]
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        peer = rest.rsplit(":", 1)[0].strip("[]")
+    return peer[:64]
+
+
 @dataclass(slots=True)
 class CallContext:
     """What a front knows about one call besides the request body.
@@ -85,6 +99,9 @@ class CallContext:
         session_key: Sticky routing key of a conversation (gRPC: ``x-session-id``
             metadata; HTTP: the ``x-session-id`` header or the body's ``user``);
             "" = none. Requests with one key stay on one model version.
+        source: The client's address (the last ``x-forwarded-for`` hop, which Envoy
+            appends, else the connection's peer); "" = unknown. Failed
+            authentications are counted per source.
     """
 
     authorization: str = ""
@@ -93,6 +110,7 @@ class CallContext:
     timeout_s: float | None = None
     session_key: str = ""
     tenant: Tenant | None = None
+    source: str = ""
     trace_id: str = field(default="", init=False)
     request_id_error: str = field(default="", init=False)
 

@@ -71,6 +71,9 @@ RATELIMIT_DENIALS = Counter("gateway_ratelimit_denials_total",
 LOCAL_DENIALS = Counter("gateway_ratelimit_local_denials_total",
                         "Request-rate denials answered from the local memo (no Redis call)",
                         ["tenant"])
+AUTH_THROTTLED = Counter("gateway_auth_throttled_total",
+                         "Calls refused because their client address failed authentication "
+                         "too often (keys already known valid still pass)")
 OUTSTANDING = Gauge("gateway_replica_outstanding", "Engine calls in flight per replica",
                     ["replica"])
 HEALTHY = Gauge("gateway_replica_healthy", "1 when the replica's health is SERVING", ["replica"])

@@ -109,9 +109,9 @@ class Pipeline:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def list_models(self, authorization: str) -> list[ModelEntry]:
+    async def list_models(self, call: CallContext) -> list[ModelEntry]:
         """Models the caller's tenant may use, with versions and replica counts."""
-        tenant = await self.auth.tenant(authorization)
+        tenant = await self.auth.tenant(call)
         entries = [e for e in self.pool.catalog() if tenant.allows_model(e.model)]
         return await self.router.annotate(entries) if self.router is not None else entries
 
@@ -129,7 +129,7 @@ class Pipeline:
                                                trace_id=call.trace_id)
         self._enter()
         try:
-            tenant = call.tenant or await self.auth.tenant(call.authorization)
+            tenant = call.tenant or await self.auth.tenant(call)
             tenant_label = tenant.tenant_id
             structlog.contextvars.bind_contextvars(tenant=tenant.tenant_id)
             if call.request_id_error:

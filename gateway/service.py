@@ -14,7 +14,7 @@ import grpc
 
 from common.log import get_logger
 from common.server import Context, request_id_var
-from gateway.domain import CallContext, Chunk, GatewayError
+from gateway.domain import CallContext, Chunk, GatewayError, client_source
 from gateway.pipeline import Pipeline
 from gateway.routing import ModelEntry
 from llm.v1 import gateway_pb2, gateway_pb2_grpc
@@ -33,7 +33,8 @@ def call_context(request_id: str, context: Context) -> CallContext:
                        request_id=request_id or md.get("x-request-id") or request_id_var.get(),
                        traceparent=md.get("traceparent", ""),
                        timeout_s=context.time_remaining(),
-                       session_key=md.get(SESSION_KEY_HEADER, "")[:256])
+                       session_key=md.get(SESSION_KEY_HEADER, "")[:256],
+                       source=client_source(md.get("x-forwarded-for", ""), context.peer() or ""))
 
 
 def chunk_to_proto(chunk: Chunk) -> gateway_pb2.GenerateResponse:
@@ -97,7 +98,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Models the caller may use, from the engines' ModelInfo."""
         call = call_context("", context)
         try:
-            return models_to_proto(await self.pipeline.list_models(call.authorization))
+            return models_to_proto(await self.pipeline.list_models(call))
         except GatewayError as e:
             await self._abort(context, call, e)
         raise AssertionError("unreachable")  # abort() always raises

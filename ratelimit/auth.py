@@ -74,6 +74,14 @@ class KeyCache:
     def __len__(self) -> int:
         return len(self._good) + len(self._bad)
 
+    def known_valid(self, plaintext: str) -> bool:
+        """True when ``plaintext`` is a key this cache resolved to a principal recently
+        (no store call): lets a throttled address keep using keys known to be good."""
+        if not plaintext or not looks_like_key(plaintext):
+            return False
+        hit = self._good.get(hash_key(plaintext))
+        return hit is not None and hit[0] > self.clock()
+
     def _cached(self, digest: str, now: float) -> Principal | AuthFailure | None:
         for cache in (self._good, self._bad):
             hit = cache.get(digest)

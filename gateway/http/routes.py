@@ -25,7 +25,7 @@ import grpc
 from aiohttp import web
 
 from common.log import get_logger
-from gateway.domain import CallContext, Chunk, GatewayError
+from gateway.domain import CallContext, Chunk, GatewayError, client_source
 from gateway.http.errors import ApiError
 from gateway.http.requests import ParsedRequest, parse
 from gateway.http.responses import Formatter
@@ -59,7 +59,9 @@ def call_context(request: web.Request) -> CallContext:
                                    f"of seconds, got {raw!r}")
     return CallContext(authorization=request.headers.get("Authorization", ""),
                        request_id=request.headers.get("x-request-id", ""),
-                       traceparent=request.headers.get("traceparent", ""), timeout_s=timeout)
+                       traceparent=request.headers.get("traceparent", ""), timeout_s=timeout,
+                       source=client_source(request.headers.get("x-forwarded-for", ""),
+                                            request.remote or ""))
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None
@@ -119,7 +121,7 @@ class OpenAIRoutes:
 
     async def _models(self, request: web.Request) -> list[ModelEntry]:
         try:
-            return await self.pipeline.list_models(request[CALL_KEY].authorization)
+            return await self.pipeline.list_models(request[CALL_KEY])
         except GatewayError as e:
             raise ApiError.from_gateway(e) from None
 
@@ -137,7 +139,7 @@ class OpenAIRoutes:
             return parse(body, chat=chat)
         except ApiError:
             try:
-                await self.pipeline.auth.tenant(request[CALL_KEY].authorization)
+                await self.pipeline.auth.tenant(request[CALL_KEY])
             except GatewayError as e:
                 raise ApiError.from_gateway(e) from None
             raise
@@ -145,7 +147,7 @@ class OpenAIRoutes:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         call = request[CALL_KEY]
         try:  # the key first: an unauthenticated caller gets no body read or parsed
-            call.tenant = await self.pipeline.auth.tenant(call.authorization)
+            call.tenant = await self.pipeline.auth.tenant(call)
         except GatewayError as e:
             raise ApiError.from_gateway(e, chat=chat) from None
         parsed = await self._parse(request, chat)

@@ -33,6 +33,7 @@ TEST_ENV = {
     "LLM_GATEWAY_STATS_INTERVAL_S": "0.2",
     "LLM_RATELIMIT_CONCURRENCY_RETRY_MS": "500",
     "LLM_GATEWAY_HTTP_PORT": "0",  # the OpenAI front on an ephemeral port, never 8000
+    "LLM_GATEWAY_AUTH_FAILURE_BURST": "60",  # the suite's own bad keys all come from 127.0.0.1
 }
 
 

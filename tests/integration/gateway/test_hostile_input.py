@@ -266,3 +266,30 @@ def test_invalid_utf8_in_a_string_field_is_invalid_argument(
             list(call(bad, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "UTF-8" in (err.value.details() or "")
+
+
+def test_a_spray_of_bad_keys_from_one_address_is_throttled(gateway: GatewayProcess) -> None:
+    """Past the burst of failed authentications (60 in the test config) an address gets
+    RESOURCE_EXHAUSTED with a wait, without a key lookup; a key already known valid
+    still works from there, and other addresses are not affected."""
+    _, key = gateway.tenant()
+    assert gateway.generate(key, chat("Hi", 2))  # now a known-valid key in the gateway's cache
+    spray = (("x-forwarded-for", "198.51.100.23"),)  # the address Envoy would append
+    before = gateway.metric("gateway_auth_throttled_total")
+    codes = []
+    for i in range(61):
+        with pytest.raises(grpc.RpcError) as err:
+            gateway.generate(f"sk-llm-made-up-key-{i:04d}-" + "x" * 24, chat("Hi", 2),
+                             metadata=spray)
+        codes.append(err.value.code())
+    assert set(codes[:60]) == {grpc.StatusCode.UNAUTHENTICATED}
+    assert codes[60] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "too many failed authentications from 198.51.100.23" in (err.value.details() or "")
+    md = {k: v for k, v in err.value.trailing_metadata() or ()}
+    assert 0 < int(md["retry-after-ms"]) <= 2000  # one failure back every 2 s (30/min)
+    assert gateway.metric("gateway_auth_throttled_total") == before + 1
+    assert gateway.generate(key, chat("Hi", 2), metadata=spray)  # a known-good key still passes
+    other = (("x-forwarded-for", "198.51.100.24"),)
+    with pytest.raises(grpc.RpcError) as err:
+        gateway.generate("sk-llm-another-made-up-key-" + "y" * 24, chat("Hi", 2), metadata=other)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
