@@ -22,7 +22,13 @@ from hypothesis import strategies as st
 
 from common.procs import ManagedProcess
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2
-from tests.integration.gateway.conftest import EnginePair, GatewayProcess, HttpGateway, chat
+from tests.integration.gateway.conftest import (
+    EnginePair,
+    GatewayProcess,
+    HttpGateway,
+    chat,
+    trailers,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -285,7 +291,7 @@ def test_a_spray_of_bad_keys_from_one_address_is_throttled(gateway: GatewayProce
     assert set(codes[:60]) == {grpc.StatusCode.UNAUTHENTICATED}
     assert codes[60] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "too many failed authentications from 198.51.100.23" in (err.value.details() or "")
-    md = {k: v for k, v in err.value.trailing_metadata() or ()}
+    md = trailers(err.value)
     assert 0 < int(md["retry-after-ms"]) <= 2000  # one failure back every 2 s (30/min)
     assert gateway.metric("gateway_auth_throttled_total") == before + 1
     assert gateway.generate(key, chat("Hi", 2), metadata=spray)  # a known-good key still passes
