@@ -16,6 +16,36 @@ UINT32_MAX = (1 << 32) - 1
 _TYPE_NAMES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number"}
 
 
+MAX_DEPTH = 32  # an OpenAI request body nests 5 levels at most
+
+
+def check_body(body: Any) -> None:
+    """400 naming the field when a decoded body nests deeper than ``MAX_DEPTH`` or holds
+    a string that is not valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"``,
+    which JSON allows and UTF-8 cannot carry). Iterative: no recursion to exhaust."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError.invalid(path or None, f"the request body nests deeper than "
+                                   f"{MAX_DEPTH} levels at {path or 'the top'}")
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ApiError.invalid(path or None, f"{path or 'a string'} is not valid "
+                                           "Unicode (a lone UTF-16 surrogate escape such as "
+                                           "\\ud800); send text as UTF-8") from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                key_path = f"{path}.{k}" if path else str(k)
+                stack.append((k, key_path, depth + 1))
+                stack.append((v, key_path, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+
+
 class Fields:
     """Accessors over one request body (a JSON object).
 

@@ -27,6 +27,7 @@ from aiohttp import web
 from common.log import get_logger
 from gateway.domain import CallContext, Chunk, GatewayError, client_source
 from gateway.http.errors import ApiError
+from gateway.http.fields import check_body
 from gateway.http.requests import ParsedRequest, parse
 from gateway.http.responses import Formatter
 from gateway.http.sse import EventStream
@@ -134,8 +135,13 @@ class OpenAIRoutes:
         try:
             try:
                 body = await request.json()
+            except UnicodeDecodeError:
+                raise ApiError.invalid(None, "the request body is not valid UTF-8") from None
             except ValueError:
                 raise ApiError.invalid(None, "the request body is not valid JSON") from None
+            except RecursionError:  # the decoder's own nesting limit (~1000 levels)
+                raise ApiError.invalid(None, "the request body nests too deeply") from None
+            check_body(body)
             return parse(body, chat=chat)
         except ApiError:
             try:

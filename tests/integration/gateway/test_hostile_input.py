@@ -202,6 +202,38 @@ def test_the_key_is_checked_before_the_body_is_read(http_gateway: HttpGateway,
     assert marker not in http_gateway.gw.proc.log_path.read_text()
 
 
+HI = b'{"role": "user", "content": "Hi"}'
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 1}',
+     "messages[0].content", "lone UTF-16 surrogate"),
+    (b'{"messages": [' + HI + b'], "stop": ["\\udfff"], "max_tokens": 1}', "stop[0]",
+     "not valid Unicode"),
+    (b'{"messages": [' + HI + b'], "user": "\\ud83d", "max_tokens": 1}', "user",
+     "not valid Unicode"),
+    (b'{"messages": [' + HI + b'], "metadata": ' + b"[" * 100 + b"]" * 100 + b"}",
+     "metadata", "nests deeper than 32 levels"),
+    (b'{"messages": [' + HI + b'], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     None, "nests too deeply"),
+    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', None, "not valid UTF-8"),
+    (b'{"messages": [' + HI + b'], "max_tokens": "8"}', "max_tokens", "must be an integer"),
+])
+def test_malformed_bodies_get_400_naming_the_field(
+    http_gateway: HttpGateway, body: bytes, param: str | None, message: str
+) -> None:
+    """Never a 500: JSON that Python decodes but UTF-8 cannot carry, bodies nested past
+    any real request (or past the decoder's own limit), bytes that are not UTF-8."""
+    _, key = http_gateway.gw.tenant()
+    status, payload = post(http_gateway, body, {"Authorization": f"Bearer {key}"})
+    assert status == 400, payload
+    error = payload["error"]
+    assert isinstance(error, dict)
+    assert message in str(error["message"])
+    if param is not None:
+        assert str(error["param"]).startswith(param), error
+
+
 def test_logged_client_fields_are_truncated(http_gateway: HttpGateway) -> None:
     _, key = http_gateway.gw.tenant()
     user = "u" * 5000
