@@ -1,11 +1,10 @@
 """The request pipeline: one object every front calls (docs/architecture.md).
 
-    auth ─► model + params ─► encode ─► length vs context ─► version ─► reserve ─► engine attempts
-    (bearer)  (ModelInfo)   (tokenizer_svc)          (routing policy,  (Redis)   (route, retry,
-                                                      gateway.versions)          failover, detok,
-                                                                                 stop strings)
-                                                      └─ shadow copy (gateway.shadow)
-    └──────────── settle exactly once on every ending: done, error, cancel, deadline ──┘
+    auth ─► model, params ─► reserve ─► encode ─► context ─► version ─► take ─► engine attempts
+    (bearer) (ModelInfo)     (Redis: 1   (tokenizer) (length)  (routing   (Redis:  (route, retry,
+                             request,                          policy,    tokens)  failover, detok,
+                             1 lease)                          shadow)             stop strings)
+                             └── settle exactly once on every ending: done, error, cancel ──┘
 
 Usage from any front (the gRPC servicer today, the OpenAI-compatible HTTP
 front later)::
@@ -39,7 +38,7 @@ from gateway import metrics
 from gateway.auth import Authenticator
 from gateway.config import GatewayConfig
 from gateway.domain import CallContext, Chunk, Deadline, GatewayError, engine_request_id
-from gateway.encoder import Encoder
+from gateway.encoder import Encoder, check_prompt_size
 from gateway.params import (
     engine_sampling,
     resolve_max_tokens,
@@ -77,7 +76,7 @@ class _Labels:
 
 
 class Pipeline:
-    """auth -> encode -> validate -> reserve -> route -> stream -> settle.
+    """auth -> reserve -> encode -> validate -> route -> take -> stream -> settle.
 
     Args:
         config: The gateway section.
@@ -186,27 +185,41 @@ class Pipeline:
         if memo is not None:  # refused before any tokenizer or Redis call
             metrics.LOCAL_DENIALS.labels(tenant.tenant_id).inc()
             raise self._denied(tenant, memo)
-        prompt_ids = await self.encoder.encode(request, call, deadline,
-                                               info.max_context_length)
+        # a prompt no context could hold is refused before it spends a request unit
+        check_prompt_size(request, info.max_context_length)
+        # the request unit and a lease before the tokenizer: a caller over its request
+        # rate or concurrency never costs a tokenizer call; tokens once the prompt is counted
+        reservation = await self._reserve(tenant, 0)
         try:
-            max_tokens = resolve_max_tokens(
-                request.sampling, len(prompt_ids), info.max_context_length,
-                self.config.default_max_tokens, self.config.max_max_tokens)
-        except ValueError as e:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        route = await self._route(model, request.model_version, tenant, call)
-        engine_id = engine_request_id(tenant.tenant_id)
-        structlog.contextvars.bind_contextvars(engine_request_id=engine_id)
-        job = EngineJob(request_id=engine_id, correlation_id=call.request_id,
-                        traceparent=call.traceparent,
-                        tenant_id=tenant.tenant_id,
-                        priority=common_pb2.Priority.ValueType(int(tenant.priority)), model=model,
-                        model_version=route.version, prompt_token_ids=prompt_ids,
-                        sampling=engine_sampling(request.sampling, max_tokens),
-                        deadline=deadline, stop_strings=list(request.sampling.stop),
-                        fallback_versions=route.fallbacks)
-        # the last step: from the reservation on, _serve's finally settles it on every path
-        reservation = await self._reserve(tenant, len(prompt_ids) + max_tokens)
+            prompt_ids = await self.encoder.encode(request, call, deadline,
+                                                   info.max_context_length)
+            try:
+                max_tokens = resolve_max_tokens(
+                    request.sampling, len(prompt_ids), info.max_context_length,
+                    self.config.default_max_tokens, self.config.max_max_tokens)
+            except ValueError as e:
+                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            route = await self._route(model, request.model_version, tenant, call)
+            engine_id = engine_request_id(tenant.tenant_id)
+            structlog.contextvars.bind_contextvars(engine_request_id=engine_id)
+            job = EngineJob(request_id=engine_id, correlation_id=call.request_id,
+                            traceparent=call.traceparent,
+                            tenant_id=tenant.tenant_id,
+                            priority=common_pb2.Priority.ValueType(int(tenant.priority)),
+                            model=model, model_version=route.version,
+                            prompt_token_ids=prompt_ids,
+                            sampling=engine_sampling(request.sampling, max_tokens),
+                            deadline=deadline, stop_strings=list(request.sampling.stop),
+                            fallback_versions=route.fallbacks)
+            if reservation is not None:
+                await self._take(tenant, reservation, len(prompt_ids) + max_tokens)
+        except BaseException:
+            # nothing was served: the lease and any tokens go back, the request unit stays
+            # spent; from a successful take on, _serve's finally settles on every path
+            if reservation is not None:
+                await asyncio.shield(self.limiter.settle(reservation, prompt_tokens=0,
+                                                         completion_tokens=0))
+            raise
         return _Admitted(tenant, job, reservation, route.shadow_version)
 
     async def _route(self, model: str, version: str, tenant: Tenant,
@@ -238,6 +251,14 @@ class Pipeline:
         if not decision.allowed:
             raise self._denied(tenant, decision)
         return decision.reservation
+
+    async def _take(self, tenant: Tenant, reservation: Reservation, num_tokens: int) -> None:
+        try:
+            decision = await self.limiter.take(tenant, reservation, num_tokens)
+        except LimiterUnavailableError as e:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        if not decision.allowed:
+            raise self._denied(tenant, decision)
 
     @staticmethod
     def _denied(tenant: Tenant, decision: Decision) -> GatewayError:

@@ -189,6 +189,49 @@ def decide(
     return outcome, new_state
 
 
+def take(
+    policy: LimitPolicy,
+    state: BucketState | None,
+    now_ms: float,
+    *,
+    num_tokens: int,
+    num_leases: int,
+    shadow: bool,
+) -> tuple[Outcome, BucketState | None]:
+    """Check and take ``num_tokens`` tokens for a request already admitted by
+    ``decide`` (its request unit and lease are taken; only tokens are checked).
+
+    The gateway admits a request (``decide`` with 0 tokens) before tokenizing it, so
+    a caller over its request rate never costs a tokenizer call, then takes the
+    prompt + output budget here once the prompt's length is known.
+
+    Returns:
+        The outcome (``denied`` is TOKENS or NONE; ``num_leases`` as given) and the
+        state to store (unchanged unless the tokens were taken).
+    """
+    req, tok = levels_at(policy, state, now_ms)
+    denied, wait, never = Dimension.NONE, 0, False
+    if policy.tokens_per_minute and num_tokens > policy.token_capacity:
+        denied, never = Dimension.TOKENS, True
+    elif tok < num_tokens - EPSILON:
+        denied = Dimension.TOKENS
+        wait = wait_ms(num_tokens - tok, policy.tokens_per_minute)
+    new_state = state
+    if denied == Dimension.NONE and num_tokens:
+        tok -= num_tokens
+        new_state = BucketState(_stored(req), _stored(tok), _stamp(state, now_ms))
+    outcome = Outcome(
+        allowed=denied == Dimension.NONE or shadow,
+        denied=denied,
+        retry_after_ms=-1 if never else wait,
+        requests_left=reported(req),
+        tokens_left=reported(tok),
+        num_leases=num_leases,
+        now_ms=now_ms,
+    )
+    return outcome, new_state
+
+
 def refund(
     policy: LimitPolicy, state: BucketState | None, now_ms: float, num_tokens: int
 ) -> BucketState | None:

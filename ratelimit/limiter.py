@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 
 from common.log import get_logger
 from ratelimit import metrics
-from ratelimit.algorithm import Outcome
+from ratelimit.algorithm import UNLIMITED, Outcome
 from ratelimit.breaker import CircuitBreaker
 from ratelimit.config import FAIL_MODES, Dimension, LimitPolicy, Tenant
 from ratelimit.decision import Decision, Reservation
@@ -223,9 +224,56 @@ class RateLimiter:
 
     async def release(self, reservation: Reservation) -> None:
         """Drop the lease without usage (nothing known): the reserved tokens stay charged."""
-        await self._finish(reservation, 0, 0, 0)
+        await self._finish(reservation, 0, 0, 0, refund_take=False)
 
-    async def _finish(self, res: Reservation, refund: int, prompt: int, completion: int) -> None:
+    async def take(self, tenant: Tenant, reservation: Reservation, num_tokens: int) -> Decision:
+        """Take ``num_tokens`` tokens for a request ``reserve`` admitted with none.
+
+        The gateway reserves before tokenizing (1 request + 1 lease: a caller over its
+        request rate never costs a tokenizer call) and takes the prompt + output budget
+        here once the prompt is counted. A denial is a return value; the caller then
+        settles the reservation (the request unit stays spent, the lease goes back).
+        ``settle`` gives back whatever this took (remembered by lease id in the store),
+        so a take whose answer was lost (timeout, cancel) settles exactly too.
+
+        Raises:
+            ValueError: ``num_tokens`` is negative.
+            LimiterUnavailableError: the store failed and ``fail_mode`` is closed.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        start = time.perf_counter()
+        policy, source = reservation.policy, reservation.source
+
+        def call(store: Store) -> Awaitable[Outcome]:
+            return store.take(reservation.tenant_id, policy, num_tokens=num_tokens,
+                              lease_id=reservation.lease_id, shadow=tenant.shadow_mode)
+
+        try:
+            if source == "local":
+                outcome = await call(self.fallback)
+            else:
+                outcome = await self._call("take", lambda: call(self.store))
+        except StoreError as exc:
+            if self.fail_mode == "closed":
+                metrics.DECISIONS.labels("unavailable", source).inc()
+                raise LimiterUnavailableError(
+                    f"rate limiter store unavailable ({exc}); this deployment fails closed, "
+                    "retry shortly"
+                ) from exc
+            # fail open: admit; settle charges the exact usage either way (a take that ran
+            # is given back there by lease id, one that did not leaves the usage as debt)
+            outcome = Outcome(True, Dimension.NONE, 0, UNLIMITED, UNLIMITED, 0,
+                              time.time() * 1000)
+            source = "local"
+        metrics.DECISION_SECONDS.labels(source).observe(time.perf_counter() - start)
+        decision = self._decision(tenant, policy, outcome, reservation.lease_id, num_tokens,
+                                  source)
+        return dataclasses.replace(decision, reservation=reservation if decision.allowed
+                                   else None)
+
+    async def _finish(self, res: Reservation, refund: int, prompt: int, completion: int,
+                      *, refund_take: bool = True) -> None:
         if res.settled:
             return
         res.settled = True
@@ -240,6 +288,7 @@ class RateLimiter:
                 refund_tokens=refund,
                 prompt_tokens=prompt,
                 completion_tokens=completion,
+                refund_take=refund_take,
             )
 
         try:

@@ -7,6 +7,7 @@ Every script touches only the keys of one tenant, all hash-tagged
                   PEXPIRE = time until full, so an idle tenant costs no memory
     {t}:l   zset  lease_id -> expiry ms     live leases (concurrent streams)
     {t}:u   hash  requests, prompt_tokens, completion_tokens, denied, shadow_denied
+    {t}:k   hash  lease_id -> tokens TAKE took for it (given back or kept at SETTLE)
 
 Unlimited is ``math.huge``, never a level value: a real level can go negative
 (an overrun) and must not read as "no limit". A bucket's timestamp never moves
@@ -123,10 +124,56 @@ return {allowed, denied, wait, rep(r), rep(t), n, fmt(now)}
 """
 )
 
-# KEYS: bucket, leases, usage
+# KEYS: bucket, leases, usage, takes
+# ARGV: now, rpm, rcap, tpm, tcap, num_tokens, lease_id, lease_ttl_ms, shadow (0/1)
+# Tokens for a request RESERVE admitted with none (its request unit and lease are
+# taken). Idempotent per lease: a retried call takes nothing twice.
+TAKE = (
+    _PRELUDE
+    + """
+local now = clock(ARGV[1])
+local cost, lease_ttl = tonumber(ARGV[6]), tonumber(ARGV[8])
+local r, t, ts = load(KEYS[1], now, rpm, rcap, tpm, tcap)
+local n = redis.call('ZCOUNT', KEYS[2], '(' .. fmt(now), '+inf')
+if redis.call('HEXISTS', KEYS[4], ARGV[7]) == 1 then
+  return {1, 0, 0, rep(r), rep(t), n, fmt(now)}
+end
+local denied, wait, never = 0, 0, false
+if tpm > 0 and cost > tcap then
+  denied = 2
+  never = true
+elseif t < cost - EPS then
+  denied = 2
+  wait = wait_ms(cost - t, tpm)
+end
+local allowed = 0
+if denied == 0 then
+  allowed = 1
+  if cost > 0 and tpm > 0 then
+    t = t - cost
+    save(KEYS[1], ts, r, t, rpm, rcap, tpm, tcap)
+    redis.call('HSET', KEYS[4], ARGV[7], cost)
+    if redis.call('PTTL', KEYS[4]) < lease_ttl + 1000 then
+      redis.call('PEXPIRE', KEYS[4], math.ceil(lease_ttl) + 1000)
+    end
+  end
+elseif ARGV[9] == '1' then
+  allowed = 1
+  redis.call('HINCRBY', KEYS[3], 'shadow_denied', 1)
+else
+  redis.call('HINCRBY', KEYS[3], 'denied', 1)
+end
+if never then wait = -1 end
+return {allowed, denied, wait, rep(r), rep(t), n, fmt(now)}
+"""
+)
+
+# KEYS: bucket, leases, usage, takes
 # ARGV: now, rpm, rcap, tpm, tcap, refund_tokens, prompt_tokens, completion_tokens, lease_id,
 #       only_if_held (0/1: refund only when the lease was still there; a reserve whose
-#       outcome is unknown is compensated this way, exactly once)
+#       outcome is unknown is compensated this way, exactly once),
+#       refund_take (0/1: also give back what TAKE took for the lease; the caller's
+#       refund_tokens never includes it, so an unknown TAKE outcome settles exactly)
 SETTLE = (
     _PRELUDE
     + """
@@ -135,6 +182,13 @@ local refund = tonumber(ARGV[6])
 local held = 0
 if ARGV[9] ~= '' then held = redis.call('ZREM', KEYS[2], ARGV[9]) end
 if ARGV[10] == '1' and held == 0 then refund = 0 end
+if ARGV[9] ~= '' then
+  local taken = tonumber(redis.call('HGET', KEYS[4], ARGV[9]))
+  if taken then
+    redis.call('HDEL', KEYS[4], ARGV[9])
+    if ARGV[11] == '1' then refund = refund + taken end
+  end
+end
 if refund ~= 0 and tpm > 0 then
   local r, t, ts = load(KEYS[1], now, rpm, rcap, tpm, tcap)
   t = math.min(tcap, t + refund)
@@ -146,7 +200,7 @@ return held
 """
 )
 
-# KEYS: leases; ARGV: now, lease_id, lease_ttl_ms
+# KEYS: leases, takes; ARGV: now, lease_id, lease_ttl_ms
 HEARTBEAT = """
 local now
 if ARGV[1] ~= '' then now = tonumber(ARGV[1]) else
@@ -156,8 +210,10 @@ local expiry = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]))
 if expiry == nil or expiry <= now then return 0 end
 local ttl = tonumber(ARGV[3])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[2])
-if redis.call('PTTL', KEYS[1]) < ttl + 1000 then
-  redis.call('PEXPIRE', KEYS[1], math.ceil(ttl) + 1000)
+for i = 1, 2 do
+  if redis.call('EXISTS', KEYS[i]) == 1 and redis.call('PTTL', KEYS[i]) < ttl + 1000 then
+    redis.call('PEXPIRE', KEYS[i], math.ceil(ttl) + 1000)
+  end
 end
 return 1
 """

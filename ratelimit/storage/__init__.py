@@ -54,6 +54,19 @@ class Store(Protocol):
         """Check and take 1 request, ``num_tokens`` tokens and 1 lease, all or nothing."""
         ...
 
+    async def take(
+        self,
+        tenant_id: str,
+        policy: LimitPolicy,
+        *,
+        num_tokens: int,
+        lease_id: str,
+        shadow: bool,
+    ) -> Outcome:
+        """Check and take ``num_tokens`` more tokens for the request holding ``lease_id``
+        (admitted by ``reserve``), remembered per lease. Idempotent per lease."""
+        ...
+
     async def settle(
         self,
         tenant_id: str,
@@ -64,12 +77,15 @@ class Store(Protocol):
         prompt_tokens: int,
         completion_tokens: int,
         only_if_held: bool = False,
+        refund_take: bool = True,
     ) -> bool:
         """Refund tokens, drop the lease, add usage; True if the lease was still held.
 
         ``only_if_held``: refund only when the lease was still there (compensates a
         reserve whose outcome is unknown: it refunds what that reserve took, or
         nothing when it never ran or was already settled).
+        ``refund_take``: also give back what ``take`` took for the lease (the caller's
+        ``refund_tokens`` never counts it); False keeps it charged.
         """
         ...
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ratelimit import algorithm
 from ratelimit.algorithm import BucketState, Outcome
-from ratelimit.config import LimitPolicy
+from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.storage import UsageSnapshot
 
 
@@ -27,11 +27,13 @@ def wall_clock_ms() -> float:
 class _TenantState:
     bucket: BucketState | None = None
     leases: dict[str, float] = field(default_factory=dict)  # lease_id -> expiry ms
+    takes: dict[str, int] = field(default_factory=dict)  # lease_id -> tokens ``take`` took
     totals: Counter[str] = field(default_factory=Counter)
 
     def expire_leases(self, now_ms: float) -> None:
         for lease_id in [k for k, expiry in self.leases.items() if expiry <= now_ms]:
             del self.leases[lease_id]
+            self.takes.pop(lease_id, None)
 
 
 class MemoryStore:
@@ -87,6 +89,33 @@ class MemoryStore:
             st.totals["denied"] += 1
         return outcome
 
+    async def take(
+        self,
+        tenant_id: str,
+        policy: LimitPolicy,
+        *,
+        num_tokens: int,
+        lease_id: str,
+        shadow: bool,
+    ) -> Outcome:
+        """See ``Store.take``."""
+        now = self.clock()
+        st = self._state(tenant_id)
+        st.expire_leases(now)
+        if lease_id in st.takes:  # a retried call: taken already
+            req, tok = algorithm.levels_at(policy, st.bucket, now)
+            return Outcome(True, Dimension.NONE, 0, algorithm.reported(req),
+                           algorithm.reported(tok), len(st.leases), now)
+        outcome, st.bucket = algorithm.take(policy, st.bucket, now, num_tokens=num_tokens,
+                                            num_leases=len(st.leases), shadow=shadow)
+        if outcome.taken and num_tokens and policy.tokens_per_minute:
+            st.takes[lease_id] = num_tokens
+        elif outcome.shadow_denied:
+            st.totals["shadow_denied"] += 1
+        elif not outcome.allowed:
+            st.totals["denied"] += 1
+        return outcome
+
     async def settle(
         self,
         tenant_id: str,
@@ -97,11 +126,16 @@ class MemoryStore:
         prompt_tokens: int,
         completion_tokens: int,
         only_if_held: bool = False,
+        refund_take: bool = True,
     ) -> bool:
         """See ``Store.settle``."""
         st = self._state(tenant_id)
         held = st.leases.pop(lease_id, None) is not None
-        if held or not only_if_held:
+        if only_if_held and not held:
+            refund_tokens = 0
+        taken = st.takes.pop(lease_id, 0)
+        refund_tokens += taken if refund_take else 0
+        if refund_tokens:
             st.bucket = algorithm.refund(policy, st.bucket, self.clock(), refund_tokens)
         st.totals["prompt_tokens"] += max(prompt_tokens, 0)
         st.totals["completion_tokens"] += max(completion_tokens, 0)

@@ -16,20 +16,33 @@ from redis.exceptions import RedisError
 
 from ratelimit.algorithm import Outcome
 from ratelimit.config import Dimension, LimitPolicy
-from ratelimit.lua import HEARTBEAT, RESERVE, SETTLE, USAGE, LuaScript
+from ratelimit.lua import HEARTBEAT, RESERVE, SETTLE, TAKE, USAGE, LuaScript
 from ratelimit.storage import StoreError, UsageSnapshot
 
 _RESERVE = LuaScript("reserve", RESERVE)
 _SETTLE = LuaScript("settle", SETTLE)
 _HEARTBEAT = LuaScript("heartbeat", HEARTBEAT)
 _USAGE = LuaScript("usage", USAGE)
-SCRIPTS = (_RESERVE, _SETTLE, _HEARTBEAT, _USAGE)
+_TAKE = LuaScript("take", TAKE)
+SCRIPTS = (_RESERVE, _TAKE, _SETTLE, _HEARTBEAT, _USAGE)
 
 
-def bucket_keys(prefix: str, tenant_id: str) -> tuple[str, str, str]:
-    """The (bucket, leases, usage) keys of a tenant, in one cluster slot."""
+def bucket_keys(prefix: str, tenant_id: str) -> tuple[str, str, str, str]:
+    """The (bucket, leases, usage, takes) keys of a tenant, in one cluster slot."""
     base = f"{prefix}{{{tenant_id}}}"
-    return f"{base}:b", f"{base}:l", f"{base}:u"
+    return f"{base}:b", f"{base}:l", f"{base}:u", f"{base}:k"
+
+
+def _outcome(res: Sequence[Any]) -> Outcome:
+    return Outcome(
+        allowed=bool(res[0]),
+        denied=Dimension(int(res[1])),
+        retry_after_ms=int(res[2]),
+        requests_left=float(res[3]),
+        tokens_left=float(res[4]),
+        num_leases=int(res[5]),
+        now_ms=float(res[6]),
+    )
 
 
 def _policy_args(policy: LimitPolicy) -> list[int]:
@@ -106,16 +119,21 @@ class RedisStore:
             1 if shadow else 0,
             self.concurrency_retry_ms,
         ]
-        res = await self._run(_RESERVE, bucket_keys(self.prefix, tenant_id), args)
-        return Outcome(
-            allowed=bool(res[0]),
-            denied=Dimension(int(res[1])),
-            retry_after_ms=int(res[2]),
-            requests_left=float(res[3]),
-            tokens_left=float(res[4]),
-            num_leases=int(res[5]),
-            now_ms=float(res[6]),
-        )
+        return _outcome(await self._run(_RESERVE, bucket_keys(self.prefix, tenant_id), args))
+
+    async def take(
+        self,
+        tenant_id: str,
+        policy: LimitPolicy,
+        *,
+        num_tokens: int,
+        lease_id: str,
+        shadow: bool,
+    ) -> Outcome:
+        """See ``Store.take``."""
+        args = [self._now(), *_policy_args(policy), num_tokens, lease_id, self.lease_ttl_ms,
+                1 if shadow else 0]
+        return _outcome(await self._run(_TAKE, bucket_keys(self.prefix, tenant_id), args))
 
     async def settle(
         self,
@@ -127,6 +145,7 @@ class RedisStore:
         prompt_tokens: int,
         completion_tokens: int,
         only_if_held: bool = False,
+        refund_take: bool = True,
     ) -> bool:
         """See ``Store.settle``."""
         args = [
@@ -137,12 +156,13 @@ class RedisStore:
             completion_tokens,
             lease_id,
             int(only_if_held),
+            int(refund_take),
         ]
         return bool(await self._run(_SETTLE, bucket_keys(self.prefix, tenant_id), args))
 
     async def heartbeat(self, tenant_id: str, lease_id: str) -> bool:
         """See ``Store.heartbeat``."""
-        keys = bucket_keys(self.prefix, tenant_id)[1:2]
+        keys = bucket_keys(self.prefix, tenant_id)[1::2]  # leases, takes
         return bool(await self._run(_HEARTBEAT, keys, [self._now(), lease_id, self.lease_ttl_ms]))
 
     async def usage(self, tenant_id: str, policy: LimitPolicy) -> UsageSnapshot:

@@ -49,21 +49,24 @@ def test_requests_per_minute(gateway: GatewayProcess) -> None:
                           dimension="requests") == 2
 
 
-def test_a_request_shortage_is_memoised_even_when_tokens_were_short_too(
+def test_the_request_rate_is_checked_before_the_prompt_is_tokenized(
         gateway: GatewayProcess) -> None:
-    """Over both the request and the token rate: the next calls are refused by the
-    gateway itself (no tokenizer, no Redis) for the request bucket's own wait."""
+    """Over both the request and the token rate: the answer names only the request rate
+    (the request unit is taken before the tokenizer runs, so the tokens were never
+    counted), and the next calls are refused by the gateway itself for that wait."""
     tid, key = gateway.tenant(requests_per_minute=6, request_burst=1,
                               tokens_per_minute=60, token_burst=50)
     assert gateway.generate(key, prompt(40))[-1].finish_reason == common_pb2.LENGTH  # 9 left
-    details, retry_ms = denied(gateway, key, prompt(30))  # short of requests and tokens
+    details, retry_ms = denied(gateway, key, prompt(30))
     assert "requests_per_minute" in details
-    assert "tokens_per_minute" in details
-    assert retry_ms > 10_000  # the answer's wait: the longer one, 22 tokens at 1/s
+    assert "tokens_per_minute" not in details
+    assert 0 < retry_ms <= 10_000  # one request at 6/min
     details2, retry_ms2 = denied(gateway, key, prompt(30))
     assert "requests_per_minute" in details2
-    assert 0 < retry_ms2 <= 10_000  # the request bucket's own wait (1 request at 6/min)
+    assert 0 < retry_ms2 <= retry_ms
     assert gateway.metric("gateway_ratelimit_local_denials_total", tenant=tid) == 1
+    usage = gateway.usage(tid)
+    assert usage.concurrent_in_use == 0
 
 
 def test_tokens_per_minute(gateway: GatewayProcess) -> None:

@@ -125,11 +125,13 @@ async def test_policy_change_from_unlimited_starts_full(store: Store) -> None:
 async def test_redis_keys_are_hash_tagged_and_expire(redis_client: Redis, prefix: str) -> None:
     store = RedisStore(redis_client, prefix=prefix, lease_ttl_ms=1000)
     await store.reserve("acme", POLICY, num_tokens=10, lease_id="a", shadow=False)
-    bucket, leases, usage = bucket_keys(prefix, "acme")
+    await store.take("acme", POLICY, num_tokens=20, lease_id="a", shadow=False)
+    bucket, leases, usage, takes = bucket_keys(prefix, "acme")
     assert bucket == f"{prefix}{{acme}}:b"
-    assert all("{acme}" in k for k in (leases, usage))
+    assert all("{acme}" in k for k in (leases, usage, takes))
     assert 0 < await redis_client.pttl(bucket) <= 31_000  # time until full + 1 s
     assert 0 < await redis_client.pttl(leases) <= 2000
+    assert 0 < await redis_client.pttl(takes) <= 2000
     assert await redis_client.pttl(usage) == -1  # totals are kept
 
 
@@ -188,3 +190,48 @@ async def test_a_clock_stepping_back_credits_nothing(store: Store, clock: Clock)
     clock.now = start + 1000  # one real second after the take
     u = await store.usage("t", policy)
     assert u.tokens_available == pytest.approx(3100.0)  # the refund + 1 s at 100/s, not 31 s
+
+
+async def test_take_after_reserve_then_settle_is_exact(store: Store, clock: Clock) -> None:
+    """The gateway's two steps: 1 request + lease before tokenizing, tokens after.
+    Settle gives back what take took (remembered by lease), whatever the caller knew."""
+    policy = LimitPolicy(requests_per_minute=60, tokens_per_minute=6000)
+    o = await store.reserve("t", policy, num_tokens=0, lease_id="a", shadow=False)
+    assert o.taken
+    assert (o.requests_left, o.tokens_left) == (59.0, 6000.0)
+    o = await store.take("t", policy, num_tokens=5000, lease_id="a", shadow=False)
+    assert o.taken
+    assert (o.requests_left, o.tokens_left, o.num_leases) == (59.0, 1000.0, 1)
+    again = await store.take("t", policy, num_tokens=5000, lease_id="a", shadow=False)
+    assert again.taken  # a retried call takes nothing twice
+    assert again.tokens_left == 1000.0
+    assert (await store.reserve("t", policy, num_tokens=0, lease_id="b", shadow=False)).taken
+    o = await store.take("t", policy, num_tokens=2000, lease_id="b", shadow=False)
+    assert not o.allowed  # tokens only: the request unit of "b" stays spent
+    assert (o.denied, o.retry_after_ms) == (Dimension.TOKENS, 10_000)
+    o = await store.take("t", policy, num_tokens=7000, lease_id="b", shadow=False)
+    assert o.retry_after_ms == -1  # above the bucket's capacity: never
+    await store.settle("t", policy, lease_id="b", refund_tokens=0, prompt_tokens=0,
+                       completion_tokens=0)
+    # "a" used 300 tokens; the caller's refund never includes the take (0 - 300 here)
+    await store.settle("t", policy, lease_id="a", refund_tokens=-300, prompt_tokens=100,
+                       completion_tokens=200)
+    u = await store.usage("t", policy)
+    assert (u.tokens_available, u.requests_available, u.concurrent_in_use) == (5700.0, 58.0, 0)
+    assert (u.requests_total, u.prompt_tokens_total, u.completion_tokens_total) == (2, 100, 200)
+    assert u.requests_denied_total == 2
+
+
+async def test_take_in_shadow_mode_and_release_keeping_the_take(store: Store) -> None:
+    policy = LimitPolicy(tokens_per_minute=600)
+    assert (await store.reserve("t", policy, num_tokens=0, lease_id="a", shadow=True)).taken
+    o = await store.take("t", policy, num_tokens=1000, lease_id="a", shadow=True)
+    assert o.allowed  # shadow: admitted, counted, nothing taken
+    assert o.shadow_denied
+    o = await store.take("t", policy, num_tokens=100, lease_id="a", shadow=False)
+    assert o.taken
+    await store.settle("t", policy, lease_id="a", refund_tokens=0, prompt_tokens=0,
+                       completion_tokens=0, refund_take=False)  # release: stays charged
+    u = await store.usage("t", policy)
+    assert u.tokens_available == 500.0
+    assert u.shadow_denials_total == 1

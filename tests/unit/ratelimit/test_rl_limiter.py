@@ -47,6 +47,10 @@ class BrokenStore:
         await self._gate()
         return await self.inner.reserve(*args, **kwargs)
 
+    async def take(self, *args: Any, **kwargs: Any) -> Outcome:
+        await self._gate()
+        return await self.inner.take(*args, **kwargs)
+
     async def settle(self, *args: Any, **kwargs: Any) -> bool:
         await self._gate()
         return await self.inner.settle(*args, **kwargs)
@@ -99,6 +103,55 @@ async def test_reserve_settle_refunds_unused_tokens() -> None:
     assert usage.tokens_available == 5850
     assert usage.concurrent_in_use == 0
     assert (usage.prompt_tokens_total, usage.completion_tokens_total) == (100, 50)
+
+
+async def test_reserve_then_take_then_settle_charges_exactly_the_usage() -> None:
+    limiter = RateLimiter(memory(Clock()))
+    d = await limiter.reserve(TENANT, 0)  # before tokenizing: a request and a lease
+    assert d.reservation is not None
+    t = await limiter.take(TENANT, d.reservation, 1000)
+    assert t.allowed
+    assert t.reservation is d.reservation
+    assert t.tokens_remaining == 5000
+    denied = await limiter.take(TENANT, (await limiter.reserve(TENANT, 0)).reservation
+                                or d.reservation, 5500)
+    assert not denied.allowed
+    assert denied.reservation is None
+    assert denied.denied == Dimension.TOKENS
+    assert "tokens_per_minute" in denied.message()
+    await limiter.settle(d.reservation, prompt_tokens=100, completion_tokens=50)
+    usage = await limiter.usage(TENANT)
+    assert usage.tokens_available == 5850  # 1000 taken, 850 back
+    assert usage.concurrent_in_use == 1  # the denied one's lease: its caller settles it
+
+
+async def test_a_take_the_store_failed_on_settles_exactly_either_way() -> None:
+    """Fail open: a take whose answer was lost admits; settle charges the exact usage
+    whether the take ran (given back by lease id) or not (charged as usage)."""
+    inner = memory(Clock())
+    store = BrokenStore(inner)
+    limiter = RateLimiter(store, fail_mode="open", timeout_ms=50)
+    for ran in (False, True):
+        d = await limiter.reserve(TENANT, 0)
+        assert d.reservation is not None
+        if ran:
+            await inner.take("acme", TENANT.limits, num_tokens=700, lease_id=d.lease_id or "",
+                             shadow=False)  # the script ran, the answer was lost
+        store.mode = "error"
+        t = await limiter.take(TENANT, d.reservation, 700)
+        assert t.allowed
+        assert t.source == "local"
+        store.mode = "ok"
+        before = (await limiter.usage(TENANT)).tokens_available
+        await limiter.settle(d.reservation, prompt_tokens=200, completion_tokens=100)
+        after = (await limiter.usage(TENANT)).tokens_available
+        assert after - before == (400 if ran else -300)  # net: exactly 300 charged
+    closed = RateLimiter(store, fail_mode="closed", timeout_ms=50)
+    d = await closed.reserve(TENANT, 0)
+    assert d.reservation is not None
+    store.mode = "error"
+    with pytest.raises(LimiterUnavailableError):
+        await closed.take(TENANT, d.reservation, 10)
 
 
 async def test_release_keeps_tokens_charged_and_frees_the_slot() -> None:
