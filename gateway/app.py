@@ -62,8 +62,9 @@ class GatewayApp:
                            stats_interval_s=config.stats_interval_s,
                            queue_weight=config.queue_weight, kv_weight=config.kv_weight,
                            default_model=config.default_model, service_token=token)
-        encoder = Encoder(config.tokenizer, config.encode_timeout_s, token)
         tokenizer = TextTokenizer(Path(config.model_dir or default_model_dir()))
+        encoder = Encoder(config.tokenizer, config.encode_timeout_s, token,
+                          local=tokenizer if config.tokenize_in_process else None)
         dispatcher = Dispatcher(
             pool,
             RetryPolicy(config.max_attempts, config.retry_backoff_base_ms / 1000.0,

@@ -33,6 +33,9 @@ class GatewayConfig(ServiceConfig):
         max_request_timeout_s: Longest deadline a client may ask for (``grpc-timeout``,
             ``x-request-timeout``); longer ones are cut to this.
         encode_timeout_s: Budget of one tokenizer call.
+        tokenize_in_process: Encode prompts in the gateway (the same code and
+            tokenizer files as tokenizer_svc; no RPC on the hot path) instead of
+            calling tokenizer_svc.
         auth_failures_per_minute / auth_failure_burst: Failed authentications one
             client address may make (a token bucket); past that its calls with keys
             not already known valid get RESOURCE_EXHAUSTED until the bucket refills
@@ -74,6 +77,7 @@ class GatewayConfig(ServiceConfig):
     request_timeout_s: float = 600.0
     max_request_timeout_s: float = 3600.0
     encode_timeout_s: float = 10.0
+    tokenize_in_process: bool = True
     auth_failures_per_minute: int = 30
     auth_failure_burst: int = 20
     max_attempts: int = 3

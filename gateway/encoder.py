@@ -1,17 +1,25 @@
-"""The tokenizer_svc client of the pipeline (docs/architecture.md, request step 3).
+"""Prompt encoding for the pipeline (docs/architecture.md, request step 4).
 
-Prompts and chat messages are encoded by tokenizer_svc (one place applies
-the chat template); its INVALID_ARGUMENT messages pass through to the
-caller unchanged, anything else becomes UNAVAILABLE naming the tokenizer.
+By default in process, with the same code tokenizer_svc runs
+(``tokenizer_svc.service.encode_request``: one place applies the chat
+template), so the hot path has no tokenizer RPC; long inputs are encoded on a
+worker thread (the tokenizers library drops the GIL), never on the event loop.
+With ``gateway.tokenize_in_process: false`` it calls tokenizer_svc instead;
+its INVALID_ARGUMENT messages pass through to the caller unchanged, anything
+else becomes UNAVAILABLE naming the tokenizer.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 
 from common.service_auth import token_metadata
 from gateway.domain import CallContext, Deadline, GatewayError
 from llm.v1 import gateway_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.service import OFFLOAD_CHARS, encode_request, request_chars
+from tokenizer_svc.tokenizer import TextTokenizer, TokenizerInputError
 
 # No token of the tokenizers this stack serves is longer than this many characters
 # (SmolLM2's longest is 81: a run of '#'): a prompt above
@@ -38,15 +46,19 @@ def check_prompt_size(request: gateway_pb2.GenerateRequest, max_context_tokens: 
 
 
 class Encoder:
-    """Encodes GenerateRequest inputs through tokenizer_svc.
+    """Encodes GenerateRequest inputs, in process or through tokenizer_svc.
 
     Args:
         address: ``host:port`` of tokenizer_svc.
         timeout_s: Budget of one Encode call (the request deadline may cut it shorter).
+        service_token: tokenizer_svc's service token.
+        local: Encode in process with this tokenizer (None = call tokenizer_svc).
     """
 
-    def __init__(self, address: str, timeout_s: float = 10.0, service_token: str = "") -> None:
+    def __init__(self, address: str, timeout_s: float = 10.0, service_token: str = "",
+                 local: TextTokenizer | None = None) -> None:
         self.address = address
+        self.local = local
         self._token_md = token_metadata(service_token)
         self.timeout_s = timeout_s
         self.channel = grpc.aio.insecure_channel(address)
@@ -80,6 +92,8 @@ class Encoder:
         else:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
                                "set either `prompt` or `messages` in the request")
+        if self.local is not None:
+            return await self._encode_local(self.local, req)
         metadata = (("x-request-id", call.request_id), ("traceparent", call.traceparent),
                     *self._token_md)
         timeout = min(self.timeout_s, deadline.remaining())
@@ -88,6 +102,17 @@ class Encoder:
         except grpc.aio.AioRpcError as e:
             raise self._error(e) from None
         return list(resp.token_ids)
+
+    @staticmethod
+    async def _encode_local(tok: TextTokenizer, req: tokenizer_pb2.EncodeRequest) -> list[int]:
+        try:
+            if request_chars(req) > OFFLOAD_CHARS:
+                ids, _ = await asyncio.to_thread(encode_request, tok, req)
+            else:
+                ids, _ = encode_request(tok, req)
+        except TokenizerInputError as e:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return ids
 
     def _error(self, e: grpc.aio.AioRpcError) -> GatewayError:
         code = e.code()

@@ -59,6 +59,11 @@ TPOT = Histogram("gateway_time_per_output_token_seconds",
 OVERHEAD = Histogram("gateway_overhead_seconds",
                      "Time the gateway spends before the engine call that produced the first "
                      "token (auth, encode, limits, routing, retries)", buckets=_OVERHEAD_BUCKETS)
+STAGE = Histogram("gateway_stage_seconds",
+                  "Time of each step before the engine call: auth, reserve (request unit + "
+                  "lease), encode (tokenize), take (tokens), route", ["stage"],
+                  buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
+                           0.1, 0.5))
 RETRIES = Counter("gateway_retries_total", "Engine attempts retried on another replica")
 FAILOVERS = Counter("gateway_failovers_total",
                     "Streams resumed on another replica after their engine failed mid-stream")

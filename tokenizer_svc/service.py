@@ -31,6 +31,30 @@ OFFLOAD_CHARS = 16_384
 T = TypeVar("T")
 
 
+def request_chars(req: tokenizer_pb2.EncodeRequest) -> int:
+    """Characters an EncodeRequest asks to encode (text, or every message's content)."""
+    return len(req.text) + sum(len(m.content) for m in req.messages.messages)
+
+
+def encode_request(tok: TextTokenizer, req: tokenizer_pb2.EncodeRequest
+                   ) -> tuple[list[int], str]:
+    """Token ids and the encoded text of one EncodeRequest (the chat template applied
+    for messages): what Encode answers, for in-process callers too (the gateway).
+
+    Raises:
+        TokenizerInputError: empty, oversized or otherwise unencodable input.
+    """
+    which = req.WhichOneof("input")
+    if which == "messages":
+        msgs = [Message(m.role, m.content) for m in req.messages.messages]
+        add_gen = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
+        return tok.encode_chat(msgs, add_gen)
+    if which == "text":
+        add_sp = req.add_special_tokens if req.HasField("add_special_tokens") else True
+        return tok.encode(req.text, add_sp), req.text
+    raise TokenizerInputError("set either `text` or `messages` in the request")
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     """llm.v1.Tokenizer over one TextTokenizer."""
 
@@ -69,22 +93,12 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     def _encode_one(self, req: tokenizer_pb2.EncodeRequest) -> tokenizer_pb2.EncodeResponse:
         self._check_model(req.model)
-        which = req.WhichOneof("input")
-        if which == "messages":
-            msgs = [Message(m.role, m.content) for m in req.messages.messages]
-            add_gen = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
-            ids, text = self._tok.encode_chat(msgs, add_gen)
-        elif which == "text":
-            add_sp = req.add_special_tokens if req.HasField("add_special_tokens") else True
-            ids, text = self._tok.encode(req.text, add_sp), req.text
-        else:
-            raise TokenizerInputError("set either `text` or `messages` in the request")
+        ids, text = encode_request(self._tok, req)
         TOKENS.labels("encode").inc(len(ids))
         return tokenizer_pb2.EncodeResponse(token_ids=ids, text=text if req.return_text else "")
 
     async def _encode(self, req: tokenizer_pb2.EncodeRequest) -> tokenizer_pb2.EncodeResponse:
-        size = len(req.text) + sum(len(m.content) for m in req.messages.messages)
-        if size > OFFLOAD_CHARS:
+        if request_chars(req) > OFFLOAD_CHARS:
             return await asyncio.to_thread(self._encode_one, req)
         return self._encode_one(req)
 

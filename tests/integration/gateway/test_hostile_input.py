@@ -12,7 +12,6 @@ import json
 import math
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 
 import grpc
@@ -20,7 +19,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.procs import ManagedProcess
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2
 from tests.integration.gateway.conftest import (
     EnginePair,
@@ -261,27 +259,40 @@ def test_an_oversized_grpc_message_is_refused_before_any_work(gateway: GatewayPr
 
 
 def test_a_prompt_longer_than_any_context_could_hold_is_refused_before_tokenizing(
-    gateway: GatewayProcess, engines: EnginePair, tokenizer_server: ManagedProcess
+    gateway: GatewayProcess, engines: EnginePair
 ) -> None:
     """2,048-token context here: 300,000 characters cannot fit (at most 128 a token), so
-    the gateway refuses it without a tokenizer call or a reservation."""
+    the gateway refuses it without tokenizing it or reserving anything."""
     tid, key = gateway.tenant()
-    encodes_before = tokenizer_encodes(tokenizer_server)
+    encodes_before = gateway_encodes(gateway)
     with pytest.raises(grpc.RpcError) as err:
         gateway.generate(key, gateway_pb2.GenerateRequest(prompt="word " * 60_000), timeout=60)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "300000 characters" in (err.value.details() or "")
-    assert tokenizer_encodes(tokenizer_server) == encodes_before
+    assert gateway_encodes(gateway) == encodes_before
     assert gateway.usage(tid).requests_total == 0  # nothing was reserved
     assert_idle(gateway, tid, engines)
 
 
-def tokenizer_encodes(tokenizer: ManagedProcess) -> float:
-    url = f"http://127.0.0.1:{tokenizer.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("tokenizer_requests_total{") and 'method="Encode"' in line)
+def gateway_encodes(gateway: GatewayProcess) -> float:
+    """Prompts the gateway tokenized (in process or through tokenizer_svc)."""
+    return gateway.metric("gateway_stage_seconds_count", stage="encode")
+
+
+def test_an_over_rate_tenant_costs_no_tokenizing(gateway: GatewayProcess,
+                                                engines: EnginePair) -> None:
+    """The request unit is taken before the prompt is tokenized: a flood over the request
+    rate is refused without one encode, by Redis first and then by the gateway's memo."""
+    tid, key = gateway.tenant(requests_per_minute=1, request_burst=1)
+    assert gateway.generate(key, chat("Hi", 1))
+    encodes_before = gateway_encodes(gateway)
+    for _ in range(5):
+        with pytest.raises(grpc.RpcError) as err:
+            gateway.generate(key, chat("A prompt that is never tokenized. " * 50, 1))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert gateway_encodes(gateway) == encodes_before
+    assert gateway.metric("gateway_ratelimit_local_denials_total", tenant=tid) == 4
+    assert_idle(gateway, tid, engines)
 
 
 @pytest.mark.parametrize("service", ["gateway", "engine"])
