@@ -14,8 +14,15 @@ p50/p99 of each; the report holds the median over rounds. The gateway side
 includes everything the gateway does: auth (cached), tokenizer_svc Encode,
 the Redis reserve/settle, routing, incremental detokenization. The "http"
 side is the same request as `POST /v1/completions` with `stream: true`
-(aiohttp client, time to the first SSE event carrying text), so http - gateway
-is what the HTTP front adds over the gRPC front.
+(aiohttp client, time to the first SSE event carrying text), and the same
+again with the official ``openai`` client (httpx), so http - gateway and
+openai - gateway are what the HTTP front adds over the gRPC front.
+
+Inter-token time is measured two ways: per token (gRPC sides: a chunk with n
+tokens counts n arrivals), and per text-bearing event, which is what a
+streaming user sees and the only thing an SSE client can count (the
+incremental detokenizer sends no event for a token that completes no
+character). HTTP-vs-gRPC comparisons use the per-event figures of both.
 
 Writes bench/reports/gateway_bench.json and .png.
 """
@@ -52,7 +59,19 @@ from ratelimit.testing import RedisServer, free_port
 from tokenizer_svc.tokenizer import TextTokenizer
 
 PROMPT = "Write a short poem about the sea and the wind, in four lines."
-Sample = tuple[float, float]  # (ttft seconds, mean inter-token seconds)
+# seconds: time to the first token, mean gap per token, mean gap per text event, time to
+# the first text event
+Sample = tuple[float, float, float, float]
+
+
+def sample(t0: float, token_stamps: list[float], event_stamps: list[float]) -> Sample:
+    """TTFT to the first token and to the first text event, and the mean gaps between
+    tokens and between events."""
+    def gap(stamps: list[float]) -> float:
+        return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+
+    events = event_stamps or token_stamps
+    return token_stamps[0] - t0, gap(token_stamps), gap(events), events[0] - t0
 
 
 def pct(values: list[float], q: float) -> float:
@@ -64,12 +83,13 @@ def pct(values: list[float], q: float) -> float:
 async def timed_stream(stream: Any) -> Sample:
     t0 = time.perf_counter()
     stamps: list[float] = []
+    events: list[float] = []
     async for chunk in stream:
         now = time.perf_counter()
         stamps.extend(now for _ in chunk.token_ids)
-    ttft = stamps[0] - t0
-    itl = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
-    return ttft, itl
+        if chunk.token_ids and getattr(chunk, "text", "x"):  # engine chunks carry no text
+            events.append(now)
+    return sample(t0, stamps, events)
 
 
 async def run_side(side: str, addresses: dict[str, str], key: str, ids: list[int],
@@ -117,19 +137,53 @@ async def run_http(base_url: str, key: str, num_requests: int, concurrency: int,
                                         headers=headers) as resp:
                     resp.raise_for_status()
                     async for line in resp.content:
-                        if line.startswith(b"data: {") and b'"text": ""' not in line:
+                        if line.startswith(b"data: {") and _text_of(line[6:]):
                             stamps.append(time.perf_counter())
-                return stamps[0] - t0, (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+                return sample(t0, stamps, stamps)
 
         await one()  # untimed: opens the connection (a gRPC channel is open already too)
+        return list(await asyncio.gather(*(one() for _ in range(num_requests))))
+
+
+def _text_of(data: bytes) -> str:
+    choices = json.loads(data).get("choices") or [{}]
+    return str(choices[0].get("text") or "")
+
+
+async def run_openai(base_url: str, key: str, num_requests: int, concurrency: int,
+                     max_tokens: int) -> list[Sample]:
+    """The HTTP side again through the official ``openai`` client (httpx underneath)."""
+    from openai import AsyncOpenAI
+
+    sem = asyncio.Semaphore(concurrency)
+    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0,
+                           timeout=300) as client:
+
+        async def one() -> Sample:
+            async with sem:
+                t0 = time.perf_counter()
+                stamps: list[float] = []
+                stream = await client.completions.create(
+                    model="", prompt=PROMPT, max_tokens=max_tokens, stream=True,
+                    temperature=0, extra_body={"ignore_eos": True})
+                async for event in stream:
+                    if event.choices and event.choices[0].text:
+                        stamps.append(time.perf_counter())
+                return sample(t0, stamps, stamps)
+
+        await one()  # untimed: opens the connection
         return list(await asyncio.gather(*(one() for _ in range(num_requests))))
 
 
 def summarize(samples: list[Sample]) -> dict[str, float]:
     ttft = [s[0] * 1000 for s in samples]
     itl = [s[1] * 1000 for s in samples]
+    event = [s[2] * 1000 for s in samples]
+    first_text = [s[3] * 1000 for s in samples]
     return {"ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
-            "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99)}
+            "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
+            "event_gap_p50_ms": pct(event, 0.5), "event_gap_p99_ms": pct(event, 0.99),
+            "first_text_p50_ms": pct(first_text, 0.5), "first_text_p99_ms": pct(first_text, 0.99)}
 
 
 def start_stack(log_dir: Path, redis: RedisServer, admin_key: str
@@ -167,14 +221,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+    metrics = ["first_text_p50_ms", "first_text_p99_ms", "event_gap_p50_ms",
+               "event_gap_p99_ms"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, conc in zip(axes, ("c1", "c32"), strict=True):
         res = report["results"][conc]
         xs = range(len(metrics))
         for i, (side, label) in enumerate((("engine", "engine"), ("gateway", "gateway gRPC"),
-                                           ("http", "gateway HTTP (SSE)"))):
-            ax.bar([x + (i - 1) * 0.27 for x in xs], [res[side][m] for m in metrics], 0.27,
+                                           ("http", "gateway HTTP (aiohttp client)"),
+                                           ("openai", "gateway HTTP (openai client)"))):
+            ax.bar([x + (i - 1.5) * 0.2 for x in xs], [res[side][m] for m in metrics], 0.2,
                    label=label)
         ax.set_xticks(list(xs), [m.replace("_ms", "") for m in metrics])
         ax.set_ylabel("ms")
@@ -189,16 +245,18 @@ def measure(args: argparse.Namespace, addresses: dict[str, str], key: str,
             ids: list[int]) -> dict[str, Any]:
     runs = {"c1": (1, args.requests_c1), "c32": (32, args.requests_c32)}
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
-        c: {"engine": [], "gateway": [], "http": []} for c in runs}
-    with tqdm(total=args.rounds * len(runs) * 3, desc="gateway bench", unit="run") as bar:
+        c: {"engine": [], "gateway": [], "http": [], "openai": []} for c in runs}
+    with tqdm(total=args.rounds * len(runs) * 4, desc="gateway bench", unit="run") as bar:
         for r in range(args.rounds):
             for conc, (n_conc, n_req) in runs.items():
-                sides = ["engine", "gateway", "http"]
-                sides = sides[r % 3:] + sides[:r % 3]  # rotate so drift hits every side
+                sides = ["engine", "gateway", "http", "openai"]
+                sides = sides[r % 4:] + sides[:r % 4]  # rotate so drift hits every side
                 for name in sides:
                     samples = asyncio.run(
                         run_http(addresses["http"], key, n_req, n_conc, args.max_tokens)
                         if name == "http" else
+                        run_openai(addresses["http"], key, n_req, n_conc, args.max_tokens)
+                        if name == "openai" else
                         run_side(name, addresses, key, ids, n_req, n_conc, args.max_tokens))
                     per_round[conc][name].append(summarize(samples))
                     bar.update(1)
@@ -207,7 +265,10 @@ def measure(args: argparse.Namespace, addresses: dict[str, str], key: str,
         med = {side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
                for side, rounds in by_side.items()}
         med["added"] = {m: med["gateway"][m] - med["engine"][m] for m in med["engine"]}
-        med["http_vs_grpc"] = {m: med["http"][m] - med["gateway"][m] for m in med["engine"]}
+        for front in ("http", "openai"):  # same request through the HTTP front
+            med[f"{front}_vs_grpc"] = {m: med[front][m] - med["gateway"][m]
+                                       for m in ("first_text_p50_ms", "first_text_p99_ms",
+                                                 "event_gap_p50_ms", "event_gap_p99_ms")}
         results[conc] = med
     return results
 
@@ -229,6 +290,7 @@ def main() -> None:
             asyncio.run(run_side("gateway", addresses, key, ids, 4, 4, 4))  # warm both paths
             asyncio.run(run_side("engine", addresses, key, ids, 4, 4, 4))
             asyncio.run(run_http(addresses["http"], key, 4, 4, 4))
+            asyncio.run(run_openai(addresses["http"], key, 4, 4, 4))
             results = measure(args, addresses, key, ids)
         finally:
             for p in procs:
@@ -238,8 +300,11 @@ def main() -> None:
                                                       "c32": args.requests_c32},
               "machine": {"python": platform.python_version(), "cpus": _cpus()},
               "note": "all services and the client share a 2-core CPU machine; figures are "
-                      "noisy. added = gateway (gRPC) - engine, http_vs_grpc = gateway HTTP "
-                      "front - gateway gRPC front, of the round medians.",
+                      "noisy. added = gateway (gRPC) - engine (per token); http_vs_grpc and "
+                      "openai_vs_grpc = HTTP front (aiohttp / openai client) - gRPC front, "
+                      "time to the first text-bearing event and the gap between such events, "
+                      "of the round medians (an SSE client sees text events only; the "
+                      "incremental detokenizer holds back tokens that complete no character).",
               "results": results}
     save_report("gateway_bench", report, lambda path: plot(report, path))
     for conc, res in results.items():
