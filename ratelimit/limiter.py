@@ -250,7 +250,12 @@ class RateLimiter:
                               lease_id=reservation.lease_id, shadow=tenant.shadow_mode)
 
         try:
-            if source == "local":
+            if not policy.tokens_per_minute:
+                # no token limit: nothing to check or take (settle charges no bucket
+                # either), so no store call; the request unit was taken by reserve
+                outcome = Outcome(True, Dimension.NONE, 0, UNLIMITED, UNLIMITED, 0,
+                                  time.time() * 1000)
+            elif source == "local":
                 outcome = await call(self.fallback)
             else:
                 outcome = await self._call("take", lambda: call(self.store))

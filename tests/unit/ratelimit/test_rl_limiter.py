@@ -125,6 +125,22 @@ async def test_reserve_then_take_then_settle_charges_exactly_the_usage() -> None
     assert usage.concurrent_in_use == 1  # the denied one's lease: its caller settles it
 
 
+async def test_a_tenant_without_a_token_limit_costs_no_store_call_to_take() -> None:
+    store = BrokenStore(memory(Clock()))
+    limiter = RateLimiter(store)
+    tenant = Tenant("free", LimitPolicy(requests_per_minute=600, max_concurrent=2))
+    d = await limiter.reserve(tenant, 0)
+    assert d.reservation is not None
+    calls = store.num_calls
+    t = await limiter.take(tenant, d.reservation, 10_000)
+    assert t.allowed
+    assert store.num_calls == calls  # one Redis round trip per request, not two
+    await limiter.settle(d.reservation, prompt_tokens=5000, completion_tokens=5000)
+    usage = await limiter.usage(tenant)
+    assert (usage.prompt_tokens_total, usage.completion_tokens_total) == (5000, 5000)
+    assert usage.concurrent_in_use == 0
+
+
 async def test_a_take_the_store_failed_on_settles_exactly_either_way() -> None:
     """Fail open: a take whose answer was lost admits; settle charges the exact usage
     whether the take ran (given back by lease id) or not (charged as usage)."""
