@@ -23,7 +23,7 @@ HISTOGRAMS = {
     "engine_time_to_first_token_seconds", "engine_time_per_output_token_seconds",
     "engine_e2e_request_latency_seconds", "engine_request_queue_time_seconds",
     "gateway_time_to_first_token_seconds", "gateway_e2e_latency_seconds",
-    "gateway_overhead_seconds", "tokenizer_request_seconds",
+    "gateway_overhead_seconds", "gateway_stage_seconds", "tokenizer_request_seconds",
 }
 PLAIN = {
     "engine_num_requests_running", "engine_num_requests_waiting", "engine_kv_cache_usage_perc",
