@@ -15,8 +15,9 @@ includes everything the gateway does: auth (cached), tokenizer_svc Encode,
 the Redis reserve/settle, routing, incremental detokenization. The "http"
 side is the same request as `POST /v1/completions` with `stream: true`
 (aiohttp client, time to the first SSE event carrying text), and the same
-again with the official ``openai`` client (httpx), so http - gateway and
-openai - gateway are what the HTTP front adds over the gRPC front.
+again with the official ``openai`` client (httpx) and with ``curl -N`` (its
+time to the first byte; no gaps), so http, openai and curl - gateway are
+what the HTTP front adds over the gRPC front.
 
 Inter-token time is measured two ways: per token (gRPC sides: a chunk with n
 tokens counts n arrivals), and per text-bearing event, which is what a
@@ -32,8 +33,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import platform
 import secrets
+import shutil
 import statistics
 import tempfile
 import time
@@ -59,6 +62,7 @@ from ratelimit.testing import RedisServer, free_port
 from tokenizer_svc.tokenizer import TextTokenizer
 
 PROMPT = "Write a short poem about the sea and the wind, in four lines."
+SIDES = ["engine", "gateway", "http", "openai"] + (["curl"] if shutil.which("curl") else [])
 # seconds: time to the first token, mean gap per token, mean gap per text event, time to
 # the first text event
 Sample = tuple[float, float, float, float]
@@ -150,6 +154,30 @@ def _text_of(data: bytes) -> str:
     return str(choices[0].get("text") or "")
 
 
+async def run_curl(base_url: str, key: str, num_requests: int, concurrency: int,
+                   max_tokens: int) -> list[Sample]:
+    """The HTTP side through ``curl -N`` (when curl is on PATH): curl's own clock from
+    the start of the transfer to the first response byte, which the HTTP front sends
+    with the first text event (its headers go out with it). Curl reports no
+    inter-event times, so both gap figures are NaN for this side."""
+    body = json.dumps({"model": "", "prompt": PROMPT, "max_tokens": max_tokens,
+                       "stream": True, "temperature": 0, "ignore_eos": True})
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> Sample:
+        async with sem:
+            proc = await asyncio.create_subprocess_exec(
+                "curl", "-sN", "-o", "/dev/null", "-w", "%{time_starttransfer}",
+                "-H", f"Authorization: Bearer {key}", "-H", "Content-Type: application/json",
+                "-d", body, f"{base_url}/v1/completions",
+                stdout=asyncio.subprocess.PIPE)
+            out, _ = await proc.communicate()
+            first = float(out.decode() or "nan")
+            return first, math.nan, math.nan, first
+
+    return list(await asyncio.gather(*(one() for _ in range(num_requests))))
+
+
 async def run_openai(base_url: str, key: str, num_requests: int, concurrency: int,
                      max_tokens: int) -> list[Sample]:
     """The HTTP side again through the official ``openai`` client (httpx underneath)."""
@@ -180,6 +208,8 @@ def summarize(samples: list[Sample]) -> dict[str, float]:
     itl = [s[1] * 1000 for s in samples]
     event = [s[2] * 1000 for s in samples]
     first_text = [s[3] * 1000 for s in samples]
+    if any(math.isnan(x) for x in itl):  # curl: no gaps
+        itl = event = [math.nan]
     return {"ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
             "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
             "event_gap_p50_ms": pct(event, 0.5), "event_gap_p99_ms": pct(event, 0.99),
@@ -245,27 +275,30 @@ def measure(args: argparse.Namespace, addresses: dict[str, str], key: str,
             ids: list[int]) -> dict[str, Any]:
     runs = {"c1": (1, args.requests_c1), "c32": (32, args.requests_c32)}
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
-        c: {"engine": [], "gateway": [], "http": [], "openai": []} for c in runs}
-    with tqdm(total=args.rounds * len(runs) * 4, desc="gateway bench", unit="run") as bar:
+        c: {name: [] for name in SIDES} for c in runs}
+    with tqdm(total=args.rounds * len(runs) * len(SIDES), desc="gateway bench",
+              unit="run") as bar:
         for r in range(args.rounds):
             for conc, (n_conc, n_req) in runs.items():
-                sides = ["engine", "gateway", "http", "openai"]
-                sides = sides[r % 4:] + sides[:r % 4]  # rotate so drift hits every side
+                k = r % len(SIDES)
+                sides = SIDES[k:] + SIDES[:k]  # rotate so drift hits every side
                 for name in sides:
                     samples = asyncio.run(
                         run_http(addresses["http"], key, n_req, n_conc, args.max_tokens)
                         if name == "http" else
                         run_openai(addresses["http"], key, n_req, n_conc, args.max_tokens)
                         if name == "openai" else
+                        run_curl(addresses["http"], key, n_req, n_conc, args.max_tokens)
+                        if name == "curl" else
                         run_side(name, addresses, key, ids, n_req, n_conc, args.max_tokens))
                     per_round[conc][name].append(summarize(samples))
                     bar.update(1)
     results: dict[str, Any] = {}
     for conc, by_side in per_round.items():
         med = {side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
-               for side, rounds in by_side.items()}
+               for side, rounds in by_side.items() if rounds}
         med["added"] = {m: med["gateway"][m] - med["engine"][m] for m in med["engine"]}
-        for front in ("http", "openai"):  # same request through the HTTP front
+        for front in (f for f in ("http", "openai", "curl") if f in med):  # the HTTP front
             med[f"{front}_vs_grpc"] = {m: med[front][m] - med["gateway"][m]
                                        for m in ("first_text_p50_ms", "first_text_p99_ms",
                                                  "event_gap_p50_ms", "event_gap_p99_ms")}
