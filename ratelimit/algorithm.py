@@ -124,6 +124,16 @@ def wait_ms(deficit: float, per_minute: int) -> int:
     return max(1, math.ceil((deficit - EPSILON) * MS_PER_MINUTE / per_minute))
 
 
+def tokens_wait(policy: LimitPolicy, level: float, num_tokens: int) -> int:
+    """Whether a token bucket at ``level`` holds ``num_tokens``: 0 when it does, -1 when
+    it never can (more than its capacity), else the milliseconds until it does."""
+    if policy.tokens_per_minute and num_tokens > policy.token_capacity:
+        return -1
+    if level < num_tokens - EPSILON:
+        return wait_ms(num_tokens - level, policy.tokens_per_minute)
+    return 0
+
+
 def decide(
     policy: LimitPolicy,
     state: BucketState | None,
@@ -157,12 +167,11 @@ def decide(
     if req < 1 - EPSILON:
         denied |= Dimension.REQUESTS
         wait = max(wait, wait_ms(1 - req, policy.requests_per_minute))
-    if policy.tokens_per_minute and num_tokens > policy.token_capacity:
+    token_wait = tokens_wait(policy, tok, num_tokens)
+    if token_wait:
         denied |= Dimension.TOKENS
-        never = True
-    elif tok < num_tokens - EPSILON:
-        denied |= Dimension.TOKENS
-        wait = max(wait, wait_ms(num_tokens - tok, policy.tokens_per_minute))
+        never = token_wait < 0
+        wait = max(wait, token_wait)
     if policy.max_concurrent and num_leases >= policy.max_concurrent:
         denied |= Dimension.CONCURRENCY
         hint = concurrency_retry_ms
@@ -210,12 +219,8 @@ def take(
         state to store (unchanged unless the tokens were taken).
     """
     req, tok = levels_at(policy, state, now_ms)
-    denied, wait, never = Dimension.NONE, 0, False
-    if policy.tokens_per_minute and num_tokens > policy.token_capacity:
-        denied, never = Dimension.TOKENS, True
-    elif tok < num_tokens - EPSILON:
-        denied = Dimension.TOKENS
-        wait = wait_ms(num_tokens - tok, policy.tokens_per_minute)
+    wait = tokens_wait(policy, tok, num_tokens)
+    denied = Dimension.TOKENS if wait else Dimension.NONE
     new_state = state
     if denied == Dimension.NONE and num_tokens:
         tok -= num_tokens
@@ -223,7 +228,7 @@ def take(
     outcome = Outcome(
         allowed=denied == Dimension.NONE or shadow,
         denied=denied,
-        retry_after_ms=-1 if never else wait,
+        retry_after_ms=wait,
         requests_left=reported(req),
         tokens_left=reported(tok),
         num_leases=num_leases,

@@ -14,7 +14,7 @@ Unlimited is ``math.huge``, never a level value: a real level can go negative
 backwards, so a clock that steps back credits nothing twice.
 
 The clock is Redis ``TIME`` (one clock for every gateway replica), unless the
-caller passes ``now`` (tests inject it). ``decide``/``refund`` mirror
+caller passes ``now`` (tests inject it). ``decide``/``take``/``refund`` mirror
 ``ratelimit.algorithm`` statement for statement; keep them in step.
 """
 
@@ -47,6 +47,11 @@ local function rep(level)
 end
 local function wait_ms(deficit, per_min)
   return math.max(1, math.ceil((deficit - EPS) * 60000 / per_min))
+end
+local function tokens_wait(t, cost, tpm, tcap)
+  if tpm > 0 and cost > tcap then return -1 end
+  if t < cost - EPS then return wait_ms(cost - t, tpm) end
+  return 0
 end
 local function load(key, now, rpm, rcap, tpm, tcap)
   local b = redis.call('HMGET', key, 'r', 't', 'ts')
@@ -87,12 +92,11 @@ if r < 1 - EPS then
   denied = denied + 1
   wait = math.max(wait, wait_ms(1 - r, rpm))
 end
-if tpm > 0 and cost > tcap then
+local tw = tokens_wait(t, cost, tpm, tcap)
+if tw ~= 0 then
   denied = denied + 2
-  never = true
-elseif t < cost - EPS then
-  denied = denied + 2
-  wait = math.max(wait, wait_ms(cost - t, tpm))
+  never = tw < 0
+  wait = math.max(wait, tw)
 end
 if maxc > 0 and n >= maxc then
   denied = denied + 4
@@ -138,15 +142,9 @@ local n = redis.call('ZCOUNT', KEYS[2], '(' .. fmt(now), '+inf')
 if redis.call('HEXISTS', KEYS[4], ARGV[7]) == 1 then
   return {1, 0, 0, rep(r), rep(t), n, fmt(now)}
 end
-local denied, wait, never = 0, 0, false
-if tpm > 0 and cost > tcap then
-  denied = 2
-  never = true
-elseif t < cost - EPS then
-  denied = 2
-  wait = wait_ms(cost - t, tpm)
-end
-local allowed = 0
+local wait = tokens_wait(t, cost, tpm, tcap)
+local denied, allowed = 0, 0
+if wait ~= 0 then denied = 2 end
 if denied == 0 then
   allowed = 1
   if cost > 0 and tpm > 0 then
@@ -163,7 +161,6 @@ elseif ARGV[9] == '1' then
 else
   redis.call('HINCRBY', KEYS[3], 'denied', 1)
 end
-if never then wait = -1 end
 return {allowed, denied, wait, rep(r), rep(t), n, fmt(now)}
 """
 )
@@ -210,8 +207,8 @@ local expiry = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[2]))
 if expiry == nil or expiry <= now then return 0 end
 local ttl = tonumber(ARGV[3])
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[2])
-for i = 1, 2 do
-  if redis.call('EXISTS', KEYS[i]) == 1 and redis.call('PTTL', KEYS[i]) < ttl + 1000 then
+for i = 1, 2 do  -- a missing key (no takes) has PTTL -2; PEXPIRE leaves it missing
+  if redis.call('PTTL', KEYS[i]) < ttl + 1000 then
     redis.call('PEXPIRE', KEYS[i], math.ceil(ttl) + 1000)
   end
 end
