@@ -46,10 +46,19 @@ def read_secret_file(path: str, setting: str) -> str:
     if not file.is_file():
         raise ValueError(f"{setting} {path!r} does not exist")
     secret = file.read_text().strip()
-    if len(secret) < MIN_TOKEN_CHARS or any(c.isspace() for c in secret):
-        raise ValueError(f"{setting} {path!r} must hold a secret of at least {MIN_TOKEN_CHARS} "
-                         "characters without whitespace (e.g. `openssl rand -hex 32`)")
+    check_secret(secret, f"{setting} {path!r}")
     return secret
+
+
+def check_secret(secret: str, what: str) -> None:
+    """The rule every internal secret follows (service token, Redis password).
+
+    Raises:
+        ValueError: ``secret`` has fewer than 32 characters or holds whitespace.
+    """
+    if len(secret) < MIN_TOKEN_CHARS or any(c.isspace() for c in secret):
+        raise ValueError(f"{what} must hold a secret of at least {MIN_TOKEN_CHARS} "
+                         "characters without whitespace (e.g. `openssl rand -hex 32`)")
 
 
 def default_token_file() -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from common.service_auth import MIN_TOKEN_CHARS
+from common.service_auth import check_secret
 
 SERVICE_USER = "llm"
 _USER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -38,10 +38,10 @@ def acl_file(password: str, key_prefix: str = "rl:", username: str = SERVICE_USE
     """An ``--aclfile`` with ``default`` off and one service user.
 
     Raises:
-        ValueError: a password shorter than ``MIN_TOKEN_CHARS`` or with
-            whitespace, or a user name Redis would misread.
+        ValueError: a password ``check_secret`` refuses, or a user name Redis would
+            misread.
     """
-    check_password(password)
+    check_secret(password, "the Redis password")
     if not _USER_RE.match(username) or username == "default":
         raise ValueError(f"bad Redis user name {username!r}")
     digest = hashlib.sha256(password.encode()).hexdigest()
@@ -49,12 +49,3 @@ def acl_file(password: str, key_prefix: str = "rl:", username: str = SERVICE_USE
         "user default off resetkeys -@all\n"
         f"user {username} on #{digest} {service_rules(key_prefix)}\n"
     )
-
-
-def check_password(password: str) -> None:
-    """Raise ValueError unless ``password`` is long enough and has no whitespace."""
-    if len(password) < MIN_TOKEN_CHARS or any(c.isspace() for c in password):
-        raise ValueError(
-            f"the Redis password must be at least {MIN_TOKEN_CHARS} characters "
-            "without whitespace (e.g. `openssl rand -hex 32`)"
-        )

@@ -29,7 +29,7 @@ import grpc
 
 from common.config import ROOT, load_config
 from common.procs import ManagedProcess, ServiceStartError
-from common.service_auth import MIN_TOKEN_CHARS
+from common.service_auth import read_secret_file
 from deploy.envoy import EnvoyProcess, render_config_file
 from engine_svc.__main__ import EngineServiceConfig
 from gateway.config import GatewayConfig
@@ -114,15 +114,18 @@ def admin_key() -> str:
     return key
 
 
-def secret_file(name: str) -> Path:
-    """.run/<name>: a random secret made once, mode 0600 (the service token, which
-    engines and the tokenizer require of every caller; Redis's ACL password)."""
+def secret_file(name: str) -> tuple[Path, str]:
+    """.run/<name> and the random secret in it, made once, mode 0600 (the service token,
+    which engines and the tokenizer require of every caller; Redis's ACL password)."""
     path = RUN_DIR / name
-    if not path.exists() or len(path.read_text().strip()) < MIN_TOKEN_CHARS:
+    try:
+        secret = read_secret_file(str(path), name)
+    except ValueError:  # missing, or not a valid secret: make one
+        secret = secrets.token_hex(32)
         path.touch(mode=0o600)
-        path.write_text(secrets.token_hex(32) + "\n")
+        path.write_text(secret + "\n")
     path.chmod(0o600)
-    return path
+    return path, secret
 
 
 async def create_demo_tenant(address: str, key: str) -> str:
@@ -149,12 +152,11 @@ def bring_up(stack: Stack) -> None:
     gw = load_config(GatewayConfig, "gateway")
     print("starting redis ...", flush=True)
     # no anonymous Redis: one ACL user, limited to the limiter's keys and commands
-    redis_password = secret_file("redis.password")
-    redis_url = stack.start_redis(rl.redis_url, redis_password.read_text().strip(),
-                                  rl.key_prefix)
+    redis_password, password = secret_file("redis.password")
+    redis_url = stack.start_redis(rl.redis_url, password, rl.key_prefix)
     stack.admin_key = admin_key()
     # engines and the tokenizer answer only callers with this secret (the gateway)
-    common = ["--log-format", "json", "--service-token-file", str(secret_file("service.token"))]
+    common = ["--log-format", "json", "--service-token-file", str(secret_file("service.token")[0])]
     stack.start(ManagedProcess(
         name="tokenizer", module="tokenizer_svc", log_dir=stack.log_dir, host=tok.host,
         args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port), *common]))
