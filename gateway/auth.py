@@ -132,7 +132,10 @@ class Authenticator:
         """
         throttle = self.throttle
         if throttle is not None and (wait := throttle.blocked_ms(call.source)):
-            key = call.authorization.strip().partition(" ")[2].strip()
+            try:
+                key = bearer_key(call.authorization)
+            except GatewayError:
+                key = ""
             if not self.registry.auth.known_valid(key):  # a known-good key still passes
                 metrics.AUTH_THROTTLED.inc()
                 raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -69,18 +69,13 @@ class Encoder:
         await self.channel.close(None)
 
     async def encode(self, request: gateway_pb2.GenerateRequest, call: CallContext,
-                     deadline: Deadline, max_context_tokens: int = 0) -> list[int]:
-        """Prompt token ids (the chat template applied for messages).
-
-        ``max_context_tokens`` > 0 refuses, before any tokenizer call, a prompt with
-        more characters than that many tokens could ever hold
-        (``MAX_CHARS_PER_TOKEN`` each): tokenizing it would be wasted work.
+                     deadline: Deadline) -> list[int]:
+        """Prompt token ids (the chat template applied for messages). The pipeline
+        refuses a prompt no context could hold (``check_prompt_size``) before this.
 
         Raises:
             GatewayError: INVALID_ARGUMENT (bad input), DEADLINE_EXCEEDED, UNAVAILABLE.
         """
-        if max_context_tokens > 0:
-            check_prompt_size(request, max_context_tokens)
         which = request.WhichOneof("input")
         if which == "prompt":
             req = tokenizer_pb2.EncodeRequest(text=request.prompt)

@@ -64,6 +64,9 @@ STAGE = Histogram("gateway_stage_seconds",
                   "lease), encode (tokenize), take (tokens), route", ["stage"],
                   buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
                            0.1, 0.5))
+# bound once: the per-request path does no label lookup
+STAGE_AUTH, STAGE_RESERVE, STAGE_ENCODE, STAGE_ROUTE, STAGE_TAKE = (
+    STAGE.labels(s) for s in ("auth", "reserve", "encode", "route", "take"))
 RETRIES = Counter("gateway_retries_total", "Engine attempts retried on another replica")
 FAILOVERS = Counter("gateway_failovers_total",
                     "Streams resumed on another replica after their engine failed mid-stream")

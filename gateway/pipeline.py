@@ -131,7 +131,7 @@ class Pipeline:
             if call.tenant is None:
                 t0 = time.perf_counter()
                 tenant = await self.auth.tenant(call)
-                metrics.STAGE.labels("auth").observe(time.perf_counter() - t0)
+                metrics.STAGE_AUTH.observe(time.perf_counter() - t0)
             else:
                 tenant = call.tenant
             tenant_label = tenant.tenant_id
@@ -197,12 +197,11 @@ class Pipeline:
         t0 = time.perf_counter()
         reservation = await self._reserve(tenant, 0)
         t1 = time.perf_counter()
-        metrics.STAGE.labels("reserve").observe(t1 - t0)
+        metrics.STAGE_RESERVE.observe(t1 - t0)
         try:
-            prompt_ids = await self.encoder.encode(request, call, deadline,
-                                                   info.max_context_length)
+            prompt_ids = await self.encoder.encode(request, call, deadline)
             t2 = time.perf_counter()
-            metrics.STAGE.labels("encode").observe(t2 - t1)
+            metrics.STAGE_ENCODE.observe(t2 - t1)
             try:
                 max_tokens = resolve_max_tokens(
                     request.sampling, len(prompt_ids), info.max_context_length,
@@ -211,7 +210,7 @@ class Pipeline:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             route = await self._route(model, request.model_version, tenant, call)
             t3 = time.perf_counter()
-            metrics.STAGE.labels("route").observe(t3 - t2)
+            metrics.STAGE_ROUTE.observe(t3 - t2)
             engine_id = engine_request_id(tenant.tenant_id)
             structlog.contextvars.bind_contextvars(engine_request_id=engine_id)
             job = EngineJob(request_id=engine_id, correlation_id=call.request_id,
@@ -225,7 +224,7 @@ class Pipeline:
                             fallback_versions=route.fallbacks)
             if reservation is not None:
                 await self._take(tenant, reservation, len(prompt_ids) + max_tokens)
-                metrics.STAGE.labels("take").observe(time.perf_counter() - t3)
+                metrics.STAGE_TAKE.observe(time.perf_counter() - t3)
         except BaseException:
             # nothing was served: the lease and any tokens go back, the request unit stays
             # spent; from a successful take on, _serve's finally settles on every path
