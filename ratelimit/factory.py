@@ -40,9 +40,14 @@ from ratelimit.storage.redis import RedisStore
 log = get_logger(__name__)
 
 
+def backstop_s(config: RateLimitConfig) -> float:
+    """Socket and background-call timeout: well above the per-call budget, at least 1 s."""
+    return max(1.0, 10 * config.timeout_ms / 1000.0)
+
+
 def make_client(config: RateLimitConfig) -> Redis:
     """A pooled ``redis.asyncio`` client with ``decode_responses=True``."""
-    backstop = max(1.0, 10 * config.timeout_ms / 1000.0)
+    backstop = backstop_s(config)
     password = read_secret_file(config.redis_password_file, "redis_password_file")
     return Redis.from_url(
         config.redis_url,
@@ -114,7 +119,7 @@ class RateLimitStack:
             membership=ReplicaMembership(
                 client, prefix=config.key_prefix, ttl_ms=config.replica_ttl_ms,
                 on_count=limiter.set_live_replicas,
-                timeout_s=max(1.0, 10 * config.timeout_ms / 1000.0),
+                timeout_s=backstop_s(config),
             ),
         )
 

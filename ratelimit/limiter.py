@@ -47,6 +47,12 @@ class LimiterUnavailableError(Exception):
     """The store is unreachable and the deployment fails closed (map to UNAVAILABLE)."""
 
 
+
+def _admitted_unchecked() -> Outcome:
+    """A take admitted without a store answer (no levels known)."""
+    return Outcome(True, Dimension.NONE, 0, UNLIMITED, UNLIMITED, 0, time.time() * 1000)
+
+
 class RateLimiter:
     """Admission control for tenants over a shared ``Store``.
 
@@ -253,8 +259,7 @@ class RateLimiter:
             if not policy.tokens_per_minute:
                 # no token limit: nothing to check or take (settle charges no bucket
                 # either), so no store call; the request unit was taken by reserve
-                outcome = Outcome(True, Dimension.NONE, 0, UNLIMITED, UNLIMITED, 0,
-                                  time.time() * 1000)
+                outcome = _admitted_unchecked()
             elif source == "local":
                 outcome = await call(self.fallback)
             else:
@@ -268,9 +273,7 @@ class RateLimiter:
                 ) from exc
             # fail open: admit; settle charges the exact usage either way (a take that ran
             # is given back there by lease id, one that did not leaves the usage as debt)
-            outcome = Outcome(True, Dimension.NONE, 0, UNLIMITED, UNLIMITED, 0,
-                              time.time() * 1000)
-            source = "local"
+            outcome, source = _admitted_unchecked(), "local"
         metrics.DECISION_SECONDS.labels(source).observe(time.perf_counter() - start)
         decision = self._decision(tenant, policy, outcome, reservation.lease_id, num_tokens,
                                   source)
