@@ -40,6 +40,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,22 +103,38 @@ async def run_side(side: str, addresses: dict[str, str], key: str, ids: list[int
     async with grpc.aio.insecure_channel(addresses[side]) as channel:
         engine = engine_pb2_grpc.EngineStub(channel)
         gateway = gateway_pb2_grpc.GatewayStub(channel)
-        sem = asyncio.Semaphore(concurrency)
 
-        async def one(i: int) -> Sample:
-            async with sem:
-                if side == "engine":
-                    req = engine_pb2.EngineGenerateRequest(
-                        request_id=f"bench-{i}-{secrets.token_hex(4)}", prompt_token_ids=ids,
-                        sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens,
-                                                                 ignore_eos=True))
-                    return await timed_stream(engine.Generate(req, timeout=300))
-                sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-                greq = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling)
-                md = (("authorization", f"Bearer {key}"),)
-                return await timed_stream(gateway.Generate(greq, metadata=md, timeout=300))
+        async def one() -> Sample:
+            if side == "engine":
+                req = engine_pb2.EngineGenerateRequest(
+                    request_id=f"bench-{secrets.token_hex(8)}", prompt_token_ids=ids,
+                    sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens,
+                                                             ignore_eos=True))
+                return await timed_stream(engine.Generate(req, timeout=300))
+            sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            greq = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling)
+            md = (("authorization", f"Bearer {key}"),)
+            return await timed_stream(gateway.Generate(greq, metadata=md, timeout=300))
 
-        return list(await asyncio.gather(*(one(i) for i in range(num_requests))))
+        return await limited(one, num_requests, concurrency)
+
+
+def completions_body(max_tokens: int) -> dict[str, Any]:
+    """The HTTP sides' request: the gateway side's, as ``POST /v1/completions``."""
+    return {"model": "", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+
+
+async def limited(one: Callable[[], Awaitable[Sample]], num_requests: int,
+                  concurrency: int) -> list[Sample]:
+    """``num_requests`` calls of ``one`` with at most ``concurrency`` in flight."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def gated() -> Sample:
+        async with sem:
+            return await one()
+
+    return list(await asyncio.gather(*(gated() for _ in range(num_requests))))
 
 
 async def run_http(base_url: str, key: str, num_requests: int, concurrency: int,
@@ -125,28 +142,25 @@ async def run_http(base_url: str, key: str, num_requests: int, concurrency: int,
     """The gateway side's request through the HTTP front; one sample per request."""
     import aiohttp
 
-    body = {"model": "", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    body = completions_body(max_tokens)
     headers = {"Authorization": f"Bearer {key}"}
-    sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
 
         async def one() -> Sample:
-            async with sem:
-                t0 = time.perf_counter()
-                stamps: list[float] = []
-                async with session.post(f"{base_url}/v1/completions", json=body,
-                                        headers=headers) as resp:
-                    resp.raise_for_status()
-                    async for line in resp.content:
-                        if line.startswith(b"data: {") and _text_of(line[6:]):
-                            stamps.append(time.perf_counter())
-                return sample(t0, stamps, stamps)
+            t0 = time.perf_counter()
+            stamps: list[float] = []
+            async with session.post(f"{base_url}/v1/completions", json=body,
+                                    headers=headers) as resp:
+                resp.raise_for_status()
+                async for line in resp.content:
+                    if line.startswith(b"data: {") and _text_of(line[6:]):
+                        stamps.append(time.perf_counter())
+            return sample(t0, stamps, stamps)
 
         await one()  # untimed: opens the connection (a gRPC channel is open already too)
-        return list(await asyncio.gather(*(one() for _ in range(num_requests))))
+        return await limited(one, num_requests, concurrency)
 
 
 def _text_of(data: bytes) -> str:
@@ -160,22 +174,19 @@ async def run_curl(base_url: str, key: str, num_requests: int, concurrency: int,
     the start of the transfer to the first response byte, which the HTTP front sends
     with the first text event (its headers go out with it). Curl reports no
     inter-event times, so both gap figures are NaN for this side."""
-    body = json.dumps({"model": "", "prompt": PROMPT, "max_tokens": max_tokens,
-                       "stream": True, "temperature": 0, "ignore_eos": True})
-    sem = asyncio.Semaphore(concurrency)
+    body = json.dumps(completions_body(max_tokens))
 
     async def one() -> Sample:
-        async with sem:
-            proc = await asyncio.create_subprocess_exec(
-                "curl", "-sN", "-o", "/dev/null", "-w", "%{time_starttransfer}",
-                "-H", f"Authorization: Bearer {key}", "-H", "Content-Type: application/json",
-                "-d", body, f"{base_url}/v1/completions",
-                stdout=asyncio.subprocess.PIPE)
-            out, _ = await proc.communicate()
-            first = float(out.decode() or "nan")
-            return first, math.nan, math.nan, first
+        proc = await asyncio.create_subprocess_exec(
+            "curl", "-sN", "-o", "/dev/null", "-w", "%{time_starttransfer}",
+            "-H", f"Authorization: Bearer {key}", "-H", "Content-Type: application/json",
+            "-d", body, f"{base_url}/v1/completions",
+            stdout=asyncio.subprocess.PIPE)
+        out, _ = await proc.communicate()
+        first = float(out.decode() or "nan")
+        return first, math.nan, math.nan, first
 
-    return list(await asyncio.gather(*(one() for _ in range(num_requests))))
+    return await limited(one, num_requests, concurrency)
 
 
 async def run_openai(base_url: str, key: str, num_requests: int, concurrency: int,
@@ -183,24 +194,22 @@ async def run_openai(base_url: str, key: str, num_requests: int, concurrency: in
     """The HTTP side again through the official ``openai`` client (httpx underneath)."""
     from openai import AsyncOpenAI
 
-    sem = asyncio.Semaphore(concurrency)
     async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0,
                            timeout=300) as client:
 
         async def one() -> Sample:
-            async with sem:
-                t0 = time.perf_counter()
-                stamps: list[float] = []
-                stream = await client.completions.create(
-                    model="", prompt=PROMPT, max_tokens=max_tokens, stream=True,
-                    temperature=0, extra_body={"ignore_eos": True})
-                async for event in stream:
-                    if event.choices and event.choices[0].text:
-                        stamps.append(time.perf_counter())
-                return sample(t0, stamps, stamps)
+            t0 = time.perf_counter()
+            stamps: list[float] = []
+            stream = await client.completions.create(
+                model="", prompt=PROMPT, max_tokens=max_tokens, stream=True,
+                temperature=0, extra_body={"ignore_eos": True})
+            async for event in stream:
+                if event.choices and event.choices[0].text:
+                    stamps.append(time.perf_counter())
+            return sample(t0, stamps, stamps)
 
         await one()  # untimed: opens the connection
-        return list(await asyncio.gather(*(one() for _ in range(num_requests))))
+        return await limited(one, num_requests, concurrency)
 
 
 def summarize(samples: list[Sample]) -> dict[str, float]:
