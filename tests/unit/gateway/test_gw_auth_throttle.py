@@ -61,4 +61,8 @@ def test_off_unknown_source_and_bounded_memory() -> None:
 ])
 def test_client_source(forwarded: str, peer: str, expected: str) -> None:
     assert client_source(forwarded, peer) == expected
-    assert len(client_source("x" * 500, "")) == 64
+
+
+def test_client_source_is_cut_to_a_label() -> None:
+    assert client_source("x" * 500, "") == "x" * 64
+    assert client_source("", "ipv4:" + "1" * 500 + ":80") == "1" * 64
