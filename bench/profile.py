@@ -97,10 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="auto | bfloat16 | float32 | fp8 (the engine's kv_cache_dtype)")
     ap.add_argument("--ops", type=int, default=12, help="top operators to list")
     ap.add_argument("--out", default="profile")
     args = ap.parse_args(argv)
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory_bytes=2 << 30,
+    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                    kv_cache_memory_bytes=2 << 30,
                                     max_num_seqs=max(args.batch), enable_prefix_caching=False))
     facts = machine_facts()
     results = []

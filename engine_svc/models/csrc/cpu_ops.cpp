@@ -423,7 +423,7 @@ void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, in
 }
 
 #ifdef LLM_HAVE_AVX512
-// The same attention with AVX-512 intrinsics for fp32 and bf16 caches, 16
+// The same attention with AVX-512 intrinsics for fp32, bf16 and e4m3 caches, 16
 // tokens at a time: the 16 q.k products of a head are reduced together by a
 // transpose-and-add tree (four shuffle levels for 16 scores instead of 16
 // horizontal sums), the block's softmax runs on one vector per head, and V is
@@ -434,6 +434,23 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// e4m3 -> fp32, 16 at a time, as e4m3_to_f32 does it: a normal value is its 7
+// magnitude bits shifted into place plus the exponent bias (127 - 7); a
+// subnormal (exponent 0) is m * 2^-9. No fp32 subnormal is ever formed (those
+// take a microcode assist per instruction).
+inline __m512 load16(const Float8* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512 normal = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(7))),
+                                   _mm512_set1_ps(1.0f / 512.0f));
+  const __m512 v = _mm512_mask_blend_ps(_mm512_cmplt_epu32_mask(mag, _mm512_set1_epi32(8)),
+                                        normal, sub);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
 }
 
 // lane i of the result = the sum of the 16 lanes of v[i]
@@ -559,7 +576,7 @@ void decode_all(const float* qp, int64_t q_stride, const C* kc, const C* vc, con
       const float ks = k_scale ? sc * k_scale[kvh] : sc;
       const float vs = v_scale ? v_scale[kvh] : 1.f;
 #ifdef LLM_HAVE_AVX512
-      if constexpr (!std::is_same_v<C, Float8>) {
+      {  // fp32, bf16 and e4m3 caches alike (load16 widens each)
         if (D == 64 && G == 3) {  // SmolLM2-135M
           decode_item_avx512<64, 3>(qi, kc, vc, bti, clp[b], oi, kvh, Hkv, bs, ks, vs);
           continue;
@@ -946,9 +963,15 @@ void amx_gemm_panels(const BFloat16* x, const BFloat16* packed, BFloat16* y, int
         _tile_stored(2, &buf[16][0], 128);
         _tile_stored(3, &buf[16][16], 128);
       }
-      for (int r = 0; r < rows0 + rows1; ++r) {
+      for (int r = 0; r < rows0 + rows1; ++r) {  // 32 fp32 -> bf16 (RNE) per row
         BFloat16* yr = y + (mc + r) * N + 32 * p;
+#ifdef LLM_HAVE_AVX512BF16
+        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_load_ps(&buf[r][16]),
+                                                  _mm512_load_ps(&buf[r][0]));
+        _mm512_storeu_si512(yr, (__m512i)both);
+#else
         for (int c = 0; c < 32; ++c) yr[c] = from_f<BFloat16>(buf[r][c]);
+#endif
       }
     }
   }
