@@ -7,9 +7,11 @@
                 await queue.get() ◄── dispatch(outputs) ◄── engine.step()
     abort() / stop()          ──cmds──►       abort_request / exit
 
-The thread blocks on the command queue when the engine is idle (no
-busy-waiting, no polling sleeps) and drains it between steps when busy. All
-engine calls happen on that thread; the event loop only moves outputs.
+The engine is built on that thread too (start() waits for it), so every torch
+call of the process runs on one OpenMP team. The thread blocks on the command
+queue when the engine is idle (no busy-waiting, no polling sleeps) and drains
+it between steps when busy. All engine calls happen on that thread; the event
+loop only moves outputs.
 """
 
 from __future__ import annotations
@@ -84,12 +86,25 @@ class NativeBackend:
         self._live: set[str] = set()  # step thread only: requests the engine holds
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._engine = await asyncio.to_thread(self._factory)
-        self._info = self._engine.model_info()
-        self._stats = self._engine.get_stats()
-        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        """Build the engine on the step thread itself, then run the loop there.
+
+        Every torch call of this backend happens on that one thread: libgomp
+        keeps a thread team per calling thread, and once a process holds more
+        OpenMP threads than CPUs it stops spinning between parallel regions,
+        so a second team (the model built on an executor thread) would put
+        every one of a decode step's few hundred regions behind a futex wake.
+        """
+        loop = self._loop = asyncio.get_running_loop()
+        ready: asyncio.Future[bool] = loop.create_future()
+        self._thread = threading.Thread(target=self._main, args=(ready,),
+                                        name="engine-step-loop", daemon=True)
         self._thread.start()
+        try:
+            await ready
+        except BaseException:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+            raise
 
     async def stop(self) -> None:
         if self._thread is None:
@@ -164,6 +179,19 @@ class NativeBackend:
                 q.put_nowait(out)
 
     # ---- step thread --------------------------------------------------------
+
+    def _main(self, ready: asyncio.Future[bool]) -> None:
+        assert self._loop is not None
+        try:
+            engine = self._factory()
+            self._info = engine.model_info()
+            self._stats = engine.get_stats()
+        except BaseException as e:
+            self._loop.call_soon_threadsafe(_resolve, ready, None, e)
+            return
+        self._engine = engine
+        self._loop.call_soon_threadsafe(_resolve, ready, True, None)
+        self._run()
 
     def _run(self) -> None:
         engine = self._engine
