@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import platform
@@ -40,7 +41,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,26 +98,59 @@ async def timed_stream(stream: Any) -> Sample:
     return sample(t0, stamps, events)
 
 
-async def run_side(side: str, addresses: dict[str, str], key: str, ids: list[int],
-                   num_requests: int, concurrency: int, max_tokens: int) -> list[Sample]:
-    """``num_requests`` requests with ``concurrency`` in flight; one sample each."""
-    async with grpc.aio.insecure_channel(addresses[side]) as channel:
-        engine = engine_pb2_grpc.EngineStub(channel)
-        gateway = gateway_pb2_grpc.GatewayStub(channel)
+OneRequest = Callable[[], Awaitable[Sample]]
 
-        async def one() -> Sample:
-            if side == "engine":
-                req = engine_pb2.EngineGenerateRequest(
-                    request_id=f"bench-{secrets.token_hex(8)}", prompt_token_ids=ids,
-                    sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens,
-                                                             ignore_eos=True))
-                return await timed_stream(engine.Generate(req, timeout=300))
-            sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            greq = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling)
-            md = (("authorization", f"Bearer {key}"),)
-            return await timed_stream(gateway.Generate(greq, metadata=md, timeout=300))
 
-        return await limited(one, num_requests, concurrency)
+@contextlib.asynccontextmanager
+async def side_client(side: str, addresses: dict[str, str], key: str, ids: list[int],
+                      max_tokens: int) -> AsyncIterator[OneRequest]:
+    """A client for ``side`` (its channel or session open, one untimed request done
+    where the side keeps a connection), yielding the function that makes one timed
+    request: ``engine`` and ``gateway`` over gRPC; ``http`` (aiohttp), ``openai``
+    (the official client, httpx) and ``curl`` (``curl -N``) through the HTTP front."""
+    if side in ("engine", "gateway"):
+        async with grpc.aio.insecure_channel(addresses[side]) as channel:
+            yield _grpc_one(side, channel, key, ids, max_tokens)
+    elif side == "http":
+        import aiohttp
+
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300),
+                                         connector=aiohttp.TCPConnector(limit=0)) as session:
+            one = _aiohttp_one(session, addresses["http"], key, max_tokens)
+            await one()  # opens the connection (a gRPC channel is open already too)
+            yield one
+    elif side == "openai":
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=f"{addresses['http']}/v1", api_key=key,
+                               max_retries=0, timeout=300) as client:
+            one = _openai_one(client, max_tokens)
+            await one()
+            yield one
+    elif side == "curl":
+        yield _curl_one(addresses["http"], key, max_tokens)
+    else:
+        raise ValueError(f"unknown side {side!r}")
+
+
+def _grpc_one(side: str, channel: grpc.aio.Channel, key: str, ids: list[int],
+              max_tokens: int) -> OneRequest:
+    engine = engine_pb2_grpc.EngineStub(channel)
+    gateway = gateway_pb2_grpc.GatewayStub(channel)
+
+    async def one() -> Sample:
+        if side == "engine":
+            req = engine_pb2.EngineGenerateRequest(
+                request_id=f"bench-{secrets.token_hex(8)}", prompt_token_ids=ids,
+                sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens,
+                                                         ignore_eos=True))
+            return await timed_stream(engine.Generate(req, timeout=300))
+        sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        greq = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling)
+        md = (("authorization", f"Bearer {key}"),)
+        return await timed_stream(gateway.Generate(greq, metadata=md, timeout=300))
+
+    return one
 
 
 def completions_body(max_tokens: int) -> dict[str, Any]:
@@ -125,42 +159,22 @@ def completions_body(max_tokens: int) -> dict[str, Any]:
             "temperature": 0, "ignore_eos": True}
 
 
-async def limited(one: Callable[[], Awaitable[Sample]], num_requests: int,
-                  concurrency: int) -> list[Sample]:
-    """``num_requests`` calls of ``one`` with at most ``concurrency`` in flight."""
-    sem = asyncio.Semaphore(concurrency)
-
-    async def gated() -> Sample:
-        async with sem:
-            return await one()
-
-    return list(await asyncio.gather(*(gated() for _ in range(num_requests))))
-
-
-async def run_http(base_url: str, key: str, num_requests: int, concurrency: int,
-                   max_tokens: int) -> list[Sample]:
-    """The gateway side's request through the HTTP front; one sample per request."""
-    import aiohttp
-
+def _aiohttp_one(session: Any, base_url: str, key: str, max_tokens: int) -> OneRequest:
     body = completions_body(max_tokens)
     headers = {"Authorization": f"Bearer {key}"}
-    timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
 
-        async def one() -> Sample:
-            t0 = time.perf_counter()
-            stamps: list[float] = []
-            async with session.post(f"{base_url}/v1/completions", json=body,
-                                    headers=headers) as resp:
-                resp.raise_for_status()
-                async for line in resp.content:
-                    if line.startswith(b"data: {") and _text_of(line[6:]):
-                        stamps.append(time.perf_counter())
-            return sample(t0, stamps, stamps)
+    async def one() -> Sample:
+        t0 = time.perf_counter()
+        stamps: list[float] = []
+        async with session.post(f"{base_url}/v1/completions", json=body,
+                                headers=headers) as resp:
+            resp.raise_for_status()
+            async for line in resp.content:
+                if line.startswith(b"data: {") and _text_of(line[6:]):
+                    stamps.append(time.perf_counter())
+        return sample(t0, stamps, stamps)
 
-        await one()  # untimed: opens the connection (a gRPC channel is open already too)
-        return await limited(one, num_requests, concurrency)
+    return one
 
 
 def _text_of(data: bytes) -> str:
@@ -168,12 +182,10 @@ def _text_of(data: bytes) -> str:
     return str(choices[0].get("text") or "")
 
 
-async def run_curl(base_url: str, key: str, num_requests: int, concurrency: int,
-                   max_tokens: int) -> list[Sample]:
-    """The HTTP side through ``curl -N`` (when curl is on PATH): curl's own clock from
-    the start of the transfer to the first response byte, which the HTTP front sends
-    with the first text event (its headers go out with it). Curl reports no
-    inter-event times, so both gap figures are NaN for this side."""
+def _curl_one(base_url: str, key: str, max_tokens: int) -> OneRequest:
+    """curl's own clock from the start of the transfer to the first response byte,
+    which the HTTP front sends with the first text event (its headers go out with
+    it). Curl reports no inter-event times, so both gap figures are NaN."""
     body = json.dumps(completions_body(max_tokens))
 
     async def one() -> Sample:
@@ -186,30 +198,70 @@ async def run_curl(base_url: str, key: str, num_requests: int, concurrency: int,
         first = float(out.decode() or "nan")
         return first, math.nan, math.nan, first
 
-    return await limited(one, num_requests, concurrency)
+    return one
 
 
-async def run_openai(base_url: str, key: str, num_requests: int, concurrency: int,
-                     max_tokens: int) -> list[Sample]:
-    """The HTTP side again through the official ``openai`` client (httpx underneath)."""
-    from openai import AsyncOpenAI
+def _openai_one(client: Any, max_tokens: int) -> OneRequest:
+    async def one() -> Sample:
+        t0 = time.perf_counter()
+        stamps: list[float] = []
+        stream = await client.completions.create(
+            model="", prompt=PROMPT, max_tokens=max_tokens, stream=True,
+            temperature=0, extra_body={"ignore_eos": True})
+        async for event in stream:
+            if event.choices and event.choices[0].text:
+                stamps.append(time.perf_counter())
+        return sample(t0, stamps, stamps)
 
-    async with AsyncOpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0,
-                           timeout=300) as client:
+    return one
 
-        async def one() -> Sample:
-            t0 = time.perf_counter()
-            stamps: list[float] = []
-            stream = await client.completions.create(
-                model="", prompt=PROMPT, max_tokens=max_tokens, stream=True,
-                temperature=0, extra_body={"ignore_eos": True})
-            async for event in stream:
-                if event.choices and event.choices[0].text:
-                    stamps.append(time.perf_counter())
-            return sample(t0, stamps, stamps)
 
-        await one()  # untimed: opens the connection
+async def limited(one: OneRequest, num_requests: int, concurrency: int) -> list[Sample]:
+    """``num_requests`` calls of ``one`` with at most ``concurrency`` in flight."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def gated() -> Sample:
+        async with sem:
+            return await one()
+
+    return list(await asyncio.gather(*(gated() for _ in range(num_requests))))
+
+
+async def run_side(side: str, addresses: dict[str, str], key: str, ids: list[int],
+                   num_requests: int, concurrency: int, max_tokens: int) -> list[Sample]:
+    """``num_requests`` requests with ``concurrency`` in flight; one sample each."""
+    async with side_client(side, addresses, key, ids, max_tokens) as one:
         return await limited(one, num_requests, concurrency)
+
+
+async def run_paired(sides: list[str], addresses: dict[str, str], key: str, ids: list[int],
+                     num_pairs: int, max_tokens: int) -> dict[str, list[Sample]]:
+    """Concurrency 1, one request per side back to back, ``num_pairs`` times, the order
+    rotated each time: the sides of one pair meet the same machine state, so their
+    difference is the front's cost with most of the machine's drift taken out."""
+    async with contextlib.AsyncExitStack() as stack:
+        ones = {s: await stack.enter_async_context(
+            side_client(s, addresses, key, ids, max_tokens)) for s in sides}
+        out: dict[str, list[Sample]] = {s: [] for s in sides}
+        for i in range(num_pairs):
+            k = i % len(sides)
+            for s in sides[k:] + sides[:k]:
+                out[s].append(await ones[s]())
+        return out
+
+
+def paired_differences(samples: dict[str, list[Sample]], base: str, field: int
+                       ) -> dict[str, dict[str, float]]:
+    """p50/p90/p99 (ms) of each side's per-pair difference from ``base`` in one field
+    of the samples (0 = time to the first token, 3 = to the first text event)."""
+    out = {}
+    for side, rows in samples.items():
+        if side == base:
+            continue
+        diffs = [(a[field] - b[field]) * 1000 for a, b in zip(rows, samples[base], strict=True)]
+        out[side] = {"p50_ms": pct(diffs, 0.5), "p90_ms": pct(diffs, 0.9),
+                     "p99_ms": pct(diffs, 0.99)}
+    return out
 
 
 def summarize(samples: list[Sample]) -> dict[str, float]:
@@ -262,8 +314,24 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     metrics = ["first_text_p50_ms", "first_text_p99_ms", "event_gap_p50_ms",
                "event_gap_p99_ms"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, conc in zip(axes, ("c1", "c32"), strict=True):
+    paired = report["results"].get("c1_paired")
+    fig, axes = plt.subplots(1, 3 if paired else 2, figsize=(16 if paired else 11, 4))
+    if paired:
+        ax = axes[-1]
+        rows = {"gateway - engine\n(first token)": paired["gateway_minus_engine_ttft"]["gateway"],
+                **{f"{side} - gRPC front\n(first text)": d
+                   for side, d in paired["front_minus_grpc_first_text"].items()
+                   if side != "gateway"}}
+        xs = range(len(rows))
+        for i, q in enumerate(("p50_ms", "p90_ms", "p99_ms")):
+            ax.bar([x + (i - 1) * 0.25 for x in xs], [d[q] for d in rows.values()], 0.25,
+                   label=q.replace("_ms", ""))
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xticks(list(xs), list(rows), fontsize=7)
+        ax.set_ylabel("ms added")
+        ax.set_title(f"concurrency 1, {paired['pairs']} paired requests")
+        ax.legend()
+    for ax, conc in zip(axes, ("c1", "c32"), strict=False):
         res = report["results"][conc]
         xs = range(len(metrics))
         for i, (side, label) in enumerate((("engine", "engine"), ("gateway", "gateway gRPC"),
@@ -292,14 +360,8 @@ def measure(args: argparse.Namespace, addresses: dict[str, str], key: str,
                 k = r % len(SIDES)
                 sides = SIDES[k:] + SIDES[:k]  # rotate so drift hits every side
                 for name in sides:
-                    samples = asyncio.run(
-                        run_http(addresses["http"], key, n_req, n_conc, args.max_tokens)
-                        if name == "http" else
-                        run_openai(addresses["http"], key, n_req, n_conc, args.max_tokens)
-                        if name == "openai" else
-                        run_curl(addresses["http"], key, n_req, n_conc, args.max_tokens)
-                        if name == "curl" else
-                        run_side(name, addresses, key, ids, n_req, n_conc, args.max_tokens))
+                    samples = asyncio.run(run_side(name, addresses, key, ids, n_req, n_conc,
+                                                   args.max_tokens))
                     per_round[conc][name].append(summarize(samples))
                     bar.update(1)
     results: dict[str, Any] = {}
@@ -312,6 +374,19 @@ def measure(args: argparse.Namespace, addresses: dict[str, str], key: str,
                                        for m in ("first_text_p50_ms", "first_text_p99_ms",
                                                  "event_gap_p50_ms", "event_gap_p99_ms")}
         results[conc] = med
+    if args.pairs:
+        paired = asyncio.run(run_paired(SIDES, addresses, key, ids, args.pairs,
+                                        args.max_tokens))
+        fronts = {s: paired[s] for s in SIDES if s != "engine"}
+        results["c1_paired"] = {
+            "pairs": args.pairs,
+            "sides": {s: summarize(rows) for s, rows in paired.items()},
+            # the gRPC front over the engine: time to the first token
+            "gateway_minus_engine_ttft": paired_differences(
+                {"engine": paired["engine"], "gateway": paired["gateway"]}, "engine", 0),
+            # each HTTP client over the gRPC front: time to the first text event
+            "front_minus_grpc_first_text": paired_differences(fronts, "gateway", 3),
+        }
     return results
 
 
@@ -321,6 +396,9 @@ def main() -> None:
     parser.add_argument("--requests-c1", type=int, default=16)
     parser.add_argument("--requests-c32", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--pairs", type=int, default=100,
+                        help="concurrency-1 paired requests (every side back to back, "
+                             "order rotated); 0 = skip")
     args = parser.parse_args()
     admin_key = "sk-llm-" + secrets.token_urlsafe(32)
     ids = TextTokenizer(default_model_dir()).encode(PROMPT)
@@ -329,10 +407,8 @@ def main() -> None:
                                        admin_key)
         try:
             key = make_key(addresses["gateway"], admin_key)
-            asyncio.run(run_side("gateway", addresses, key, ids, 4, 4, 4))  # warm both paths
-            asyncio.run(run_side("engine", addresses, key, ids, 4, 4, 4))
-            asyncio.run(run_http(addresses["http"], key, 4, 4, 4))
-            asyncio.run(run_openai(addresses["http"], key, 4, 4, 4))
+            for side in SIDES:  # warm every path
+                asyncio.run(run_side(side, addresses, key, ids, 4, 4, 4))
             results = measure(args, addresses, key, ids)
         finally:
             for p in procs:
@@ -340,7 +416,7 @@ def main() -> None:
     report = {"benchmark": "gateway_bench", "rounds": args.rounds, "max_tokens": args.max_tokens,
               "prompt_tokens": len(ids), "requests": {"c1": args.requests_c1,
                                                       "c32": args.requests_c32},
-              "machine": {"python": platform.python_version(), "cpus": _cpus()},
+              "machine": {"python": platform.python_version()},
               "note": "all services and the client share a 2-core CPU machine; figures are "
                       "noisy. added = gateway (gRPC) - engine (per token); http_vs_grpc and "
                       "openai_vs_grpc = HTTP front (aiohttp / openai client) - gRPC front, "
@@ -349,15 +425,19 @@ def main() -> None:
                       "incremental detokenizer holds back tokens that complete no character).",
               "results": results}
     save_report("gateway_bench", report, lambda path: plot(report, path))
-    for conc, res in results.items():
+    for conc in ("c1", "c32"):
         print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()}
-                                for k, d in res.items()}))
-
-
-def _cpus() -> int:
-    import os
-
-    return os.cpu_count() or 0
+                                for k, d in results[conc].items()}))
+    if "c1_paired" in results:
+        p = results["c1_paired"]
+        print(f"c1 paired ({p['pairs']} pairs), per-pair differences in ms:")
+        for name, diffs in (("gateway gRPC - engine, first token",
+                             p["gateway_minus_engine_ttft"]),
+                            ("HTTP front - gRPC front, first text event",
+                             p["front_minus_grpc_first_text"])):
+            for side, d in diffs.items():
+                print(f"  {name} [{side}]: p50 {d['p50_ms']:.2f}  p90 {d['p90_ms']:.2f}  "
+                      f"p99 {d['p99_ms']:.2f}")
 
 
 if __name__ == "__main__":

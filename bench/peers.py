@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -37,11 +36,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.report import save_report
+from bench.report import machine_facts, save_report
 from common.config import ROOT, default_model_dir
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16",
-             "amx_int8", "amx_tile")
 GEN_WORKLOADS = ("W1", "W2", "W3")
 DEFAULT_VLLM_PYTHON = ROOT / ".cache" / "peers" / "vllm" / "bin" / "python"
 # side label -> (runner, dtype)
@@ -74,25 +71,6 @@ def make_workloads(seed: int = 0, quick: bool = False) -> dict[str, dict[str, An
         "W3": {"requests": [[prompt(32), new]], "unit": "generated tok/s"},
         "W4-512": {"requests": [[prompt(512), 1]], "unit": "prompt tok/s"},
         "W4-2048": {"requests": [[prompt(2048), 1]], "unit": "prompt tok/s"},
-    }
-
-
-def machine_facts() -> dict[str, Any]:
-    """CPU model, the ISA flags that decide kernels, cores and load."""
-    model, flags = platform.processor(), set()
-    info = Path("/proc/cpuinfo")
-    if info.is_file():
-        for line in info.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    return {
-        "cpu": model,
-        "isa": {f: f in flags for f in ISA_FLAGS},
-        "cores": os.cpu_count(),
-        "loadavg": os.getloadavg(),
     }
 
 

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.peers import machine_facts
-from bench.report import save_report
+from bench.report import machine_facts, save_report
 from engine_svc.core import STEP_PHASES, EngineConfig, LLMEngine, SamplingParams
 
 
