@@ -32,7 +32,7 @@ from common.config import (
     service_overrides,
 )
 from common.log import configure_logging, get_logger
-from common.server import ServiceHooks, run_service
+from common.server import ServiceHooks, run, run_service
 from engine_svc import metrics
 from engine_svc.backends.base import Backend, GenerateInput
 from engine_svc.core.config import EngineConfig
@@ -156,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     hooks = ServiceHooks(register=register, ready=ready, on_drain=on_drain, on_stop=backend.stop,
                          require_service_token=True)
-    asyncio.run(run_service("engine", svc, hooks))
+    run(run_service("engine", svc, hooks))
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ requests UNAVAILABLE, streams in flight get ``grace_seconds``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import Sequence
 
 import grpc
 
 from common.config import add_service_args, load_config, service_overrides
 from common.log import configure_logging
-from common.server import ServiceHooks, run_service
+from common.server import ServiceHooks, run, run_service
 from gateway import routing_admin, service
 from gateway.app import GatewayApp
 from gateway.auth import ReflectionAuthInterceptor
@@ -96,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point."""
     config, rl_config = load_configs(parse_args(argv))
     configure_logging("gateway", config.log_level, config.log_format)
-    asyncio.run(serve(config, rl_config))
+    run(serve(config, rl_config))
 
 
 if __name__ == "__main__":

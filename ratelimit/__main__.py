@@ -9,11 +9,10 @@ The admin key comes from ``[ratelimit] admin_key``, ``$ADMIN_KEY`` or
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from common.config import add_service_args, load_config, service_overrides
 from common.log import configure_logging
-from common.server import ServiceHooks, run_service
+from common.server import ServiceHooks, run, run_service
 from ratelimit.config import RateLimitConfig
 from ratelimit.factory import RateLimitStack
 from ratelimit.service import add_to_server
@@ -58,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     config = load_config(RateLimitConfig, "ratelimit", path=args.config, overrides=overrides)
     configure_logging("ratelimit", config.log_level, config.log_format)
-    asyncio.run(serve(config))
+    run(serve(config))
 
 
 if __name__ == "__main__":

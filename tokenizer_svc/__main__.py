@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 from collections.abc import Sequence
 
@@ -17,7 +16,7 @@ from common.config import (
     service_overrides,
 )
 from common.log import configure_logging, get_logger
-from common.server import ServiceHooks, run_service
+from common.server import ServiceHooks, run, run_service
 from llm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.service import TokenizerServicer
 from tokenizer_svc.tokenizer import TextTokenizer
@@ -51,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
         return [tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name]
 
-    asyncio.run(run_service("tokenizer", cfg,
+    run(run_service("tokenizer", cfg,
                             ServiceHooks(register=register, require_service_token=True)))
 
 
