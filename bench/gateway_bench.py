@@ -11,8 +11,9 @@ ignore_eos) against the engine directly and through the gateway, in
 alternating rounds so drift hits both sides alike. Per request it records
 TTFT (send -> first token) and the mean inter-token time; per round the
 p50/p99 of each; the report holds the median over rounds. The gateway side
-includes everything the gateway does: auth (cached), tokenizer_svc Encode,
-the Redis reserve/settle, routing, incremental detokenization. The "http"
+includes everything the gateway does: auth (cached), tokenizing (in process),
+the Redis calls (request unit + lease, then tokens; ``--unlimited-tenant``
+skips the token call), routing, incremental detokenization, settling. The "http"
 side is the same request as `POST /v1/completions` with `stream: true`
 (aiohttp client, time to the first SSE event carrying text), and the same
 again with the official ``openai`` client (httpx) and with ``curl -N`` (its
@@ -297,11 +298,20 @@ def start_stack(log_dir: Path, redis: RedisServer, admin_key: str
                             "http": f"http://127.0.0.1:{http_port}"}
 
 
-def make_key(address: str, admin_key: str) -> str:
+# far above what the bench asks for, so nothing is denied, but every limit is checked:
+# the request unit and lease before tokenizing, the tokens after (two Redis calls)
+BENCH_LIMITS = admin_pb2.LimitPolicy(requests_per_minute=1_000_000,
+                                     tokens_per_minute=1_000_000_000, max_concurrent=10_000)
+
+
+def make_key(address: str, admin_key: str, limited: bool = True) -> str:
+    """An API key of the bench tenant: with ``BENCH_LIMITS``, or with no limit at all
+    (then the gateway skips the token check: one Redis call before the engine)."""
     with grpc.insecure_channel(address) as ch:
         admin = admin_pb2_grpc.RateLimitAdminStub(ch)
         md = (("authorization", f"Bearer {admin_key}"),)
-        admin.UpsertTenant(admin_pb2.Tenant(id="bench"), metadata=md)
+        limits = BENCH_LIMITS if limited else admin_pb2.LimitPolicy()
+        admin.UpsertTenant(admin_pb2.Tenant(id="bench", limits=limits), metadata=md)
         req = admin_pb2.CreateApiKeyRequest(tenant_id="bench", name="bench")
         return str(admin.CreateApiKey(req, metadata=md).key)
 
@@ -396,6 +406,8 @@ def main() -> None:
     parser.add_argument("--requests-c1", type=int, default=16)
     parser.add_argument("--requests-c32", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--unlimited-tenant", action="store_true",
+                        help="a tenant with no limits (no token check: one Redis call)")
     parser.add_argument("--pairs", type=int, default=100,
                         help="concurrency-1 paired requests (every side back to back, "
                              "order rotated); 0 = skip")
@@ -406,7 +418,7 @@ def main() -> None:
         procs, addresses = start_stack(Path(tempfile.mkdtemp(prefix="gw-bench-")), redis,
                                        admin_key)
         try:
-            key = make_key(addresses["gateway"], admin_key)
+            key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
             for side in SIDES:  # warm every path
                 asyncio.run(run_side(side, addresses, key, ids, 4, 4, 4))
             results = measure(args, addresses, key, ids)
@@ -414,6 +426,7 @@ def main() -> None:
             for p in procs:
                 p.stop()
     report = {"benchmark": "gateway_bench", "rounds": args.rounds, "max_tokens": args.max_tokens,
+              "tenant_limits": "none" if args.unlimited_tenant else str(BENCH_LIMITS).strip(),
               "prompt_tokens": len(ids), "requests": {"c1": args.requests_c1,
                                                       "c32": args.requests_c32},
               "machine": {"python": platform.python_version()},
