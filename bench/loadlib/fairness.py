@@ -1,4 +1,4 @@
-"""Fairness and priority experiments (issue 9, item 4), through the Gateway API.
+"""Fairness and priority experiments, through the Gateway API.
 
 Each experiment measures a protected tenant alone ("idle"), then beside an
 aggressor ("loaded"), on the same services, and compares:

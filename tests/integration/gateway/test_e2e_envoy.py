@@ -1,5 +1,5 @@
 """End to end through a real Envoy: tenants' gRPC streams, admin over HTTP/JSON, failover
-between gateway replicas (issue 8)."""
+between gateway replicas."""
 
 from __future__ import annotations
 

@@ -24,8 +24,6 @@ from tests.unit.deploy.helpers import (
 
 DOCKER = DEPLOY / "docker"
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
-# Directories an image copies that another issue is still writing (issue 7: gateway).
-NOT_YET_IN_REPO = {"gateway"}
 MODULE_OF = {"tokenizer": "tokenizer_svc", "engine": "engine_svc", "engine-trtllm": "engine_svc",
              "gateway": "gateway"}
 
@@ -97,8 +95,6 @@ def test_every_copied_source_exists(path: Path) -> None:
             if any(p.startswith("--from") for p in shlex.split(arg)):
                 continue
             for src in parts[:-1]:
-                if src.split("/")[0] in NOT_YET_IN_REPO:
-                    continue
                 assert (ROOT / src).exists(), f"{path.name}: COPY {src} does not exist"
 
 

@@ -99,14 +99,13 @@ def test_configmap_loads_with_the_real_config_classes(docs: list[Doc], tmp_path:
     stack.write_text(find(docs, "ConfigMap", "llm-stack-config")["data"]["stack.yaml"])
     rl = load_config(RateLimitConfig, "ratelimit", path=stack, env={})
     assert rl.redis_url == "redis://redis:6379/0"
-    tokenizer_main = pytest.importorskip("tokenizer_svc.__main__")
-    tok = load_config(tokenizer_main.TokenizerConfig, "tokenizer", path=stack, env={})
+    # imported, never skipped: a config class that cannot load is a failure here
+    from engine_svc.__main__ import EngineServiceConfig
+    from engine_svc.core.config import EngineConfig
+    from tokenizer_svc.__main__ import TokenizerConfig
+
+    tok = load_config(TokenizerConfig, "tokenizer", path=stack, env={})
     assert (tok.port, tok.metrics_port) == tuple(service_ports("tokenizer").values())
-    try:  # the engine service is being written (issue 4/5) alongside this
-        from engine_svc.__main__ import EngineServiceConfig
-        from engine_svc.core.config import EngineConfig
-    except ImportError as exc:
-        pytest.skip(f"engine_svc config not importable yet: {exc}")
     eng = load_config(EngineServiceConfig, "engine", path=stack, env={})
     assert eng.backend == "trtllm"
     assert (eng.port, eng.metrics_port) == tuple(service_ports("engine").values())
