@@ -4,7 +4,7 @@
     python -m bench.load run   --spawn --target gateway --concurrency 8 --mix short_chat \\
         --tenant name=gold,priority=CRITICAL,share=1 --tenant name=free,priority=LOW,share=3
     python -m bench.load sweep --spawn --target engine --ttft-p95-target-ms 2000
-    python -m bench.load fairness --spawn            # experiments (a) (b) (c) of bench/loadlib/fairness.py
+    python -m bench.load fairness --spawn    # experiments (a) (b) (c), bench/loadlib/fairness.py
     python -m bench.load run --target gateway --address 127.0.0.1:50051 \\
         --admin-key-file .run/admin.key --engine-stats 127.0.0.1:50071 \\
         --service-token-file .run/service.token

@@ -25,6 +25,7 @@ from engine_svc.backends.base import (
 )
 from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.request import FinishReason
+from engine_svc.core.validation import validate_request
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
 log = get_logger(__name__)
@@ -58,6 +59,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                                "draining")
         try:
             inp = convert.generate_input_from_proto(request, self._model)
+            info = self._backend.model_info()
+            # once, here, for every backend (the native engine repeats it for offline use)
+            validate_request(inp.request_id, inp.prompt_token_ids, inp.sampling_params,
+                             inp.priority, inp.resumed_output_token_ids,
+                             vocab_size=info.vocab_size, max_model_len=info.max_context_length)
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
         structlog.contextvars.bind_contextvars(request_id=inp.request_id, tenant=inp.tenant_id)

@@ -17,11 +17,9 @@ loop only moves outputs.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -33,6 +31,7 @@ from engine_svc.backends.base import (
     DuplicateRequestError,
     GenerateInput,
     QueueFullError,
+    RateWindow,
 )
 from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
@@ -80,7 +79,7 @@ class NativeBackend:
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._thread: threading.Thread | None = None
         self._stats: EngineStats | None = None
-        self._history: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._rates = RateWindow(_RATE_WINDOW_S)
         self._info: ModelInfo | None = None
         self._failed: BaseException | None = None
         self._live: set[str] = set()  # step thread only: requests the engine holds
@@ -149,13 +148,7 @@ class NativeBackend:
 
     def stats(self) -> BackendStats:
         assert self._stats is not None, "start() first"
-        prompt_rate = gen_rate = 0.0
-        hist = list(self._history)
-        if len(hist) >= 2 and hist[-1][0] > hist[0][0]:
-            dt = hist[-1][0] - hist[0][0]
-            prompt_rate = (hist[-1][1] - hist[0][1]) / dt
-            gen_rate = (hist[-1][2] - hist[0][2]) / dt
-        return BackendStats(self._stats, prompt_rate, gen_rate)
+        return BackendStats(self._stats, *self._rates.rates())
 
     def model_info(self) -> ModelInfo:
         assert self._info is not None, "start() first"
@@ -253,12 +246,7 @@ class NativeBackend:
     def _publish(self, engine: LLMEngine) -> None:
         stats = engine.get_stats()
         self._stats = stats
-        now = time.monotonic()
-        h = self._history
-        if not h or now - h[-1][0] >= 0.25:
-            h.append((now, stats.num_prompt_tokens_total, stats.num_generation_tokens_total))
-            while h and now - h[0][0] > _RATE_WINDOW_S:
-                h.popleft()
+        self._rates.record(stats.num_prompt_tokens_total, stats.num_generation_tokens_total)
 
     def _fail_all(self, engine: LLMEngine) -> None:
         assert self._loop is not None

@@ -9,12 +9,19 @@ names move between TensorRT-LLM 1.2 and 1.4, so everything version-specific
 stays in this file.
 
     LLM(model_dir, skip_tokenizer_init=True,
-        kv_cache_config=KvCacheConfig(dtype="fp8", enable_block_reuse=...,
+        kv_cache_config=KvCacheConfig(dtype=<fp8 where the GPU has it, per kv_cache_dtype>,
                                       free_gpu_memory_fraction=...),
         scheduler_config=SchedulerConfig(capacity_scheduler_policy=MAX_UTILIZATION),
         enable_chunked_prefill=True, max_batch_size=..., max_num_tokens=..., max_seq_len=...,
         enable_iter_perf_stats=True)
     llm.generate_async(token_ids, SamplingParams(...), streaming=True)  # .abort() on cancel
+    llm.get_stats(timeout)  # blocking: read on a worker thread by a polling task
+
+Request checks happen once, in the engine service, for every backend
+(engine_svc.core.validation); stop sequences are matched here with the native
+engine's own functions (held back while they may still complete, trimmed when
+they do); a failed-over stream's resumed tokens go in as prompt and shrink
+max_tokens and min_tokens, so it ends within the client's original limit.
 
 FP8 weights come from a ModelOpt FP8 checkpoint directory (its quantization
 config is detected when the model loads).
@@ -23,6 +30,7 @@ config is detected when the model loads).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -35,15 +43,38 @@ from engine_svc.backends.base import (
     BackendUnavailableError,
     DuplicateRequestError,
     GenerateInput,
+    RateWindow,
 )
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason
 from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.core.stop_checker import stop_holdback, stop_match
+
+
+def trt_kv_cache_dtype(requested: str, fp8_capable: bool) -> str:
+    """TensorRT-LLM's KV cache dtype for the engine config's ``kv_cache_dtype``.
+
+    ``auto`` is FP8 where the GPU has FP8 tensor cores (compute capability 8.9 and
+    up: Ada, Hopper, Blackwell), else the model's dtype (TensorRT-LLM's ``auto``);
+    ``fp8`` on a GPU without FP8 is an error rather than a silent fallback.
+    """
+    if requested == "fp8":
+        if not fp8_capable:
+            raise ValueError("kv_cache_dtype fp8 needs a GPU with FP8 (compute capability "
+                             ">= 8.9); use auto or bfloat16 here")
+        return "fp8"
+    if requested == "auto":
+        return "fp8" if fp8_capable else "auto"
+    if requested == "bfloat16":
+        return "auto"  # the checkpoint's dtype (bf16 for the models served here)
+    raise ValueError(f"kv_cache_dtype {requested!r} is not available with TensorRT-LLM "
+                     "(auto, fp8 or bfloat16)")
 
 
 def llm_kwargs(cfg: EngineConfig, kv_cache_dtype: str = "fp8") -> dict[str, Any]:
-    """Keyword arguments for ``tensorrt_llm.LLM`` (config classes as plain dicts)."""
+    """Keyword arguments for ``tensorrt_llm.LLM`` (config classes as plain dicts);
+    ``kv_cache_dtype`` as ``trt_kv_cache_dtype`` chose it."""
     return {
         "model": cfg.model_dir,
         "skip_tokenizer_init": True,
@@ -64,15 +95,20 @@ def llm_kwargs(cfg: EngineConfig, kv_cache_dtype: str = "fp8") -> dict[str, Any]
     }
 
 
-def sampling_kwargs(p: SamplingParams, eos_token_ids: Sequence[int]) -> dict[str, Any]:
+def sampling_kwargs(p: SamplingParams, eos_token_ids: Sequence[int],
+                    num_resumed: int = 0) -> dict[str, Any]:
     """Keyword arguments for ``tensorrt_llm.SamplingParams``.
+
+    ``num_resumed`` output tokens of a failed-over stream are already produced (they
+    go in as prompt): max_tokens and min_tokens shrink by as many, so the stream
+    ends within the client's original max_tokens.
 
     Multi-token stop sequences are not passed down (TensorRT-LLM takes stop
     *strings* through its tokenizer, which is off here); the adapter matches
     them on the streamed ids with ``match_stop_sequence`` and aborts.
     """
     kw: dict[str, Any] = {
-        "max_tokens": p.max_tokens,
+        "max_tokens": p.max_tokens - num_resumed,
         "temperature": p.temperature,
         "top_p": p.top_p,
         "top_k": p.top_k or None,
@@ -81,7 +117,7 @@ def sampling_kwargs(p: SamplingParams, eos_token_ids: Sequence[int]) -> dict[str
         "repetition_penalty": p.repetition_penalty,
         "presence_penalty": p.presence_penalty,
         "frequency_penalty": p.frequency_penalty,
-        "min_tokens": p.min_tokens,
+        "min_tokens": max(0, p.min_tokens - num_resumed),
         "logprobs": p.logprobs or None,
         "stop_token_ids": list(p.stop_token_ids),
         "end_id": -1 if p.ignore_eos else (eos_token_ids[0] if eos_token_ids else None),
@@ -92,43 +128,58 @@ def sampling_kwargs(p: SamplingParams, eos_token_ids: Sequence[int]) -> dict[str
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def match_stop_sequence(output_ids: Sequence[int], stops: Sequence[Sequence[int]]) -> int:
-    """Length of the stop sequence the output ends with, 0 if none."""
-    for s in stops:
-        n = len(s)
-        if n and len(output_ids) >= n and list(output_ids[-n:]) == list(s):
-            return n
-    return 0
-
-
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
            "cancelled": FinishReason.ABORT, "abort": FinishReason.ABORT}
 
 
 @dataclass(slots=True)
 class StreamState:
-    """Per-request bookkeeping: TensorRT-LLM streams cumulative token ids."""
+    """Per-request bookkeeping: TensorRT-LLM streams cumulative token ids of what it
+    generates; the client sees deltas. Stop sequences are matched here with the
+    native engine's own rules (``stop_match`` / ``stop_holdback``): over the whole
+    output, resumed tokens included, once ``min_tokens`` are out; tokens that may
+    begin a stop sequence are held back until the next ones decide."""
 
     request_id: str
     num_prompt_tokens: int
     params: SamplingParams
     arrival_time: float
-    num_sent: int = 0
+    resumed: list[int] = field(default_factory=list)
+    num_sent: int = -1  # output tokens released so far; starts past the resumed ones
+    num_checked: int = -1  # output tokens already tested for a completed stop sequence
     output_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.num_sent < 0:
+            self.num_sent = len(self.resumed)
+        if self.num_checked < 0:
+            self.num_checked = len(self.resumed)
+        self.output_ids = list(self.resumed)
+
     def advance(self, cumulative_ids: Sequence[int], finish_reason: str | None,
                 now: float) -> RequestOutput:
-        """The delta since the last call, stop sequences applied."""
-        self.output_ids = list(cumulative_ids)
-        stop_len = match_stop_sequence(self.output_ids, self.params.stop_sequences)
+        """The delta since the last call; finished when TensorRT-LLM finished or a stop
+        sequence completed (then the caller aborts TensorRT-LLM's request)."""
+        out, stops = [*self.resumed, *cumulative_ids], self.params.stop_sequences
+        stop_len = 0
+        for n in range(max(self.num_checked + 1, self.params.min_tokens), len(out) + 1):
+            stop_len = stop_match(out[:n], stops)  # each new token, as the engine would
+            if stop_len:
+                out = out[:n]  # anything generated past the stop is dropped
+                break
+        self.num_checked = len(out)
+        self.output_ids = out
         reason = _FINISH.get(finish_reason or "", FinishReason.ERROR) if finish_reason else None
         if stop_len:
             reason = FinishReason.STOP
-        end = len(self.output_ids)
-        if stop_len and not self.params.include_stop_in_output:
-            end -= stop_len
-        new = self.output_ids[self.num_sent:max(self.num_sent, end)]
+        if reason is None:
+            end = len(out) - stop_holdback(out, stops)
+        elif stop_len and not self.params.include_stop_in_output:
+            end = len(out) - stop_len
+        else:
+            end = len(out)
+        new = out[self.num_sent:max(self.num_sent, end)]
         self.num_sent = max(self.num_sent, end)
         if new and self.first_token_time is None:
             self.first_token_time = now
@@ -136,9 +187,9 @@ class StreamState:
         return RequestOutput(
             request_id=self.request_id, new_token_ids=new, finished=finished,
             finish_reason=reason, num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=len(self.output_ids), arrival_time=self.arrival_time,
-            first_scheduled_time=self.arrival_time, first_token_time=self.first_token_time,
-            finished_time=now if finished else None,
+            num_output_tokens=len(out), num_resumed_tokens=len(self.resumed),
+            arrival_time=self.arrival_time, first_scheduled_time=self.arrival_time,
+            first_token_time=self.first_token_time, finished_time=now if finished else None,
         )
 
 
@@ -164,8 +215,10 @@ def stats_from_iteration(it: dict[str, Any], max_num_seqs: int, max_waiting: int
     )
 
 
-def model_info_from_dir(model_dir: Path, cfg: EngineConfig) -> ModelInfo:
-    """What GetModelInfo reports, read from the checkpoint's config files."""
+def model_info_from_dir(model_dir: Path, cfg: EngineConfig, kv_cache_dtype: str = "fp8"
+                        ) -> ModelInfo:
+    """What GetModelInfo reports, read from the checkpoint's config files;
+    ``kv_cache_dtype`` as TensorRT-LLM was given it."""
     hf = json.loads((model_dir / "config.json").read_text())
     gen_path = model_dir / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
@@ -174,7 +227,9 @@ def model_info_from_dir(model_dir: Path, cfg: EngineConfig) -> ModelInfo:
     quant = (hf.get("quantization_config") or {}).get("quant_algo", "")
     max_len = int(hf.get("max_position_embeddings", 0))
     return ModelInfo(
-        model=model_dir.name, backend="trtllm", kv_cache_dtype="fp8_e4m3",
+        model=model_dir.name, backend="trtllm",
+        kv_cache_dtype="fp8_e4m3" if kv_cache_dtype == "fp8" else str(
+            hf.get("torch_dtype", "bfloat16")),
         max_context_length=min(cfg.max_model_len or max_len, max_len),
         vocab_size=int(hf.get("vocab_size", 0)), eos_token_ids=[int(i) for i in eos_ids],
         weight_dtype="fp8_e4m3" if "FP8" in str(quant).upper() else str(
@@ -197,6 +252,15 @@ def _import_trtllm() -> Any:
     return tensorrt_llm
 
 
+STATS_POLL_S = 0.5
+
+
+def fp8_capable(torch_module: Any) -> bool:
+    """True when the current GPU has FP8 tensor cores (compute capability >= 8.9)."""
+    major, minor = torch_module.cuda.get_device_capability()
+    return (major, minor) >= (8, 9)
+
+
 class TrtLlmBackend:
     """TensorRT-LLM's LLM API behind the Backend protocol (NVIDIA GPUs only)."""
 
@@ -210,27 +274,38 @@ class TrtLlmBackend:
         self._totals = {"requests": 0, "prompt": 0, "generation": 0}
         self._stats: EngineStats | None = None
         self._info: ModelInfo | None = None
+        self._rates = RateWindow()
+        self._poller: asyncio.Task[None] | None = None
+        self._priority_arg = False
 
     async def start(self) -> None:
         trt = _import_trtllm()
+        import torch
         from tensorrt_llm.llmapi import (  # type: ignore[import-not-found]
             CapacitySchedulerPolicy,
             KvCacheConfig,
             SchedulerConfig,
         )
 
-        kw = llm_kwargs(self._cfg)
+        kv_dtype = trt_kv_cache_dtype(self._cfg.kv_cache_dtype, fp8_capable(torch))
+        kw = llm_kwargs(self._cfg, kv_dtype)
         kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])
         policy = kw["scheduler_config"]["capacity_scheduler_policy"]
         kw["scheduler_config"] = SchedulerConfig(
             capacity_scheduler_policy=getattr(CapacitySchedulerPolicy, policy))
         self._trt = trt
         self._llm = await asyncio.to_thread(trt.LLM, **kw)
-        self._info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg)
+        self._priority_arg = "priority" in inspect.signature(self._llm.generate_async).parameters
+        self._info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg, kv_dtype)
         self._stats = stats_from_iteration({}, self._cfg.max_num_seqs, self._cfg.max_waiting,
                                            self._totals)
+        self._poller = asyncio.create_task(self._poll_stats())
 
     async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
         for res in list(self._live.values()):
             res.abort()
         if self._llm is not None:
@@ -244,29 +319,31 @@ class TrtLlmBackend:
             raise DuplicateRequestError(
                 f"request_id {inp.request_id!r} is already in use by a live request")
         info = self.model_info()
+        resumed = list(inp.resumed_output_token_ids)
         params = self._trt.SamplingParams(**sampling_kwargs(inp.sampling_params,
-                                                            info.eos_token_ids))
-        prompt = [*inp.prompt_token_ids, *inp.resumed_output_token_ids]
+                                                            info.eos_token_ids, len(resumed)))
+        prompt = [*inp.prompt_token_ids, *resumed]
         state = StreamState(inp.request_id, len(inp.prompt_token_ids), inp.sampling_params,
-                            time.monotonic())
-        res = self._llm.generate_async(prompt, sampling_params=params, streaming=True)
+                            time.monotonic(), resumed)
+        extra = {"priority": priority_fraction(inp.priority)} if self._priority_arg else {}
+        res = self._llm.generate_async(prompt, sampling_params=params, streaming=True, **extra)
         self._live[inp.request_id] = res
         self._totals["requests"] += 1
         self._totals["prompt"] += len(prompt)
-        finished = False
+        engine_done = False  # TensorRT-LLM ended the request itself
         try:
             async for chunk in res:
                 o = chunk.outputs[0]
+                engine_done = bool(chunk.finished)
                 out = state.advance(o.token_ids, o.finish_reason if chunk.finished else None,
                                     time.monotonic())
                 self._totals["generation"] += len(out.new_token_ids)
-                finished = out.finished
                 yield out
-                if finished:
+                if out.finished:
                     break
         finally:
             self._live.pop(inp.request_id, None)
-            if not finished:
+            if not engine_done:  # cancelled, or a stop sequence matched here first
                 res.abort()
 
     async def abort(self, request_id: str) -> None:
@@ -274,15 +351,33 @@ class TrtLlmBackend:
         if res is not None:
             res.abort()
 
-    def stats(self) -> BackendStats:
-        assert self._stats is not None, "start() first"
-        if self._llm is not None:
-            for it in self._llm.get_stats(timeout=0.01) or []:
+    async def _poll_stats(self) -> None:
+        """TensorRT-LLM's iteration stats, read on a worker thread (get_stats blocks)."""
+        while True:
+            try:
+                records = await asyncio.to_thread(self._llm.get_stats, STATS_POLL_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a failed read leaves the last snapshot; try again
+                records = []
+            for it in records or []:
                 rec = it if isinstance(it, dict) else {}
                 self._stats = stats_from_iteration(rec, self._cfg.max_num_seqs,
                                                    self._cfg.max_waiting, self._totals)
-        return BackendStats(self._stats)
+            self._rates.record(self._totals["prompt"], self._totals["generation"])
+            await asyncio.sleep(STATS_POLL_S)
+
+    def stats(self) -> BackendStats:
+        """The last snapshot (never blocks: a task keeps it fresh) and recent rates."""
+        assert self._stats is not None, "start() first"
+        return BackendStats(self._stats, *self._rates.rates())
 
     def model_info(self) -> ModelInfo:
         assert self._info is not None, "start() first"
         return self._info
+
+
+def priority_fraction(priority: int) -> float:
+    """llm.v1.Priority (0 unspecified, 1 LOW, 2 NORMAL, 3 CRITICAL) as TensorRT-LLM's
+    request priority in [0, 1] (0.5 its default)."""
+    return {1: 0.25, 3: 1.0}.get(priority, 0.5)

@@ -30,6 +30,7 @@ from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
 from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
+from engine_svc.core.validation import validate_request
 from engine_svc.models import cpu_kernels
 from engine_svc.models.attention import choose_prefill_dtype
 from engine_svc.models.config import load_model_config
@@ -39,7 +40,6 @@ from engine_svc.models.loader import load_model, resolve_dtype
 logger = logging.getLogger(__name__)
 
 PRIORITY_NORMAL = 2
-_MAX_PRIORITY = 3
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -216,36 +216,11 @@ class LLMEngine:
         priority: int,
         resumed: list[int],
     ) -> None:
-        vocab = self.model_config.vocab_size
-        if not request_id:
-            raise ValueError("request_id must not be empty")
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        if not prompt:
-            raise ValueError("prompt_token_ids must not be empty")
-        bad = next((t for t in [*prompt, *resumed] if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if not 0 <= priority <= _MAX_PRIORITY:
-            raise ValueError(f"priority must be in [0, {_MAX_PRIORITY}], got {priority}")
-        params.validate(vocab)
-        if len(resumed) >= params.max_tokens:
-            raise ValueError(
-                f"{len(resumed)} resumed output tokens already reach "
-                f"max_tokens={params.max_tokens}; nothing is left to generate"
-            )
-        limit = self.max_model_len
-        if len(prompt) + len(resumed) >= limit:
-            raise ValueError(
-                f"prompt is {len(prompt) + len(resumed)} tokens; the context "
-                f"holds {limit}, leaving no room for output"
-            )
-        if len(prompt) + params.max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds the context of {limit} tokens; lower max_tokens to "
-                f"{limit - len(prompt)} or less"
-            )
+        validate_request(request_id, prompt, params, priority, resumed,
+                         vocab_size=self.model_config.vocab_size,
+                         max_model_len=self.max_model_len)
         blocks = cdiv(len(prompt) + params.max_tokens, self.config.block_size)
         if blocks > self.runner.num_blocks:
             raise ValueError(

@@ -2,7 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine_svc.core.request import Request, RequestStatus
+
+
+def stop_match(out: Sequence[int], stop_sequences: Sequence[Sequence[int]]) -> int:
+    """Length of the stop sequence ``out`` ends with (the first listed that matches), 0 if
+    none. Shared by every backend that matches stop sequences itself."""
+    for seq in stop_sequences:
+        n = len(seq)
+        if n and len(out) >= n and list(out[-n:]) == list(seq):
+            return n
+    return 0
+
+
+def stop_holdback(out: Sequence[int], stop_sequences: Sequence[Sequence[int]]) -> int:
+    """Longest suffix of ``out`` that is a proper prefix of some stop sequence: tokens
+    that must not be streamed yet, since the next ones may complete the stop."""
+    best = 0
+    for seq in stop_sequences:
+        for n in range(min(len(seq) - 1, len(out)), best, -1):
+            if list(out[-n:]) == list(seq[:n]):
+                best = n
+                break
+    return best
 
 
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
@@ -26,25 +50,13 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
             request.stop_token_id = last
             request.num_stop_tokens = 1
             return RequestStatus.FINISHED_STOPPED
-        for seq in params.stop_sequences:
-            if len(out) >= len(seq) and out[-len(seq) :] == seq:
-                request.num_stop_tokens = len(seq)
-                return RequestStatus.FINISHED_STOPPED
+        matched = stop_match(out, params.stop_sequences)
+        if matched:
+            request.num_stop_tokens = matched
+            return RequestStatus.FINISHED_STOPPED
     if len(out) >= params.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None
-
-
-def _holdback(request: Request) -> int:
-    """Longest output suffix that is a proper prefix of some stop sequence."""
-    out = request.output_token_ids
-    best = 0
-    for seq in request.sampling_params.stop_sequences:
-        for n in range(min(len(seq) - 1, len(out)), best, -1):
-            if out[-n:] == seq[:n]:
-                best = n
-                break
-    return best
 
 
 def take_new_tokens(request: Request) -> tuple[int, int]:
@@ -58,7 +70,7 @@ def take_new_tokens(request: Request) -> tuple[int, int]:
         keep = request.sampling_params.include_stop_in_output
         end = n if keep else n - request.num_stop_tokens
     else:
-        end = n - _holdback(request)
+        end = n - stop_holdback(request.output_token_ids, request.sampling_params.stop_sequences)
     start = request.num_streamed
     end = max(end, start)
     request.num_streamed = end
