@@ -1,0 +1,230 @@
+"""What a client of any Backend sees, asserted through the Backend protocol alone.
+
+Parametrized over every backend present: the native engine always (a tiny
+random Llama on the CPU: the contract is about streaming, stops, limits,
+resumption, sampling and clean-up, not model quality); TensorRT-LLM where its
+package and a GPU are there. For the native backend the expected outputs come
+from an offline LLMEngine run of the same request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from engine_svc.backends.base import Backend, GenerateInput
+from engine_svc.backends.native import NativeBackend
+from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
+from engine_svc.core.outputs import RequestOutput
+from engine_svc.core.request import FinishReason
+from tests.unit.engine.helpers import run_to_completion, tokens_of
+
+T = TypeVar("T")
+PROMPT = [5, 17, 42, 8, 23, 61, 7]
+
+
+def engine_config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(model_dir=str(model_dir), dtype="float32", device="cpu", block_size=4,
+                        num_kv_blocks=128, max_num_batched_tokens=64,
+                        enable_prefix_caching=False)
+
+
+class Harness:
+    """A started backend on an event loop of its own thread; ``run`` waits for a coroutine."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.run(backend.start())
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stream(self, inp: GenerateInput) -> list[RequestOutput]:
+        async def collect() -> list[RequestOutput]:
+            return [o async for o in self.backend.generate(inp)]
+        return self.run(collect())
+
+    def close(self) -> None:
+        self.run(self.backend.stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+def _native(model_dir: Path) -> Backend:
+    return NativeBackend(lambda: LLMEngine(engine_config(model_dir)))
+
+
+def _trtllm(model_dir: Path) -> Backend:  # pragma: no cover - NVIDIA GPUs only
+    from engine_svc.backends.trtllm import TrtLlmBackend
+
+    return TrtLlmBackend(EngineConfig(model_dir=str(model_dir), device="cuda", block_size=4,
+                                      max_num_batched_tokens=64, enable_prefix_caching=False))
+
+
+def _gpu_trtllm() -> bool:
+    import importlib.util
+
+    import torch
+
+    return importlib.util.find_spec("tensorrt_llm") is not None and torch.cuda.is_available()
+
+
+BACKENDS: dict[str, Callable[[Path], Backend]] = {"native": _native}
+if _gpu_trtllm():  # pragma: no cover
+    BACKENDS["trtllm"] = _trtllm
+
+
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def harness(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Harness]:
+    h = Harness(BACKENDS[request.param](tiny_model_dir))
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+@pytest.fixture(scope="module")
+def offline(harness: Harness, tiny_model_dir: Path) -> Callable[[SamplingParams], list[int]]:
+    """The reference output of a request: the offline CPU engine for the native backend
+    (same numerics); for a GPU backend, that backend's own plain run of the request
+    (other numerics: the contract there is consistency, not equality with the CPU)."""
+    if harness.backend.name != "native":  # pragma: no cover - GPU only
+        return lambda params: streamed(harness.stream(inp(params)))
+    engine = LLMEngine(engine_config(tiny_model_dir))
+    n = 0
+
+    def generate(params: SamplingParams) -> list[int]:
+        nonlocal n
+        n += 1
+        engine.add_request(f"off-{n}", PROMPT, params)
+        return tokens_of(run_to_completion(engine)[f"off-{n}"])
+
+    return generate
+
+
+_ids = iter(range(10**9))
+
+
+def inp(params: SamplingParams, **kw: Any) -> GenerateInput:
+    return GenerateInput(request_id=f"c-{next(_ids)}", prompt_token_ids=list(PROMPT),
+                         sampling_params=params, **kw)
+
+
+def streamed(outs: list[RequestOutput]) -> list[int]:
+    assert outs[-1].finished
+    assert not any(o.finished for o in outs[:-1]), "nothing may follow the final output"
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def test_streamed_deltas_make_up_the_offline_greedy_output(harness: Harness, offline: Any
+                                                           ) -> None:
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = harness.stream(inp(params))
+    assert streamed(outs) == offline(params)
+    assert outs[-1].finish_reason == FinishReason.LENGTH
+    assert outs[-1].num_output_tokens == 12
+
+
+def test_a_multi_token_stop_sequence_is_held_back_and_trimmed(harness: Harness, offline: Any
+                                                              ) -> None:
+    greedy = offline(SamplingParams(max_tokens=12, ignore_eos=True))
+    stop = greedy[5:7]
+    first = next(i for i in range(len(greedy)) if greedy[i:i + 2] == stop)
+    outs = harness.stream(inp(SamplingParams(max_tokens=12, ignore_eos=True,
+                                             stop_sequences=[stop])))
+    assert streamed(outs) == greedy[:first]
+    assert outs[-1].finish_reason == FinishReason.STOP
+    kept = harness.stream(inp(SamplingParams(max_tokens=12, ignore_eos=True,
+                                             stop_sequences=[stop], include_stop_in_output=True)))
+    assert streamed(kept) == greedy[:first + 2]
+
+
+def test_a_resumed_stream_continues_within_the_original_max_tokens(harness: Harness,
+                                                                   offline: Any) -> None:
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    greedy = offline(params)
+    outs = harness.stream(inp(params, resumed_output_token_ids=greedy[:4]))
+    assert streamed(outs) == greedy[4:]  # the resumed tokens are not sent again
+    assert outs[-1].num_output_tokens == 12
+    assert outs[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_stop_token_ids_wait_for_min_tokens(harness: Harness, offline: Any) -> None:
+    greedy = offline(SamplingParams(max_tokens=12, ignore_eos=True))
+    stop_id, min_tokens = greedy[1], 4
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id],
+                            min_tokens=min_tokens)
+    outs = harness.stream(inp(params))
+    tokens = streamed(outs)
+    assert tokens == offline(params)
+    assert stop_id not in tokens[:min_tokens]  # suppressed until min_tokens are out
+    assert len(tokens) >= min_tokens
+    if outs[-1].finish_reason == FinishReason.STOP:
+        assert outs[-1].stop_token_id == stop_id
+
+
+def test_a_seed_fixes_sampled_output(harness: Harness) -> None:
+    def sample(seed: int) -> list[int]:
+        return streamed(harness.stream(inp(SamplingParams(max_tokens=16, temperature=1.0,
+                                                          seed=seed, ignore_eos=True))))
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+
+
+def test_logprobs_come_with_every_token(harness: Harness) -> None:
+    outs = harness.stream(inp(SamplingParams(max_tokens=6, ignore_eos=True, logprobs=3)))
+    tokens = streamed(outs)
+    lps = [lp for o in outs for lp in (o.new_logprobs or [])]
+    assert [lp.token_id for lp in lps] == tokens
+    for lp in lps:
+        assert len(lp.top_logprobs) == len(lp.top_token_ids) == 3
+        assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+        assert lp.logprob <= 0.0
+        assert lp.rank >= 1
+        assert lp.logprob <= lp.top_logprobs[0] + 1e-6
+
+
+def test_closing_a_stream_early_frees_everything(harness: Harness) -> None:
+    async def first_then_close() -> RequestOutput:
+        stream = harness.backend.generate(inp(SamplingParams(max_tokens=200, ignore_eos=True)))
+        first = await anext(stream)
+        await stream.aclose()  # type: ignore[attr-defined]
+        return first
+
+    assert not harness.run(first_then_close()).finished
+
+    async def idle() -> bool:
+        for _ in range(500):
+            e = harness.backend.stats().engine
+            if e.num_running == 0 and e.num_waiting == 0 and e.num_kv_blocks_used == 0:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert harness.run(idle())
+
+
+def test_an_impossible_request_is_a_value_error_that_says_why(harness: Harness) -> None:
+    vocab = harness.backend.model_info().vocab_size
+    bad = GenerateInput(request_id="bad-1", prompt_token_ids=[1, vocab + 3],
+                        sampling_params=SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        harness.stream(bad)
+
+
+def test_model_info_and_stats_describe_the_engine(harness: Harness) -> None:
+    info = harness.backend.model_info()
+    assert info.vocab_size > 0
+    assert info.max_context_length > len(PROMPT)
+    stats = harness.backend.stats()
+    assert stats.engine.max_num_seqs > 0
+    assert stats.prompt_tokens_per_second >= 0.0
