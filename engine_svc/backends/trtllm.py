@@ -47,7 +47,7 @@ from engine_svc.backends.base import (
 )
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
-from engine_svc.core.request import FinishReason
+from engine_svc.core.request import FinishReason, TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.stop_checker import stop_holdback, stop_match
 
@@ -128,6 +128,32 @@ def sampling_kwargs(p: SamplingParams, eos_token_ids: Sequence[int],
     return {k: v for k, v in kw.items() if v is not None}
 
 
+def logprobs_from_trt(entries: Sequence[Any], token_ids: Sequence[int], top_n: int
+                      ) -> list[TokenLogprobs]:
+    """TensorRT-LLM's per-position logprobs (as vLLM's: ``{token_id: Logprob}`` with
+    ``.logprob`` and ``.rank``, the sampled token among them; or a bare float, the
+    sampled token's alone) as our ``TokenLogprobs`` with the ``top_n`` best."""
+    def value(v: Any) -> float:
+        return float(getattr(v, "logprob", v))
+
+    out = []
+    for entry, tok in zip(entries, token_ids, strict=False):
+        if isinstance(entry, dict):
+            scored = sorted(((value(v), int(t)) for t, v in entry.items()), reverse=True)
+            chosen = entry.get(tok)
+            lp = value(chosen) if chosen is not None else float("-inf")
+            rank = getattr(chosen, "rank", None)
+            if rank is None:
+                rank = 1 + sum(1 for v, _ in scored if v > lp)
+            top = scored[:top_n]
+        else:
+            lp, rank, top = value(entry), 1, []
+        out.append(TokenLogprobs(token_id=int(tok), logprob=lp, rank=int(rank),
+                                 top_token_ids=[t for _, t in top],
+                                 top_logprobs=[v for v, _ in top]))
+    return out
+
+
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
            "cancelled": FinishReason.ABORT, "abort": FinishReason.ABORT}
 
@@ -158,7 +184,7 @@ class StreamState:
         self.output_ids = list(self.resumed)
 
     def advance(self, cumulative_ids: Sequence[int], finish_reason: str | None,
-                now: float) -> RequestOutput:
+                now: float, cumulative_logprobs: Sequence[Any] | None = None) -> RequestOutput:
         """The delta since the last call; finished when TensorRT-LLM finished or a stop
         sequence completed (then the caller aborts TensorRT-LLM's request)."""
         out, stops = [*self.resumed, *cumulative_ids], self.params.stop_sequences
@@ -179,13 +205,20 @@ class StreamState:
             end = len(out) - stop_len
         else:
             end = len(out)
-        new = out[self.num_sent:max(self.num_sent, end)]
-        self.num_sent = max(self.num_sent, end)
+        start, end = self.num_sent, max(self.num_sent, end)
+        new = out[start:end]
+        logprobs = None
+        if self.params.logprobs and cumulative_logprobs is not None:
+            r = len(self.resumed)  # TensorRT-LLM's logprobs cover what it generated
+            logprobs = logprobs_from_trt(cumulative_logprobs[start - r:end - r], new,
+                                         self.params.logprobs)
+        self.num_sent = end
         if new and self.first_token_time is None:
             self.first_token_time = now
         finished = reason is not None
         return RequestOutput(
-            request_id=self.request_id, new_token_ids=new, finished=finished,
+            request_id=self.request_id, new_token_ids=new, new_logprobs=logprobs,
+            finished=finished,
             finish_reason=reason, num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=len(out), num_resumed_tokens=len(self.resumed),
             arrival_time=self.arrival_time, first_scheduled_time=self.arrival_time,
@@ -240,6 +273,7 @@ def model_info_from_dir(model_dir: Path, cfg: EngineConfig, kv_cache_dtype: str 
 def _import_trtllm() -> Any:
     try:
         import tensorrt_llm  # type: ignore[import-not-found]
+        import tensorrt_llm.llmapi  # type: ignore[import-not-found]  # start() reads it
     except ImportError as e:
         raise BackendUnavailableError(
             "backend 'trtllm' needs the tensorrt_llm package (pip install tensorrt-llm on a "
@@ -266,8 +300,13 @@ class TrtLlmBackend:
 
     name = "trtllm"
 
-    def __init__(self, cfg: EngineConfig) -> None:
+    def __init__(self, cfg: EngineConfig, runtime: Any = None, fp8: bool | None = None) -> None:
+        """``runtime`` stands in for the ``tensorrt_llm`` module (tests run the adapter
+        on a fake of its LLM API where no GPU is); ``fp8`` whether the GPU has FP8
+        (None = ask torch.cuda)."""
         self._cfg = cfg
+        self._runtime = runtime
+        self._fp8 = fp8
         self._llm: Any = None
         self._trt: Any = None
         self._live: dict[str, Any] = {}
@@ -279,15 +318,16 @@ class TrtLlmBackend:
         self._priority_arg = False
 
     async def start(self) -> None:
-        trt = _import_trtllm()
-        import torch
-        from tensorrt_llm.llmapi import (  # type: ignore[import-not-found]
-            CapacitySchedulerPolicy,
-            KvCacheConfig,
-            SchedulerConfig,
-        )
+        trt = self._runtime if self._runtime is not None else _import_trtllm()
+        fp8 = self._fp8
+        if fp8 is None:
+            import torch
 
-        kv_dtype = trt_kv_cache_dtype(self._cfg.kv_cache_dtype, fp8_capable(torch))
+            fp8 = fp8_capable(torch)
+        llmapi = trt.llmapi
+        KvCacheConfig, SchedulerConfig = llmapi.KvCacheConfig, llmapi.SchedulerConfig
+        CapacitySchedulerPolicy = llmapi.CapacitySchedulerPolicy
+        kv_dtype = trt_kv_cache_dtype(self._cfg.kv_cache_dtype, fp8)
         kw = llm_kwargs(self._cfg, kv_dtype)
         kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])
         policy = kw["scheduler_config"]["capacity_scheduler_policy"]
@@ -336,7 +376,7 @@ class TrtLlmBackend:
                 o = chunk.outputs[0]
                 engine_done = bool(chunk.finished)
                 out = state.advance(o.token_ids, o.finish_reason if chunk.finished else None,
-                                    time.monotonic())
+                                    time.monotonic(), getattr(o, "logprobs", None))
                 self._totals["generation"] += len(out.new_token_ids)
                 yield out
                 if out.finished:

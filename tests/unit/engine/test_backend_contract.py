@@ -37,7 +37,8 @@ def engine_config(model_dir: Path) -> EngineConfig:
 class Harness:
     """A started backend on an event loop of its own thread; ``run`` waits for a coroutine."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, label: str, backend: Backend) -> None:
+        self.label = label
         self.backend = backend
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -78,14 +79,26 @@ def _gpu_trtllm() -> bool:
     return importlib.util.find_spec("tensorrt_llm") is not None and torch.cuda.is_available()
 
 
-BACKENDS: dict[str, Callable[[Path], Backend]] = {"native": _native}
+def _trtllm_fake(model_dir: Path) -> Backend:
+    """The real TensorRT-LLM adapter on a FAKE of TensorRT-LLM's API (fake_trtllm: our
+    CPU engine underneath), since no GPU is here: tests the adapter, not TensorRT-LLM."""
+    from engine_svc.backends.trtllm import TrtLlmBackend
+    from tests.unit.engine import fake_trtllm
+
+    return TrtLlmBackend(EngineConfig(model_dir=str(model_dir), block_size=4,
+                                      max_num_batched_tokens=64, enable_prefix_caching=False),
+                         runtime=fake_trtllm.runtime, fp8=False)
+
+
+BACKENDS: dict[str, Callable[[Path], Backend]] = {"native": _native,
+                                                  "trtllm-fake": _trtllm_fake}
 if _gpu_trtllm():  # pragma: no cover
     BACKENDS["trtllm"] = _trtllm
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
 def harness(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Harness]:
-    h = Harness(BACKENDS[request.param](tiny_model_dir))
+    h = Harness(request.param, BACKENDS[request.param](tiny_model_dir))
     try:
         yield h
     finally:
@@ -94,10 +107,10 @@ def harness(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Ha
 
 @pytest.fixture(scope="module")
 def offline(harness: Harness, tiny_model_dir: Path) -> Callable[[SamplingParams], list[int]]:
-    """The reference output of a request: the offline CPU engine for the native backend
-    (same numerics); for a GPU backend, that backend's own plain run of the request
+    """The reference output of a request: the offline CPU engine (same numerics as the
+    native backend and the fake); on a GPU, the backend's own plain run of the request
     (other numerics: the contract there is consistency, not equality with the CPU)."""
-    if harness.backend.name != "native":  # pragma: no cover - GPU only
+    if harness.label == "trtllm":  # pragma: no cover - GPU only
         return lambda params: streamed(harness.stream(inp(params)))
     engine = LLMEngine(engine_config(tiny_model_dir))
     n = 0
@@ -228,3 +241,35 @@ def test_model_info_and_stats_describe_the_engine(harness: Harness) -> None:
     stats = harness.backend.stats()
     assert stats.engine.max_num_seqs > 0
     assert stats.prompt_tokens_per_second >= 0.0
+
+
+def test_the_tensorrt_llm_adapter_passes_priority_and_never_blocks_the_loop(
+        tiny_model_dir: Path) -> None:
+    """Adapter-specific, on the fake (see _trtllm_fake): priority reaches generate_async,
+    TensorRT-LLM's blocking get_stats runs off the event loop, and a stop sequence the
+    adapter matched ends TensorRT-LLM's request too."""
+    backend = _trtllm_fake(tiny_model_dir)
+    h = Harness("trtllm-fake", backend)
+    try:
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        h.stream(inp(params, priority=3))
+        h.stream(inp(params, priority=1))
+        greedy = streamed(h.stream(inp(params)))
+        h.stream(inp(SamplingParams(max_tokens=12, ignore_eos=True,
+                                    stop_sequences=[greedy[2:4]])))
+        llm = backend._llm  # type: ignore[attr-defined]
+        assert llm.priorities[:3] == [1.0, 0.25, 0.5]
+        assert llm.aborted >= 1  # the stop matched by the adapter, not by TensorRT-LLM
+
+        async def stats_polled() -> bool:
+            for _ in range(100):
+                if llm._iter:
+                    return True
+                await asyncio.sleep(0.05)
+            return False
+
+        assert h.run(stats_polled())
+        assert llm.stats_calls_on_loop == 0
+        assert h.backend.stats().generation_tokens_per_second >= 0.0
+    finally:
+        h.close()
