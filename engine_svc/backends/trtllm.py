@@ -88,6 +88,8 @@ def llm_kwargs(cfg: EngineConfig, kv_cache_dtype: str = "fp8") -> dict[str, Any]
         # in-flight batching that may pause requests when blocks run out, like our engine
         "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
         "enable_chunked_prefill": True,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.pipeline_parallel_size,
         "max_batch_size": cfg.max_num_seqs,
         "max_num_tokens": cfg.max_num_batched_tokens,
         **({"max_seq_len": cfg.max_model_len} if cfg.max_model_len else {}),

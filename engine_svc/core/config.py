@@ -72,6 +72,9 @@ class EngineConfig:
             start-up to choose the skinny-GEMM threshold and weight packing
             (about a second); off = plain F.linear everywhere.
         seed: seed of the engine's unseeded sampling stream.
+        tensor_parallel_size / pipeline_parallel_size: GPUs one TensorRT-LLM engine
+            spans (their product); the native engine runs on one device and
+            refuses anything but 1.
     """
 
     model_dir: str = ""
@@ -97,6 +100,8 @@ class EngineConfig:
     num_threads: int = 0
     tune_linear_paths: bool = True
     seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         """The scheduler's limits, with ``max_model_len`` resolved against the model."""

@@ -111,6 +111,10 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        if config.tensor_parallel_size != 1 or config.pipeline_parallel_size != 1:
+            raise ValueError(
+                "the native engine runs on one device: tensor_parallel_size and "
+                "pipeline_parallel_size must be 1 (several GPUs per engine need backend trtllm)")
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.config = config

@@ -178,3 +178,13 @@ async def test_trtllm_generates(model_dir: Path) -> None:  # pragma: no cover - 
         assert outs[-1].finished
     finally:
         await backend.stop()
+
+
+def test_parallel_settings_reach_tensorrt_llm_and_the_native_engine_refuses_them() -> None:
+    from engine_svc.core import LLMEngine
+
+    kw = llm_kwargs(EngineConfig(model_dir="/m", tensor_parallel_size=4,
+                                 pipeline_parallel_size=2))
+    assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (4, 2)
+    with pytest.raises(ValueError, match="one device"):
+        LLMEngine(EngineConfig(model_dir="/m", tensor_parallel_size=2))
