@@ -123,7 +123,9 @@ class LLM:
     def __init__(self, model: str, kv_cache_config: Any, scheduler_config: Any,
                  max_batch_size: int, max_num_tokens: int, max_seq_len: int | None = None,
                  skip_tokenizer_init: bool = True, enable_chunked_prefill: bool = True,
-                 enable_iter_perf_stats: bool = False) -> None:
+                 enable_iter_perf_stats: bool = False, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1) -> None:
+        self.parallel = (tensor_parallel_size, pipeline_parallel_size)
         self.kv_cache_config, self.scheduler_config = kv_cache_config, scheduler_config
         cfg = EngineConfig(model_dir=model, dtype="float32", device="cpu",
                            block_size=kv_cache_config.tokens_per_block, num_kv_blocks=128,

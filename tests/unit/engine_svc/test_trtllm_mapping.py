@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_svc.backends.base import BackendUnavailableError
+from engine_svc.backends.streaming import StreamState
 from engine_svc.backends.trtllm import (
-    StreamState,
     TrtLlmBackend,
     llm_kwargs,
     model_info_from_dir,

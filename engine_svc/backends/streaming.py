@@ -1,0 +1,115 @@
+"""Delta bookkeeping shared by the adapters of engines that stream cumulative output
+(TensorRT-LLM, vLLM): deltas, stop sequences with the native engine's own rules
+(held back while they may still complete, trimmed when they do), resumed tokens
+of a failed-over stream, and logprobs in their common format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_svc.core.outputs import RequestOutput
+from engine_svc.core.request import FinishReason, TokenLogprobs
+from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.core.stop_checker import stop_holdback, stop_match
+
+
+def logprobs_from_stream(entries: Sequence[Any], token_ids: Sequence[int], top_n: int
+                      ) -> list[TokenLogprobs]:
+    """Per-position logprobs as vLLM and TensorRT-LLM stream them (``{token_id:
+    Logprob}`` with ``.logprob`` and ``.rank``, the sampled token among them; or a bare
+    float, the sampled token's alone) as our ``TokenLogprobs`` with the ``top_n`` best."""
+    def value(v: Any) -> float:
+        return float(getattr(v, "logprob", v))
+
+    out = []
+    for entry, tok in zip(entries, token_ids, strict=False):
+        if isinstance(entry, dict):
+            scored = sorted(((value(v), int(t)) for t, v in entry.items()), reverse=True)
+            chosen = entry.get(tok)
+            lp = value(chosen) if chosen is not None else float("-inf")
+            rank = getattr(chosen, "rank", None)
+            if rank is None:
+                rank = 1 + sum(1 for v, _ in scored if v > lp)
+            top = scored[:top_n]
+        else:
+            lp, rank, top = value(entry), 1, []
+        out.append(TokenLogprobs(token_id=int(tok), logprob=lp, rank=int(rank),
+                                 top_token_ids=[t for _, t in top],
+                                 top_logprobs=[v for v, _ in top]))
+    return out
+
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
+           "cancelled": FinishReason.ABORT, "abort": FinishReason.ABORT}
+
+
+@dataclass(slots=True)
+class StreamState:
+    """Per-request bookkeeping for an engine that streams the cumulative token ids of
+    what it generates (TensorRT-LLM, vLLM); the client sees deltas. Stop sequences
+    are matched here with the native engine's own rules (``stop_match`` /
+    ``stop_holdback``): over the whole output, resumed tokens included, once
+    ``min_tokens`` are out; tokens that may begin a stop sequence are held back
+    until the next ones decide."""
+
+    request_id: str
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float
+    resumed: list[int] = field(default_factory=list)
+    num_sent: int = -1  # output tokens released so far; starts past the resumed ones
+    num_checked: int = -1  # output tokens already tested for a completed stop sequence
+    output_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_sent < 0:
+            self.num_sent = len(self.resumed)
+        if self.num_checked < 0:
+            self.num_checked = len(self.resumed)
+        self.output_ids = list(self.resumed)
+
+    def advance(self, cumulative_ids: Sequence[int], finish_reason: str | None,
+                now: float, cumulative_logprobs: Sequence[Any] | None = None) -> RequestOutput:
+        """The delta since the last call; finished when the engine finished or a stop
+        sequence completed (then the caller aborts the engine's request)."""
+        out, stops = [*self.resumed, *cumulative_ids], self.params.stop_sequences
+        stop_len = 0
+        for n in range(max(self.num_checked + 1, self.params.min_tokens), len(out) + 1):
+            stop_len = stop_match(out[:n], stops)  # each new token, as the engine would
+            if stop_len:
+                out = out[:n]  # anything generated past the stop is dropped
+                break
+        self.num_checked = len(out)
+        self.output_ids = out
+        reason = _FINISH.get(finish_reason or "", FinishReason.ERROR) if finish_reason else None
+        if stop_len:
+            reason = FinishReason.STOP
+        if reason is None:
+            end = len(out) - stop_holdback(out, stops)
+        elif stop_len and not self.params.include_stop_in_output:
+            end = len(out) - stop_len
+        else:
+            end = len(out)
+        start, end = self.num_sent, max(self.num_sent, end)
+        new = out[start:end]
+        logprobs = None
+        if self.params.logprobs and cumulative_logprobs is not None:
+            r = len(self.resumed)  # the engine's logprobs cover what it generated
+            logprobs = logprobs_from_stream(cumulative_logprobs[start - r:end - r], new,
+                                         self.params.logprobs)
+        self.num_sent = end
+        if new and self.first_token_time is None:
+            self.first_token_time = now
+        finished = reason is not None
+        return RequestOutput(
+            request_id=self.request_id, new_token_ids=new, new_logprobs=logprobs,
+            finished=finished,
+            finish_reason=reason, num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=len(out), num_resumed_tokens=len(self.resumed),
+            arrival_time=self.arrival_time, first_scheduled_time=self.arrival_time,
+            first_token_time=self.first_token_time, finished_time=now if finished else None,
+        )
