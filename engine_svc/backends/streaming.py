@@ -6,14 +6,17 @@ of a failed-over stream, and logprobs in their common format.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_svc.core.outputs import RequestOutput
+from engine_svc.backends.base import BackendUnavailableError, DuplicateRequestError, GenerateInput
+from engine_svc.core.outputs import ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason, TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.stop_checker import stop_holdback, stop_match
+from engine_svc.core.validation import validate_request
 
 
 def logprobs_from_stream(entries: Sequence[Any], token_ids: Sequence[int], top_n: int
@@ -113,3 +116,24 @@ class StreamState:
             arrival_time=self.arrival_time, first_scheduled_time=self.arrival_time,
             first_token_time=self.first_token_time, finished_time=now if finished else None,
         )
+
+
+def open_stream(inp: GenerateInput, info: ModelInfo, *, running: bool, live: Container[str],
+                engine: str) -> StreamState:
+    """What every such adapter checks before handing a request to its engine, and the
+    request's bookkeeping. The engine service has validated already; a direct caller
+    gets the same answer here instead of an engine that fails on a bad id.
+
+    Raises:
+        BackendUnavailableError, DuplicateRequestError, ValueError (see ``Backend``).
+    """
+    if not running:
+        raise BackendUnavailableError(f"the {engine} engine is not running")
+    if inp.request_id in live:
+        raise DuplicateRequestError(
+            f"request_id {inp.request_id!r} is already in use by a live request")
+    validate_request(inp.request_id, inp.prompt_token_ids, inp.sampling_params, inp.priority,
+                     inp.resumed_output_token_ids, vocab_size=info.vocab_size,
+                     max_model_len=info.max_context_length)
+    return StreamState(inp.request_id, len(inp.prompt_token_ids), inp.sampling_params,
+                       time.monotonic(), list(inp.resumed_output_token_ids))

@@ -40,11 +40,10 @@ from typing import Any
 from engine_svc.backends.base import (
     BackendStats,
     BackendUnavailableError,
-    DuplicateRequestError,
     GenerateInput,
     RateWindow,
 )
-from engine_svc.backends.streaming import StreamState
+from engine_svc.backends.streaming import open_stream
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.sampling_params import SamplingParams
@@ -255,18 +254,13 @@ class TrtLlmBackend:
             self._llm = None
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
-        if self._llm is None:
-            raise BackendUnavailableError("the TensorRT-LLM engine is not running")
-        if inp.request_id in self._live:
-            raise DuplicateRequestError(
-                f"request_id {inp.request_id!r} is already in use by a live request")
         info = self.model_info()
-        resumed = list(inp.resumed_output_token_ids)
+        state = open_stream(inp, info, running=self._llm is not None, live=self._live,
+                            engine="TensorRT-LLM")
         params = self._trt.SamplingParams(**sampling_kwargs(inp.sampling_params,
-                                                            info.eos_token_ids, len(resumed)))
-        prompt = [*inp.prompt_token_ids, *resumed]
-        state = StreamState(inp.request_id, len(inp.prompt_token_ids), inp.sampling_params,
-                            time.monotonic(), resumed)
+                                                            info.eos_token_ids,
+                                                            len(state.resumed)))
+        prompt = [*inp.prompt_token_ids, *state.resumed]
         extra = {"priority": priority_fraction(inp.priority)} if self._priority_arg else {}
         res = self._llm.generate_async(prompt, sampling_params=params, streaming=True, **extra)
         self._live[inp.request_id] = res

