@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import Counter, Histogram, Info
-from prometheus_client.core import REGISTRY, GaugeMetricFamily
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine_svc.backends.base import BackendStats
@@ -65,12 +65,14 @@ def observe_finished(out: RequestOutput, priority: int) -> None:
 
 
 class StatsCollector(Collector):
-    """Gauges and engine-lifetime counters from the backend's latest snapshot."""
+    """Gauges and engine-lifetime counters from the backend's latest snapshot; the
+    counters are exported as counters (``rate()`` and resets work as Prometheus
+    expects), the gauges as gauges."""
 
     def __init__(self, stats: Callable[[], BackendStats]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         try:
             s = self._stats()
         except AssertionError:  # not started yet
@@ -81,22 +83,25 @@ class StatsCollector(Collector):
             ("engine_num_requests_waiting", "Requests waiting to be scheduled", e.num_waiting),
             ("engine_kv_cache_usage_perc", "Share of KV blocks in use (0-1)", e.kv_cache_usage),
             ("engine_num_kv_blocks_total", "KV blocks in the pool", e.num_kv_blocks_total),
-            ("engine_num_preemptions_total", "Preemptions since start", e.num_preemptions_total),
-            ("engine_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
-             e.prefix_cache_queries),
-            ("engine_prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
-             e.prefix_cache_hits),
             ("engine_generation_tokens_per_second", "Recent generation throughput",
              s.generation_tokens_per_second),
-            ("engine_prefix_cache_evictions_total", "Cached blocks evicted for reuse",
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        for name, doc, value in (  # exposed as <name>_total
+            ("engine_num_preemptions", "Preemptions since start", e.num_preemptions_total),
+            ("engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             e.prefix_cache_queries),
+            ("engine_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             e.prefix_cache_hits),
+            ("engine_prefix_cache_evictions", "Cached blocks evicted for reuse",
              e.prefix_cache_evictions),
-            ("engine_spec_decode_num_draft_tokens_total", "Speculative tokens proposed",
+            ("engine_spec_decode_num_draft_tokens", "Speculative tokens proposed",
              e.num_draft_tokens_total),
-            ("engine_spec_decode_num_accepted_tokens_total",
+            ("engine_spec_decode_num_accepted_tokens",
              "Speculative tokens accepted (= forward passes saved)",
              e.num_accepted_tokens_total),
         ):
-            yield GaugeMetricFamily(name, doc, value=value)
+            yield CounterMetricFamily(name, doc, value=value)
 
 
 def register_stats(stats: Callable[[], BackendStats]) -> StatsCollector:
