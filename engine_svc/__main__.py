@@ -143,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     async def ready() -> None:
         await backend.start()
         metrics.register_stats(backend.stats)
+        metrics.export(svc.model_name)
         info = backend.model_info()
         metrics.MODEL.info({"model": svc.model_name, "version": version, "backend": svc.backend,
                             "config_hash": config_hash(svc, core), "build": engine_build(),

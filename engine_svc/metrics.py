@@ -1,41 +1,52 @@
 """Prometheus metrics of an engine replica (vLLM's names, with an ``engine_`` prefix).
 
 Histograms and counters are recorded by the servicer as requests finish;
-gauges are read from the backend's stats snapshot at scrape time.
+gauges are read from the backend's stats snapshot at scrape time. Every series
+carries ``model_name`` and is exported twice: as ``engine_*`` and, for the ones
+vLLM has, under vLLM's own names (``vllm:*``), so dashboards and alert rules
+written for vLLM work unchanged against this engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import Counter, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info
 from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from engine_svc.backends.base import BackendStats
 from engine_svc.core.outputs import RequestOutput, StepTimings
 
 PRIORITY_NAMES = {0: "NORMAL", 1: "LOW", 2: "NORMAL", 3: "CRITICAL"}
+# the engine's own series, exported by ExportCollector with model_name (and vLLM's names)
+ENGINE = CollectorRegistry(auto_describe=True)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1)
+_STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 TTFT = Histogram("engine_time_to_first_token_seconds", "Arrival to first token",
-                 ["priority"], buckets=_LATENCY)
+                 ["priority"], buckets=_LATENCY, registry=ENGINE)
 TPOT = Histogram("engine_time_per_output_token_seconds", "Mean time per output token after "
-                 "the first, per request", ["priority"], buckets=_TPOT)
+                 "the first, per request", ["priority"], buckets=_TPOT, registry=ENGINE)
 E2E = Histogram("engine_e2e_request_latency_seconds", "Arrival to finish",
-                ["priority"], buckets=_LATENCY)
+                ["priority"], buckets=_LATENCY, registry=ENGINE)
 QUEUE = Histogram("engine_request_queue_time_seconds", "Arrival to first scheduled",
-                  ["priority"], buckets=_LATENCY)
-PROMPT_TOKENS = Counter("engine_prompt_tokens", "Prompt tokens of finished requests")
-GENERATION_TOKENS = Counter("engine_generation_tokens", "Generated tokens of finished requests")
-SUCCESS = Counter("engine_request_success", "Finished requests", ["finished_reason"])
-ERRORS = Counter("engine_request_errors", "Requests rejected or failed", ["error_type"])
-_STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+                  ["priority"], buckets=_LATENCY, registry=ENGINE)
+PROMPT_TOKENS = Counter("engine_prompt_tokens", "Prompt tokens of finished requests",
+                        registry=ENGINE)
+GENERATION_TOKENS = Counter("engine_generation_tokens", "Generated tokens of finished requests",
+                            registry=ENGINE)
+SUCCESS = Counter("engine_request_success", "Finished requests", ["finished_reason"],
+                  registry=ENGINE)
+ERRORS = Counter("engine_request_errors", "Requests rejected or failed", ["error_type"],
+                 registry=ENGINE)
 STEP_PHASE = Histogram("engine_step_phase_seconds", "Time of one engine step in each phase "
-                       "(schedule, prepare, forward, sample, update)", ["phase"], buckets=_STEP)
+                       "(schedule, prepare, forward, sample, update)", ["phase"], buckets=_STEP,
+                       registry=ENGINE)
 STEP_BATCH = Histogram("engine_step_num_decodes", "Decoding sequences per engine step",
-                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=ENGINE)
 MODEL = Info("engine_model", "The served model, its version and the engine build/config")
 
 
@@ -106,5 +117,52 @@ class StatsCollector(Collector):
 
 def register_stats(stats: Callable[[], BackendStats]) -> StatsCollector:
     collector = StatsCollector(stats)
+    ENGINE.register(collector)
+    return collector
+
+
+# engine_* family -> vLLM's name for the same series
+VLLM_NAMES = {
+    "engine_num_requests_running": "vllm:num_requests_running",
+    "engine_num_requests_waiting": "vllm:num_requests_waiting",
+    "engine_kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "engine_num_preemptions": "vllm:num_preemptions",
+    "engine_prompt_tokens": "vllm:prompt_tokens",
+    "engine_generation_tokens": "vllm:generation_tokens",
+    "engine_request_success": "vllm:request_success",
+    "engine_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "engine_time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
+    "engine_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "engine_request_queue_time_seconds": "vllm:request_queue_time_seconds",
+    "engine_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "engine_prefix_cache_hits": "vllm:prefix_cache_hits",
+}
+
+
+def _relabelled(family: Metric, name: str, model_name: str) -> Metric:
+    out = Metric(name, family.documentation, family.type, family.unit)
+    for sample in family.samples:
+        out.add_sample(name + sample.name[len(family.name):],
+                       {**sample.labels, "model_name": model_name}, sample.value,
+                       sample.timestamp, sample.exemplar)
+    return out
+
+
+class ExportCollector(Collector):
+    """The engine's series with ``model_name``, under their names and vLLM's."""
+
+    def __init__(self, model_name: str, source: CollectorRegistry = ENGINE) -> None:
+        self.model_name, self.source = model_name, source
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            yield _relabelled(family, family.name, self.model_name)
+            if family.name in VLLM_NAMES:
+                yield _relabelled(family, VLLM_NAMES[family.name], self.model_name)
+
+
+def export(model_name: str) -> ExportCollector:
+    """Publish the engine's series (with ``model_name``) on the process's /metrics."""
+    collector = ExportCollector(model_name)
     REGISTRY.register(collector)
     return collector

@@ -228,9 +228,17 @@ def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub,
         body = r.read().decode()
     for name in ("engine_time_to_first_token_seconds_bucket", "engine_num_requests_running",
                  "engine_kv_cache_usage_perc", 'engine_request_success_total{finished_reason=',
-                 'engine_request_errors_total{error_type="invalid"}',
-                 "engine_generation_tokens_total", 'engine_model_info{backend="native"'):
+                 'engine_request_errors_total{error_type="invalid"',
+                 "engine_generation_tokens_total", 'engine_model_info{backend="native"',
+                 # the same series under vLLM's names, for its dashboards and alerts
+                 "vllm:num_requests_running{", "vllm:time_to_first_token_seconds_bucket{",
+                 "vllm:generation_tokens_total{", "vllm:kv_cache_usage_perc{"):
         assert name in body, name
+    series = [line for line in body.splitlines()
+              if line.startswith(("engine_", "vllm:")) and not line.startswith("engine_model_")]
+    assert series
+    assert all('model_name="' in line for line in series), "every engine series names its model"
+    assert "# TYPE vllm:num_preemptions" in body
 
 
 @pytest.fixture(scope="module")
