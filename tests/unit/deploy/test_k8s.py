@@ -195,10 +195,27 @@ def test_services_select_existing_pods_and_ports(docs: list[Doc]) -> None:
 
 
 def test_referenced_configmaps_and_secrets_exist(docs: list[Doc]) -> None:
+    """Every ConfigMap and Secret a pod mounts or reads a key of is in the manifests,
+    and a key read from a Secret is one the Secret has."""
+    seen = {"ConfigMap": 0, "Secret": 0, "secretKeyRef": 0}
     for w in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
-        for vol in pod_spec(w).get("volumes", []):
+        spec = pod_spec(w)
+        for vol in spec.get("volumes", []):
             if "configMap" in vol:
                 find(docs, "ConfigMap", vol["configMap"]["name"])
+                seen["ConfigMap"] += 1
+            if "secret" in vol:
+                find(docs, "Secret", vol["secret"]["secretName"])
+                seen["Secret"] += 1
+        for c in spec["containers"] + spec.get("initContainers", []):
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    secret = find(docs, "Secret", ref["name"])
+                    keys = {**secret.get("data", {}), **secret.get("stringData", {})}
+                    assert ref["key"] in keys, f"{ref['name']} has no key {ref['key']}"
+                    seen["secretKeyRef"] += 1
+    assert all(seen.values()), f"the manifests no longer exercise every reference kind: {seen}"
 
 
 def test_pods_run_as_non_root(docs: list[Doc]) -> None:
