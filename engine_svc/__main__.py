@@ -52,6 +52,7 @@ class EngineServiceConfig(ServiceConfig):
     model_name: str = "SmolLM2-135M-Instruct"
     model_version: str = ""  # empty = derived from the checkpoint's checksum
     warmup: bool = True
+    vllm_enforce_eager: bool = False  # backend vllm: no graph compile at start (faster start)
 
 
 def model_version(model_dir: Path) -> str:
@@ -90,7 +91,7 @@ def make_backend(svc: EngineServiceConfig, core: EngineConfig) -> Backend:
     if svc.backend == "vllm":
         from engine_svc.backends.vllm import VllmBackend
 
-        return VllmBackend(core)
+        return VllmBackend(core, engine_args={"enforce_eager": svc.vllm_enforce_eager})
     raise ValueError(f"unknown backend {svc.backend!r}; choose native, trtllm or vllm")
 
 
@@ -143,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     async def ready() -> None:
         await backend.start()
         metrics.register_stats(backend.stats)
-        metrics.export(svc.model_name)
+        metrics.export(svc.model_name, vllm_names=svc.backend != "vllm")
         info = backend.model_info()
         metrics.MODEL.info({"model": svc.model_name, "version": version, "backend": svc.backend,
                             "config_hash": config_hash(svc, core), "build": engine_build(),

@@ -47,15 +47,16 @@ ENGINE_TEST_ENV = {
 
 
 def start_engine(name: str, model_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
-                 args: list[str] | None = None) -> ManagedProcess:
-    """A real engine replica (native backend, real model) on ephemeral ports."""
+                 args: list[str] | None = None, timeout: float = 180) -> ManagedProcess:
+    """A real engine replica (native backend unless ``args`` say otherwise, real model)
+    on ephemeral ports."""
     proc = ManagedProcess(
         name=name, module="engine_svc",
         args=["--port", "0", "--metrics-port", "0", "--model-dir", str(model_dir),
               "--log-format", "json", *(args or [])],
         env={**ENGINE_TEST_ENV, **(env or {})}, log_dir=log_dir,
     )
-    return proc.start(timeout=180)
+    return proc.start(timeout=timeout)
 
 
 @pytest.fixture(scope="session")
