@@ -63,31 +63,28 @@ class StreamState:
     params: SamplingParams
     arrival_time: float
     resumed: list[int] = field(default_factory=list)
-    num_sent: int = -1  # output tokens released so far; starts past the resumed ones
-    num_checked: int = -1  # output tokens already tested for a completed stop sequence
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(init=False)  # resumed + generated, up to a stop
+    num_sent: int = field(init=False)  # output tokens released so far
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:
-        if self.num_sent < 0:
-            self.num_sent = len(self.resumed)
-        if self.num_checked < 0:
-            self.num_checked = len(self.resumed)
         self.output_ids = list(self.resumed)
+        self.num_sent = len(self.resumed)  # the resumed ones went out before
 
     def advance(self, cumulative_ids: Sequence[int], finish_reason: str | None,
                 now: float, cumulative_logprobs: Sequence[Any] | None = None) -> RequestOutput:
         """The delta since the last call; finished when the engine finished or a stop
         sequence completed (then the caller aborts the engine's request)."""
-        out, stops = [*self.resumed, *cumulative_ids], self.params.stop_sequences
+        out, stops = self.output_ids, self.params.stop_sequences
+        checked = len(out)
+        out.extend(cumulative_ids[checked - len(self.resumed):])  # only what is new
         stop_len = 0
-        for n in range(max(self.num_checked + 1, self.params.min_tokens), len(out) + 1):
-            stop_len = stop_match(out[:n], stops)  # each new token, as the engine would
-            if stop_len:
-                out = out[:n]  # anything generated past the stop is dropped
-                break
-        self.num_checked = len(out)
-        self.output_ids = out
+        if stops:  # each new token, as the engine would check it
+            for n in range(max(checked + 1, self.params.min_tokens), len(out) + 1):
+                stop_len = stop_match(out, stops, end=n)
+                if stop_len:
+                    del out[n:]  # anything generated past the stop is dropped
+                    break
         reason = _FINISH.get(finish_reason or "", FinishReason.ERROR) if finish_reason else None
         if stop_len:
             reason = FinishReason.STOP

@@ -7,12 +7,15 @@ from collections.abc import Sequence
 from engine_svc.core.request import Request, RequestStatus
 
 
-def stop_match(out: Sequence[int], stop_sequences: Sequence[Sequence[int]]) -> int:
-    """Length of the stop sequence ``out`` ends with (the first listed that matches), 0 if
-    none. Shared by every backend that matches stop sequences itself."""
+def stop_match(out: Sequence[int], stop_sequences: Sequence[Sequence[int]],
+               end: int | None = None) -> int:
+    """Length of the stop sequence ``out[:end]`` ends with (the first listed that
+    matches), 0 if none; compares only the window, copies nothing of ``out``. Shared by
+    every backend that matches stop sequences itself."""
+    end = len(out) if end is None else end
     for seq in stop_sequences:
         n = len(seq)
-        if n and len(out) >= n and list(out[-n:]) == list(seq):
+        if n and end >= n and all(out[end - n + i] == seq[i] for i in range(n)):
             return n
     return 0
 
