@@ -292,8 +292,6 @@ class TrtLlmBackend:
         while True:
             try:
                 records = await asyncio.to_thread(self._llm.get_stats, STATS_POLL_S)
-            except asyncio.CancelledError:
-                raise
             except Exception:  # a failed read leaves the last snapshot; try again
                 records = []
             for it in records or []:

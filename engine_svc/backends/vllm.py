@@ -197,7 +197,6 @@ class VllmBackend:
                 out = state.advance(o.token_ids, o.finish_reason if chunk.finished else None,
                                     time.monotonic(), o.logprobs)
                 self._totals["generation"] += len(out.new_token_ids)
-                self._rates.record(self._totals["prompt"], self._totals["generation"])
                 yield out
                 if out.finished:
                     break
@@ -212,7 +211,9 @@ class VllmBackend:
             await self._llm.abort(request_id)
 
     def stats(self) -> BackendStats:
-        """vLLM's latest scheduler snapshot (from the stat logger) and recent rates."""
+        """vLLM's latest scheduler snapshot (from the stat logger) and recent rates
+        (sampled here, at the readers' pace, not on the per-token path)."""
+        self._rates.record(self._totals["prompt"], self._totals["generation"])
         s = self._snapshot
         stats = EngineStats(
             num_waiting=s.waiting, num_running=s.running, num_kv_blocks_used=0,
