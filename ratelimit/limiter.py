@@ -134,12 +134,7 @@ class RateLimiter:
             raise
         except StoreError as exc:
             self._compensate(tenant, lease_id, num_tokens)
-            if self.fail_mode == "closed":
-                metrics.DECISIONS.labels("unavailable", source).inc()
-                raise LimiterUnavailableError(
-                    f"rate limiter store unavailable ({exc}); this deployment fails closed, "
-                    "retry shortly"
-                ) from exc
+            self._fail_closed(exc, source)
             policy, source = tenant.limits.fallback_share(self.num_replicas, num_tokens), "local"
             outcome = await self.fallback.reserve(
                 tenant.tenant_id,
@@ -150,6 +145,16 @@ class RateLimiter:
             )
         metrics.DECISION_SECONDS.labels(source).observe(time.perf_counter() - start)
         return self._decision(tenant, policy, outcome, lease_id, num_tokens, source)
+
+    def _fail_closed(self, exc: StoreError, source: str) -> None:
+        """Raise LimiterUnavailableError when this deployment fails closed; else return
+        (the caller falls back to the local share)."""
+        if self.fail_mode == "closed":
+            metrics.DECISIONS.labels("unavailable", source).inc()
+            raise LimiterUnavailableError(
+                f"rate limiter store unavailable ({exc}); this deployment fails closed, "
+                "retry shortly"
+            ) from exc
 
     def _compensate(self, tenant: Tenant, lease_id: str, num_tokens: int) -> None:
         """Undo a reserve whose outcome is unknown (timed out, cancelled, connection lost).
@@ -265,12 +270,7 @@ class RateLimiter:
             else:
                 outcome = await self._call("take", lambda: call(self.store))
         except StoreError as exc:
-            if self.fail_mode == "closed":
-                metrics.DECISIONS.labels("unavailable", source).inc()
-                raise LimiterUnavailableError(
-                    f"rate limiter store unavailable ({exc}); this deployment fails closed, "
-                    "retry shortly"
-                ) from exc
+            self._fail_closed(exc, source)
             # fail open: admit; settle charges the exact usage either way (a take that ran
             # is given back there by lease id, one that did not leaves the usage as debt)
             outcome, source = _admitted_unchecked(), "local"
