@@ -30,6 +30,7 @@ config is detected when the model loads).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import time
@@ -304,7 +305,11 @@ class TrtLlmBackend:
     def stats(self) -> BackendStats:
         """The last snapshot (never blocks: a task keeps it fresh) and recent rates."""
         assert self._stats is not None, "start() first"
-        return BackendStats(self._stats, *self._rates.rates())
+        t = self._totals  # this adapter's own counts are current; the snapshot lags them
+        engine = dataclasses.replace(self._stats, num_requests_total=t["requests"],
+                                     num_prompt_tokens_total=t["prompt"],
+                                     num_generation_tokens_total=t["generation"])
+        return BackendStats(engine, *self._rates.rates())
 
     def model_info(self) -> ModelInfo:
         assert self._info is not None, "start() first"

@@ -15,8 +15,6 @@ def test_paired_differences_subtract_pair_by_pair() -> None:
     # field 3 (first text event) differs by 3 ms in every pair
     assert abs(paired_differences({"engine": base, "gateway": slow}, "engine", 3)
                ["gateway"]["p50_ms"] - 3.0) < 1e-9
-    # while the quantiles of each side alone differ by far more than 2 ms spread
-    assert pct([s[0] for s in base], 0.99) - pct([s[0] for s in base], 0.5) > 0.05
 
 
 def test_pct_is_nearest_rank() -> None:
