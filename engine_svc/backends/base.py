@@ -25,6 +25,14 @@ class QueueFullError(Exception):
         self.retry_after_ms = retry_after_ms
 
 
+def retry_after_ms(num_waiting: int, max_num_seqs: int) -> int:
+    """What a refused caller is told to wait: roughly the time for the queue ahead of
+    it to drain into the running batch."""
+    if max_num_seqs <= 0:
+        return 1000
+    return int(min(30_000, 250 * (1 + num_waiting / max_num_seqs)))
+
+
 class BackendUnavailableError(Exception):
     """The backend cannot take work (stopped, failed, draining)."""
 

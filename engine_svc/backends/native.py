@@ -32,6 +32,7 @@ from engine_svc.backends.base import (
     GenerateInput,
     QueueFullError,
     RateWindow,
+    retry_after_ms,
 )
 from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
@@ -160,10 +161,7 @@ class NativeBackend:
 
     def _retry_after_ms(self) -> int:
         s = self._stats
-        if s is None or s.max_num_seqs == 0:
-            return 1000
-        # roughly: the time for the queue ahead to drain into the running batch
-        return int(min(30_000, 250 * (1 + s.num_waiting / max(1, s.max_num_seqs))))
+        return 1000 if s is None else retry_after_ms(s.num_waiting, s.max_num_seqs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

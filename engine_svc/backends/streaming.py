@@ -7,11 +7,17 @@ of a failed-over stream, and logprobs in their common format.
 from __future__ import annotations
 
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_svc.backends.base import BackendUnavailableError, DuplicateRequestError, GenerateInput
+from engine_svc.backends.base import (
+    BackendUnavailableError,
+    DuplicateRequestError,
+    GenerateInput,
+    QueueFullError,
+    retry_after_ms,
+)
 from engine_svc.core.outputs import ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason, TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
@@ -66,15 +72,21 @@ class StreamState:
     output_ids: list[int] = field(init=False)  # resumed + generated, up to a stop
     num_sent: int = field(init=False)  # output tokens released so far
     first_token_time: float | None = None
+    num_cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
 
     def __post_init__(self) -> None:
         self.output_ids = list(self.resumed)
         self.num_sent = len(self.resumed)  # the resumed ones went out before
 
     def advance(self, cumulative_ids: Sequence[int], finish_reason: str | None,
-                now: float, cumulative_logprobs: Sequence[Any] | None = None) -> RequestOutput:
+                now: float, cumulative_logprobs: Sequence[Any] | None = None,
+                num_cached_tokens: int | None = None) -> RequestOutput:
         """The delta since the last call; finished when the engine finished or a stop
-        sequence completed (then the caller aborts the engine's request)."""
+        sequence completed (then the caller aborts the engine's request).
+        ``num_cached_tokens``: prompt tokens from the prefix cache, where the engine
+        says."""
+        if num_cached_tokens is not None:
+            self.num_cached_tokens = num_cached_tokens
         out, stops = self.output_ids, self.params.stop_sequences
         checked = len(out)
         out.extend(cumulative_ids[checked - len(self.resumed):])  # only what is new
@@ -110,25 +122,36 @@ class StreamState:
             finished=finished,
             finish_reason=reason, num_prompt_tokens=self.num_prompt_tokens,
             num_output_tokens=len(out), num_resumed_tokens=len(self.resumed),
-            arrival_time=self.arrival_time, first_scheduled_time=self.arrival_time,
+            num_cached_tokens=self.num_cached_tokens, arrival_time=self.arrival_time,
+            first_scheduled_time=self.arrival_time,
             first_token_time=self.first_token_time, finished_time=now if finished else None,
         )
 
 
-def open_stream(inp: GenerateInput, info: ModelInfo, *, running: bool, live: Container[str],
-                engine: str) -> StreamState:
+def open_stream(inp: GenerateInput, info: ModelInfo, *, running: bool, live: Collection[str],
+                engine: str, max_num_seqs: int, max_waiting: int) -> StreamState:
     """What every such adapter checks before handing a request to its engine, and the
     request's bookkeeping. The engine service has validated already; a direct caller
     gets the same answer here instead of an engine that fails on a bad id.
 
+    ``live`` holds the adapter's requests not yet finished (running or waiting in the
+    engine): past ``max_num_seqs + max_waiting`` of them a request is refused, as the
+    native engine refuses one when its waiting queue is full, so a flood cannot queue
+    unbounded work in an engine that would take it all.
+
     Raises:
-        BackendUnavailableError, DuplicateRequestError, ValueError (see ``Backend``).
+        BackendUnavailableError, DuplicateRequestError, QueueFullError, ValueError (see
+        ``Backend``).
     """
     if not running:
         raise BackendUnavailableError(f"the {engine} engine is not running")
     if inp.request_id in live:
         raise DuplicateRequestError(
             f"request_id {inp.request_id!r} is already in use by a live request")
+    if len(live) >= max_num_seqs + max_waiting:
+        raise QueueFullError(
+            f"the {engine} engine's waiting queue is full; retry later or on another replica",
+            retry_after_ms(len(live) - max_num_seqs, max_num_seqs))
     validate_request(inp.request_id, inp.prompt_token_ids, inp.sampling_params, inp.priority,
                      inp.resumed_output_token_ids, vocab_size=info.vocab_size,
                      max_model_len=info.max_context_length)

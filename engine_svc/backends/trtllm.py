@@ -257,7 +257,8 @@ class TrtLlmBackend:
     async def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
         info = self.model_info()
         state = open_stream(inp, info, running=self._llm is not None, live=self._live,
-                            engine="TensorRT-LLM")
+                            engine="TensorRT-LLM", max_num_seqs=self._cfg.max_num_seqs,
+                            max_waiting=self._cfg.max_waiting)
         params = self._trt.SamplingParams(**sampling_kwargs(inp.sampling_params,
                                                             info.eos_token_ids,
                                                             len(state.resumed)))

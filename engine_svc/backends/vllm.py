@@ -96,6 +96,12 @@ class _Snapshot:
         self.kv_usage = 0.0
         self.queries = self.hits = 0
         self.steps = 0
+        self.preemptions = 0
+        self.kv_blocks_total = 0  # vLLM's cache_config.num_gpu_blocks once the engine is up
+
+    def kv_blocks_used(self) -> int:
+        """vLLM reports KV usage as a fraction of its block pool; as blocks."""
+        return round(self.kv_usage * self.kv_blocks_total)
 
 
 def _logger_factory(snapshot: _Snapshot) -> Any:
@@ -103,12 +109,17 @@ def _logger_factory(snapshot: _Snapshot) -> Any:
 
     class SnapshotLogger(StatLoggerBase):  # type: ignore[misc]
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            pass
+            self._cache = vllm_config.cache_config
 
         def record(self, scheduler_stats: Any, iteration_stats: Any,
                    mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            if iteration_stats is not None:
+                snapshot.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
             if scheduler_stats is None:
                 return
+            # the block count reaches the front-end's config after the engine core's
+            # handshake, i.e. after this logger was made: read it when stats arrive
+            snapshot.kv_blocks_total = int(self._cache.num_gpu_blocks or 0)
             snapshot.running = int(scheduler_stats.num_running_reqs)
             snapshot.waiting = int(scheduler_stats.num_waiting_reqs)
             snapshot.kv_usage = float(scheduler_stats.kv_cache_usage)
@@ -162,12 +173,16 @@ class VllmBackend:
         self._vllm = vllm
         self._llm = AsyncLLM.from_engine_args(
             args, stat_loggers=[_logger_factory(self._snapshot)])
-        info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg,
-                                   kv_cache_dtype="fp8" if self._cfg.kv_cache_dtype == "fp8"
-                                   else "model")
+        info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg)
         device = "cuda" if getattr(vllm.platforms.current_platform, "is_cuda", lambda: False)() \
             else "cpu"
-        self._info = dataclasses.replace(info, backend="vllm", device=device)
+        cache = self._llm.vllm_config.cache_config
+        self._snapshot.kv_blocks_total = int(cache.num_gpu_blocks or 0)
+        dtype = str(self._llm.vllm_config.model_config.dtype).removeprefix("torch.")
+        kv_dtype = "fp8_e4m3" if self._cfg.kv_cache_dtype == "fp8" else dtype
+        self._info = dataclasses.replace(
+            info, backend="vllm", device=device, weight_dtype=dtype, kv_cache_dtype=kv_dtype,
+            kv_block_size=int(cache.block_size), num_kv_blocks=self._snapshot.kv_blocks_total)
 
     async def stop(self) -> None:
         if self._llm is not None:
@@ -178,7 +193,8 @@ class VllmBackend:
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
         state = open_stream(inp, self.model_info(), running=self._llm is not None,
-                            live=self._live, engine="vLLM")
+                            live=self._live, engine="vLLM", max_num_seqs=self._cfg.max_num_seqs,
+                            max_waiting=self._cfg.max_waiting)
         from vllm.inputs import TokensPrompt
 
         params = self._vllm.SamplingParams(**vllm_sampling_kwargs(inp.sampling_params,
@@ -195,7 +211,8 @@ class VllmBackend:
                 o = chunk.outputs[0]
                 engine_done = bool(chunk.finished)
                 out = state.advance(o.token_ids, o.finish_reason if chunk.finished else None,
-                                    time.monotonic(), o.logprobs)
+                                    time.monotonic(), o.logprobs,
+                                    getattr(chunk, "num_cached_tokens", None))
                 self._totals["generation"] += len(out.new_token_ids)
                 yield out
                 if out.finished:
@@ -216,8 +233,9 @@ class VllmBackend:
         self._rates.record(self._totals["prompt"], self._totals["generation"])
         s = self._snapshot
         stats = EngineStats(
-            num_waiting=s.waiting, num_running=s.running, num_kv_blocks_used=0,
-            num_kv_blocks_total=0, kv_cache_usage=s.kv_usage, num_preemptions_total=0,
+            num_waiting=s.waiting, num_running=s.running, num_kv_blocks_used=s.kv_blocks_used(),
+            num_kv_blocks_total=s.kv_blocks_total, kv_cache_usage=s.kv_usage,
+            num_preemptions_total=s.preemptions,
             num_requests_total=self._totals["requests"],
             num_prompt_tokens_total=self._totals["prompt"],
             num_generation_tokens_total=self._totals["generation"], num_steps_total=s.steps,

@@ -13,7 +13,8 @@ class SchedulerConfig:
         max_num_seqs: requests in the running batch.
         max_num_batched_tokens: new tokens per step (decodes + prefill chunks).
         max_model_len: prompt + output tokens of one request.
-        max_waiting: waiting-queue bound; add_request reports "queue full" past it.
+        max_waiting: waiting-queue bound beyond the running batch: add_request reports
+            "queue full" when running + waiting reach max_num_seqs + max_waiting.
         long_prefill_token_threshold: cap on one request's prefill chunk per
             step so several prompts can share the budget; 0 = no cap.
         priority_aging_seconds: waiting this long raises a request by one

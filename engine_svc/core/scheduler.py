@@ -74,8 +74,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> bool:
-        """Queue a request; False (nothing queued) when the waiting queue is full."""
-        if len(self.waiting) >= self.config.max_waiting:
+        """Queue a request; False (nothing queued) when the engine is full: the running
+        batch's free slots count as room, so a burst that the next step admits is not
+        refused just because it has not been scheduled yet."""
+        cap = self.config.max_num_seqs + self.config.max_waiting
+        if len(self.waiting) + len(self.running) >= cap:
             return False
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from engine_svc.backends.base import Backend, GenerateInput
+from engine_svc.backends.base import Backend, GenerateInput, QueueFullError
 from engine_svc.backends.native import NativeBackend
 from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
 from engine_svc.core.outputs import RequestOutput
@@ -26,12 +26,15 @@ from tests.unit.engine.helpers import run_to_completion, tokens_of
 
 T = TypeVar("T")
 PROMPT = [5, 17, 42, 8, 23, 61, 7]
+# every backend: two running and one waiting at most, so a flood is easy to make
+MAX_NUM_SEQS, MAX_WAITING = 2, 1
 
 
 def engine_config(model_dir: Path) -> EngineConfig:
     return EngineConfig(model_dir=str(model_dir), dtype="float32", device="cpu", block_size=4,
                         num_kv_blocks=128, max_num_batched_tokens=64,
-                        enable_prefix_caching=False)
+                        enable_prefix_caching=False, max_num_seqs=MAX_NUM_SEQS,
+                        max_waiting=MAX_WAITING)
 
 
 class Harness:
@@ -53,6 +56,17 @@ class Harness:
             return [o async for o in self.backend.generate(inp)]
         return self.run(collect())
 
+    def idle(self, timeout: float = 10) -> bool:
+        """Whether the engine holds nothing (no request, no KV block) within ``timeout``."""
+        async def poll() -> bool:
+            for _ in range(int(timeout / 0.01)):
+                e = self.backend.stats().engine
+                if e.num_running == 0 and e.num_waiting == 0 and e.num_kv_blocks_used == 0:
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+        return self.run(poll())
+
     def close(self) -> None:
         self.run(self.backend.stop())
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -68,7 +82,8 @@ def _trtllm(model_dir: Path) -> Backend:  # pragma: no cover - NVIDIA GPUs only
     from engine_svc.backends.trtllm import TrtLlmBackend
 
     return TrtLlmBackend(EngineConfig(model_dir=str(model_dir), device="cuda", block_size=4,
-                                      max_num_batched_tokens=64, enable_prefix_caching=False))
+                                      max_num_batched_tokens=64, enable_prefix_caching=False,
+                                      max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING))
 
 
 def _gpu_trtllm() -> bool:
@@ -86,7 +101,8 @@ def _trtllm_fake(model_dir: Path) -> Backend:
     from tests.unit.engine import fake_trtllm
 
     return TrtLlmBackend(EngineConfig(model_dir=str(model_dir), block_size=4,
-                                      max_num_batched_tokens=64, enable_prefix_caching=False),
+                                      max_num_batched_tokens=64, enable_prefix_caching=False,
+                                      max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING),
                          runtime=fake_trtllm.runtime, fp8=False)
 
 
@@ -102,8 +118,9 @@ def _vllm(model_dir: Path) -> Backend:  # pragma: no cover - in vLLM's venv only
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return VllmBackend(EngineConfig(model_dir=str(default_model_dir()), dtype="float32",
-                                    max_num_seqs=8, max_num_batched_tokens=512,
-                                    max_model_len=1024, enable_prefix_caching=False),
+                                    max_num_batched_tokens=512, max_model_len=1024,
+                                    enable_prefix_caching=False, max_num_seqs=MAX_NUM_SEQS,
+                                    max_waiting=MAX_WAITING),
                        engine_args={"enforce_eager": True})  # no graph compile at start
 
 
@@ -239,16 +256,41 @@ def test_closing_a_stream_early_frees_everything(harness: Harness) -> None:
         return first
 
     assert not harness.run(first_then_close()).finished
+    assert harness.idle()
 
-    async def idle() -> bool:
-        for _ in range(500):
+
+def test_past_its_queue_a_request_is_refused_with_a_retry_after(harness: Harness) -> None:
+    """A flood cannot queue unbounded work: with max_num_seqs running and max_waiting
+    waiting, the next request is refused (QueueFullError, a retry-after); closing the
+    flood frees everything."""
+    cap = MAX_NUM_SEQS + MAX_WAITING
+    long = SamplingParams(max_tokens=240, ignore_eos=True)  # outlives the check below
+
+    async def flood() -> tuple[int, int]:
+        streams = [harness.backend.generate(inp(long)) for _ in range(cap)]
+        firsts = [asyncio.ensure_future(anext(s)) for s in streams]  # type: ignore[arg-type]
+        try:
+            for _ in range(1000):  # until the engine holds all of them
+                e = harness.backend.stats().engine
+                if e.num_running + e.num_waiting >= cap:
+                    break
+                await asyncio.sleep(0.01)
+            extra = harness.backend.generate(inp(SamplingParams(max_tokens=2)))
+            with pytest.raises(QueueFullError, match="waiting queue is full") as err:
+                await anext(extra)  # type: ignore[call-overload]
             e = harness.backend.stats().engine
-            if e.num_running == 0 and e.num_waiting == 0 and e.num_kv_blocks_used == 0:
-                return True
-            await asyncio.sleep(0.01)
-        return False
+            return err.value.retry_after_ms, e.num_running + e.num_waiting
+        finally:
+            for f in firsts:
+                f.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
+            for s in streams:
+                await s.aclose()  # type: ignore[attr-defined]
 
-    assert harness.run(idle())
+    retry_after_ms, held = harness.run(flood())
+    assert retry_after_ms > 0
+    assert held <= cap
+    assert harness.idle()
 
 
 def test_an_impossible_request_is_a_value_error_that_says_why(harness: Harness) -> None:

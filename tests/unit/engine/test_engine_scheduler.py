@@ -70,11 +70,15 @@ def test_budget_and_max_num_seqs() -> None:
 
 
 def test_queue_full_is_a_return_value() -> None:
-    s = make(max_waiting=2)
-    assert s.add_request(req("a", 2))
-    assert s.add_request(req("b", 2))
-    assert not s.add_request(req("c", 2))
-    assert "c" not in s.requests
+    """Room is the running batch's free slots plus max_waiting, scheduled or not."""
+    s = make(max_num_seqs=1, max_waiting=2)
+    for rid in "abc":
+        assert s.add_request(req(rid, 2))
+    assert not s.add_request(req("d", 2))
+    assert "d" not in s.requests
+    run_step(s)  # a runs, b and c wait: still full
+    assert len(s.running) == 1
+    assert not s.add_request(req("e", 2))
 
 
 def test_preemption_takes_lowest_priority_then_latest_arrival() -> None:

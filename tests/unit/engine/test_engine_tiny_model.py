@@ -174,9 +174,10 @@ def test_logprobs_and_stop_sequences(make_tiny_engine: EngineFactory) -> None:
 
 
 def test_queue_full_and_model_info(make_tiny_engine: EngineFactory) -> None:
-    engine = make_tiny_engine(max_waiting=1)
+    engine = make_tiny_engine(max_num_seqs=1, max_waiting=1)
     assert engine.add_request("a", [3], SamplingParams(max_tokens=2))
-    assert not engine.add_request("b", [3], SamplingParams(max_tokens=2))
+    assert engine.add_request("b", [3], SamplingParams(max_tokens=2))  # the free slot
+    assert not engine.add_request("c", [3], SamplingParams(max_tokens=2))
     info = engine.model_info()
     assert (info.vocab_size, info.eos_token_ids, info.kv_block_size) == (96, [1], 4)
     assert info.max_context_length == 256
