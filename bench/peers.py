@@ -2,6 +2,7 @@
 
     python -m bench.peers [--sides ours,ours-grpc,vllm,transformers] [--rounds 1]
                           [--vllm-python .cache/peers/vllm/bin/python] [--quick]
+                          [--workloads W1,W2,W3] [--device cuda] [--grpc-backend trtllm]
 
 Workloads (token-id prompts from a fixed seed; greedy, ignore_eos, so every
 request makes exactly its tokens):
@@ -14,7 +15,9 @@ all alike: ``ours`` (LLMEngine offline, dtype auto), ``ours-grpc`` (the engine
 service with the stack's default config, every request a concurrent gRPC
 stream), ``vllm`` (offline LLM.generate, bf16 and fp32), ``transformers``
 (generate(), static batches of 32, bf16 and fp32). Each peer's best dtype on
-this CPU is the one with the higher W1 figure; ratios are against it.
+this CPU is the one with the higher W1 figure; ratios are against it. With
+``--device cuda`` every side runs on the GPU (vLLM then from a CUDA build's venv)
+and ``--grpc-backend trtllm`` serves the gRPC side with TensorRT-LLM.
 The report records the CPU model, its ISA flags, threads, the load
 average before and after every side, and each side's peak RSS (process and
 children: the vLLM engine core, our engine service). Writes bench/reports/peers.{json,png}.
@@ -89,7 +92,8 @@ def run_side(label: str, wl_path: Path, args: argparse.Namespace) -> dict[str, A
                str(wl_path), str(out), "--model-dir", args.model_dir, "--dtype", dtype]
     else:
         cmd = [sys.executable, "-m", "bench.peerlib.ours_worker", runner, str(wl_path), str(out),
-               "--dtype", dtype, "--model-dir", args.model_dir]
+               "--dtype", dtype, "--model-dir", args.model_dir, "--device", args.device,
+               "--backend", args.grpc_backend]
     before = os.getloadavg()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -115,9 +119,13 @@ def summarize(workloads: dict[str, Any], runs: dict[str, list[dict[str, Any]]]
 
 
 def best_of(table: dict[str, dict[str, float]], peer: str) -> str | None:
-    """The label of ``peer``'s best dtype on this CPU (higher W1)."""
+    """The label of ``peer``'s best dtype on this machine (higher W1)."""
     labels = [k for k in table if k.startswith(peer)]
-    return max(labels, key=lambda k: table[k]["W1"]) if labels else None
+    if not labels:
+        return None
+    row = table[labels[0]]
+    w = "W1" if "W1" in row else next(iter(row))  # W1 unless the run left it out
+    return max(labels, key=lambda k: table[k][w])
 
 
 def ratios(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -187,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model-dir", default=str(default_model_dir()))
     ap.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     ap.add_argument("--out", default="peers")
+    ap.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (every side)")
+    ap.add_argument("--grpc-backend", default="native", choices=["native", "trtllm", "vllm"],
+                    help="the engine service's backend on the ours-grpc side")
     args = ap.parse_args(argv)
     sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in sides if s not in ALL_SIDES]
@@ -197,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
               "skipping the vLLM sides", file=sys.stderr)
         sides = [s for s in sides if ALL_SIDES[s][0] != "vllm"]
     workloads = make_workloads(quick=args.quick)
+    if args.workloads:
+        wanted = args.workloads.split(",")
+        if not set(wanted) <= set(workloads):
+            ap.error(f"unknown workload(s) in {wanted}; choose from {list(workloads)}")
+        workloads = {w: workloads[w] for w in wanted}
     wl_path = Path(tempfile.mkstemp(suffix="-workloads.json")[1])
     wl_path.write_text(json.dumps(workloads))
     facts = machine_facts()
@@ -214,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     facts["loadavg_end"] = os.getloadavg()
     report = {
         "bench": "peers", "machine": facts, "rounds": args.rounds, "quick": args.quick,
+        "device": args.device, "grpc_backend": args.grpc_backend,
         "workloads": {n: {"unit": w["unit"], "num_requests": len(w["requests"]),
                           "prompt_tokens": [len(p) for p, _ in w["requests"]],
                           "max_tokens": w["requests"][0][1]} for n, w in workloads.items()},

@@ -26,7 +26,8 @@ import torch
 Request = tuple[list[int], int]
 
 
-def run_ours(workloads: dict[str, Any], dtype: str, model_dir: str) -> dict[str, Any]:
+def run_ours(workloads: dict[str, Any], dtype: str, model_dir: str, device: str
+             ) -> dict[str, Any]:
     from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
 
     t0 = time.perf_counter()
@@ -34,6 +35,7 @@ def run_ours(workloads: dict[str, Any], dtype: str, model_dir: str) -> dict[str,
         EngineConfig(
             model_dir=model_dir,
             dtype=dtype,
+            device=device,
             kv_cache_memory_bytes=2 << 30,
             enable_prefix_caching=False,  # every prompt is computed, like the peers
         )
@@ -84,16 +86,18 @@ async def _grpc_workload(address: str, reqs: list[Request], tag: str) -> tuple[f
         return time.perf_counter() - start, generated
 
 
-def run_ours_grpc(workloads: dict[str, Any], dtype: str) -> dict[str, Any]:
+def run_ours_grpc(workloads: dict[str, Any], dtype: str, device: str, backend: str
+                  ) -> dict[str, Any]:
     from common.procs import ManagedProcess
 
-    env = {"LLM_ENGINE_CORE_ENABLE_PREFIX_CACHING": "false"}
+    env = {"LLM_ENGINE_CORE_ENABLE_PREFIX_CACHING": "false", "LLM_ENGINE_CORE_DEVICE": device}
     if dtype != "auto":
         env["LLM_ENGINE_CORE_DTYPE"] = dtype
     server = ManagedProcess(
         name="peer-engine",
         module="engine_svc",
-        args=["--port", "0", "--metrics-port", "-1", "--log-level", "warning"],
+        args=["--port", "0", "--metrics-port", "-1", "--log-level", "warning",
+              "--backend", backend],
         env=env,
         log_dir=Path(tempfile.mkdtemp(prefix="peers-")),
     )
@@ -111,12 +115,13 @@ def run_ours_grpc(workloads: dict[str, Any], dtype: str) -> dict[str, Any]:
     return {"load_s": load_s, "results": results}
 
 
-def run_transformers(workloads: dict[str, Any], dtype: str, model_dir: str) -> dict[str, Any]:
+def run_transformers(workloads: dict[str, Any], dtype: str, model_dir: str, device: str
+                     ) -> dict[str, Any]:
     from bench.engine_bench import HF
 
     torch_dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
     t0 = time.perf_counter()
-    hf = HF(Path(model_dir), torch_dtype)
+    hf = HF(Path(model_dir), torch_dtype, device)
     load_s = time.perf_counter() - t0
     hf.run([([1, 2, 3, 4, 5, 6, 7, 8], 8)])
     results = {}
@@ -141,14 +146,16 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default="native", help="the engine service's (ours-grpc)")
     args = ap.parse_args()
     workloads = json.loads(Path(args.workloads).read_text())
     if args.side == "ours":
-        out = run_ours(workloads, args.dtype, args.model_dir)
+        out = run_ours(workloads, args.dtype, args.model_dir, args.device)
     elif args.side == "ours-grpc":
-        out = run_ours_grpc(workloads, args.dtype)
+        out = run_ours_grpc(workloads, args.dtype, args.device, args.backend)
     else:
-        out = run_transformers(workloads, args.dtype, args.model_dir)
+        out = run_transformers(workloads, args.dtype, args.model_dir, args.device)
     out["peak_rss_mib"] = peak_rss_mib()
     Path(args.out).write_text(json.dumps(out))
     return 0

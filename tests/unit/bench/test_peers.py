@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.peers import best_of, figure, make_workloads, peak_rss, ratios, summarize
+from bench.peers import best_of, figure, main, make_workloads, peak_rss, ratios, summarize
 
 
 def test_workloads_are_the_issue_shapes_and_the_same_every_time() -> None:
@@ -41,3 +41,17 @@ def test_medians_ratios_and_best_dtype() -> None:
     assert set(r) == {"ours / vllm-bf16"}
     assert r["ours / vllm-bf16"]["W1"] == pytest.approx((4096 / 5.0) / 500.0)
     assert peak_rss(runs)["ours"] == 900.0  # type: ignore[arg-type]
+
+
+def test_a_run_without_w1_picks_the_best_dtype_by_its_first_workload() -> None:
+    table = {"vllm-bf16": {"W2": 90.0, "W3": 10.0}, "vllm-fp32": {"W2": 60.0, "W3": 30.0}}
+    assert best_of(table, "vllm") == "vllm-bf16"
+    assert best_of(table, "transformers") is None
+
+
+def test_an_unknown_workload_is_refused_before_any_side_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as err:
+        main(["--sides", "ours", "--workloads", "W1,W9"])
+    assert err.value.code == 2
+    assert "unknown workload" in capsys.readouterr().err

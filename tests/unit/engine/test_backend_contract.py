@@ -10,6 +10,7 @@ from an offline LLMEngine run of the same request.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -31,7 +32,9 @@ MAX_NUM_SEQS, MAX_WAITING = 2, 1
 
 
 def engine_config(model_dir: Path) -> EngineConfig:
-    return EngineConfig(model_dir=str(model_dir), dtype="float32", device="cpu", block_size=4,
+    # deploy/gpu-check.sh sets LLM_TEST_ENGINE_DEVICE=cuda to run the native side on a GPU
+    device = os.environ.get("LLM_TEST_ENGINE_DEVICE", "cpu")
+    return EngineConfig(model_dir=str(model_dir), dtype="float32", device=device, block_size=4,
                         num_kv_blocks=128, max_num_batched_tokens=64,
                         enable_prefix_caching=False, max_num_seqs=MAX_NUM_SEQS,
                         max_waiting=MAX_WAITING)
@@ -79,8 +82,12 @@ def _native(model_dir: Path) -> Backend:
 
 
 def _trtllm(model_dir: Path) -> Backend:  # pragma: no cover - NVIDIA GPUs only
+    """TensorRT-LLM on the real model (deploy/gpu-check.sh also points
+    LLM_TEST_TRTLLM_MODEL_DIR at its FP8 checkpoint)."""
+    from common.config import default_model_dir
     from engine_svc.backends.trtllm import TrtLlmBackend
 
+    model_dir = Path(os.environ.get("LLM_TEST_TRTLLM_MODEL_DIR") or default_model_dir())
     return TrtLlmBackend(EngineConfig(model_dir=str(model_dir), device="cuda", block_size=4,
                                       max_num_batched_tokens=64, enable_prefix_caching=False,
                                       max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING))
@@ -109,8 +116,6 @@ def _trtllm_fake(model_dir: Path) -> Backend:
 def _vllm(model_dir: Path) -> Backend:  # pragma: no cover - in vLLM's venv only
     """vLLM on the real model (its CPU kernels want real head sizes; the tiny model's
     are not among them): run in the environment ``make vllm-venv`` builds."""
-    import os
-
     from common.config import default_model_dir
     from engine_svc.backends.vllm import VllmBackend
 
