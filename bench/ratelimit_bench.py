@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import REPORT_DIR
+from common.redis_server import RedisServer
 from ratelimit.config import LimitPolicy
 from ratelimit.loadgen import HammerResult, HammerSpec, hammer
-from ratelimit.testing import RedisServer
 
 MODES = ("fixed_window", "lua", "bucket", "bucket_settle")
 # Generous limits: the benchmark measures the cost of a decision, not denials.

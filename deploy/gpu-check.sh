@@ -88,13 +88,13 @@ step model make model
 step model-fp8 "$TRT" deploy/quantize_fp8.py --model "$MODEL" --out "$FP8" --calib-size 64
 
 step contract-native env LLM_TEST_ENGINE_DEVICE=cuda \
-  $PY "${PYTEST[@]}" tests/unit/engine/test_backend_contract.py -k native
+  $PY "${PYTEST[@]}" tests/unit/engine_svc/backends/test_backend_contract.py -k native
 step grpc-native env LLM_TEST_ENGINE_DEVICE=cuda \
   $PY "${PYTEST[@]}" tests/integration/engine/test_engine_service.py -k native
-step contract-trtllm-bf16 "$TRT" "${PYTEST[@]}" tests/unit/engine/test_backend_contract.py \
-  tests/unit/engine_svc/test_trtllm_mapping.py -k "trtllm and not fake"
+step contract-trtllm-bf16 "$TRT" "${PYTEST[@]}" tests/unit/engine_svc/backends/test_backend_contract.py \
+  tests/unit/engine_svc/backends/test_trtllm_mapping.py -k "trtllm and not fake"
 step contract-trtllm-fp8 env LLM_TEST_TRTLLM_MODEL_DIR="$ROOT/$FP8" \
-  "$TRT" "${PYTEST[@]}" tests/unit/engine/test_backend_contract.py -k "trtllm and not fake"
+  "$TRT" "${PYTEST[@]}" tests/unit/engine_svc/backends/test_backend_contract.py -k "trtllm and not fake"
 
 # our sides in TensorRT-LLM's venv, so the gRPC side can serve with it
 step peers "$TRT" -m bench.peers --device cuda --workloads W1,W2,W3 \

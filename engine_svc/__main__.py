@@ -1,7 +1,6 @@
 """`python -m engine_svc`: serve llm.v1.Engine (config sections `engine`, `engine_core`).
 
     python -m engine_svc [--backend native|trtllm|vllm] [--port 50071] [--model-dir DIR] ...
-    python -m engine_svc capacity ...     # KV capacity template (engine_svc/capacity.py)
 
 Health stays NOT_SERVING until a real warm-up batch has run. SIGTERM drains:
 new requests get UNAVAILABLE, in-flight streams get ``grace_seconds`` to
@@ -112,10 +111,6 @@ async def warm_up(backend: Backend) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["capacity"]:  # `python -m engine_svc capacity ...`: the capacity template
-        from engine_svc.capacity import main as capacity_main
-
-        raise SystemExit(capacity_main(argv[1:]))
     parser = argparse.ArgumentParser(prog="python -m engine_svc", description=__doc__)
     add_service_args(parser)
     parser.add_argument("--backend", choices=["native", "trtllm", "vllm"])

@@ -22,13 +22,14 @@ import grpc
 from common.config import add_service_args, load_config, service_overrides
 from common.log import configure_logging
 from common.server import ServiceHooks, run, run_service
-from gateway import routing_admin, service
 from gateway.app import GatewayApp
-from gateway.auth import ReflectionAuthInterceptor
 from gateway.config import GatewayConfig
-from gateway.http import HttpFront
+from gateway.fronts import grpc_servicer as service
+from gateway.fronts.http import HttpFront
+from gateway.release import routing_admin
+from gateway.request.authenticate import ReflectionAuthInterceptor
+from ratelimit.admin.servicer import add_to_server as add_admin_to_server
 from ratelimit.config import RateLimitConfig
-from ratelimit.service import add_to_server as add_admin_to_server
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

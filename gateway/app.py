@@ -1,7 +1,7 @@
 """Wiring: every component of one gateway process, built from config.
 
 ``GatewayApp.from_config`` builds the pipeline that every front shares; the
-gRPC front (``gateway.service``) and, later, the OpenAI-compatible HTTP
+gRPC front (``gateway.fronts.grpc_servicer``) and, later, the OpenAI-compatible HTTP
 front take ``app.pipeline``. ``start``/``drain``/``close`` plug into the
 common server lifecycle.
 """
@@ -14,16 +14,16 @@ from pathlib import Path
 from common.config import default_model_dir
 from common.log import get_logger
 from common.service_auth import read_service_token
-from gateway.auth import Authenticator, FailedAuthThrottle
-from gateway.breaker import BreakerPolicy
 from gateway.config import GatewayConfig
-from gateway.discovery import Discovery, has_names
-from gateway.encoder import Encoder
-from gateway.pipeline import Pipeline
-from gateway.release import ReleaseControl
-from gateway.retry import RetryBudget, RetryPolicy
-from gateway.routing import ReplicaPool
-from gateway.upstream import Dispatcher
+from gateway.fleet.breaker import BreakerPolicy
+from gateway.fleet.discovery import Discovery, has_names
+from gateway.fleet.dispatcher import Dispatcher
+from gateway.fleet.replica_pool import ReplicaPool
+from gateway.fleet.retry import RetryBudget, RetryPolicy
+from gateway.release.wiring import ReleaseControl
+from gateway.request.authenticate import Authenticator, FailedAuthThrottle
+from gateway.request.encode import Encoder
+from gateway.request.pipeline import Pipeline
 from ratelimit.config import RateLimitConfig
 from ratelimit.factory import RateLimitStack
 from tokenizer_svc.tokenizer import TextTokenizer

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from common.config import ServiceConfig
-from gateway.policy import policies_from_config
+from gateway.release.policy import policies_from_config
 
 
 @dataclass(slots=True)
@@ -47,22 +47,22 @@ class GatewayConfig(ServiceConfig):
         retry_budget_window_s: Window the retry budget is counted over.
         failover: Resume a stream on another replica when its engine fails mid-stream.
         max_failovers: Mid-stream failovers per request.
-        breaker_*: Per-replica circuit breaker (see ``gateway.breaker``).
+        breaker_*: Per-replica circuit breaker (see ``gateway.fleet.breaker``).
         max_ejected_fraction: At most this share of replicas (at least one) open at once.
         stats_interval_s: How often each replica's GetStats is polled.
-        queue_weight / kv_weight: Routing score weights (see ``gateway.routing``).
+        queue_weight / kv_weight: Routing score weights (see ``gateway.fleet.replica_pool``).
         startup_wait_s: How long start-up waits for one SERVING engine before
             reporting SERVING anyway (requests then get UNAVAILABLE until one is up).
         discovery_interval_s: How often engine entries that are DNS names are
-            resolved again (each address is a replica; see ``gateway.discovery``).
+            resolved again (each address is a replica; see ``gateway.fleet.discovery``).
         routing_policies: Initial routing policy per model (model -> mapping, see
-            ``gateway.policy``; a YAML/JSON string from the environment). Seeded
+            ``gateway.release.policy``; a YAML/JSON string from the environment). Seeded
             into Redis for models without a policy there; the admin API changes it.
         routing_policy_cache_ms: Longest time a replica routes by a policy without
             re-reading Redis (another replica's change takes effect within it).
         guard_interval_s: Period of the canary guard's pass.
         shadow_max_in_flight: Shadow copies allowed at once per gateway replica.
-        http_port: The OpenAI-compatible HTTP front (``gateway.http``) on ``host``
+        http_port: The OpenAI-compatible HTTP front (``gateway.fronts.http``) on ``host``
             (0 = an ephemeral port, -1 = no HTTP front).
     """
 

@@ -32,7 +32,6 @@ for tests), ``loadgen`` (multi-process load for tests and the benchmark).
 from typing import TYPE_CHECKING, Any
 
 from ratelimit.config import Dimension, LimitPolicy, Priority, RateLimitConfig, Tenant
-from ratelimit.decision import Decision, Reservation
 from ratelimit.errors import (
     AuthError,
     LimiterUnavailableError,
@@ -41,9 +40,10 @@ from ratelimit.errors import (
     StoreError,
     UnauthenticatedError,
 )
-from ratelimit.limiter import RateLimiter
-from ratelimit.records import ApiKey, KeyRole, Principal
-from ratelimit.registry import Registry
+from ratelimit.limiter.decision import Decision, Reservation
+from ratelimit.limiter.rate_limiter import RateLimiter
+from ratelimit.tenancy.records import ApiKey, KeyRole, Principal
+from ratelimit.tenancy.registry import Registry
 
 if TYPE_CHECKING:
     from ratelimit.factory import RateLimitStack
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     # The factory pulls in grpc and the generated stubs; import it only when
-    # asked, so ``ratelimit.testing`` stays usable without them.
+    # asked, so ``common.redis_server`` stays usable without them.
     if name == "RateLimitStack":
         from ratelimit.factory import RateLimitStack
 

@@ -13,9 +13,9 @@ import argparse
 from common.config import add_service_args, load_config, service_overrides
 from common.log import configure_logging
 from common.server import ServiceHooks, run, run_service
+from ratelimit.admin.servicer import add_to_server
 from ratelimit.config import RateLimitConfig
 from ratelimit.factory import RateLimitStack
-from ratelimit.service import add_to_server
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

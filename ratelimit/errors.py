@@ -10,8 +10,13 @@ LimiterUnavailableError  -> UNAVAILABLE        Redis down and failing closed
 
 from __future__ import annotations
 
-from ratelimit.limiter import LimiterUnavailableError
-from ratelimit.storage import StoreError
+
+class StoreError(Exception):
+    """The store failed or did not answer within the budget (never a denial)."""
+
+
+class LimiterUnavailableError(Exception):
+    """The store is unreachable and the deployment fails closed (map to UNAVAILABLE)."""
 
 
 class AuthError(Exception):

@@ -25,17 +25,17 @@ from redis.exceptions import RedisError
 
 from common.log import get_logger
 from common.service_auth import read_secret_file
-from ratelimit.audit import AuditLog
-from ratelimit.breaker import CircuitBreaker
+from ratelimit.admin.servicer import RateLimitAdminServicer
 from ratelimit.config import RateLimitConfig
-from ratelimit.guard import log_breaker_change
-from ratelimit.limiter import RateLimiter
-from ratelimit.membership import ReplicaMembership
-from ratelimit.registry import Registry
-from ratelimit.service import RateLimitAdminServicer
-from ratelimit.storage import StoreError
-from ratelimit.storage.memory import MemoryStore
-from ratelimit.storage.redis import RedisStore
+from ratelimit.errors import StoreError
+from ratelimit.limiter.breaker import CircuitBreaker
+from ratelimit.limiter.membership import ReplicaMembership
+from ratelimit.limiter.rate_limiter import RateLimiter
+from ratelimit.limiter.storage.memory import MemoryStore
+from ratelimit.limiter.storage.redis import RedisStore
+from ratelimit.limiter.store_guard import log_breaker_change
+from ratelimit.tenancy.audit import AuditLog
+from ratelimit.tenancy.registry import Registry
 
 log = get_logger(__name__)
 

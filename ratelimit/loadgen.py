@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from ratelimit.config import LimitPolicy, Tenant
-from ratelimit.limiter import RateLimiter
-from ratelimit.storage.redis import RedisStore
+from ratelimit.limiter.rate_limiter import RateLimiter
+from ratelimit.limiter.storage.redis import RedisStore
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,6 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
-from ratelimit.decision import Decision
 from ratelimit.errors import (
     LimiterUnavailableError,
     NotFoundError,
@@ -25,6 +24,7 @@ from ratelimit.errors import (
     StoreError,
     UnauthenticatedError,
 )
+from ratelimit.limiter.decision import Decision
 
 RETRY_AFTER_KEY = "retry-after-ms"
 DETAILS_KEY = "grpc-status-details-bin"

@@ -29,15 +29,15 @@ import grpc
 
 from common.config import ROOT, load_config
 from common.procs import ManagedProcess, ServiceStartError
+from common.redis_server import RedisServer
 from common.service_auth import read_secret_file
 from deploy.envoy import EnvoyProcess, render_config_file
 from engine_svc.__main__ import EngineServiceConfig
 from gateway.config import GatewayConfig
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from ratelimit.config import RateLimitConfig
-from ratelimit.records import generate_key
 from ratelimit.redis_acl import SERVICE_USER
-from ratelimit.testing import RedisServer
+from ratelimit.tenancy.records import generate_key
 from tokenizer_svc.__main__ import TokenizerConfig
 
 RUN_DIR = Path(os.environ.get("LLM_RUN_DIR", ROOT / ".run")).resolve()
@@ -192,6 +192,7 @@ def _rel(path: Path) -> Path:
 
 def banner(stack: Stack) -> str:
     py = _rel(Path(sys.executable))
+    cli = _rel(Path(sys.executable).parent / "llm-client")
     assert stack.redis is not None
     assert stack.envoy is not None
     edge = stack.envoy.listener_address()
@@ -212,9 +213,9 @@ def banner(stack: Stack) -> str:
         f"{_rel(RUN_DIR / 'service.token')} (x-service-token)",
         "",
         "Try it (through Envoy):",
-        f"  {py} -m gateway.client --address {edge} chat 'What is the capital of France?'",
-        f"  {py} -m gateway.client --address {edge} --json prompt 'Once upon a time'",
-        f"  {py} -m gateway.client --address {edge} admin usage {DEMO_TENANT}",
+        f"  {cli} --address {edge} chat 'What is the capital of France?'",
+        f"  {cli} --address {edge} --json prompt 'Once upon a time'",
+        f"  {cli} --address {edge} admin usage {DEMO_TENANT}",
         f"  curl -s -H \"authorization: Bearer $(cat {_rel(RUN_DIR / 'admin.key')})\" "
         f"http://{host}:{port}/v1/admin/tenants/{DEMO_TENANT}/usage",
         f"  grpcurl -plaintext -H \"authorization: Bearer $(cat {_rel(RUN_DIR / 'demo.key')})\" "

@@ -3,7 +3,7 @@
     engine replica(s)  python -m engine_svc  (real model; pool and batch limits from
                        BENCH_ENGINE_ENV, overridable per run)
     tokenizer          python -m tokenizer_svc              (gateway targets)
-    Redis              ratelimit.testing.RedisServer        (gateway targets)
+    Redis              common.redis_server.RedisServer        (gateway targets)
     gateway            python -m gateway, with a fresh admin key
     Envoy              deploy.envoy.EnvoyProcess on a rendered config (envoy target)
 
@@ -90,7 +90,7 @@ class Stack:
         if not spec.gateway and not spec.envoy:
             return
         self.tokenizer = self._proc("bench-tokenizer", "tokenizer_svc", md, {}, 90).address
-        from ratelimit.testing import RedisServer
+        from common.redis_server import RedisServer
 
         redis = RedisServer().start()
         self._started.append(redis)

@@ -14,6 +14,7 @@ COPY protos protos
 COPY scripts/gen_protos.py scripts/gen_protos.py
 COPY common common
 COPY engine_svc engine_svc
+COPY engine_tools engine_tools
 COPY deploy/__init__.py deploy/healthcheck.py deploy/
 COPY config config
 RUN pip install grpcio-tools mypy-protobuf googleapis-common-protos \

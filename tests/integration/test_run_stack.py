@@ -17,6 +17,7 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import ROOT
+from common.redis_server import free_port
 from llm.v1 import (
     admin_pb2,
     admin_pb2_grpc,
@@ -26,7 +27,6 @@ from llm.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from ratelimit.testing import free_port
 from tests.conftest import ENGINE_TEST_ENV
 
 pytestmark = pytest.mark.integration
@@ -88,7 +88,7 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
             engine = re.search(r"^\s+engine-0\s+grpc (127\.0\.0\.1:\d+)", out, re.M)
             assert engine is not None, out
             eng_client = subprocess.run(  # straight to the engine, with make run's token
-                [sys.executable, "-m", "engine_svc.client", "--address", engine.group(1),
+                [sys.executable, "-m", "engine_tools.engine_client", "--address", engine.group(1),
                  "--tokenizer", addr["tokenizer"], "--max-tokens", "3", "Hi"],
                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
             assert eng_client.returncode == 0, eng_client.stderr
@@ -121,7 +121,7 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
         assert openai.returncode == 0, openai.stderr
         assert openai.stdout.strip()
         client = subprocess.run(
-            [sys.executable, "-m", "gateway.client", "--address", addr["envoy"], "chat", "Hi",
+            [sys.executable, "-m", "gateway.fronts.cli", "--address", addr["envoy"], "chat", "Hi",
              "--max-tokens", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert client.returncode == 0, client.stderr
         assert "completion 4" in client.stderr or "[STOP]" in client.stderr

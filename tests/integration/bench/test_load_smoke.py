@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import json
 import secrets
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench import load
+from bench import capacity, load
 from common.procs import ManagedProcess
-from engine_svc import capacity
-from ratelimit.testing import RedisServer
+from common.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
@@ -124,14 +125,12 @@ def test_capacity_measures_a_real_engine(model_dir: Path, tmp_path: Path) -> Non
     assert (tmp_path / "capacity.png").stat().st_size > 10_000
 
 
-def test_python_m_engine_svc_capacity(tmp_path: Path, model_dir: Path,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from engine_svc.__main__ import main as engine_main
-
-    with pytest.raises(SystemExit) as exit_info:
-        engine_main(["capacity", "--model-dir", str(model_dir), "--out", str(tmp_path),
-                     "--kv-dtype", "bf16,fp8"])
-    assert exit_info.value.code == 0
-    assert "KV B/token" in capsys.readouterr().out
+def test_python_m_bench_capacity(tmp_path: Path, model_dir: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.capacity", "--model-dir", str(model_dir), "--out",
+         str(tmp_path), "--kv-dtype", "bf16,fp8"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "KV B/token" in proc.stdout
     assert [b["kv_dtype"] for b in json.loads((tmp_path / "capacity.json").read_text())
             ["budgets"]] == ["bf16", "fp8"]

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from common.procs import ManagedProcess
+from common.redis_server import RedisServer, free_port
 from deploy.envoy import EnvoyProcess, render_config_file
-from ratelimit.testing import RedisServer, free_port
 
 ADMIN_KEY = "sk-llm-admin-" + uuid.uuid4().hex
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from common.redis_server import free_port
 from deploy.envoy import EnvoyProcess, render_config_file
-from ratelimit.testing import free_port
 
 pytestmark = pytest.mark.integration
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))

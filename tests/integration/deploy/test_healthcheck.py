@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from common.procs import ManagedProcess
+from common.redis_server import free_port
 from deploy import healthcheck
-from ratelimit.testing import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ import grpc
 import pytest
 
 from common.procs import ManagedProcess
+from common.redis_server import RedisServer
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc
-from ratelimit.testing import RedisServer
 from tests.conftest import start_engine
 from tokenizer_svc.tokenizer import TextTokenizer
 

@@ -16,8 +16,8 @@ import grpc
 import pytest
 
 from common.procs import ManagedProcess
+from common.redis_server import RedisServer
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2
-from ratelimit.testing import RedisServer
 from tests.integration.gateway.conftest import EnginePair, GatewayProcess, chat, start_gateway
 
 pytestmark = pytest.mark.integration

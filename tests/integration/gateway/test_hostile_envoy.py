@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from common.procs import ManagedProcess
+from common.redis_server import RedisServer
 from deploy.envoy import EnvoyProcess, render_config_file
 from llm.v1 import gateway_pb2, gateway_pb2_grpc
-from ratelimit.testing import RedisServer
 from tests.integration.gateway.conftest import (
     EnginePair,
     HttpGateway,

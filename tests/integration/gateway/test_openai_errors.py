@@ -16,8 +16,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from common.procs import ManagedProcess
+from common.redis_server import RedisServer
 from llm.v1 import admin_pb2, engine_pb2, engine_pb2_grpc
-from ratelimit.testing import RedisServer
 from tests.integration.gateway.conftest import (
     EnginePair,
     HttpGateway,

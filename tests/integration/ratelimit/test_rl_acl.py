@@ -15,11 +15,11 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
+from common.redis_server import RedisServer
 from ratelimit.config import LimitPolicy, RateLimitConfig, Tenant
 from ratelimit.factory import RateLimitStack
-from ratelimit.records import KeyRole
 from ratelimit.redis_acl import SERVICE_USER, acl_file, service_rules
-from ratelimit.testing import RedisServer
+from ratelimit.tenancy.records import KeyRole
 
 pytestmark = pytest.mark.integration
 PASSWORD = secrets.token_hex(32)

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 
+from common.redis_server import RedisServer
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
+from ratelimit.admin.servicer import add_to_server
 from ratelimit.config import RateLimitConfig
 from ratelimit.factory import RateLimitStack
-from ratelimit.service import add_to_server
-from ratelimit.testing import RedisServer
 
 pytestmark = pytest.mark.integration
 

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
 
+from common.redis_server import RedisServer
 from ratelimit.config import LimitPolicy
+from ratelimit.limiter.storage.memory import MemoryStore
+from ratelimit.limiter.storage.redis import RedisStore
 from ratelimit.loadgen import HammerSpec, hammer
-from ratelimit.storage.memory import MemoryStore
-from ratelimit.storage.redis import RedisStore
-from ratelimit.testing import RedisServer
 
 pytestmark = pytest.mark.integration
 

@@ -16,13 +16,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from common.config import ROOT
-from ratelimit.breaker import CircuitBreaker
+from common.redis_server import RedisServer
 from ratelimit.config import Dimension, LimitPolicy, Tenant
-from ratelimit.limiter import LimiterUnavailableError, RateLimiter
-from ratelimit.lua import LuaScript
-from ratelimit.membership import ReplicaMembership
-from ratelimit.storage.redis import SCRIPTS, RedisStore
-from ratelimit.testing import RedisServer
+from ratelimit.errors import LimiterUnavailableError
+from ratelimit.limiter.breaker import CircuitBreaker
+from ratelimit.limiter.lua import LuaScript
+from ratelimit.limiter.membership import ReplicaMembership
+from ratelimit.limiter.rate_limiter import RateLimiter
+from ratelimit.limiter.storage.redis import SCRIPTS, RedisStore
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +33,7 @@ HOLDER = """
 import asyncio, sys
 from redis.asyncio import Redis
 from ratelimit.config import LimitPolicy
-from ratelimit.storage.redis import RedisStore
+from ratelimit.limiter.storage.redis import RedisStore
 
 async def main() -> None:
     store = RedisStore(Redis.from_url(sys.argv[1], decode_responses=True),

@@ -10,9 +10,9 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.procs import ManagedProcess, check_health
+from common.redis_server import RedisServer
 from llm.v1 import admin_pb2, admin_pb2_grpc
-from ratelimit.service import SERVICE_NAME
-from ratelimit.testing import RedisServer
+from ratelimit.admin.servicer import SERVICE_NAME
 
 pytestmark = pytest.mark.integration
 ADMIN_KEY = "sk-llm-admin-key-for-the-subprocess-test-01"

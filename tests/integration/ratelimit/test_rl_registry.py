@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from ratelimit.audit import AuditLog
 from ratelimit.config import LimitPolicy, Priority, Tenant
 from ratelimit.errors import NotFoundError, PermissionDeniedError, UnauthenticatedError
-from ratelimit.records import KeyRole, hash_key
-from ratelimit.registry import Registry
+from ratelimit.tenancy.audit import AuditLog
+from ratelimit.tenancy.records import KeyRole, hash_key
+from ratelimit.tenancy.registry import Registry
 
 pytestmark = pytest.mark.integration
 

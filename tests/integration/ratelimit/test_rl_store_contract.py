@@ -8,9 +8,9 @@ import pytest
 from redis.asyncio import Redis
 
 from ratelimit.config import Dimension, LimitPolicy
-from ratelimit.storage import Store
-from ratelimit.storage.memory import MemoryStore
-from ratelimit.storage.redis import RedisStore, bucket_keys
+from ratelimit.limiter.storage import Store
+from ratelimit.limiter.storage.memory import MemoryStore
+from ratelimit.limiter.storage.redis import RedisStore, bucket_keys
 
 pytestmark = pytest.mark.integration
 

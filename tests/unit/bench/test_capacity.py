@@ -1,4 +1,4 @@
-"""engine_svc.capacity: the template's arithmetic and its report (no engine runs)."""
+"""bench.capacity: the template's arithmetic and its report (no engine runs)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_svc import capacity
+from bench import capacity
 from engine_svc.models.config import ModelConfig
 
 SMOLLM2 = {  # SmolLM2-135M-Instruct's config.json, the fields the template reads

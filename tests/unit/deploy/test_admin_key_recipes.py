@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ratelimit.records import looks_like_key
+from ratelimit.tenancy.records import looks_like_key
 
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 # ADMIN_KEY=sk-llm-$(openssl rand -hex 24) / admin-key="sk-llm-$(openssl rand -hex 24)"

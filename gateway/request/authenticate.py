@@ -1,0 +1,176 @@
+"""Bearer key -> tenant, through the ratelimit registry (cached locally there).
+
+This runs before any other work of a request: a caller without a valid
+tenant key learns nothing else (not even whether its parameters are valid).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import grpc
+
+from common.interceptors import GateInterceptor
+from gateway import metrics
+from gateway.domain import CallContext, GatewayError
+from ratelimit.config import Tenant
+from ratelimit.errors import PermissionDeniedError, StoreError, UnauthenticatedError
+from ratelimit.limiter.algorithm import refill, wait_ms
+from ratelimit.tenancy.records import KeyRole
+from ratelimit.tenancy.registry import Registry
+
+SCHEME = "bearer"
+
+
+class ReflectionAuthInterceptor(GateInterceptor):
+    """gRPC reflection describes the whole API: only callers with a valid key (a tenant's
+    or an admin's) get it; anyone else gets UNAUTHENTICATED. Other methods pass through
+    (they authenticate themselves)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    async def refusal(self, details: grpc.HandlerCallDetails
+                      ) -> tuple[grpc.StatusCode, str] | None:
+        if not details.method.startswith("/grpc.reflection."):
+            return None
+        md = dict(details.invocation_metadata or ())
+        try:
+            key = bearer_key(str(md.get("authorization", "")))
+            try:
+                await self.registry.authenticate(key, KeyRole.TENANT)
+            except PermissionDeniedError:  # an admin key: also fine here
+                await self.registry.authenticate(key, KeyRole.ADMIN)
+        except (GatewayError, UnauthenticatedError, PermissionDeniedError, StoreError):
+            return (grpc.StatusCode.UNAUTHENTICATED,
+                    "reflection needs a valid API key: send metadata "
+                    "'authorization: Bearer sk-llm-...'")
+        return None
+
+
+def bearer_key(authorization: str) -> str:
+    """The key of an ``authorization: Bearer <key>`` value.
+
+    Raises:
+        GatewayError: UNAUTHENTICATED when the value is missing or not a bearer token.
+    """
+    if not authorization:
+        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED,
+                           "missing API key: send metadata 'authorization: Bearer sk-llm-...'")
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != SCHEME or not token.strip():
+        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED,
+                           "the authorization metadata must be 'Bearer <API key>'")
+    return token.strip()
+
+
+class FailedAuthThrottle:
+    """Failed authentications per client address, as a token bucket per address.
+
+    Each failure takes one unit from a bucket of ``burst`` that refills at
+    ``per_minute``; an address whose bucket is empty is throttled until one unit
+    is back. Successes refund nothing (one valid key must not launder a spray).
+    At most ``max_sources`` addresses are tracked (least recently failing first
+    out), so a spray from many addresses costs bounded memory.
+    """
+
+    def __init__(self, per_minute: int, burst: int, max_sources: int = 10_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_minute = per_minute
+        self.burst = burst
+        self.max_sources = max_sources
+        self.clock = clock
+        self._sources: OrderedDict[str, tuple[float, float]] = OrderedDict()  # level, ms
+
+    def _level(self, source: str, now_ms: float) -> float:
+        state = self._sources.get(source)
+        if state is None:
+            return float(self.burst)
+        return refill(state[0], self.burst, self.per_minute, now_ms - state[1])
+
+    def blocked_ms(self, source: str) -> int:
+        """Milliseconds until ``source`` may fail again (0 = not throttled)."""
+        if not self.per_minute or not source or source not in self._sources:
+            return 0
+        level = self._level(source, self.clock() * 1000)
+        return 0 if level >= 1 else wait_ms(1 - level, self.per_minute)
+
+    def failure(self, source: str) -> None:
+        """Count one failed authentication of ``source``."""
+        if not self.per_minute or not source:
+            return
+        now_ms = self.clock() * 1000
+        level = max(0.0, self._level(source, now_ms) - 1)
+        self._sources[source] = (level, now_ms)
+        self._sources.move_to_end(source)
+        while len(self._sources) > self.max_sources:
+            self._sources.popitem(last=False)
+
+
+class Authenticator:
+    """Resolves a call's authorization to its tenant.
+
+    Args:
+        registry: The ratelimit registry (SHA-256 lookup with a short local cache).
+        throttle: Failed authentications per client address (None = unlimited).
+    """
+
+    def __init__(self, registry: Registry, throttle: FailedAuthThrottle | None = None) -> None:
+        self.registry = registry
+        self.throttle = throttle
+
+    async def tenant(self, call: CallContext) -> Tenant:
+        """The tenant of the call's tenant-role key.
+
+        Raises:
+            GatewayError: UNAUTHENTICATED (no/unknown key), PERMISSION_DENIED
+                (revoked key, deleted tenant, admin key), UNAVAILABLE (key store down),
+                RESOURCE_EXHAUSTED (too many failed authentications from this address,
+                and the key is not one already known valid).
+        """
+        throttle = self.throttle
+        if throttle is not None and (wait := throttle.blocked_ms(call.source)):
+            try:
+                key = bearer_key(call.authorization)
+            except GatewayError:
+                key = ""
+            if not self.registry.auth.known_valid(key):  # a known-good key still passes
+                metrics.AUTH_THROTTLED.inc()
+                raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"too many failed authentications from {call.source}; "
+                                   f"retry after {wait} ms with a valid API key",
+                                   retry_after_ms=wait)
+        try:
+            return await self._tenant(call.authorization)
+        except GatewayError as e:
+            if throttle is not None and e.code in (grpc.StatusCode.UNAUTHENTICATED,
+                                                   grpc.StatusCode.PERMISSION_DENIED):
+                throttle.failure(call.source)
+            raise
+
+    async def _tenant(self, authorization: str) -> Tenant:
+        key = bearer_key(authorization)
+        try:
+            principal = await self.registry.authenticate(key, KeyRole.TENANT)
+        except UnauthenticatedError as e:
+            raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
+        except PermissionDeniedError as e:
+            raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
+        except StoreError as e:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                               f"cannot check the API key now: the key store is unavailable "
+                               f"({e}); retry shortly") from None
+        if principal.tenant is None:  # pragma: no cover - the registry checks the role
+            raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, "this key has no tenant")
+        return principal.tenant
+
+    @staticmethod
+    def check_model(tenant: Tenant, model: str) -> None:
+        """PERMISSION_DENIED unless the tenant may call ``model``."""
+        if not tenant.allows_model(model):
+            allowed = ", ".join(tenant.allowed_models)
+            raise GatewayError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"tenant {tenant.tenant_id!r} may not use model {model!r}; "
+                               f"allowed: {allowed}")

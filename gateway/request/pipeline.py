@@ -1,0 +1,342 @@
+"""The request pipeline: one object every front calls (docs/architecture.md).
+
+    auth ─► model, params ─► reserve ─► encode ─► context ─► version ─► take ─► engine attempts
+    (bearer) (ModelInfo)     (Redis: 1   (tokenizer) (length)  (routing   (Redis:  (route, retry,
+                             request,                          policy,    tokens)  failover, detok,
+                             1 lease)                          shadow)             stop strings)
+                             └── settle exactly once on every ending: done, error, cancel ──┘
+
+Usage from any front (the gRPC servicer today, the OpenAI-compatible HTTP
+front later)::
+
+    call = CallContext(authorization=..., request_id=..., traceparent=..., timeout_s=...)
+    async with contextlib.aclosing(pipeline.generate(request, call)) as chunks:
+        async for chunk in chunks:      # gateway.domain.Chunk
+            ...                         # write it in the front's format
+    # GatewayError (code, message, retry_after_ms, metadata()) ends a call early; an
+    # error before the first chunk means nothing was sent (fronts may map it to a
+    # plain HTTP status). Closing the generator (client gone) cancels the engine
+    # call at once and settles the tokens produced so far.
+
+The pipeline knows nothing of its front: inputs are the ``llm.v1``
+GenerateRequest and a ``CallContext``; outputs are ``Chunk``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from common.log import get_logger
+from gateway import metrics
+from gateway.config import GatewayConfig
+from gateway.domain import CallContext, Chunk, Deadline, GatewayError, engine_request_id
+from gateway.fleet.dispatcher import Dispatcher, EngineJob
+from gateway.fleet.replica_pool import ModelEntry, ReplicaPool
+from gateway.release.shadow import ShadowMirror
+from gateway.release.version_router import RouteDecision, VersionRouter
+from gateway.request.authenticate import Authenticator
+from gateway.request.detokenize import TextStream
+from gateway.request.encode import Encoder, check_prompt_size
+from gateway.request.params import (
+    engine_sampling,
+    resolve_max_tokens,
+    validate_sampling,
+    validate_stop_token_ids,
+)
+from llm.v1 import common_pb2, gateway_pb2
+from ratelimit.config import Tenant
+from ratelimit.errors import LimiterUnavailableError
+from ratelimit.limiter.decision import Decision, Reservation
+from ratelimit.limiter.rate_limiter import RateLimiter
+from ratelimit.status import denial_metadata
+from tokenizer_svc.tokenizer import TextTokenizer
+
+log = get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Admitted:
+    tenant: Tenant
+    job: EngineJob
+    reservation: Reservation | None
+    shadow_version: str = ""
+
+
+@dataclass(slots=True)
+class _Labels:
+    model: str = ""  # set once the model is known (no client strings as label values)
+    version: str = ""
+
+
+class Pipeline:
+    """auth -> reserve -> encode -> validate -> route -> take -> stream -> settle.
+
+    Args:
+        config: The gateway section.
+        auth: Bearer key -> tenant.
+        encoder: tokenizer_svc client.
+        tokenizer: In-process tokenizer (incremental detokenization).
+        limiter: Tenant limits on Redis.
+        pool: Engine replicas.
+        dispatcher: Engine attempts (retries, failover).
+        router: Model version by routing policy (None = any version, by load).
+        shadow: Shadow copies to candidate versions (None = off).
+    """
+
+    def __init__(self, config: GatewayConfig, auth: Authenticator, encoder: Encoder,
+                 tokenizer: TextTokenizer, limiter: RateLimiter, pool: ReplicaPool,
+                 dispatcher: Dispatcher, router: VersionRouter | None = None,
+                 shadow: ShadowMirror | None = None) -> None:
+        self.config = config
+        self.auth = auth
+        self.encoder = encoder
+        self.tokenizer = tokenizer
+        self.limiter = limiter
+        self.pool = pool
+        self.dispatcher = dispatcher
+        self.router = router
+        self.shadow = shadow
+        self.draining = False
+        self.num_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def list_models(self, call: CallContext) -> list[ModelEntry]:
+        """Models the caller's tenant may use, with versions and replica counts."""
+        tenant = await self.auth.tenant(call)
+        entries = [e for e in self.pool.catalog() if tenant.allows_model(e.model)]
+        return await self.router.annotate(entries) if self.router is not None else entries
+
+    async def generate(self, request: gateway_pb2.GenerateRequest, call: CallContext
+                       ) -> AsyncGenerator[Chunk, None]:
+        """Stream one completion; see the module docstring for the contract.
+
+        Raises:
+            GatewayError: with the status code and message for the caller.
+        """
+        start = time.perf_counter()
+        tenant_label, code = "unauthenticated", grpc.StatusCode.OK
+        labels = _Labels()
+        structlog.contextvars.bind_contextvars(request_id=call.request_id,
+                                               trace_id=call.trace_id)
+        self._enter()
+        try:
+            if call.tenant is None:
+                t0 = time.perf_counter()
+                tenant = await self.auth.tenant(call)
+                metrics.STAGE_AUTH.observe(time.perf_counter() - t0)
+            else:
+                tenant = call.tenant
+            tenant_label = tenant.tenant_id
+            structlog.contextvars.bind_contextvars(tenant=tenant.tenant_id)
+            if call.request_id_error:
+                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, call.request_id_error)
+            admitted = await self._admit(request, call, tenant)
+            labels.model, labels.version = admitted.job.model, admitted.job.model_version
+            async for chunk in self._serve(admitted, start, labels):
+                yield chunk
+        except GatewayError as e:
+            code = e.code
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = grpc.StatusCode.INTERNAL
+            log.exception("generate failed")
+            raise GatewayError(code, "internal gateway error; see the gateway log with "
+                               f"request id {call.request_id}") from None
+        finally:
+            self._leave()
+            metrics.REQUESTS.labels(tenant_label, code.name, labels.model, labels.version).inc()
+            metrics.E2E.labels(labels.model, labels.version).observe(time.perf_counter() - start)
+
+    def _enter(self) -> None:
+        if self.draining:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
+                               "this gateway replica is shutting down; retry on another")
+        self.num_in_flight += 1
+        self._idle.clear()
+        metrics.IN_FLIGHT.inc()
+
+    def _leave(self) -> None:
+        self.num_in_flight -= 1
+        metrics.IN_FLIGHT.dec()
+        if self.num_in_flight == 0:
+            self._idle.set()
+
+    async def _admit(self, request: gateway_pb2.GenerateRequest, call: CallContext,
+                     tenant: Tenant) -> _Admitted:
+        model = request.model or self.pool.default_model()
+        info = self.pool.model_info(model, request.model_version)
+        if info is None:
+            raise self._unknown_model(model, request.model_version)
+        self.auth.check_model(tenant, model)
+        try:
+            validate_sampling(request.sampling, info.vocab_size)
+            validate_stop_token_ids(request.sampling, info.vocab_size)
+        except ValueError as e:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        deadline = Deadline.for_client(call.timeout_s, self.config.request_timeout_s,
+                                       self.config.max_request_timeout_s)
+        memo = self.limiter.known_denial(tenant)
+        if memo is not None:  # refused before any tokenizer or Redis call
+            metrics.LOCAL_DENIALS.labels(tenant.tenant_id).inc()
+            raise self._denied(tenant, memo)
+        # a prompt no context could hold is refused before it spends a request unit
+        check_prompt_size(request, info.max_context_length)
+        # the request unit and a lease before the tokenizer: a caller over its request
+        # rate or concurrency never costs a tokenizer call; tokens once the prompt is counted
+        t0 = time.perf_counter()
+        reservation = await self._reserve(tenant, 0)
+        t1 = time.perf_counter()
+        metrics.STAGE_RESERVE.observe(t1 - t0)
+        try:
+            prompt_ids = await self.encoder.encode(request, call, deadline)
+            t2 = time.perf_counter()
+            metrics.STAGE_ENCODE.observe(t2 - t1)
+            try:
+                max_tokens = resolve_max_tokens(
+                    request.sampling, len(prompt_ids), info.max_context_length,
+                    self.config.default_max_tokens, self.config.max_max_tokens)
+            except ValueError as e:
+                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            route = await self._route(model, request.model_version, tenant, call)
+            t3 = time.perf_counter()
+            metrics.STAGE_ROUTE.observe(t3 - t2)
+            engine_id = engine_request_id(tenant.tenant_id)
+            structlog.contextvars.bind_contextvars(engine_request_id=engine_id)
+            job = EngineJob(request_id=engine_id, correlation_id=call.request_id,
+                            traceparent=call.traceparent,
+                            tenant_id=tenant.tenant_id,
+                            priority=common_pb2.Priority.ValueType(int(tenant.priority)),
+                            model=model, model_version=route.version,
+                            prompt_token_ids=prompt_ids,
+                            sampling=engine_sampling(request.sampling, max_tokens),
+                            deadline=deadline, stop_strings=list(request.sampling.stop),
+                            fallback_versions=route.fallbacks)
+            if reservation is not None:
+                await self._take(tenant, reservation, len(prompt_ids) + max_tokens)
+                metrics.STAGE_TAKE.observe(time.perf_counter() - t3)
+        except BaseException:
+            # nothing was served: the lease and any tokens go back, the request unit stays
+            # spent; from a successful take on, _serve's finally settles on every path
+            if reservation is not None:
+                await asyncio.shield(self.limiter.settle(reservation, prompt_tokens=0,
+                                                         completion_tokens=0))
+            raise
+        return _Admitted(tenant, job, reservation, route.shadow_version)
+
+    async def _route(self, model: str, version: str, tenant: Tenant,
+                     call: CallContext) -> RouteDecision:
+        if self.router is None:
+            return RouteDecision(version, reason="request" if version else "any")
+        return await self.router.decide(model, version, tenant.tenant_id, call.session_key)
+
+    def _unknown_model(self, model: str, version: str) -> GatewayError:
+        known = self.pool.catalog()
+        if not known:
+            return GatewayError(grpc.StatusCode.UNAVAILABLE,
+                                "no engine replica is reachable yet, so no model is known: "
+                                + self.pool.explain(model, version, set()))
+        if version and any(e.model == model for e in known):
+            versions = sorted(v for e in known if e.model == model for v in e.versions)
+            return GatewayError(grpc.StatusCode.NOT_FOUND,
+                                f"model {model!r} has no version {version!r}; known versions: "
+                                f"{', '.join(versions)} (leave model_version empty for any)")
+        return GatewayError(grpc.StatusCode.NOT_FOUND,
+                            f"unknown model {model!r}; available: "
+                            f"{', '.join(e.model for e in known)} (empty = the default)")
+
+    async def _reserve(self, tenant: Tenant, num_tokens: int) -> Reservation | None:
+        try:
+            decision = await self.limiter.reserve(tenant, num_tokens)
+        except LimiterUnavailableError as e:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        if not decision.allowed:
+            raise self._denied(tenant, decision)
+        return decision.reservation
+
+    async def _take(self, tenant: Tenant, reservation: Reservation, num_tokens: int) -> None:
+        try:
+            decision = await self.limiter.take(tenant, reservation, num_tokens)
+        except LimiterUnavailableError as e:
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        if not decision.allowed:
+            raise self._denied(tenant, decision)
+
+    @staticmethod
+    def _denied(tenant: Tenant, decision: Decision) -> GatewayError:
+        metrics.count_denial(tenant.tenant_id, decision.denied)
+        retry = decision.retry_after_ms if decision.retry_after_ms >= 0 else None
+        return GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, decision.message(),
+                            retry_after_ms=retry, trailers=denial_metadata(decision))
+
+    async def _serve(self, admitted: _Admitted, start: float,
+                     labels: _Labels) -> AsyncIterator[Chunk]:
+        job = admitted.job
+        tenant = admitted.tenant.tenant_id
+        first_at: float | None = None
+        text: TextStream | None = None
+        client_left = False  # cancelled, or its deadline passed
+        try:
+            text = TextStream(job.correlation_id, self.tokenizer, job.stop_strings,
+                              len(job.prompt_token_ids))
+            if admitted.shadow_version and self.shadow is not None:
+                self.shadow.mirror(job, admitted.shadow_version)
+            async with self.limiter.keep_alive(admitted.reservation):
+                async for chunk in self.dispatcher.run(job, text):
+                    labels.version = text.model_version or labels.version
+                    if first_at is None and chunk.token_ids:
+                        first_at = time.perf_counter()
+                        metrics.TTFT.labels(tenant, job.model, labels.version).observe(
+                            first_at - start)
+                        metrics.OVERHEAD.observe(max(0.0, text.attempt_started_at - start))
+                    yield chunk
+        except (asyncio.CancelledError, GeneratorExit):
+            client_left = True
+            raise
+        except GatewayError as e:
+            client_left = e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            raise
+        finally:
+            if text is not None and first_at is not None and len(text.token_ids) > 1:
+                metrics.TPOT.labels(job.model, labels.version).observe(
+                    (time.perf_counter() - first_at) / (len(text.token_ids) - 1))
+            await asyncio.shield(self._settle(admitted, text, client_left))
+
+    async def _settle(self, admitted: _Admitted, text: TextStream | None,
+                      client_left: bool) -> None:
+        """Charge what was used and give back the rest of the reservation.
+
+        The prompt is charged once an engine answered, or once it was sent to an
+        engine and the client left (cancel, deadline) before the answer: prefill
+        work it started is not free. An engine's refusal or failure charges nothing.
+        """
+        prompt = 0
+        if text is not None and (text.engine_answered or (text.dispatched and client_left)):
+            prompt = text.num_prompt_tokens
+        completion = len(text.token_ids) if text is not None else 0
+        tenant = admitted.tenant.tenant_id
+        metrics.TOKENS_CHARGED.labels(tenant, "prompt").inc(prompt)
+        metrics.TOKENS_CHARGED.labels(tenant, "completion").inc(completion)
+        if admitted.reservation is not None:
+            await self.limiter.settle(admitted.reservation, prompt_tokens=prompt,
+                                      completion_tokens=completion)
+        log.info("request settled", prompt_tokens=prompt, completion_tokens=completion,
+                 finish_reason=int(text.finish_reason) if text is not None else 0)
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests; wait up to ``grace_s`` for the ones in flight."""
+        self.draining = True
+        log.info("draining", in_flight=self.num_in_flight, grace_seconds=grace_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+

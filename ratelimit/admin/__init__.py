@@ -1,0 +1,1 @@
+"""The RateLimitAdmin service: a thin servicer and its proto converters."""

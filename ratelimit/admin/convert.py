@@ -1,0 +1,121 @@
+"""Static converters between ``llm.v1`` admin messages and the domain types.
+
+Validation happens in the domain constructors (``ValueError`` ->
+INVALID_ARGUMENT); nothing here touches Redis.
+"""
+
+from __future__ import annotations
+
+from google.protobuf import timestamp_pb2
+
+from llm.v1 import admin_pb2
+from ratelimit.config import LimitPolicy, Priority, Tenant
+from ratelimit.limiter.storage import UsageSnapshot
+from ratelimit.tenancy.audit import AuditEvent
+from ratelimit.tenancy.records import ApiKey, KeyRole
+
+
+def _ts(seconds: float) -> timestamp_pb2.Timestamp | None:
+    if not seconds:
+        return None
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def policy_from_proto(msg: admin_pb2.LimitPolicy) -> LimitPolicy:
+    """Domain policy from its message (0 = unlimited)."""
+    return LimitPolicy(
+        requests_per_minute=msg.requests_per_minute,
+        tokens_per_minute=msg.tokens_per_minute,
+        max_concurrent=msg.max_concurrent,
+        request_burst=msg.request_burst,
+        token_burst=msg.token_burst,
+    )
+
+
+def policy_to_proto(policy: LimitPolicy) -> admin_pb2.LimitPolicy:
+    """Message from a domain policy."""
+    return admin_pb2.LimitPolicy(
+        requests_per_minute=policy.requests_per_minute,
+        tokens_per_minute=policy.tokens_per_minute,
+        max_concurrent=policy.max_concurrent,
+        request_burst=policy.request_burst,
+        token_burst=policy.token_burst,
+    )
+
+
+def tenant_from_proto(msg: admin_pb2.Tenant) -> Tenant:
+    """Domain tenant from an UpsertTenant request (timestamps are ignored)."""
+    priority = Priority(int(msg.priority))
+    return Tenant(
+        tenant_id=msg.id,
+        limits=policy_from_proto(msg.limits),
+        priority=Priority.NORMAL if priority == Priority.UNSPECIFIED else priority,
+        allowed_models=tuple(msg.allowed_models),
+        shadow_mode=msg.shadow_mode,
+        display_name=msg.display_name,
+    )
+
+
+def tenant_to_proto(tenant: Tenant) -> admin_pb2.Tenant:
+    """Message from a domain tenant."""
+    return admin_pb2.Tenant(
+        id=tenant.tenant_id,
+        limits=policy_to_proto(tenant.limits),
+        priority=int(tenant.priority),  # type: ignore[arg-type]
+        allowed_models=list(tenant.allowed_models),
+        shadow_mode=tenant.shadow_mode,
+        display_name=tenant.display_name,
+        created_at=_ts(tenant.created_at),
+        updated_at=_ts(tenant.updated_at),
+    )
+
+
+def key_role_from_proto(role: int) -> KeyRole:
+    """Domain role (unknown values are an INVALID_ARGUMENT)."""
+    try:
+        return KeyRole(role)
+    except ValueError:
+        raise ValueError(f"unknown key role {role}; use TENANT or ADMIN") from None
+
+
+def key_to_proto(key: ApiKey) -> admin_pb2.ApiKey:
+    """Message from a key record (never the plaintext, never the hash)."""
+    return admin_pb2.ApiKey(
+        key_id=key.key_id,
+        tenant_id=key.tenant_id,
+        name=key.name,
+        display_prefix=key.display_prefix,
+        role=int(key.role),  # type: ignore[arg-type]
+        revoked=key.revoked,
+        created_at=_ts(key.created_at),
+        revoked_at=_ts(key.revoked_at),
+    )
+
+
+def usage_to_proto(tenant: Tenant, usage: UsageSnapshot) -> admin_pb2.TenantUsage:
+    """Live levels (-1 = unlimited) and running totals."""
+    return admin_pb2.TenantUsage(
+        tenant_id=tenant.tenant_id,
+        requests_available=usage.requests_available,
+        tokens_available=usage.tokens_available,
+        concurrent_in_use=usage.concurrent_in_use,
+        limits=policy_to_proto(tenant.limits),
+        requests_total=usage.requests_total,
+        prompt_tokens_total=usage.prompt_tokens_total,
+        completion_tokens_total=usage.completion_tokens_total,
+        requests_denied_total=usage.requests_denied_total,
+        shadow_denials_total=usage.shadow_denials_total,
+    )
+
+
+def audit_to_proto(event: AuditEvent) -> admin_pb2.AuditEvent:
+    """Message from an audit event."""
+    return admin_pb2.AuditEvent(
+        time=_ts(event.time),
+        actor=event.actor,
+        action=event.action,
+        target=event.target,
+        detail=event.detail,
+    )

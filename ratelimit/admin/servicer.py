@@ -1,0 +1,207 @@
+"""``llm.v1.RateLimitAdmin``: a thin servicer over the registry, limiter and audit log.
+
+Every call must carry ``authorization: Bearer <ADMIN key>``; every mutation
+is written to the audit log with the admin key's id as the actor. Errors map
+once, in ``_run`` (see ``ratelimit.status.status_for``). The gateway mounts
+this servicer in its own process; ``python -m ratelimit`` serves it alone.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from common.log import get_logger
+from llm.v1 import admin_pb2, admin_pb2_grpc
+from ratelimit import metrics
+from ratelimit.admin import convert
+from ratelimit.errors import UnauthenticatedError
+from ratelimit.limiter.rate_limiter import RateLimiter
+from ratelimit.status import status_for
+from ratelimit.tenancy.audit import AuditLog
+from ratelimit.tenancy.records import KeyRole, tenant_to_json
+from ratelimit.tenancy.registry import Registry
+
+log = get_logger(__name__)
+R = TypeVar("R")
+Context = grpc.aio.ServicerContext[Any, Any]
+SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["RateLimitAdmin"].full_name
+MAX_AUDIT_EVENTS = 1000
+
+
+def bearer_token(context: Context) -> str:
+    """The key from ``authorization: Bearer <key>`` metadata."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            text = value.decode() if isinstance(value, bytes) else value
+            scheme, _, token = text.partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            raise UnauthenticatedError("authorization metadata must be 'Bearer <admin key>'")
+    raise UnauthenticatedError("missing 'authorization: Bearer <admin key>' metadata")
+
+
+class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
+    """Admin API for tenants, keys, limits, usage and the audit log.
+
+    Args:
+        registry: Tenants and keys.
+        limiter: For live usage and resets.
+        audit: Where mutations are recorded.
+    """
+
+    def __init__(self, registry: Registry, limiter: RateLimiter, audit: AuditLog) -> None:
+        self.registry = registry
+        self.limiter = limiter
+        self.audit = audit
+
+    async def _run(self, context: Context, method: str, fn: Callable[[str], Awaitable[R]]) -> R:
+        """Authenticate the admin, run ``fn(actor_key_id)``, map errors to a status."""
+        try:
+            principal = await self.registry.authenticate(bearer_token(context), KeyRole.ADMIN)
+            result = await fn(principal.key.key_id)
+        except Exception as exc:
+            code, message = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("admin call failed", method=method)
+            metrics.ADMIN_REQUESTS.labels(method, code.name).inc()
+            await context.abort(code, message)
+        metrics.ADMIN_REQUESTS.labels(method, "OK").inc()
+        return result
+
+    async def UpsertTenant(self, request: admin_pb2.Tenant, context: Context) -> admin_pb2.Tenant:
+        """Create or replace a tenant (limits, priority, models, shadow mode)."""
+
+        async def run(actor: str) -> admin_pb2.Tenant:
+            tenant = await self.registry.upsert_tenant(convert.tenant_from_proto(request))
+            detail = json.loads(tenant_to_json(tenant))
+            await self.audit.record(actor, "UpsertTenant", tenant.tenant_id, detail)
+            return convert.tenant_to_proto(tenant)
+
+        return await self._run(context, "UpsertTenant", run)
+
+    async def GetTenant(
+        self, request: admin_pb2.GetTenantRequest, context: Context
+    ) -> admin_pb2.Tenant:
+        """One tenant."""
+
+        async def run(actor: str) -> admin_pb2.Tenant:
+            return convert.tenant_to_proto(await self.registry.get_tenant(request.tenant_id))
+
+        return await self._run(context, "GetTenant", run)
+
+    async def ListTenants(
+        self, request: admin_pb2.ListTenantsRequest, context: Context
+    ) -> admin_pb2.ListTenantsResponse:
+        """Every tenant, sorted by id."""
+
+        async def run(actor: str) -> admin_pb2.ListTenantsResponse:
+            tenants = await self.registry.list_tenants()
+            return admin_pb2.ListTenantsResponse(
+                tenants=[convert.tenant_to_proto(t) for t in tenants]
+            )
+
+        return await self._run(context, "ListTenants", run)
+
+    async def DeleteTenant(
+        self, request: admin_pb2.DeleteTenantRequest, context: Context
+    ) -> admin_pb2.DeleteTenantResponse:
+        """Delete a tenant, revoke its keys, drop its buckets, leases and totals."""
+
+        async def run(actor: str) -> admin_pb2.DeleteTenantResponse:
+            num_revoked = await self.registry.delete_tenant(request.tenant_id)
+            await self.limiter.forget(request.tenant_id)
+            detail = {"num_keys_revoked": num_revoked}
+            await self.audit.record(actor, "DeleteTenant", request.tenant_id, detail)
+            return admin_pb2.DeleteTenantResponse(num_keys_revoked=num_revoked)
+
+        return await self._run(context, "DeleteTenant", run)
+
+    async def CreateApiKey(
+        self, request: admin_pb2.CreateApiKeyRequest, context: Context
+    ) -> admin_pb2.CreateApiKeyResponse:
+        """Issue a key; the plaintext is in this response only."""
+
+        async def run(actor: str) -> admin_pb2.CreateApiKeyResponse:
+            role = convert.key_role_from_proto(request.role)
+            plaintext, key = await self.registry.create_key(request.tenant_id, request.name, role)
+            detail = {
+                "tenant_id": key.tenant_id,
+                "name": key.name,
+                "role": key.role.name,
+                "display_prefix": key.display_prefix,
+            }
+            await self.audit.record(actor, "CreateApiKey", key.key_id, detail)
+            return admin_pb2.CreateApiKeyResponse(key=plaintext, api_key=convert.key_to_proto(key))
+
+        return await self._run(context, "CreateApiKey", run)
+
+    async def RevokeApiKey(
+        self, request: admin_pb2.RevokeApiKeyRequest, context: Context
+    ) -> admin_pb2.RevokeApiKeyResponse:
+        """Revoke a key; every replica refuses it within ``auth_cache_ttl_ms``."""
+
+        async def run(actor: str) -> admin_pb2.RevokeApiKeyResponse:
+            key = await self.registry.revoke_key(request.key_id)
+            await self.audit.record(actor, "RevokeApiKey", key.key_id, {"tenant_id": key.tenant_id})
+            return admin_pb2.RevokeApiKeyResponse(api_key=convert.key_to_proto(key))
+
+        return await self._run(context, "RevokeApiKey", run)
+
+    async def ListApiKeys(
+        self, request: admin_pb2.ListApiKeysRequest, context: Context
+    ) -> admin_pb2.ListApiKeysResponse:
+        """Keys of a tenant (empty tenant_id: the ADMIN keys)."""
+
+        async def run(actor: str) -> admin_pb2.ListApiKeysResponse:
+            keys = await self.registry.list_keys(request.tenant_id)
+            return admin_pb2.ListApiKeysResponse(api_keys=[convert.key_to_proto(k) for k in keys])
+
+        return await self._run(context, "ListApiKeys", run)
+
+    async def GetUsage(
+        self, request: admin_pb2.GetUsageRequest, context: Context
+    ) -> admin_pb2.TenantUsage:
+        """Live bucket levels (-1 = unlimited), leases in use and running totals."""
+
+        async def run(actor: str) -> admin_pb2.TenantUsage:
+            tenant = await self.registry.get_tenant(request.tenant_id)
+            return convert.usage_to_proto(tenant, await self.limiter.usage(tenant))
+
+        return await self._run(context, "GetUsage", run)
+
+    async def ResetLimits(
+        self, request: admin_pb2.ResetLimitsRequest, context: Context
+    ) -> admin_pb2.ResetLimitsResponse:
+        """Refill every bucket of the tenant; leases are kept."""
+
+        async def run(actor: str) -> admin_pb2.ResetLimitsResponse:
+            tenant = await self.registry.get_tenant(request.tenant_id)
+            await self.limiter.reset(tenant.tenant_id)
+            await self.audit.record(actor, "ResetLimits", tenant.tenant_id, {})
+            return admin_pb2.ResetLimitsResponse()
+
+        return await self._run(context, "ResetLimits", run)
+
+    async def ListAuditEvents(
+        self, request: admin_pb2.ListAuditEventsRequest, context: Context
+    ) -> admin_pb2.ListAuditEventsResponse:
+        """Newest audit events first (limit 0 = 100, at most 1000)."""
+
+        async def run(actor: str) -> admin_pb2.ListAuditEventsResponse:
+            limit = min(request.limit or 100, MAX_AUDIT_EVENTS)
+            events = await self.audit.list(limit)
+            return admin_pb2.ListAuditEventsResponse(
+                events=[convert.audit_to_proto(e) for e in events]
+            )
+
+        return await self._run(context, "ListAuditEvents", run)
+
+
+def add_to_server(servicer: RateLimitAdminServicer, server: grpc.aio.Server) -> list[str]:
+    """Mount the servicer; returns the full service name for health and reflection."""
+    admin_pb2_grpc.add_RateLimitAdminServicer_to_server(servicer, server)
+    return [SERVICE_NAME]

@@ -1,0 +1,89 @@
+"""Local memory of request-rate denials, so a refused tenant is refused cheaply.
+
+``RateLimiter`` records every denial here and offers ``known_denial(tenant)``,
+which a caller checks before any expensive work (the gateway: before the
+tokenizer call).
+
+When Redis says a tenant's *request* bucket is empty (whatever else was short
+too), no request of that tenant can pass before that bucket has refilled one
+request: it refills at a fixed rate and nothing refunds it (settling refunds
+tokens, never requests; other gateway replicas only take more). So until then
+this process can answer RESOURCE_EXHAUSTED itself, without a Redis round trip
+and before the tokenizer, with the remaining wait. A flood over the request
+rate therefore costs one tokenizer call per refill interval, not one per
+request.
+
+It never admits anything Redis would refuse, only refuses locally what Redis
+would refuse too. Two things can make it refuse a little too long, both
+bounded by one request's refill time (60 s / requests_per_minute): an admin
+ResetLimits, and a raised limit (a changed policy drops the memo as soon as
+the gateway's tenant cache sees it). Token and concurrency denials without a
+request shortage are not memoised: refunds and lease releases can end them
+early.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+
+from ratelimit.config import Dimension, LimitPolicy
+from ratelimit.limiter.algorithm import wait_ms
+from ratelimit.limiter.decision import Decision
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class _Memo:
+    until: float  # clock seconds
+    decision: Decision
+    policy: LimitPolicy
+
+
+class DenialMemo:
+    """Per-tenant request-rate denials, valid until their bucket refills."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 max_tenants: int = 10_000) -> None:
+        self._clock = clock
+        self._max = max_tenants
+        self._memos: dict[str, _Memo] = {}
+
+    def record(self, tenant_id: str, policy: LimitPolicy, decision: Decision) -> None:
+        """Remember a denial whose request bucket was short, until it refills one request.
+
+        The wait is the request bucket's own (at the rate of the policy that decided,
+        the fail-open share included), not the decision's: a token or concurrency
+        shortage can end early (refunds, releases), the request one cannot.
+        """
+        rpm = decision.policy.requests_per_minute
+        if decision.allowed or not decision.denied & Dimension.REQUESTS or rpm <= 0:
+            return
+        wait = wait_ms(1 - max(0.0, decision.requests_remaining), rpm)
+        if len(self._memos) >= self._max:
+            self._prune()
+        until = self._clock() + wait / 1000
+        only_requests = dataclasses.replace(decision, denied=Dimension.REQUESTS,
+                                            retry_after_ms=wait)
+        self._memos[tenant_id] = _Memo(until, only_requests, policy)
+
+    def check(self, tenant_id: str, policy: LimitPolicy) -> Decision | None:
+        """The memoised denial with its remaining wait, or None (ask Redis)."""
+        memo = self._memos.get(tenant_id)
+        if memo is None:
+            return None
+        # rounded up: a client told to wait must never come back too early
+        left_ms = math.ceil(round((memo.until - self._clock()) * 1000, 3))
+        if left_ms <= 0 or memo.policy != policy:
+            del self._memos[tenant_id]
+            return None
+        return dataclasses.replace(memo.decision, retry_after_ms=left_ms)
+
+    def _prune(self) -> None:
+        now = self._clock()
+        for tid in [t for t, m in self._memos.items() if m.until <= now]:
+            del self._memos[tid]
+        if len(self._memos) >= self._max:  # still full: forget the oldest half
+            for tid in sorted(self._memos, key=lambda t: self._memos[t].until)[: self._max // 2]:
+                del self._memos[tid]

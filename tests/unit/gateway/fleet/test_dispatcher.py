@@ -1,0 +1,162 @@
+"""Dispatcher retries and failover against in-process scripted engines (real gRPC on port 0).
+
+The real engine's behaviour under faults is covered by the integration
+suite; here the engine side is scripted so every retry rule is exercised
+exactly: which codes retry, on which replica, with what resumed tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from common.config import default_model_dir
+from gateway.domain import Deadline, GatewayError
+from gateway.fleet.breaker import BreakerPolicy
+from gateway.fleet.dispatcher import Dispatcher, EngineJob
+from gateway.fleet.replica_pool import ReplicaPool
+from gateway.fleet.retry import RetryBudget, RetryPolicy
+from gateway.request.detokenize import TextStream
+from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tokenizer_svc.tokenizer import TextTokenizer
+
+TOKENS = [504, 3575, 282, 4649, 314, 7042]  # " The capital of France is Paris"
+
+
+class ScriptedEngine(engine_pb2_grpc.EngineServicer):
+    """mode: ok | unavailable | full | invalid | die:<k> (k tokens, then UNAVAILABLE)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.requests: list[engine_pb2.EngineGenerateRequest] = []
+
+    async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: object
+                       ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        ctx: grpc.aio.ServicerContext[object, object] = context  # type: ignore[assignment]
+        self.requests.append(request)
+        if self.mode == "unavailable":
+            await ctx.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        if self.mode == "full":
+            ctx.set_trailing_metadata((("retry-after-ms", "300"),))
+            await ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        if self.mode == "invalid":
+            await ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad stop_token_ids")
+        start = len(request.resumed_output_token_ids)
+        stop = int(self.mode.split(":")[1]) if self.mode.startswith("die:") else len(TOKENS)
+        for i in range(start, len(TOKENS)):
+            if i >= stop:
+                await ctx.abort(grpc.StatusCode.UNAVAILABLE, "replica died")
+            resp = engine_pb2.EngineGenerateResponse(token_ids=[TOKENS[i]])
+            if i == len(TOKENS) - 1:
+                resp.finish_reason = common_pb2.LENGTH
+            yield resp
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    return TextTokenizer(default_model_dir())
+
+
+async def setup(modes: list[str], *, failover: bool = True, budget_min: int = 5
+                ) -> tuple[Dispatcher, list[ScriptedEngine], list[grpc.aio.Server]]:
+    engines, servers, addresses = [], [], []
+    for mode in modes:
+        engine = ScriptedEngine(mode)  # type: ignore[abstract]  # Generate is all it needs
+        server = grpc.aio.server()
+        engine_pb2_grpc.add_EngineServicer_to_server(engine, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        engines.append(engine)
+        servers.append(server)
+        addresses.append(f"127.0.0.1:{port}")
+    pool = ReplicaPool(addresses, BreakerPolicy())
+    for r in pool.replicas:
+        r.healthy = True
+        r.info = engine_pb2.ModelInfo(model="m", version="v1", max_context_length=2048)
+    dispatcher = Dispatcher(pool, RetryPolicy(3, 0.001, 0.002),
+                            RetryBudget(0.2, budget_min, 10.0), failover=failover)
+    return dispatcher, engines, servers
+
+
+def job() -> EngineJob:
+    return EngineJob(request_id="r1", traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+                     tenant_id="t", priority=common_pb2.NORMAL, model="m", model_version="",
+                     prompt_token_ids=[1, 2, 3],
+                     sampling=engine_pb2.EngineSamplingParams(max_tokens=len(TOKENS)),
+                     deadline=Deadline(30), stop_strings=[])
+
+
+async def run(dispatcher: Dispatcher, servers: list[grpc.aio.Server],
+              tokenizer: TextTokenizer) -> tuple[list[int], str, TextStream]:
+    text = TextStream("r1", tokenizer, [], 3)
+    ids: list[int] = []
+    out = ""
+    try:
+        async for chunk in dispatcher.run(job(), text):
+            ids.extend(chunk.token_ids)
+            out += chunk.text
+    finally:
+        await dispatcher.pool.close()
+        for s in servers:
+            await s.stop(0)
+    return ids, out, text
+
+
+async def test_retry_on_another_replica_before_the_first_token(tokenizer: TextTokenizer
+                                                                ) -> None:
+    dispatcher, engines, servers = await setup(["unavailable", "ok"])
+    ids, out, _ = await run(dispatcher, servers, tokenizer)
+    assert ids == TOKENS
+    assert out == tokenizer.decode(TOKENS)
+    assert [len(e.requests) for e in engines] == [1, 1]
+    assert dispatcher.budget.num_retries == 1
+
+
+async def test_every_replica_full_is_resource_exhausted_with_retry_after(
+        tokenizer: TextTokenizer) -> None:
+    dispatcher, engines, servers = await setup(["full", "full"])
+    with pytest.raises(GatewayError) as info:
+        await run(dispatcher, servers, tokenizer)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.retry_after_ms == 300
+    assert [len(e.requests) for e in engines] == [1, 1]  # never the same replica twice
+
+
+async def test_invalid_argument_is_not_retried(tokenizer: TextTokenizer) -> None:
+    dispatcher, engines, servers = await setup(["invalid", "ok"])
+    with pytest.raises(GatewayError) as info:
+        await run(dispatcher, servers, tokenizer)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [len(e.requests) for e in engines] == [1, 0]
+
+
+async def test_no_retry_when_the_budget_is_spent(tokenizer: TextTokenizer) -> None:
+    dispatcher, engines, servers = await setup(["unavailable", "ok"], budget_min=0)
+    with pytest.raises(GatewayError) as info:
+        await run(dispatcher, servers, tokenizer)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "127.0.0.1" in info.value.message  # says which replica failed and how
+    assert [len(e.requests) for e in engines] == [1, 0]
+
+
+async def test_failover_resumes_with_the_tokens_already_sent(tokenizer: TextTokenizer) -> None:
+    dispatcher, engines, servers = await setup(["die:2", "ok"])
+    ids, out, text = await run(dispatcher, servers, tokenizer)
+    assert ids == TOKENS  # nothing repeated, nothing lost
+    assert out == tokenizer.decode(TOKENS)
+    resumed = engines[1].requests[0]
+    assert list(resumed.resumed_output_token_ids) == TOKENS[:2]
+    assert list(resumed.prompt_token_ids) == [1, 2, 3]
+    assert text.usage().completion_tokens == len(TOKENS)
+
+
+async def test_failover_off_ends_with_unavailable(tokenizer: TextTokenizer) -> None:
+    dispatcher, engines, servers = await setup(["die:2", "ok"], failover=False)
+    with pytest.raises(GatewayError) as info:
+        await run(dispatcher, servers, tokenizer)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "after 2 output tokens" in info.value.message
+    assert "failover is off" in info.value.message
+    assert [len(e.requests) for e in engines] == [1, 0]

@@ -1,0 +1,68 @@
+"""Failed authentications per client address (fake clock), and where the address comes from."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.domain import client_source
+from gateway.request.authenticate import FailedAuthThrottle
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_burst_of_failures_then_one_per_refill() -> None:
+    clock = Clock()
+    throttle = FailedAuthThrottle(per_minute=60, burst=3, clock=clock)
+    for _ in range(3):
+        assert throttle.blocked_ms("1.2.3.4") == 0
+        throttle.failure("1.2.3.4")
+    assert throttle.blocked_ms("1.2.3.4") == 1000  # one failure back per second
+    assert throttle.blocked_ms("5.6.7.8") == 0  # other addresses are not affected
+    clock.now += 0.25
+    assert throttle.blocked_ms("1.2.3.4") == 750
+    clock.now += 0.75
+    assert throttle.blocked_ms("1.2.3.4") == 0
+    throttle.failure("1.2.3.4")  # the one that refilled
+    assert throttle.blocked_ms("1.2.3.4") == 1000
+    throttle.failure("1.2.3.4")  # failing while throttled does not dig deeper
+    clock.now += 1.0
+    assert throttle.blocked_ms("1.2.3.4") == 0
+
+
+def test_off_unknown_source_and_bounded_memory() -> None:
+    clock = Clock()
+    off = FailedAuthThrottle(per_minute=0, burst=1, clock=clock)
+    for _ in range(10):
+        off.failure("1.2.3.4")
+    assert off.blocked_ms("1.2.3.4") == 0
+    throttle = FailedAuthThrottle(per_minute=60, burst=1, max_sources=100, clock=clock)
+    throttle.failure("")  # no address known: never throttled
+    assert throttle.blocked_ms("") == 0
+    for i in range(1000):
+        throttle.failure(f"10.0.{i // 256}.{i % 256}")
+    assert len(throttle._sources) == 100
+    assert throttle.blocked_ms("10.0.3.231") > 0  # the most recent are kept
+    assert throttle.blocked_ms("10.0.0.0") == 0  # the oldest went first
+
+
+@pytest.mark.parametrize(("forwarded", "peer", "expected"), [
+    ("", "ipv4:127.0.0.1:51234", "127.0.0.1"),
+    ("", "ipv6:[::1]:51234", "::1"),
+    ("", "10.1.2.3", "10.1.2.3"),  # aiohttp's request.remote
+    ("198.51.100.7", "ipv4:10.0.0.9:443", "198.51.100.7"),
+    ("1.1.1.1, 2.2.2.2,  198.51.100.7 ", "ipv4:10.0.0.9:443", "198.51.100.7"),  # last hop
+    ("", "", ""),
+])
+def test_client_source(forwarded: str, peer: str, expected: str) -> None:
+    assert client_source(forwarded, peer) == expected
+
+
+def test_client_source_is_cut_to_a_label() -> None:
+    assert client_source("x" * 500, "") == "x" * 64
+    assert client_source("", "ipv4:" + "1" * 500 + ":80") == "1" * 64
