@@ -52,8 +52,9 @@ test-unit: setup ## quick loop: unit tests only (no servers)
 test-integration: setup ## integration tests only (real servers)
 	$(PY) -m pytest -q tests/integration
 
-lint: setup ## ruff + mypy
+lint: setup ## ruff (lint and format) + mypy
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy .
 
 check-all: lint test ## lint and the whole suite

@@ -60,8 +60,11 @@ class Budget:
 
 def num_params(cfg: ModelConfig) -> tuple[int, int]:
     """(parameters in linear layers, parameters elsewhere: embeddings and norms)."""
-    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads \
-        * cfg.head_dim
+    h, q, kv = (
+        cfg.hidden_size,
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+    )
     per_layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
     linear = cfg.num_hidden_layers * per_layer
     other = cfg.vocab_size * h + (2 * cfg.num_hidden_layers + 1) * h
@@ -76,8 +79,12 @@ def weight_bytes(cfg: ModelConfig, dtype: str) -> int:
     if dtype != "fp8":
         return (linear + other) * DTYPE_BYTES[dtype]
     out_channels = cfg.num_hidden_layers * (
-        cfg.num_attention_heads * cfg.head_dim + 2 * cfg.num_key_value_heads * cfg.head_dim
-        + cfg.hidden_size + 2 * cfg.intermediate_size + cfg.hidden_size)
+        cfg.num_attention_heads * cfg.head_dim
+        + 2 * cfg.num_key_value_heads * cfg.head_dim
+        + cfg.hidden_size
+        + 2 * cfg.intermediate_size
+        + cfg.hidden_size
+    )
     return linear + 4 * out_channels + 2 * other
 
 
@@ -85,8 +92,12 @@ def activation_bytes(cfg: ModelConfig, num_tokens: int, num_seqs: int, dtype: st
     """Peak transient bytes of one step (estimate, see the module docstring)."""
     act = 4 if dtype == "fp8" else DTYPE_BYTES[dtype]
     kv = cfg.num_key_value_heads * cfg.head_dim
-    per_token = 4 * cfg.hidden_size + cfg.num_attention_heads * cfg.head_dim + 2 * kv \
+    per_token = (
+        4 * cfg.hidden_size
+        + cfg.num_attention_heads * cfg.head_dim
+        + 2 * kv
         + 3 * cfg.intermediate_size
+    )
     return num_tokens * per_token * act + 2 * num_seqs * cfg.vocab_size * 4
 
 
@@ -94,13 +105,13 @@ def plan(cfg: ModelConfig, args: argparse.Namespace, kv_dtype: str, overhead: in
     """The budget for one KV dtype."""
     memory = int(args.memory_gib * (1 << 30))
     weights = weight_bytes(cfg, args.weight_dtype)
-    acts = activation_bytes(cfg, args.max_num_batched_tokens, args.max_num_seqs,
-                            args.weight_dtype)
+    acts = activation_bytes(cfg, args.max_num_batched_tokens, args.max_num_seqs, args.weight_dtype)
     per_token = cfg.kv_bytes_per_token(DTYPE_BYTES[kv_dtype])
     pool = max(0, memory - weights - acts - overhead)
     blocks = pool // (per_token * args.block_size)
-    return Budget(kv_dtype, memory, weights, acts, overhead, pool, per_token, blocks,
-                  blocks * args.block_size)
+    return Budget(
+        kv_dtype, memory, weights, acts, overhead, pool, per_token, blocks, blocks * args.block_size
+    )
 
 
 def max_seqs(num_blocks: int, context: int, block_size: int) -> int:
@@ -121,8 +132,11 @@ def _run_point(engine: Any, context: int, num_reqs: int, seed: int) -> dict[str,
     out_len = min(32, context // 4)  # long enough that early requests still run at the peak
     for i in range(num_reqs):
         prompt = [rng.randrange(100, 40000) for _ in range(context - out_len)]
-        engine.add_request(f"cap-{context}-{num_reqs}-{i}", prompt,
-                           SamplingParams(max_tokens=out_len, ignore_eos=True))
+        engine.add_request(
+            f"cap-{context}-{num_reqs}-{i}",
+            prompt,
+            SamplingParams(max_tokens=out_len, ignore_eos=True),
+        )
     peak_blocks, peak_running, peak_rss = 0, 0, rss_bytes()
     pre0 = engine.get_stats().num_preemptions_total
     while engine.has_unfinished_requests():
@@ -131,9 +145,14 @@ def _run_point(engine: Any, context: int, num_reqs: int, seed: int) -> dict[str,
         peak_blocks = max(peak_blocks, s.num_kv_blocks_used)
         peak_running = max(peak_running, s.num_running)
         peak_rss = max(peak_rss, rss_bytes())
-    return {"context": context, "num_requests": num_reqs, "peak_blocks_used": peak_blocks,
-            "max_num_running": peak_running, "peak_rss": peak_rss,
-            "num_preemptions": engine.get_stats().num_preemptions_total - pre0}
+    return {
+        "context": context,
+        "num_requests": num_reqs,
+        "peak_blocks_used": peak_blocks,
+        "max_num_running": peak_running,
+        "peak_rss": peak_rss,
+        "num_preemptions": engine.get_stats().num_preemptions_total - pre0,
+    }
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,11 +164,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(max(1, args.measure_threads))
     rss0, contexts = rss_bytes(), [int(c) for c in args.measure_contexts.split(",")]
-    engine = LLMEngine(EngineConfig(
-        model_dir=args.model_dir, dtype=_TORCH_NAMES.get(args.weight_dtype, "bfloat16"),
-        device="cpu", block_size=args.block_size, num_kv_blocks=args.measure_blocks,
-        max_num_seqs=args.measure_max_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=max(contexts) + 16))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=args.model_dir,
+            dtype=_TORCH_NAMES.get(args.weight_dtype, "bfloat16"),
+            device="cpu",
+            block_size=args.block_size,
+            num_kv_blocks=args.measure_blocks,
+            max_num_seqs=args.measure_max_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max(contexts) + 16,
+        )
+    )
     rss1 = rss_bytes()
     kv = engine.runner.kv_cache_bytes
     points = []
@@ -159,16 +185,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             p = _run_point(engine, ctx, c, seed=ctx * 31 + c)
             p["predicted_max_seqs"] = min(fits, args.measure_max_seqs)
             p["predicted_peak_blocks"] = min(c, p["predicted_max_seqs"]) * math.ceil(
-                ctx / args.block_size)
+                ctx / args.block_size
+            )
             points.append(p)
-            print("  measured L={context} c={num_requests}: peak blocks {peak_blocks_used} "
-                  "(predicted {predicted_peak_blocks}), max running {max_num_running} "
-                  "(predicted {predicted_max_seqs}), preemptions {num_preemptions}".format(**p))
+            print(
+                "  measured L={context} c={num_requests}: peak blocks {peak_blocks_used} "
+                "(predicted {predicted_peak_blocks}), max running {max_num_running} "
+                "(predicted {predicted_max_seqs}), preemptions {num_preemptions}".format(**p)
+            )
     peak = max(p["peak_rss"] for p in points)
-    return {"pool_blocks": args.measure_blocks, "kv_dtype": engine.model_info().kv_cache_dtype,
-            "weight_dtype": engine.model_info().weight_dtype, "points": points,
-            "rss_runtime_overhead": rss0, "rss_after_build": rss1, "kv_cache_bytes": kv,
-            "weights_measured": rss1 - rss0 - kv, "activations_measured": peak - rss1}
+    return {
+        "pool_blocks": args.measure_blocks,
+        "kv_dtype": engine.model_info().kv_cache_dtype,
+        "weight_dtype": engine.model_info().weight_dtype,
+        "points": points,
+        "rss_runtime_overhead": rss0,
+        "rss_after_build": rss1,
+        "kv_cache_bytes": kv,
+        "weights_measured": rss1 - rss0 - kv,
+        "activations_measured": peak - rss1,
+    }
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -180,19 +216,37 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
     for b in report["budgets"]:
-        a1.plot(report["contexts"], [max(r, 0.5) for r in b["max_seqs"]], "o-",
-                label=f"KV {b['kv_dtype']} ({b['num_blocks']} blocks)")
+        a1.plot(
+            report["contexts"],
+            [max(r, 0.5) for r in b["max_seqs"]],
+            "o-",
+            label=f"KV {b['kv_dtype']} ({b['num_blocks']} blocks)",
+        )
     a1.axhline(report["max_num_seqs"], color="gray", ls=":", label="max_num_seqs")
     m = report.get("measured")
     if m:
         mc = sorted({p["context"] for p in m["points"]})
-        a1.plot(mc, [max_seqs(m["pool_blocks"], c, report["block_size"]) for c in mc], "k--",
-                label=f"predicted, measurement pool ({m['pool_blocks']} blocks, {m['kv_dtype']})")
+        a1.plot(
+            mc,
+            [max_seqs(m["pool_blocks"], c, report["block_size"]) for c in mc],
+            "k--",
+            label=f"predicted, measurement pool ({m['pool_blocks']} blocks, {m['kv_dtype']})",
+        )
         over = [p for p in m["points"] if p["num_requests"] > p["predicted_max_seqs"]]
-        a1.plot([p["context"] for p in over], [p["max_num_running"] for p in over], "r*",
-                ms=12, label="measured max running (LLMEngine)")
-    a1.set(xscale="log", yscale="log", xlabel="context length (tokens)",
-           ylabel="max concurrent sequences", title=f"{report['memory_gib']} GiB budget")
+        a1.plot(
+            [p["context"] for p in over],
+            [p["max_num_running"] for p in over],
+            "r*",
+            ms=12,
+            label="measured max running (LLMEngine)",
+        )
+    a1.set(
+        xscale="log",
+        yscale="log",
+        xlabel="context length (tokens)",
+        ylabel="max concurrent sequences",
+        title=f"{report['memory_gib']} GiB budget",
+    )
     a1.grid(alpha=0.3, which="both"), a1.legend(fontsize=7)
     names = ["weights", "activations", "runtime_overhead", "kv_pool"]
     left = [0.0] * len(report["budgets"])
@@ -209,8 +263,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Flags; see the module docstring."""
-    p = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.capacity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model-dir", default=str(default_model_dir()))
     p.add_argument("--memory-gib", type=float, default=8.0, help="memory of one replica")
     p.add_argument("--kv-dtype", default="fp32,bf16,fp8", help="one or more of fp32,bf16,fp8")
@@ -218,8 +275,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--runtime-overhead-mib", type=float, default=-1,
-                   help="-1 = measured RSS of a bare torch process here (or 512 MiB)")
+    p.add_argument(
+        "--runtime-overhead-mib",
+        type=float,
+        default=-1,
+        help="-1 = measured RSS of a bare torch process here (or 512 MiB)",
+    )
     p.add_argument("--contexts", default="256,512,1024,2048,4096,8192")
     p.add_argument("--measure", action="store_true", help="real LLMEngine points on CPU")
     p.add_argument("--measure-blocks", type=int, default=128)
@@ -236,25 +297,48 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     cfg = load_model_config(args.model_dir)
     measured = measure(args) if args.measure else None
-    overhead = int(args.runtime_overhead_mib * _MIB) if args.runtime_overhead_mib >= 0 else (
-        measured["rss_runtime_overhead"] if measured else 512 * _MIB)
+    overhead = (
+        int(args.runtime_overhead_mib * _MIB)
+        if args.runtime_overhead_mib >= 0
+        else (measured["rss_runtime_overhead"] if measured else 512 * _MIB)
+    )
     contexts, budgets = [int(c) for c in args.contexts.split(",")], []
-    print(f"{cfg.name}: {sum(num_params(cfg)):,} parameters, weights "
-          f"{weight_bytes(cfg, args.weight_dtype) / _MIB:.0f} MiB ({args.weight_dtype}); "
-          f"budget {args.memory_gib} GiB, runtime overhead {overhead / _MIB:.0f} MiB")
-    print(f"{'kv dtype':>8} {'KV B/token':>10} {'blocks':>8} | " + " ".join(
-        f"{'L=' + str(c):>7}" for c in contexts) + "   (max seqs, before max_num_seqs)")
+    print(
+        f"{cfg.name}: {sum(num_params(cfg)):,} parameters, weights "
+        f"{weight_bytes(cfg, args.weight_dtype) / _MIB:.0f} MiB ({args.weight_dtype}); "
+        f"budget {args.memory_gib} GiB, runtime overhead {overhead / _MIB:.0f} MiB"
+    )
+    print(
+        f"{'kv dtype':>8} {'KV B/token':>10} {'blocks':>8} | "
+        + " ".join(f"{'L=' + str(c):>7}" for c in contexts)
+        + "   (max seqs, before max_num_seqs)"
+    )
     for kv_dtype in args.kv_dtype.split(","):
         b = plan(cfg, args, kv_dtype, overhead)
         seqs = [max_seqs(b.num_blocks, c, args.block_size) for c in contexts]
-        budgets.append({**asdict(b), "max_seqs": seqs,
-                        "max_seqs_capped": [min(s, args.max_num_seqs) for s in seqs]})
-        print(f"{kv_dtype:>8} {b.kv_bytes_per_token:>10,} {b.num_blocks:>8,} | "
-              + " ".join(f"{s:>7,}" for s in seqs))
-    report = {"model": cfg.name, "memory_gib": args.memory_gib, "block_size": args.block_size,
-              "weight_dtype": args.weight_dtype, "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "contexts": contexts,
-              "num_params": sum(num_params(cfg)), "budgets": budgets, "measured": measured}
+        budgets.append(
+            {
+                **asdict(b),
+                "max_seqs": seqs,
+                "max_seqs_capped": [min(s, args.max_num_seqs) for s in seqs],
+            }
+        )
+        print(
+            f"{kv_dtype:>8} {b.kv_bytes_per_token:>10,} {b.num_blocks:>8,} | "
+            + " ".join(f"{s:>7,}" for s in seqs)
+        )
+    report = {
+        "model": cfg.name,
+        "memory_gib": args.memory_gib,
+        "block_size": args.block_size,
+        "weight_dtype": args.weight_dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "contexts": contexts,
+        "num_params": sum(num_params(cfg)),
+        "budgets": budgets,
+        "measured": measured,
+    }
     (out := Path(args.out)).mkdir(parents=True, exist_ok=True)
     (out / "capacity.json").write_text(json.dumps(report, indent=1))
     plot(report, out / "capacity.png")

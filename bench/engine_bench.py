@@ -97,13 +97,15 @@ class Ours:
 class HF:
     """transformers generate() (bf16 by default), greedy, exactly the requested lengths."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype = torch.bfloat16,
-                 device: str = "cpu") -> None:
+    def __init__(
+        self, model_dir: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                          device_map=str(self.device))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, device_map=str(self.device)
+        )
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -145,8 +147,9 @@ class HF:
             chunk = reqs[i : i + batch]
             width = max(len(p) for p, _ in chunk)
             ids = torch.tensor([[2] * (width - len(p)) + p for p, _ in chunk], device=self.device)
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk],
-                                device=self.device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=self.device
+            )
             self._generate(ids, mask, max(n for _, n in chunk))
             useful += sum(n for _, n in chunk)
         self._sync()

@@ -35,8 +35,12 @@ from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.sampling_params import SamplingParams
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
-CORE_ENV = {"LLM_ENGINE_CORE_DEVICE": "cpu", "LLM_ENGINE_CORE_NUM_KV_BLOCKS": "2048",
-            "LLM_ENGINE_CORE_MAX_NUM_SEQS": "32", "LLM_ENGINE_CORE_MAX_MODEL_LEN": "2048"}
+CORE_ENV = {
+    "LLM_ENGINE_CORE_DEVICE": "cpu",
+    "LLM_ENGINE_CORE_NUM_KV_BLOCKS": "2048",
+    "LLM_ENGINE_CORE_MAX_NUM_SEQS": "32",
+    "LLM_ENGINE_CORE_MAX_MODEL_LEN": "2048",
+}
 
 
 def workload(n: int, seed: int = 0) -> list[list[int]]:
@@ -45,20 +49,24 @@ def workload(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def summarize(ttft: list[float], tpot: list[float], tokens: int, wall: float) -> dict[str, float]:
-    return {"ttft_p50_ms": 1000 * statistics.median(ttft),
-            "ttft_p99_ms": 1000 * sorted(ttft)[max(0, int(len(ttft) * 0.99) - 1)],
-            "tpot_p50_ms": 1000 * statistics.median(tpot),
-            "tokens_per_s": tokens / wall}
+    return {
+        "ttft_p50_ms": 1000 * statistics.median(ttft),
+        "ttft_p99_ms": 1000 * sorted(ttft)[max(0, int(len(ttft) * 0.99) - 1)],
+        "tpot_p50_ms": 1000 * statistics.median(tpot),
+        "tokens_per_s": tokens / wall,
+    }
 
 
-def run_offline(engine: LLMEngine, prompts: list[list[int]], conc: int, max_tokens: int
-                ) -> dict[str, float]:
+def run_offline(
+    engine: LLMEngine, prompts: list[list[int]], conc: int, max_tokens: int
+) -> dict[str, float]:
     ttft, tpot, tokens = [], [], 0
     t0 = time.perf_counter()
     for w in range(0, len(prompts), conc):  # waves of `conc` requests, like the client side
-        for i, p in enumerate(prompts[w:w + conc]):
-            engine.add_request(f"o{w + i}", p, SamplingParams(max_tokens=max_tokens,
-                                                              ignore_eos=True))
+        for i, p in enumerate(prompts[w : w + conc]):
+            engine.add_request(
+                f"o{w + i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            )
         while engine.has_unfinished_requests():
             for out in engine.step():
                 tokens += len(out.new_token_ids)
@@ -68,8 +76,9 @@ def run_offline(engine: LLMEngine, prompts: list[list[int]], conc: int, max_toke
     return summarize(ttft, tpot, tokens, time.perf_counter() - t0)
 
 
-async def _grpc_run(address: str, prompts: list[list[int]], conc: int, max_tokens: int
-                    ) -> dict[str, float]:
+async def _grpc_run(
+    address: str, prompts: list[list[int]], conc: int, max_tokens: int
+) -> dict[str, float]:
     ttft: list[float] = []
     tpot: list[float] = []
     tokens = 0
@@ -81,8 +90,10 @@ async def _grpc_run(address: str, prompts: list[list[int]], conc: int, max_token
             start = time.perf_counter()
             first = last = None
             req = engine_pb2.EngineGenerateRequest(
-                request_id=f"g{i}-{time.time_ns()}", prompt_token_ids=p,
-                sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                request_id=f"g{i}-{time.time_ns()}",
+                prompt_token_ids=p,
+                sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            )
             async for chunk in stub.Generate(req):
                 now = time.perf_counter()
                 if chunk.token_ids and first is None:
@@ -96,7 +107,7 @@ async def _grpc_run(address: str, prompts: list[list[int]], conc: int, max_token
 
         t0 = time.perf_counter()
         for w in range(0, len(prompts), conc):
-            await asyncio.gather(*(one(w + i, p) for i, p in enumerate(prompts[w:w + conc])))
+            await asyncio.gather(*(one(w + i, p) for i, p in enumerate(prompts[w : w + conc])))
         wall = time.perf_counter() - t0
     return summarize(ttft, tpot, tokens, wall)
 
@@ -110,13 +121,23 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model_dir = default_model_dir()
     server = ManagedProcess(
-        name="engine-bench", module="engine_svc",
+        name="engine-bench",
+        module="engine_svc",
         args=["--port", "0", "--metrics-port", "-1", "--log-level", "warning"],
         env={**CORE_ENV, "LLM_ENGINE_CORE_DTYPE": args.dtype},
-        log_dir=Path(tempfile.mkdtemp(prefix="engbench-")))
+        log_dir=Path(tempfile.mkdtemp(prefix="engbench-")),
+    )
     server.start(timeout=180)
-    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype=args.dtype, device="cpu",
-                                    num_kv_blocks=2048, max_num_seqs=32, max_model_len=2048))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=str(model_dir),
+            dtype=args.dtype,
+            device="cpu",
+            num_kv_blocks=2048,
+            max_num_seqs=32,
+            max_model_len=2048,
+        )
+    )
     results: dict[str, Any] = {}
     bar = tqdm(total=2 * len(args.concurrency) * args.repeats, desc="engine grpc bench")
     try:
@@ -126,26 +147,37 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):  # interleaved, so drift hits both alike
                 runs["offline"].append(run_offline(engine, prompts, conc, args.max_tokens))
                 bar.update()
-                runs["grpc"].append(asyncio.run(
-                    _grpc_run(server.address, prompts, conc, args.max_tokens)))
+                runs["grpc"].append(
+                    asyncio.run(_grpc_run(server.address, prompts, conc, args.max_tokens))
+                )
                 bar.update()
             results[str(conc)] = {
                 mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-                for mode, rs in runs.items()}
+                for mode, rs in runs.items()
+            }
     finally:
         bar.close()
         server.stop()
     print(f"\nmax_tokens={args.max_tokens}, dtype={args.dtype}, median of {args.repeats}")
-    print(f"{'conc':>5} {'mode':<8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
-          f"{'tok/s':>9}{'grpc/offline tok/s':>20}")
+    print(
+        f"{'conc':>5} {'mode':<8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
+        f"{'tok/s':>9}{'grpc/offline tok/s':>20}"
+    )
     for conc, r in results.items():
         for mode in ("offline", "grpc"):
             m = r[mode]
             ratio = m["tokens_per_s"] / r["offline"]["tokens_per_s"]
-            print(f"{conc:>5} {mode:<8}{m['ttft_p50_ms']:>8.1f}ms{m['ttft_p99_ms']:>8.1f}ms"
-                  f"{m['tpot_p50_ms']:>8.1f}ms{m['tokens_per_s']:>9.1f}{ratio:>19.2f}x")
-    report = {"bench": "engine_grpc", "max_tokens": args.max_tokens, "dtype": args.dtype,
-              "repeats": args.repeats, "results": results}
+            print(
+                f"{conc:>5} {mode:<8}{m['ttft_p50_ms']:>8.1f}ms{m['ttft_p99_ms']:>8.1f}ms"
+                f"{m['tpot_p50_ms']:>8.1f}ms{m['tokens_per_s']:>9.1f}{ratio:>19.2f}x"
+            )
+    report = {
+        "bench": "engine_grpc",
+        "max_tokens": args.max_tokens,
+        "dtype": args.dtype,
+        "repeats": args.repeats,
+        "results": results,
+    }
     save_report("engine_grpc_bench", report, lambda path: plot(results, path))
     return 0
 
@@ -158,9 +190,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
     concs = list(results)
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-    for ax, key, label in zip(axes, ("tokens_per_s", "ttft_p50_ms", "tpot_p50_ms"),
-                              ("aggregate tokens/s", "TTFT p50 (ms)", "TPOT p50 (ms)"),
-                              strict=True):
+    for ax, key, label in zip(
+        axes,
+        ("tokens_per_s", "ttft_p50_ms", "tpot_p50_ms"),
+        ("aggregate tokens/s", "TTFT p50 (ms)", "TPOT p50 (ms)"),
+        strict=True,
+    ):
         for i, mode in enumerate(("offline", "grpc")):
             xs = [j + (i - 0.5) * 0.35 for j in range(len(concs))]
             ax.bar(xs, [results[c][mode][key] for c in concs], width=0.35, label=mode)

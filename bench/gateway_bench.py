@@ -74,6 +74,7 @@ Sample = tuple[float, float, float, float]
 def sample(t0: float, token_stamps: list[float], event_stamps: list[float]) -> Sample:
     """TTFT to the first token and to the first text event, and the mean gaps between
     tokens and between events."""
+
     def gap(stamps: list[float]) -> float:
         return (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
 
@@ -103,8 +104,9 @@ OneRequest = Callable[[], Awaitable[Sample]]
 
 
 @contextlib.asynccontextmanager
-async def side_client(side: str, addresses: dict[str, str], key: str, ids: list[int],
-                      max_tokens: int) -> AsyncIterator[OneRequest]:
+async def side_client(
+    side: str, addresses: dict[str, str], key: str, ids: list[int], max_tokens: int
+) -> AsyncIterator[OneRequest]:
     """A client for ``side`` (its channel or session open, one untimed request done
     where the side keeps a connection), yielding the function that makes one timed
     request: ``engine`` and ``gateway`` over gRPC; ``http`` (aiohttp), ``openai``
@@ -115,16 +117,18 @@ async def side_client(side: str, addresses: dict[str, str], key: str, ids: list[
     elif side == "http":
         import aiohttp
 
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300),
-                                         connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=300), connector=aiohttp.TCPConnector(limit=0)
+        ) as session:
             one = _aiohttp_one(session, addresses["http"], key, max_tokens)
             await one()  # opens the connection (a gRPC channel is open already too)
             yield one
     elif side == "openai":
         from openai import AsyncOpenAI
 
-        async with AsyncOpenAI(base_url=f"{addresses['http']}/v1", api_key=key,
-                               max_retries=0, timeout=300) as client:
+        async with AsyncOpenAI(
+            base_url=f"{addresses['http']}/v1", api_key=key, max_retries=0, timeout=300
+        ) as client:
             one = _openai_one(client, max_tokens)
             await one()
             yield one
@@ -134,17 +138,19 @@ async def side_client(side: str, addresses: dict[str, str], key: str, ids: list[
         raise ValueError(f"unknown side {side!r}")
 
 
-def _grpc_one(side: str, channel: grpc.aio.Channel, key: str, ids: list[int],
-              max_tokens: int) -> OneRequest:
+def _grpc_one(
+    side: str, channel: grpc.aio.Channel, key: str, ids: list[int], max_tokens: int
+) -> OneRequest:
     engine = engine_pb2_grpc.EngineStub(channel)
     gateway = gateway_pb2_grpc.GatewayStub(channel)
 
     async def one() -> Sample:
         if side == "engine":
             req = engine_pb2.EngineGenerateRequest(
-                request_id=f"bench-{secrets.token_hex(8)}", prompt_token_ids=ids,
-                sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens,
-                                                         ignore_eos=True))
+                request_id=f"bench-{secrets.token_hex(8)}",
+                prompt_token_ids=ids,
+                sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            )
             return await timed_stream(engine.Generate(req, timeout=300))
         sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         greq = gateway_pb2.GenerateRequest(prompt=PROMPT, sampling=sampling)
@@ -156,8 +162,14 @@ def _grpc_one(side: str, channel: grpc.aio.Channel, key: str, ids: list[int],
 
 def completions_body(max_tokens: int) -> dict[str, Any]:
     """The HTTP sides' request: the gateway side's, as ``POST /v1/completions``."""
-    return {"model": "", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
-            "temperature": 0, "ignore_eos": True}
+    return {
+        "model": "",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 def _aiohttp_one(session: Any, base_url: str, key: str, max_tokens: int) -> OneRequest:
@@ -167,8 +179,7 @@ def _aiohttp_one(session: Any, base_url: str, key: str, max_tokens: int) -> OneR
     async def one() -> Sample:
         t0 = time.perf_counter()
         stamps: list[float] = []
-        async with session.post(f"{base_url}/v1/completions", json=body,
-                                headers=headers) as resp:
+        async with session.post(f"{base_url}/v1/completions", json=body, headers=headers) as resp:
             resp.raise_for_status()
             async for line in resp.content:
                 if line.startswith(b"data: {") and _text_of(line[6:]):
@@ -191,10 +202,21 @@ def _curl_one(base_url: str, key: str, max_tokens: int) -> OneRequest:
 
     async def one() -> Sample:
         proc = await asyncio.create_subprocess_exec(
-            "curl", "-sN", "-o", "/dev/null", "-w", "%{time_starttransfer}",
-            "-H", f"Authorization: Bearer {key}", "-H", "Content-Type: application/json",
-            "-d", body, f"{base_url}/v1/completions",
-            stdout=asyncio.subprocess.PIPE)
+            "curl",
+            "-sN",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{time_starttransfer}",
+            "-H",
+            f"Authorization: Bearer {key}",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+            f"{base_url}/v1/completions",
+            stdout=asyncio.subprocess.PIPE,
+        )
         out, _ = await proc.communicate()
         first = float(out.decode() or "nan")
         return first, math.nan, math.nan, first
@@ -207,8 +229,13 @@ def _openai_one(client: Any, max_tokens: int) -> OneRequest:
         t0 = time.perf_counter()
         stamps: list[float] = []
         stream = await client.completions.create(
-            model="", prompt=PROMPT, max_tokens=max_tokens, stream=True,
-            temperature=0, extra_body={"ignore_eos": True})
+            model="",
+            prompt=PROMPT,
+            max_tokens=max_tokens,
+            stream=True,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         async for event in stream:
             if event.choices and event.choices[0].text:
                 stamps.append(time.perf_counter())
@@ -228,21 +255,36 @@ async def limited(one: OneRequest, num_requests: int, concurrency: int) -> list[
     return list(await asyncio.gather(*(gated() for _ in range(num_requests))))
 
 
-async def run_side(side: str, addresses: dict[str, str], key: str, ids: list[int],
-                   num_requests: int, concurrency: int, max_tokens: int) -> list[Sample]:
+async def run_side(
+    side: str,
+    addresses: dict[str, str],
+    key: str,
+    ids: list[int],
+    num_requests: int,
+    concurrency: int,
+    max_tokens: int,
+) -> list[Sample]:
     """``num_requests`` requests with ``concurrency`` in flight; one sample each."""
     async with side_client(side, addresses, key, ids, max_tokens) as one:
         return await limited(one, num_requests, concurrency)
 
 
-async def run_paired(sides: list[str], addresses: dict[str, str], key: str, ids: list[int],
-                     num_pairs: int, max_tokens: int) -> dict[str, list[Sample]]:
+async def run_paired(
+    sides: list[str],
+    addresses: dict[str, str],
+    key: str,
+    ids: list[int],
+    num_pairs: int,
+    max_tokens: int,
+) -> dict[str, list[Sample]]:
     """Concurrency 1, one request per side back to back, ``num_pairs`` times, the order
     rotated each time: the sides of one pair meet the same machine state, so their
     difference is the front's cost with most of the machine's drift taken out."""
     async with contextlib.AsyncExitStack() as stack:
-        ones = {s: await stack.enter_async_context(
-            side_client(s, addresses, key, ids, max_tokens)) for s in sides}
+        ones = {
+            s: await stack.enter_async_context(side_client(s, addresses, key, ids, max_tokens))
+            for s in sides
+        }
         out: dict[str, list[Sample]] = {s: [] for s in sides}
         for i in range(num_pairs):
             k = i % len(sides)
@@ -251,8 +293,9 @@ async def run_paired(sides: list[str], addresses: dict[str, str], key: str, ids:
         return out
 
 
-def paired_differences(samples: dict[str, list[Sample]], base: str, field: int
-                       ) -> dict[str, dict[str, float]]:
+def paired_differences(
+    samples: dict[str, list[Sample]], base: str, field: int
+) -> dict[str, dict[str, float]]:
     """p50/p90/p99 (ms) of each side's per-pair difference from ``base`` in one field
     of the samples (0 = time to the first token, 3 = to the first text event)."""
     out = {}
@@ -260,8 +303,11 @@ def paired_differences(samples: dict[str, list[Sample]], base: str, field: int
         if side == base:
             continue
         diffs = [(a[field] - b[field]) * 1000 for a, b in zip(rows, samples[base], strict=True)]
-        out[side] = {"p50_ms": pct(diffs, 0.5), "p90_ms": pct(diffs, 0.9),
-                     "p99_ms": pct(diffs, 0.99)}
+        out[side] = {
+            "p50_ms": pct(diffs, 0.5),
+            "p90_ms": pct(diffs, 0.9),
+            "p99_ms": pct(diffs, 0.99),
+        }
     return out
 
 
@@ -272,36 +318,68 @@ def summarize(samples: list[Sample]) -> dict[str, float]:
     first_text = [s[3] * 1000 for s in samples]
     if any(math.isnan(x) for x in itl):  # curl: no gaps
         itl = event = [math.nan]
-    return {"ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
-            "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
-            "event_gap_p50_ms": pct(event, 0.5), "event_gap_p99_ms": pct(event, 0.99),
-            "first_text_p50_ms": pct(first_text, 0.5), "first_text_p99_ms": pct(first_text, 0.99)}
+    return {
+        "ttft_p50_ms": pct(ttft, 0.5),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "itl_p50_ms": pct(itl, 0.5),
+        "itl_p99_ms": pct(itl, 0.99),
+        "event_gap_p50_ms": pct(event, 0.5),
+        "event_gap_p99_ms": pct(event, 0.99),
+        "first_text_p50_ms": pct(first_text, 0.5),
+        "first_text_p99_ms": pct(first_text, 0.99),
+    }
 
 
-def start_stack(log_dir: Path, redis: RedisServer, admin_key: str
-                ) -> tuple[list[ManagedProcess], dict[str, str]]:
+def start_stack(
+    log_dir: Path, redis: RedisServer, admin_key: str
+) -> tuple[list[ManagedProcess], dict[str, str]]:
     model_dir = str(default_model_dir())
     common = ["--port", "0", "--metrics-port", "0", "--log-format", "json"]
-    tok = ManagedProcess(name="tokenizer", module="tokenizer_svc", log_dir=log_dir,
-                         args=[*common, "--model-dir", model_dir]).start(60)
-    eng = ManagedProcess(name="engine", module="engine_svc", log_dir=log_dir,
-                         args=[*common, "--model-dir", model_dir, "--max-num-seqs", "32"],
-                         env={"LLM_ENGINE_CORE_DEVICE": "cpu",
-                              "LLM_ENGINE_CORE_DTYPE": "float32"}).start(300)
+    tok = ManagedProcess(
+        name="tokenizer",
+        module="tokenizer_svc",
+        log_dir=log_dir,
+        args=[*common, "--model-dir", model_dir],
+    ).start(60)
+    eng = ManagedProcess(
+        name="engine",
+        module="engine_svc",
+        log_dir=log_dir,
+        args=[*common, "--model-dir", model_dir, "--max-num-seqs", "32"],
+        env={"LLM_ENGINE_CORE_DEVICE": "cpu", "LLM_ENGINE_CORE_DTYPE": "float32"},
+    ).start(300)
     http_port = free_port()
-    gw = ManagedProcess(name="gateway", module="gateway", log_dir=log_dir,
-                        args=[*common, "--engines", eng.address, "--tokenizer", tok.address,
-                              "--redis-url", redis.url, "--log-level", "warning",
-                              "--http-port", str(http_port)],
-                        env={"ADMIN_KEY": admin_key}).start(120)
-    return [gw, eng, tok], {"engine": eng.address, "gateway": gw.address,
-                            "http": f"http://127.0.0.1:{http_port}"}
+    gw = ManagedProcess(
+        name="gateway",
+        module="gateway",
+        log_dir=log_dir,
+        args=[
+            *common,
+            "--engines",
+            eng.address,
+            "--tokenizer",
+            tok.address,
+            "--redis-url",
+            redis.url,
+            "--log-level",
+            "warning",
+            "--http-port",
+            str(http_port),
+        ],
+        env={"ADMIN_KEY": admin_key},
+    ).start(120)
+    return [gw, eng, tok], {
+        "engine": eng.address,
+        "gateway": gw.address,
+        "http": f"http://127.0.0.1:{http_port}",
+    }
 
 
 # far above what the bench asks for, so nothing is denied, but every limit is checked:
 # the request unit and lease before tokenizing, the tokens after (two Redis calls)
-BENCH_LIMITS = admin_pb2.LimitPolicy(requests_per_minute=1_000_000,
-                                     tokens_per_minute=1_000_000_000, max_concurrent=10_000)
+BENCH_LIMITS = admin_pb2.LimitPolicy(
+    requests_per_minute=1_000_000, tokens_per_minute=1_000_000_000, max_concurrent=10_000
+)
 
 
 def make_key(address: str, admin_key: str, limited: bool = True) -> str:
@@ -322,20 +400,27 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = ["first_text_p50_ms", "first_text_p99_ms", "event_gap_p50_ms",
-               "event_gap_p99_ms"]
+    metrics = ["first_text_p50_ms", "first_text_p99_ms", "event_gap_p50_ms", "event_gap_p99_ms"]
     paired = report["results"].get("c1_paired")
     fig, axes = plt.subplots(1, 3 if paired else 2, figsize=(16 if paired else 11, 4))
     if paired:
         ax = axes[-1]
-        rows = {"gateway - engine\n(first token)": paired["gateway_minus_engine_ttft"]["gateway"],
-                **{f"{side} - gRPC front\n(first text)": d
-                   for side, d in paired["front_minus_grpc_first_text"].items()
-                   if side != "gateway"}}
+        rows = {
+            "gateway - engine\n(first token)": paired["gateway_minus_engine_ttft"]["gateway"],
+            **{
+                f"{side} - gRPC front\n(first text)": d
+                for side, d in paired["front_minus_grpc_first_text"].items()
+                if side != "gateway"
+            },
+        }
         xs = range(len(rows))
         for i, q in enumerate(("p50_ms", "p90_ms", "p99_ms")):
-            ax.bar([x + (i - 1) * 0.25 for x in xs], [d[q] for d in rows.values()], 0.25,
-                   label=q.replace("_ms", ""))
+            ax.bar(
+                [x + (i - 1) * 0.25 for x in xs],
+                [d[q] for d in rows.values()],
+                0.25,
+                label=q.replace("_ms", ""),
+            )
         ax.axhline(0, color="black", linewidth=0.5)
         ax.set_xticks(list(xs), list(rows), fontsize=7)
         ax.set_ylabel("ms added")
@@ -344,11 +429,17 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for ax, conc in zip(axes, ("c1", "c32"), strict=False):
         res = report["results"][conc]
         xs = range(len(metrics))
-        for i, (side, label) in enumerate((("engine", "engine"), ("gateway", "gateway gRPC"),
-                                           ("http", "gateway HTTP (aiohttp client)"),
-                                           ("openai", "gateway HTTP (openai client)"))):
-            ax.bar([x + (i - 1.5) * 0.2 for x in xs], [res[side][m] for m in metrics], 0.2,
-                   label=label)
+        for i, (side, label) in enumerate(
+            (
+                ("engine", "engine"),
+                ("gateway", "gateway gRPC"),
+                ("http", "gateway HTTP (aiohttp client)"),
+                ("openai", "gateway HTTP (openai client)"),
+            )
+        ):
+            ax.bar(
+                [x + (i - 1.5) * 0.2 for x in xs], [res[side][m] for m in metrics], 0.2, label=label
+            )
         ax.set_xticks(list(xs), [m.replace("_ms", "") for m in metrics])
         ax.set_ylabel("ms")
         ax.set_title(f"concurrency {conc[1:]} (median of {report['rounds']} rounds)")
@@ -358,42 +449,53 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def measure(args: argparse.Namespace, addresses: dict[str, str], key: str,
-            ids: list[int]) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace, addresses: dict[str, str], key: str, ids: list[int]
+) -> dict[str, Any]:
     runs = {"c1": (1, args.requests_c1), "c32": (32, args.requests_c32)}
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
-        c: {name: [] for name in SIDES} for c in runs}
-    with tqdm(total=args.rounds * len(runs) * len(SIDES), desc="gateway bench",
-              unit="run") as bar:
+        c: {name: [] for name in SIDES} for c in runs
+    }
+    with tqdm(total=args.rounds * len(runs) * len(SIDES), desc="gateway bench", unit="run") as bar:
         for r in range(args.rounds):
             for conc, (n_conc, n_req) in runs.items():
                 k = r % len(SIDES)
                 sides = SIDES[k:] + SIDES[:k]  # rotate so drift hits every side
                 for name in sides:
-                    samples = asyncio.run(run_side(name, addresses, key, ids, n_req, n_conc,
-                                                   args.max_tokens))
+                    samples = asyncio.run(
+                        run_side(name, addresses, key, ids, n_req, n_conc, args.max_tokens)
+                    )
                     per_round[conc][name].append(summarize(samples))
                     bar.update(1)
     results: dict[str, Any] = {}
     for conc, by_side in per_round.items():
-        med = {side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
-               for side, rounds in by_side.items() if rounds}
+        med = {
+            side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
+            for side, rounds in by_side.items()
+            if rounds
+        }
         med["added"] = {m: med["gateway"][m] - med["engine"][m] for m in med["engine"]}
         for front in (f for f in ("http", "openai", "curl") if f in med):  # the HTTP front
-            med[f"{front}_vs_grpc"] = {m: med[front][m] - med["gateway"][m]
-                                       for m in ("first_text_p50_ms", "first_text_p99_ms",
-                                                 "event_gap_p50_ms", "event_gap_p99_ms")}
+            med[f"{front}_vs_grpc"] = {
+                m: med[front][m] - med["gateway"][m]
+                for m in (
+                    "first_text_p50_ms",
+                    "first_text_p99_ms",
+                    "event_gap_p50_ms",
+                    "event_gap_p99_ms",
+                )
+            }
         results[conc] = med
     if args.pairs:
-        paired = asyncio.run(run_paired(SIDES, addresses, key, ids, args.pairs,
-                                        args.max_tokens))
+        paired = asyncio.run(run_paired(SIDES, addresses, key, ids, args.pairs, args.max_tokens))
         fronts = {s: paired[s] for s in SIDES if s != "engine"}
         results["c1_paired"] = {
             "pairs": args.pairs,
             "sides": {s: summarize(rows) for s, rows in paired.items()},
             # the gRPC front over the engine: time to the first token
             "gateway_minus_engine_ttft": paired_differences(
-                {"engine": paired["engine"], "gateway": paired["gateway"]}, "engine", 0),
+                {"engine": paired["engine"], "gateway": paired["gateway"]}, "engine", 0
+            ),
             # each HTTP client over the gRPC front: time to the first text event
             "front_minus_grpc_first_text": paired_differences(fronts, "gateway", 3),
         }
@@ -406,17 +508,22 @@ def main() -> None:
     parser.add_argument("--requests-c1", type=int, default=16)
     parser.add_argument("--requests-c32", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--unlimited-tenant", action="store_true",
-                        help="a tenant with no limits (no token check: one Redis call)")
-    parser.add_argument("--pairs", type=int, default=100,
-                        help="concurrency-1 paired requests (every side back to back, "
-                             "order rotated); 0 = skip")
+    parser.add_argument(
+        "--unlimited-tenant",
+        action="store_true",
+        help="a tenant with no limits (no token check: one Redis call)",
+    )
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=100,
+        help="concurrency-1 paired requests (every side back to back, order rotated); 0 = skip",
+    )
     args = parser.parse_args()
     admin_key = "sk-llm-" + secrets.token_urlsafe(32)
     ids = TextTokenizer(default_model_dir()).encode(PROMPT)
     with RedisServer() as redis:
-        procs, addresses = start_stack(Path(tempfile.mkdtemp(prefix="gw-bench-")), redis,
-                                       admin_key)
+        procs, addresses = start_stack(Path(tempfile.mkdtemp(prefix="gw-bench-")), redis, admin_key)
         try:
             key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
             for side in SIDES:  # warm every path
@@ -425,32 +532,42 @@ def main() -> None:
         finally:
             for p in procs:
                 p.stop()
-    report = {"benchmark": "gateway_bench", "rounds": args.rounds, "max_tokens": args.max_tokens,
-              "tenant_limits": "none" if args.unlimited_tenant else str(BENCH_LIMITS).strip(),
-              "prompt_tokens": len(ids), "requests": {"c1": args.requests_c1,
-                                                      "c32": args.requests_c32},
-              "machine": {"python": platform.python_version()},
-              "note": "all services and the client share a 2-core CPU machine; figures are "
-                      "noisy. added = gateway (gRPC) - engine (per token); http_vs_grpc and "
-                      "openai_vs_grpc = HTTP front (aiohttp / openai client) - gRPC front, "
-                      "time to the first text-bearing event and the gap between such events, "
-                      "of the round medians (an SSE client sees text events only; the "
-                      "incremental detokenizer holds back tokens that complete no character).",
-              "results": results}
+    report = {
+        "benchmark": "gateway_bench",
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "tenant_limits": "none" if args.unlimited_tenant else str(BENCH_LIMITS).strip(),
+        "prompt_tokens": len(ids),
+        "requests": {"c1": args.requests_c1, "c32": args.requests_c32},
+        "machine": {"python": platform.python_version()},
+        "note": "all services and the client share a 2-core CPU machine; figures are "
+        "noisy. added = gateway (gRPC) - engine (per token); http_vs_grpc and "
+        "openai_vs_grpc = HTTP front (aiohttp / openai client) - gRPC front, "
+        "time to the first text-bearing event and the gap between such events, "
+        "of the round medians (an SSE client sees text events only; the "
+        "incremental detokenizer holds back tokens that complete no character).",
+        "results": results,
+    }
     save_report("gateway_bench", report, lambda path: plot(report, path))
     for conc in ("c1", "c32"):
-        print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()}
-                                for k, d in results[conc].items()}))
+        print(
+            conc,
+            json.dumps(
+                {k: {m: round(v, 2) for m, v in d.items()} for k, d in results[conc].items()}
+            ),
+        )
     if "c1_paired" in results:
         p = results["c1_paired"]
         print(f"c1 paired ({p['pairs']} pairs), per-pair differences in ms:")
-        for name, diffs in (("gateway gRPC - engine, first token",
-                             p["gateway_minus_engine_ttft"]),
-                            ("HTTP front - gRPC front, first text event",
-                             p["front_minus_grpc_first_text"])):
+        for name, diffs in (
+            ("gateway gRPC - engine, first token", p["gateway_minus_engine_ttft"]),
+            ("HTTP front - gRPC front, first text event", p["front_minus_grpc_first_text"]),
+        ):
             for side, d in diffs.items():
-                print(f"  {name} [{side}]: p50 {d['p50_ms']:.2f}  p90 {d['p90_ms']:.2f}  "
-                      f"p99 {d['p99_ms']:.2f}")
+                print(
+                    f"  {name} [{side}]: p50 {d['p50_ms']:.2f}  p90 {d['p90_ms']:.2f}  "
+                    f"p99 {d['p99_ms']:.2f}"
+                )
 
 
 if __name__ == "__main__":

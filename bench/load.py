@@ -46,19 +46,32 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-stats", default="", help="engines to poll GetStats on, a,b")
     g.add_argument("--admin-key", default="", help="admin key: creates the tenants")
     g.add_argument("--admin-key-file", help="file holding the admin key")
-    g.add_argument("--service-token-file", default="",
-                   help="the engines' internal-call secret (make run: .run/service.token; "
-                        "needed to call or poll its engines directly)")
+    g.add_argument(
+        "--service-token-file",
+        default="",
+        help="the engines' internal-call secret (make run: .run/service.token; "
+        "needed to call or poll its engines directly)",
+    )
     g.add_argument("--spawn", action="store_true", help="start the services it needs")
     g.add_argument("--num-engines", type=int, default=1)
-    g.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="engine env for --spawn, e.g. LLM_ENGINE_CORE_MAX_NUM_SEQS=32")
+    g.add_argument(
+        "--engine-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine env for --spawn, e.g. LLM_ENGINE_CORE_MAX_NUM_SEQS=32",
+    )
     g.add_argument("--model-dir", default=str(default_model_dir()))
     w = p.add_argument_group("workload")
     w.add_argument("--mix", default="chatlike", help=f"shapes {sorted(SHAPES)}, a:0.8,b:0.2")
-    w.add_argument("--tenant", action="append", default=[], metavar="SPEC",
-                   help="name=..,priority=LOW|NORMAL|CRITICAL,share=..,rate=..,"
-                        "concurrency=..,mix=..,rpm=..,tpm=..,max_concurrent=..")
+    w.add_argument(
+        "--tenant",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="name=..,priority=LOW|NORMAL|CRITICAL,share=..,rate=..,"
+        "concurrency=..,mix=..,rpm=..,tpm=..,max_concurrent=..",
+    )
     w.add_argument("--rate", type=float, default=0.0, help="req/s, open loop (0 = closed)")
     w.add_argument("--concurrency", type=int, default=4, help="closed-loop workers")
     w.add_argument("--burstiness", type=float, default=1.0, help="gamma shape, 1 = Poisson")
@@ -78,8 +91,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Flags of the three commands."""
-    parser = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _common(sub.add_parser("run", help="one load run"))
     sw = sub.add_parser("sweep", help="rising open-loop rates until p95 TTFT crosses a target")
@@ -99,13 +115,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def build_phase(args: argparse.Namespace, endpoint: Endpoint) -> Phase:
     """The Phase described by the flags."""
     tenants = [TenantSpec.parse(t) for t in args.tenant] or [TenantSpec("bench")]
-    run = RunConfig(rate=args.rate, concurrency=args.concurrency, burstiness=args.burstiness,
-                    num_requests=args.num_requests, duration=args.duration,
-                    drain_timeout=args.drain_timeout, request_timeout=args.request_timeout,
-                    seed=args.seed, progress=not args.no_progress)
-    return Phase(endpoint, tenants, run, args.mix,
-                 Caps(args.max_prompt_tokens, args.max_output_tokens),
-                 Slo(args.slo_ttft_ms, args.slo_tpot_ms))
+    run = RunConfig(
+        rate=args.rate,
+        concurrency=args.concurrency,
+        burstiness=args.burstiness,
+        num_requests=args.num_requests,
+        duration=args.duration,
+        drain_timeout=args.drain_timeout,
+        request_timeout=args.request_timeout,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    return Phase(
+        endpoint,
+        tenants,
+        run,
+        args.mix,
+        Caps(args.max_prompt_tokens, args.max_output_tokens),
+        Slo(args.slo_ttft_ms, args.slo_tpot_ms),
+    )
 
 
 def _admin_key(args: argparse.Namespace, stack: Stack | None) -> str:
@@ -123,10 +151,14 @@ def _endpoint(args: argparse.Namespace, stack: Stack | None) -> Endpoint:
         stats = [a for a in args.engine_stats.split(",") if a]
         if args.target == "engine" and not stats:
             stats = [args.address]
-        return Endpoint(args.target, args.address, stats,
-                        read_service_token(args.service_token_file))
-    address = {"engine": stack.engines[0] if stack.engines else "", "gateway": stack.gateway,
-               "envoy": stack.envoy}[args.target]
+        return Endpoint(
+            args.target, args.address, stats, read_service_token(args.service_token_file)
+        )
+    address = {
+        "engine": stack.engines[0] if stack.engines else "",
+        "gateway": stack.gateway,
+        "envoy": stack.envoy,
+    }[args.target]
     return Endpoint(args.target, address, list(stack.engines))
 
 
@@ -143,18 +175,31 @@ def execute(args: argparse.Namespace, stack: Stack | None, out_dir: Path) -> dic
         if endpoint.kind != "engine" and admin_key:
             setup_tenants(endpoint.address, admin_key, phase.tenants, f"-{uuid.uuid4().hex[:6]}")
         if args.command == "sweep":
-            cfg = SweepConfig(args.ttft_p95_target_ms,
-                              [float(r) for r in args.rates.split(",") if r],
-                              args.rate_start, args.rate_factor, args.max_steps, args.refine)
+            cfg = SweepConfig(
+                args.ttft_p95_target_ms,
+                [float(r) for r in args.rates.split(",") if r],
+                args.rate_start,
+                args.rate_factor,
+                args.max_steps,
+                args.refine,
+            )
             report = run_sweep(phase, pool, cfg)
-            plots.plot_sweep(report["points"], cfg.ttft_p95_target_ms,
-                             report["sustainable_rate"], out_dir / f"load_{name}.png",
-                             "offered rate (req/s)")
+            plots.plot_sweep(
+                report["points"],
+                cfg.ttft_p95_target_ms,
+                report["sustainable_rate"],
+                out_dir / f"load_{name}.png",
+                "offered rate (req/s)",
+            )
             print(report["verdict"])
         else:
             report, records = run_phase_sync(phase, pool)
-            plots.plot_run(records, report["engine"], out_dir / f"load_{name}.png",
-                           f"{endpoint.kind}: {args.mix}")
+            plots.plot_run(
+                records,
+                report["engine"],
+                out_dir / f"load_{name}.png",
+                f"{endpoint.kind}: {args.mix}",
+            )
             print(format_table(report["overall"], f"{endpoint.kind} {name}"))
             versions = report.get("per_version", {})
             if len(versions) > 1:  # a canary beside the stable version
@@ -174,13 +219,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         execute(args, None, out_dir)
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench-load-"))
-    spec = StackSpec(Path(args.model_dir), work, args.num_engines,
-                     gateway=args.command == "fairness" or args.target != "engine",
-                     envoy=args.target == "envoy",
-                     engine_env=dict(kv.split("=", 1) for kv in args.engine_env))
+    spec = StackSpec(
+        Path(args.model_dir),
+        work,
+        args.num_engines,
+        gateway=args.command == "fairness" or args.target != "engine",
+        envoy=args.target == "envoy",
+        engine_env=dict(kv.split("=", 1) for kv in args.engine_env),
+    )
     with Stack(spec) as stack:
-        print(f"spawned: engines {stack.engines} gateway {stack.gateway or '-'} "
-              f"envoy {stack.envoy or '-'} (logs {work})")
+        print(
+            f"spawned: engines {stack.engines} gateway {stack.gateway or '-'} "
+            f"envoy {stack.envoy or '-'} (logs {work})"
+        )
         execute(args, stack, out_dir)
     return 0
 

@@ -88,12 +88,33 @@ def run_side(label: str, wl_path: Path, args: argparse.Namespace) -> dict[str, A
     runner, dtype = ALL_SIDES[label]
     out = Path(tempfile.mkstemp(suffix=f"-{label}.json")[1])
     if runner == "vllm":
-        cmd = [str(args.vllm_python), str(ROOT / "bench" / "peerlib" / "vllm_worker.py"),
-               str(wl_path), str(out), "--model-dir", args.model_dir, "--dtype", dtype]
+        cmd = [
+            str(args.vllm_python),
+            str(ROOT / "bench" / "peerlib" / "vllm_worker.py"),
+            str(wl_path),
+            str(out),
+            "--model-dir",
+            args.model_dir,
+            "--dtype",
+            dtype,
+        ]
     else:
-        cmd = [sys.executable, "-m", "bench.peerlib.ours_worker", runner, str(wl_path), str(out),
-               "--dtype", dtype, "--model-dir", args.model_dir, "--device", args.device,
-               "--backend", args.grpc_backend]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.peerlib.ours_worker",
+            runner,
+            str(wl_path),
+            str(out),
+            "--dtype",
+            dtype,
+            "--model-dir",
+            args.model_dir,
+            "--device",
+            args.device,
+            "--backend",
+            args.grpc_backend,
+        ]
     before = os.getloadavg()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -101,13 +122,15 @@ def run_side(label: str, wl_path: Path, args: argparse.Namespace) -> dict[str, A
         raise RuntimeError(f"side {label} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
     out.unlink()
-    result.update(loadavg_before=before, loadavg_after=os.getloadavg(),
-                  process_s=time.perf_counter() - t0)
+    result.update(
+        loadavg_before=before, loadavg_after=os.getloadavg(), process_s=time.perf_counter() - t0
+    )
     return result
 
 
-def summarize(workloads: dict[str, Any], runs: dict[str, list[dict[str, Any]]]
-              ) -> dict[str, dict[str, float]]:
+def summarize(
+    workloads: dict[str, Any], runs: dict[str, list[dict[str, Any]]]
+) -> dict[str, dict[str, float]]:
     """Median tok/s per side and workload over the rounds."""
     return {
         label: {
@@ -137,8 +160,7 @@ def ratios(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         for peer in PEERS:
             best = best_of(table, peer)
             if best is not None:
-                out[f"{ours} / {best}"] = {w: table[ours][w] / table[best][w]
-                                           for w in table[ours]}
+                out[f"{ours} / {best}"] = {w: table[ours][w] / table[best][w] for w in table[ours]}
     return out
 
 
@@ -187,26 +209,35 @@ def print_table(table: dict[str, dict[str, float]], rat: dict[str, dict[str, flo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--sides", default=",".join(ALL_SIDES),
-                    help=f"comma-separated, from {', '.join(ALL_SIDES)}")
+    ap.add_argument(
+        "--sides", default=",".join(ALL_SIDES), help=f"comma-separated, from {', '.join(ALL_SIDES)}"
+    )
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--vllm-python", type=Path,
-                    default=Path(os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON)))
+    ap.add_argument(
+        "--vllm-python", type=Path, default=Path(os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
+    )
     ap.add_argument("--model-dir", default=str(default_model_dir()))
     ap.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     ap.add_argument("--out", default="peers")
     ap.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (every side)")
-    ap.add_argument("--grpc-backend", default="native", choices=["native", "trtllm", "vllm"],
-                    help="the engine service's backend on the ours-grpc side")
+    ap.add_argument(
+        "--grpc-backend",
+        default="native",
+        choices=["native", "trtllm", "vllm"],
+        help="the engine service's backend on the ours-grpc side",
+    )
     args = ap.parse_args(argv)
     sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in sides if s not in ALL_SIDES]
     if unknown:
         ap.error(f"unknown side(s) {unknown}; choose from {list(ALL_SIDES)}")
     if any(ALL_SIDES[s][0] == "vllm" for s in sides) and not args.vllm_python.is_file():
-        print(f"no vLLM venv at {args.vllm_python} (make bench-peers installs it); "
-              "skipping the vLLM sides", file=sys.stderr)
+        print(
+            f"no vLLM venv at {args.vllm_python} (make bench-peers installs it); "
+            "skipping the vLLM sides",
+            file=sys.stderr,
+        )
         sides = [s for s in sides if ALL_SIDES[s][0] != "vllm"]
     workloads = make_workloads(quick=args.quick)
     if args.workloads:
@@ -230,12 +261,23 @@ def main(argv: list[str] | None = None) -> int:
     print_table(table, rat)
     facts["loadavg_end"] = os.getloadavg()
     report = {
-        "bench": "peers", "machine": facts, "rounds": args.rounds, "quick": args.quick,
-        "device": args.device, "grpc_backend": args.grpc_backend,
-        "workloads": {n: {"unit": w["unit"], "num_requests": len(w["requests"]),
-                          "prompt_tokens": [len(p) for p, _ in w["requests"]],
-                          "max_tokens": w["requests"][0][1]} for n, w in workloads.items()},
-        "tok_per_s": table, "ratios": rat,
+        "bench": "peers",
+        "machine": facts,
+        "rounds": args.rounds,
+        "quick": args.quick,
+        "device": args.device,
+        "grpc_backend": args.grpc_backend,
+        "workloads": {
+            n: {
+                "unit": w["unit"],
+                "num_requests": len(w["requests"]),
+                "prompt_tokens": [len(p) for p, _ in w["requests"]],
+                "max_tokens": w["requests"][0][1],
+            }
+            for n, w in workloads.items()
+        },
+        "tok_per_s": table,
+        "ratios": rat,
         "best_dtype": {p: best_of(table, p) for p in PEERS},
         "peak_rss_mib": peak_rss(runs),
         "runs": runs,

@@ -59,12 +59,21 @@ def profile_batch(
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     all_self = sum(e.self_cpu_time_total for e in events) or 1.0
     ops = [
-        {"op": e.key, "calls_per_step": e.count / min(steps, 5),
-         "share": e.self_cpu_time_total / all_self}
+        {
+            "op": e.key,
+            "calls_per_step": e.count / min(steps, 5),
+            "share": e.self_cpu_time_total / all_self,
+        }
         for e in events[:num_ops]
     ]
-    return {"batch": batch, "context": context, "step_ms": total, "phases_ms": phases,
-            "tok_per_s": batch / (total / 1e3), "top_ops": ops}
+    return {
+        "batch": batch,
+        "context": context,
+        "step_ms": total,
+        "phases_ms": phases,
+        "tok_per_s": batch / (total / 1e3),
+        "top_ops": ops,
+    }
 
 
 def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -81,8 +90,13 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.bar(labels, vals, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     for i, r in enumerate(results):
-        ax.annotate(f"{r['step_ms']:.1f} ms\n{r['tok_per_s']:.0f} tok/s", (i, bottom[i]),
-                    ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r['step_ms']:.1f} ms\n{r['tok_per_s']:.0f} tok/s",
+            (i, bottom[i]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("ms per decode step (median)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
@@ -96,14 +110,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--kv-cache-dtype", default="auto",
-                    help="auto | bfloat16 | float32 | fp8 (the engine's kv_cache_dtype)")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto | bfloat16 | float32 | fp8 (the engine's kv_cache_dtype)",
+    )
     ap.add_argument("--ops", type=int, default=12, help="top operators to list")
     ap.add_argument("--out", default="profile")
     args = ap.parse_args(argv)
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                                    kv_cache_memory_bytes=2 << 30,
-                                    max_num_seqs=max(args.batch), enable_prefix_caching=False))
+    engine = LLMEngine(
+        EngineConfig(
+            dtype=args.dtype,
+            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_memory_bytes=2 << 30,
+            max_num_seqs=max(args.batch),
+            enable_prefix_caching=False,
+        )
+    )
     facts = machine_facts()
     results = []
     for batch in tqdm(args.batch, desc="profile", unit="batch"):
@@ -111,14 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{engine.compute_description}; context {args.context}; {facts['cpu']}")
     print(f"{'batch':>5}{'step ms':>9}{'tok/s':>8}" + "".join(f"{p:>10}" for p in STEP_PHASES))
     for r in results:
-        print(f"{r['batch']:>5}{r['step_ms']:>9.2f}{r['tok_per_s']:>8.0f}"
-              + "".join(f"{r['phases_ms'][p]:>10.2f}" for p in STEP_PHASES))
+        print(
+            f"{r['batch']:>5}{r['step_ms']:>9.2f}{r['tok_per_s']:>8.0f}"
+            + "".join(f"{r['phases_ms'][p]:>10.2f}" for p in STEP_PHASES)
+        )
     for r in results:
         print(f"\nB={r['batch']}: top operators (share of profiled CPU time, calls per step)")
         for op in r["top_ops"]:
             print(f"  {op['share']:6.1%}  {op['calls_per_step']:6.0f}  {op['op']}")
-    report = {"bench": "profile", "machine": facts, "compute": engine.compute_description,
-              "threads": torch.get_num_threads(), "context": args.context, "results": results}
+    report = {
+        "bench": "profile",
+        "machine": facts,
+        "compute": engine.compute_description,
+        "threads": torch.get_num_threads(),
+        "context": args.context,
+        "results": results,
+    }
     title = f"{engine.compute_description}\n{facts['cpu']}, context {args.context}"
     save_report(args.out, report, lambda p: plot(results, p, title))
     return 0

@@ -13,8 +13,17 @@ from typing import Any
 from common.config import ROOT
 
 REPORT_DIR = ROOT / "bench" / "reports"
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16",
-             "amx_int8", "amx_tile")
+ISA_FLAGS = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_bf16",
+    "amx_int8",
+    "amx_tile",
+)
 
 
 def machine_facts() -> dict[str, Any]:
@@ -34,21 +43,24 @@ def machine_facts() -> dict[str, Any]:
         "cores": os.cpu_count(),
         # torch's pool where this process loaded torch; the servers' own pools are in
         # their GetModelInfo.compute
-        "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules
-        else None,
+        "torch_threads": sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None,
         "loadavg": os.getloadavg(),
     }
 
 
-def save_report(name: str, report: dict[str, Any],
-                chart: Callable[[Path], None] | None = None) -> Path:
+def save_report(
+    name: str, report: dict[str, Any], chart: Callable[[Path], None] | None = None
+) -> Path:
     """Write ``<name>.json`` (and ``<name>.png`` through ``chart``); return the JSON path.
 
     Every report gets ``machine``: the CPU model, the ISA flags that decide kernels,
     cores, torch threads and the load average when it is written (keys the bench set
     itself, such as a load average taken before it ran, are kept)."""
-    report["machine"] = {**machine_facts(), "loadavg_at_save": os.getloadavg(),
-                         **report.get("machine", {})}
+    report["machine"] = {
+        **machine_facts(),
+        "loadavg_at_save": os.getloadavg(),
+        **report.get("machine", {}),
+    }
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
     path = REPORT_DIR / f"{name}.json"
     path.write_text(json.dumps(report, indent=2, default=str))

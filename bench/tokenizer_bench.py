@@ -45,7 +45,7 @@ def make_texts(n: int, size: int = 1024, seed: int = 0) -> list[str]:
     out = []
     for _ in range(n):
         start = rng.randrange(0, len(src) - size)
-        out.append(src[start:start + size])
+        out.append(src[start : start + size])
     return out
 
 
@@ -79,9 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     texts = make_texts(args.num_texts)
     tok = TextTokenizer(default_model_dir())
-    server = ManagedProcess(name="tokenizer-bench", module="tokenizer_svc",
-                            args=["--port", "0", "--metrics-port", "-1", "--log-level", "warning"],
-                            log_dir=Path(tempfile.mkdtemp(prefix="tokbench-")))
+    server = ManagedProcess(
+        name="tokenizer-bench",
+        module="tokenizer_svc",
+        args=["--port", "0", "--metrics-port", "-1", "--log-level", "warning"],
+        log_dir=Path(tempfile.mkdtemp(prefix="tokbench-")),
+    )
     server.start(timeout=60)
     results: dict[str, Any] = {}
     try:
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         def batches() -> int:
             n = 0
             for i in range(0, len(texts), 64):
-                reqs = [tokenizer_pb2.EncodeRequest(text=t) for t in texts[i:i + 64]]
+                reqs = [tokenizer_pb2.EncodeRequest(text=t) for t in texts[i : i + 64]]
                 resp = stub.EncodeBatch(tokenizer_pb2.EncodeBatchRequest(requests=reqs))
                 n += sum(len(r.token_ids) for r in resp.responses)
             return n
@@ -101,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
             "in-process": lambda: sum(len(tok.encode(t)) for t in texts),
             "in-process batch": lambda: sum(map(len, tok.encode_batch(texts))),
             "grpc unary": lambda: sum(
-                len(stub.Encode(tokenizer_pb2.EncodeRequest(text=t)).token_ids) for t in texts),
+                len(stub.Encode(tokenizer_pb2.EncodeRequest(text=t)).token_ids) for t in texts
+            ),
             f"grpc concurrent x{args.concurrency}": lambda: run_grpc_concurrent(
-                server.address, texts, args.concurrency),
+                server.address, texts, args.concurrency
+            ),
             "grpc batch (64/call)": batches,
         }
         bar = tqdm(total=len(modes) * args.repeats, desc="tokenizer bench", unit="run")
@@ -115,9 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update()
             med = statistics.median(secs)
             results[name] = {
-                "seconds_median": med, "texts_per_s": len(texts) / med,
-                "tokens_per_s": ntok / med, "us_per_text": 1e6 * med / len(texts),
-                "num_tokens": ntok, "runs": secs,
+                "seconds_median": med,
+                "texts_per_s": len(texts) / med,
+                "tokens_per_s": ntok / med,
+                "us_per_text": 1e6 * med / len(texts),
+                "num_tokens": ntok,
+                "runs": secs,
             }
         bar.close()
         channel.close()
@@ -127,11 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(texts)} texts of ~1 KB, median of {args.repeats} runs")
     print(f"{'mode':<26}{'texts/s':>10}{'tokens/s':>12}{'us/text':>10}{'vs in-process':>15}")
     for name, r in results.items():
-        print(f"{name:<26}{r['texts_per_s']:>10.0f}{r['tokens_per_s']:>12.0f}"
-              f"{r['us_per_text']:>10.1f}{r['texts_per_s'] / base:>14.2f}x")
-    report = {"bench": "tokenizer", "num_texts": len(texts), "text_chars": 1024,
-              "repeats": args.repeats, "machine": platform.machine(),
-              "python": platform.python_version(), "results": results}
+        print(
+            f"{name:<26}{r['texts_per_s']:>10.0f}{r['tokens_per_s']:>12.0f}"
+            f"{r['us_per_text']:>10.1f}{r['texts_per_s'] / base:>14.2f}x"
+        )
+    report = {
+        "bench": "tokenizer",
+        "num_texts": len(texts),
+        "text_chars": 1024,
+        "repeats": args.repeats,
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "results": results,
+    }
     save_report("tokenizer_bench", report, lambda path: plot(results, path))
     return 0
 

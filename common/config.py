@@ -69,9 +69,7 @@ def _coerce(raw: Any, tp: Any, where: str) -> Any:
         (item,) = typing.get_args(tp)
         items = raw.split(",") if isinstance(raw, str) else list(raw)
         return [
-            _coerce(i.strip() if isinstance(i, str) else i, item, where)
-            for i in items
-            if i != ""
+            _coerce(i.strip() if isinstance(i, str) else i, item, where) for i in items if i != ""
         ]
     if tp is bool:
         if isinstance(raw, bool):
@@ -145,8 +143,9 @@ def add_service_args(parser: Any) -> None:
     parser.add_argument("--port-file", help="write bound ports here as JSON once serving")
     parser.add_argument("--log-level")
     parser.add_argument("--log-format", choices=["auto", "json", "console"])
-    parser.add_argument("--service-token-file",
-                        help="file with the shared secret of internal calls")
+    parser.add_argument(
+        "--service-token-file", help="file with the shared secret of internal calls"
+    )
 
 
 def service_overrides(args: Any) -> dict[str, Any]:

@@ -38,15 +38,17 @@ def refusing_handler(handler: Handler, code: grpc.StatusCode, message: str) -> H
         await context.abort(code, message)
 
     make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
-    return make(refuse, request_deserializer=handler.request_deserializer,  # type: ignore[operator]
-                response_serializer=handler.response_serializer)
+    return make(
+        refuse,
+        request_deserializer=handler.request_deserializer,  # type: ignore[operator]
+        response_serializer=handler.response_serializer,
+    )
 
 
 class GateInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc,type-arg]
     """Lets a call through, or ends it with the status ``refusal`` names."""
 
-    async def refusal(self, details: grpc.HandlerCallDetails
-                      ) -> tuple[grpc.StatusCode, str] | None:
+    async def refusal(self, details: grpc.HandlerCallDetails) -> tuple[grpc.StatusCode, str] | None:
         """(status, message) to refuse the call with; None lets it through."""
         raise NotImplementedError
 
@@ -70,8 +72,7 @@ class ServiceTokenInterceptor(GateInterceptor):
     def __init__(self, token: str) -> None:
         self._token = token.encode()
 
-    async def refusal(self, details: grpc.HandlerCallDetails
-                      ) -> tuple[grpc.StatusCode, str] | None:
+    async def refusal(self, details: grpc.HandlerCallDetails) -> tuple[grpc.StatusCode, str] | None:
         if details.method.startswith(self.OPEN_METHOD_PREFIXES):
             return None
         for key, value in details.invocation_metadata or ():
@@ -80,9 +81,10 @@ class ServiceTokenInterceptor(GateInterceptor):
                 if hmac.compare_digest(sent, self._token):
                     return None
                 break
-        return (grpc.StatusCode.UNAUTHENTICATED,
-                f"this service answers only the gateway: the call carries no valid "
-                f"{SERVICE_TOKEN_KEY}")
+        return (
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"this service answers only the gateway: the call carries no valid {SERVICE_TOKEN_KEY}",
+        )
 
 
 class _Undecodable:
@@ -108,8 +110,10 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], A
 
 
 def _invalid_message(bad: _Undecodable) -> str:
-    return (f"the request message could not be decoded ({bad.reason}); string fields must "
-            "be valid UTF-8")
+    return (
+        f"the request message could not be decoded ({bad.reason}); string fields must "
+        "be valid UTF-8"
+    )
 
 
 class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc,type-arg]
@@ -137,8 +141,7 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc,t
 
             async def wrapped(request: Any, context: Any) -> Any:
                 if isinstance(request, _Undecodable):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        _invalid_message(request))
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _invalid_message(request))
                 async for item in behavior(request, context):
                     yield item
 
@@ -146,13 +149,18 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc,t
 
             async def wrapped(request: Any, context: Any) -> Any:
                 if isinstance(request, _Undecodable):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        _invalid_message(request))
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _invalid_message(request))
                 return await behavior(request, context)
 
         else:
             return handler
-        make = (grpc.unary_stream_rpc_method_handler if handler.response_streaming
-                else grpc.unary_unary_rpc_method_handler)
-        return make(wrapped, request_deserializer=_tolerant(handler.request_deserializer),
-                    response_serializer=handler.response_serializer)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.response_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        return make(
+            wrapped,
+            request_deserializer=_tolerant(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )

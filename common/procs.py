@@ -77,8 +77,13 @@ class ManagedProcess(LoggedChild):
         self._log = self.log_path.open("ab")
         cmd = [sys.executable, "-m", self.module, *self.args, "--port-file", str(self._port_file)]
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -69,9 +69,16 @@ class RedisServer:
     ``key_prefix`` and to non-dangerous commands.
     """
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", binary: str | None = None,
-                 *, password: str = "", username: str = SERVICE_USER,
-                 key_prefix: str = "rl:") -> None:
+    def __init__(
+        self,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        binary: str | None = None,
+        *,
+        password: str = "",
+        username: str = SERVICE_USER,
+        key_prefix: str = "rl:",
+    ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.binary = binary or find_server_binary()

@@ -88,9 +88,7 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc,typ
         md = dict(handler_call_details.invocation_metadata or ())
         rid = md.get(REQUEST_ID_KEY) or uuid.uuid4().hex
         request_id_var.set(str(rid))
-        structlog.contextvars.bind_contextvars(
-            request_id=str(rid), rpc=handler_call_details.method
-        )
+        structlog.contextvars.bind_contextvars(request_id=str(rid), rpc=handler_call_details.method)
         return await continuation(handler_call_details)
 
 
@@ -124,8 +122,10 @@ def _auth_interceptors(config: ServiceConfig, hooks: ServiceHooks) -> list[Any]:
         return []
     token = read_service_token(config.service_token_file)
     if not token:
-        log.warning("no service_token_file: this internal service answers any caller that "
-                    "reaches its port; set one outside development")
+        log.warning(
+            "no service_token_file: this internal service answers any caller that "
+            "reaches its port; set one outside development"
+        )
         return []
     return [ServiceTokenInterceptor(token)]
 
@@ -133,8 +133,12 @@ def _auth_interceptors(config: ServiceConfig, hooks: ServiceHooks) -> list[Any]:
 async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully. Returns after cleanup."""
     server = grpc.aio.server(
-        interceptors=[RequestIdInterceptor(), *_auth_interceptors(config, hooks),
-                      DecodeErrorInterceptor(), *hooks.interceptors],
+        interceptors=[
+            RequestIdInterceptor(),
+            *_auth_interceptors(config, hooks),
+            DecodeErrorInterceptor(),
+            *hooks.interceptors,
+        ],
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
@@ -145,8 +149,11 @@ async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> 
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME],
+        [
+            *names,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
     port = server.add_insecure_port(f"{config.host}:{config.port}")
@@ -173,8 +180,14 @@ async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> 
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         if config.port_file:
             _write_port_file(config.port_file, BoundPorts(port, metrics_port))
-        log.info("serving", host=config.host, port=port, metrics_port=metrics_port, services=names,
-                 event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
+        log.info(
+            "serving",
+            host=config.host,
+            port=port,
+            metrics_port=metrics_port,
+            services=names,
+            event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
+        )
         await stop.wait()
         log.info("shutting down", grace_seconds=config.grace_seconds)
         await health_servicer.enter_graceful_shutdown()

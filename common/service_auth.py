@@ -57,8 +57,10 @@ def check_secret(secret: str, what: str) -> None:
         ValueError: ``secret`` has fewer than 32 characters or holds whitespace.
     """
     if len(secret) < MIN_TOKEN_CHARS or any(c.isspace() for c in secret):
-        raise ValueError(f"{what} must hold a secret of at least {MIN_TOKEN_CHARS} "
-                         "characters without whitespace (e.g. `openssl rand -hex 32`)")
+        raise ValueError(
+            f"{what} must hold a secret of at least {MIN_TOKEN_CHARS} "
+            "characters without whitespace (e.g. `openssl rand -hex 32`)"
+        )
 
 
 def default_token_file() -> str:

@@ -41,8 +41,9 @@ def main() -> None:
     has_gpu = bool(torch.cuda.device_count())
     if not has_gpu or tuple(torch.cuda.get_device_capability(0)) < (8, 9):
         raise SystemExit("quantize_fp8: needs an NVIDIA GPU with FP8 (compute capability >= 8.9)")
-    prompts = (Path(args.calib_prompts).read_text().splitlines() if args.calib_prompts
-               else DEFAULT_PROMPTS)
+    prompts = (
+        Path(args.calib_prompts).read_text().splitlines() if args.calib_prompts else DEFAULT_PROMPTS
+    )
     prompts = [p for p in prompts if p.strip()][: args.calib_size]
     tok = AutoTokenizer.from_pretrained(args.model)
     model: Any = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16)

@@ -70,8 +70,14 @@ def config_hash(*configs: object) -> str:
 
 def engine_build() -> str:
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                             capture_output=True, timeout=5, check=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev = "unknown"
     return f"llm-serving-stack 0.1.0 git {rev}"
@@ -99,8 +105,9 @@ async def warm_up(backend: Backend) -> None:
     params = SamplingParams(max_tokens=4)
     s = backend.stats().engine
     n = max(1, min(2, s.max_num_seqs, s.max_waiting))
-    streams = [backend.generate(GenerateInput(f"warmup-{i}", [1, 2, 3, 4 + i], params))
-               for i in range(n)]
+    streams = [
+        backend.generate(GenerateInput(f"warmup-{i}", [1, 2, 3, 4 + i], params)) for i in range(n)
+    ]
 
     async def drain(s: AsyncIterator[RequestOutput]) -> int:
         return sum([len(o.new_token_ids) async for o in s])
@@ -119,18 +126,38 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--num-kv-blocks", type=int)
     parser.add_argument("--max-num-seqs", type=int)
     args = parser.parse_args(argv)
-    svc = load_config(EngineServiceConfig, "engine", path=args.config, overrides={
-        **service_overrides(args), "backend": args.backend, "model_version": args.model_version})
-    core = load_config(EngineConfig, "engine_core", path=args.config, overrides={
-        "model_dir": args.model_dir, "num_kv_blocks": args.num_kv_blocks,
-        "max_num_seqs": args.max_num_seqs})
+    svc = load_config(
+        EngineServiceConfig,
+        "engine",
+        path=args.config,
+        overrides={
+            **service_overrides(args),
+            "backend": args.backend,
+            "model_version": args.model_version,
+        },
+    )
+    core = load_config(
+        EngineConfig,
+        "engine_core",
+        path=args.config,
+        overrides={
+            "model_dir": args.model_dir,
+            "num_kv_blocks": args.num_kv_blocks,
+            "max_num_seqs": args.max_num_seqs,
+        },
+    )
     configure_logging("engine", svc.log_level, svc.log_format)
     model_dir = Path(core.model_dir or default_model_dir())
     core.model_dir = str(model_dir)
     version = svc.model_version or model_version(model_dir)
     backend = make_backend(svc, core)
-    servicer = EngineServicer(backend, model_name=svc.model_name, version=version,
-                              config_hash=config_hash(svc, core), build=engine_build())
+    servicer = EngineServicer(
+        backend,
+        model_name=svc.model_name,
+        version=version,
+        config_hash=config_hash(svc, core),
+        build=engine_build(),
+    )
 
     def register(server: grpc.aio.Server) -> list[str]:
         engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
@@ -141,22 +168,42 @@ def main(argv: Sequence[str] | None = None) -> None:
         metrics.register_stats(backend.stats)
         metrics.export(svc.model_name, vllm_names=svc.backend != "vllm")
         info = backend.model_info()
-        metrics.MODEL.info({"model": svc.model_name, "version": version, "backend": svc.backend,
-                            "config_hash": config_hash(svc, core), "build": engine_build(),
-                            "weight_dtype": info.weight_dtype,
-                            "kv_cache_dtype": info.kv_cache_dtype,
-                            "compute": info.compute})
-        log.info("engine started", backend=svc.backend, model=svc.model_name, version=version,
-                 device=info.device, weight_dtype=info.weight_dtype, compute=info.compute,
-                 kv_blocks=info.num_kv_blocks, max_context=info.max_context_length)
+        metrics.MODEL.info(
+            {
+                "model": svc.model_name,
+                "version": version,
+                "backend": svc.backend,
+                "config_hash": config_hash(svc, core),
+                "build": engine_build(),
+                "weight_dtype": info.weight_dtype,
+                "kv_cache_dtype": info.kv_cache_dtype,
+                "compute": info.compute,
+            }
+        )
+        log.info(
+            "engine started",
+            backend=svc.backend,
+            model=svc.model_name,
+            version=version,
+            device=info.device,
+            weight_dtype=info.weight_dtype,
+            compute=info.compute,
+            kv_blocks=info.num_kv_blocks,
+            max_context=info.max_context_length,
+        )
         if svc.warmup:
             await warm_up(backend)
 
     async def on_drain() -> None:
         await servicer.drain(svc.grace_seconds)
 
-    hooks = ServiceHooks(register=register, ready=ready, on_drain=on_drain, on_stop=backend.stop,
-                         require_service_token=True)
+    hooks = ServiceHooks(
+        register=register,
+        ready=ready,
+        on_drain=on_drain,
+        on_stop=backend.stop,
+        require_service_token=True,
+    )
     run(run_service("engine", svc, hooks))
 
 

@@ -41,8 +41,9 @@ def sampling_params_from_proto(p: engine_pb2.EngineSamplingParams) -> SamplingPa
     )
 
 
-def generate_input_from_proto(req: engine_pb2.EngineGenerateRequest,
-                              served_model: str) -> GenerateInput:
+def generate_input_from_proto(
+    req: engine_pb2.EngineGenerateRequest, served_model: str
+) -> GenerateInput:
     """Validate what the proto alone can tell; the engine validates the rest."""
     if not req.request_id:
         raise ValueError("request_id must be set (the gateway generates one per request)")
@@ -57,13 +58,15 @@ def generate_input_from_proto(req: engine_pb2.EngineGenerateRequest,
         priority=int(req.priority),
         tenant_id=req.tenant_id,
         resumed_output_token_ids=list(req.resumed_output_token_ids),
-        speculative_decoding=(req.speculative_decoding
-                              if req.HasField("speculative_decoding") else None),
+        speculative_decoding=(
+            req.speculative_decoding if req.HasField("speculative_decoding") else None
+        ),
     )
 
 
-def deadline_seconds(req: engine_pb2.EngineGenerateRequest, grpc_remaining: float | None
-                     ) -> float | None:
+def deadline_seconds(
+    req: engine_pb2.EngineGenerateRequest, grpc_remaining: float | None
+) -> float | None:
     """Seconds left under the earlier of the request's deadline and the gRPC deadline."""
     left = [grpc_remaining] if grpc_remaining is not None else []
     if req.HasField("deadline") and (req.deadline.seconds or req.deadline.nanos):
@@ -76,8 +79,10 @@ def _logprobs(lps: list[TokenLogprobs]) -> list[common_pb2.PositionLogprobs]:
         common_pb2.PositionLogprobs(
             chosen=common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob),
             rank=lp.rank,
-            top=[common_pb2.TokenLogprob(token_id=t, logprob=v)
-                 for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)],
+            top=[
+                common_pb2.TokenLogprob(token_id=t, logprob=v)
+                for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+            ],
         )
         for lp in lps
     ]
@@ -92,37 +97,52 @@ def _timings(out: RequestOutput, now: float) -> engine_pb2.Timings:
     return t
 
 
-def response_from_output(out: RequestOutput, first: bool, now: float
-                         ) -> engine_pb2.EngineGenerateResponse:
+def response_from_output(
+    out: RequestOutput, first: bool, now: float
+) -> engine_pb2.EngineGenerateResponse:
     """One streamed chunk; timings on the first and last, usage on the last."""
-    resp = engine_pb2.EngineGenerateResponse(request_id=out.request_id,
-                                             token_ids=out.new_token_ids)
+    resp = engine_pb2.EngineGenerateResponse(request_id=out.request_id, token_ids=out.new_token_ids)
     if out.new_logprobs:
         resp.logprobs.extend(_logprobs(out.new_logprobs))
     if first or out.finished:
         resp.timings.CopyFrom(_timings(out, now))
     if out.finished:
         resp.finish_reason = _FINISH.get(out.finish_reason or FinishReason.ERROR, common_pb2.ERROR)
-        resp.usage.CopyFrom(common_pb2.Usage(
-            prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens,
-            cached_prompt_tokens=out.num_cached_tokens))
+        resp.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=out.num_prompt_tokens,
+                completion_tokens=out.num_output_tokens,
+                cached_prompt_tokens=out.num_cached_tokens,
+            )
+        )
         if out.stop_token_id is not None:
             resp.stop_token_id = out.stop_token_id
         if out.num_draft_tokens:
-            resp.speculative.CopyFrom(engine_pb2.SpeculativeStats(
-                num_draft_tokens=out.num_draft_tokens,
-                num_accepted_tokens=out.num_accepted_tokens,
-                num_forward_passes_saved=out.num_accepted_tokens))
+            resp.speculative.CopyFrom(
+                engine_pb2.SpeculativeStats(
+                    num_draft_tokens=out.num_draft_tokens,
+                    num_accepted_tokens=out.num_accepted_tokens,
+                    num_forward_passes_saved=out.num_accepted_tokens,
+                )
+            )
     return resp
 
 
-def model_info_to_proto(info: ModelInfo, *, version: str, config_hash: str, build: str,
-                        served_model: str) -> engine_pb2.ModelInfo:
+def model_info_to_proto(
+    info: ModelInfo, *, version: str, config_hash: str, build: str, served_model: str
+) -> engine_pb2.ModelInfo:
     return engine_pb2.ModelInfo(
-        model=served_model, version=version, max_context_length=info.max_context_length,
-        vocab_size=info.vocab_size, eos_token_ids=info.eos_token_ids,
-        weight_dtype=info.weight_dtype, kv_cache_dtype=info.kv_cache_dtype,
-        backend=info.backend, kv_block_size=info.kv_block_size, config_hash=config_hash,
-        engine_build=build, device=info.device, compute=info.compute,
+        model=served_model,
+        version=version,
+        max_context_length=info.max_context_length,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        weight_dtype=info.weight_dtype,
+        kv_cache_dtype=info.kv_cache_dtype,
+        backend=info.backend,
+        kv_block_size=info.kv_block_size,
+        config_hash=config_hash,
+        engine_build=build,
+        device=info.device,
+        compute=info.compute,
     )

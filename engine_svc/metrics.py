@@ -26,27 +26,59 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1)
 _STEP = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
-TTFT = Histogram("engine_time_to_first_token_seconds", "Arrival to first token",
-                 ["priority"], buckets=_LATENCY, registry=ENGINE)
-TPOT = Histogram("engine_time_per_output_token_seconds", "Mean time per output token after "
-                 "the first, per request", ["priority"], buckets=_TPOT, registry=ENGINE)
-E2E = Histogram("engine_e2e_request_latency_seconds", "Arrival to finish",
-                ["priority"], buckets=_LATENCY, registry=ENGINE)
-QUEUE = Histogram("engine_request_queue_time_seconds", "Arrival to first scheduled",
-                  ["priority"], buckets=_LATENCY, registry=ENGINE)
-PROMPT_TOKENS = Counter("engine_prompt_tokens", "Prompt tokens of finished requests",
-                        registry=ENGINE)
-GENERATION_TOKENS = Counter("engine_generation_tokens", "Generated tokens of finished requests",
-                            registry=ENGINE)
-SUCCESS = Counter("engine_request_success", "Finished requests", ["finished_reason"],
-                  registry=ENGINE)
-ERRORS = Counter("engine_request_errors", "Requests rejected or failed", ["error_type"],
-                 registry=ENGINE)
-STEP_PHASE = Histogram("engine_step_phase_seconds", "Time of one engine step in each phase "
-                       "(schedule, prepare, forward, sample, update)", ["phase"], buckets=_STEP,
-                       registry=ENGINE)
-STEP_BATCH = Histogram("engine_step_num_decodes", "Decoding sequences per engine step",
-                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=ENGINE)
+TTFT = Histogram(
+    "engine_time_to_first_token_seconds",
+    "Arrival to first token",
+    ["priority"],
+    buckets=_LATENCY,
+    registry=ENGINE,
+)
+TPOT = Histogram(
+    "engine_time_per_output_token_seconds",
+    "Mean time per output token after the first, per request",
+    ["priority"],
+    buckets=_TPOT,
+    registry=ENGINE,
+)
+E2E = Histogram(
+    "engine_e2e_request_latency_seconds",
+    "Arrival to finish",
+    ["priority"],
+    buckets=_LATENCY,
+    registry=ENGINE,
+)
+QUEUE = Histogram(
+    "engine_request_queue_time_seconds",
+    "Arrival to first scheduled",
+    ["priority"],
+    buckets=_LATENCY,
+    registry=ENGINE,
+)
+PROMPT_TOKENS = Counter(
+    "engine_prompt_tokens", "Prompt tokens of finished requests", registry=ENGINE
+)
+GENERATION_TOKENS = Counter(
+    "engine_generation_tokens", "Generated tokens of finished requests", registry=ENGINE
+)
+SUCCESS = Counter(
+    "engine_request_success", "Finished requests", ["finished_reason"], registry=ENGINE
+)
+ERRORS = Counter(
+    "engine_request_errors", "Requests rejected or failed", ["error_type"], registry=ENGINE
+)
+STEP_PHASE = Histogram(
+    "engine_step_phase_seconds",
+    "Time of one engine step in each phase (schedule, prepare, forward, sample, update)",
+    ["phase"],
+    buckets=_STEP,
+    registry=ENGINE,
+)
+STEP_BATCH = Histogram(
+    "engine_step_num_decodes",
+    "Decoding sequences per engine step",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    registry=ENGINE,
+)
 MODEL = Info("engine_model", "The served model, its version and the engine build/config")
 
 
@@ -94,23 +126,40 @@ class StatsCollector(Collector):
             ("engine_num_requests_waiting", "Requests waiting to be scheduled", e.num_waiting),
             ("engine_kv_cache_usage_perc", "Share of KV blocks in use (0-1)", e.kv_cache_usage),
             ("engine_num_kv_blocks_total", "KV blocks in the pool", e.num_kv_blocks_total),
-            ("engine_generation_tokens_per_second", "Recent generation throughput",
-             s.generation_tokens_per_second),
+            (
+                "engine_generation_tokens_per_second",
+                "Recent generation throughput",
+                s.generation_tokens_per_second,
+            ),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         for name, doc, value in (  # exposed as <name>_total
             ("engine_num_preemptions", "Preemptions since start", e.num_preemptions_total),
-            ("engine_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-             e.prefix_cache_queries),
-            ("engine_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-             e.prefix_cache_hits),
-            ("engine_prefix_cache_evictions", "Cached blocks evicted for reuse",
-             e.prefix_cache_evictions),
-            ("engine_spec_decode_num_draft_tokens", "Speculative tokens proposed",
-             e.num_draft_tokens_total),
-            ("engine_spec_decode_num_accepted_tokens",
-             "Speculative tokens accepted (= forward passes saved)",
-             e.num_accepted_tokens_total),
+            (
+                "engine_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                e.prefix_cache_queries,
+            ),
+            (
+                "engine_prefix_cache_hits",
+                "Prompt tokens found in the prefix cache",
+                e.prefix_cache_hits,
+            ),
+            (
+                "engine_prefix_cache_evictions",
+                "Cached blocks evicted for reuse",
+                e.prefix_cache_evictions,
+            ),
+            (
+                "engine_spec_decode_num_draft_tokens",
+                "Speculative tokens proposed",
+                e.num_draft_tokens_total,
+            ),
+            (
+                "engine_spec_decode_num_accepted_tokens",
+                "Speculative tokens accepted (= forward passes saved)",
+                e.num_accepted_tokens_total,
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=value)
 
@@ -142,17 +191,22 @@ VLLM_NAMES = {
 def _relabelled(family: Metric, name: str, model_name: str) -> Metric:
     out = Metric(name, family.documentation, family.type, family.unit)
     for sample in family.samples:
-        out.add_sample(name + sample.name[len(family.name):],
-                       {**sample.labels, "model_name": model_name}, sample.value,
-                       sample.timestamp, sample.exemplar)
+        out.add_sample(
+            name + sample.name[len(family.name) :],
+            {**sample.labels, "model_name": model_name},
+            sample.value,
+            sample.timestamp,
+            sample.exemplar,
+        )
     return out
 
 
 class ExportCollector(Collector):
     """The engine's series with ``model_name``, under their names and vLLM's."""
 
-    def __init__(self, model_name: str, source: CollectorRegistry = ENGINE,
-                 vllm_names: bool = True) -> None:
+    def __init__(
+        self, model_name: str, source: CollectorRegistry = ENGINE, vllm_names: bool = True
+    ) -> None:
         self.model_name, self.source, self.vllm_names = model_name, source, vllm_names
 
     def collect(self) -> Iterator[Metric]:

@@ -34,8 +34,9 @@ log = get_logger(__name__)
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     """llm.v1.Engine: validate, hand to the backend, stream, map errors."""
 
-    def __init__(self, backend: Backend, *, model_name: str, version: str,
-                 config_hash: str, build: str) -> None:
+    def __init__(
+        self, backend: Backend, *, model_name: str, version: str, config_hash: str, build: str
+    ) -> None:
         self._backend = backend
         self._model = model_name
         self._version = version
@@ -46,24 +47,35 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def _reject(self, context: Context, code: grpc.StatusCode, message: str,
-                      error_type: str) -> None:
+    async def _reject(
+        self, context: Context, code: grpc.StatusCode, message: str, error_type: str
+    ) -> None:
         metrics.ERRORS.labels(error_type).inc()
         await context.abort(code, message)
 
-    async def Generate(self, request: engine_pb2.EngineGenerateRequest,
-                       context: Context) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+    async def Generate(
+        self, request: engine_pb2.EngineGenerateRequest, context: Context
+    ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         if self.draining:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE,
-                               "this engine replica is draining; retry on another replica",
-                               "draining")
+            await self._reject(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "this engine replica is draining; retry on another replica",
+                "draining",
+            )
         try:
             inp = convert.generate_input_from_proto(request, self._model)
             info = self._backend.model_info()
             # once, here, for every backend (the native engine repeats it for offline use)
-            validate_request(inp.request_id, inp.prompt_token_ids, inp.sampling_params,
-                             inp.priority, inp.resumed_output_token_ids,
-                             vocab_size=info.vocab_size, max_model_len=info.max_context_length)
+            validate_request(
+                inp.request_id,
+                inp.prompt_token_ids,
+                inp.sampling_params,
+                inp.priority,
+                inp.resumed_output_token_ids,
+                vocab_size=info.vocab_size,
+                max_model_len=info.max_context_length,
+            )
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
         structlog.contextvars.bind_contextvars(request_id=inp.request_id, tenant=inp.tenant_id)
@@ -71,17 +83,22 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self.num_active += 1
         self._idle.clear()
         try:
-            async for resp in self._stream(inp.priority, self._backend.generate(inp), timeout,
-                                           context):
+            async for resp in self._stream(
+                inp.priority, self._backend.generate(inp), timeout, context
+            ):
                 yield resp
         finally:
             self.num_active -= 1
             if self.num_active == 0:
                 self._idle.set()
 
-    async def _stream(self, priority: int,
-                      stream: AsyncIterator[RequestOutput], seconds_left: float | None,
-                      context: Context) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+    async def _stream(
+        self,
+        priority: int,
+        stream: AsyncIterator[RequestOutput],
+        seconds_left: float | None,
+        context: Context,
+    ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         loop = asyncio.get_running_loop()
         when = None if seconds_left is None else loop.time() + max(0.0, seconds_left)
         first, finished, sent_tokens = True, False, 0
@@ -92,31 +109,44 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 finished = out.finished
                 if finished:
                     metrics.observe_finished(out, priority)
-                    log.info("request finished", finish_reason=str(out.finish_reason),
-                             prompt_tokens=out.num_prompt_tokens,
-                             output_tokens=out.num_output_tokens,
-                             cached_tokens=out.num_cached_tokens,
-                             preemptions=out.num_preemptions)
+                    log.info(
+                        "request finished",
+                        finish_reason=str(out.finish_reason),
+                        prompt_tokens=out.num_prompt_tokens,
+                        output_tokens=out.num_output_tokens,
+                        cached_tokens=out.num_cached_tokens,
+                        preemptions=out.num_preemptions,
+                    )
                     if out.finish_reason == FinishReason.ERROR and sent_tokens == 0:
                         await self._reject(
-                            context, grpc.StatusCode.UNAVAILABLE,
+                            context,
+                            grpc.StatusCode.UNAVAILABLE,
                             "the engine failed to run this request; retry on another replica",
-                            "engine_error")
+                            "engine_error",
+                        )
                 sent_tokens += len(out.new_token_ids)
                 yield convert.response_from_output(out, first, time.monotonic())
                 first = False
         except TimeoutError:  # the backend's stream, cancelled, aborted its request
-            await self._reject(context, grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"deadline exceeded after {sent_tokens} tokens; the request "
-                               "was aborted and its KV blocks freed", "deadline")
+            await self._reject(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"deadline exceeded after {sent_tokens} tokens; the request "
+                "was aborted and its KV blocks freed",
+                "deadline",
+            )
         except DuplicateRequestError as e:
             await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(e), "duplicate")
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
         except QueueFullError as e:
             context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
-            await self._reject(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{e} (retry after {e.retry_after_ms} ms)", "queue_full")
+            await self._reject(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{e} (retry after {e.retry_after_ms} ms)",
+                "queue_full",
+            )
         except BackendUnavailableError as e:
             await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e), "unavailable")
         finally:
@@ -125,26 +155,38 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             # a call refused as a duplicate must not end the live request holding that id.
             await stream.aclose()  # type: ignore[attr-defined]
 
-    async def GetStats(self, request: engine_pb2.GetStatsRequest,
-                       context: Context) -> engine_pb2.EngineStats:
+    async def GetStats(
+        self, request: engine_pb2.GetStatsRequest, context: Context
+    ) -> engine_pb2.EngineStats:
         s = self._backend.stats()
         e = s.engine
         return engine_pb2.EngineStats(
-            num_waiting=e.num_waiting, num_running=e.num_running,
-            num_kv_blocks_used=e.num_kv_blocks_used, num_kv_blocks_total=e.num_kv_blocks_total,
-            kv_cache_usage=e.kv_cache_usage, num_preemptions_total=e.num_preemptions_total,
+            num_waiting=e.num_waiting,
+            num_running=e.num_running,
+            num_kv_blocks_used=e.num_kv_blocks_used,
+            num_kv_blocks_total=e.num_kv_blocks_total,
+            kv_cache_usage=e.kv_cache_usage,
+            num_preemptions_total=e.num_preemptions_total,
             prompt_tokens_per_second=s.prompt_tokens_per_second,
             generation_tokens_per_second=s.generation_tokens_per_second,
-            prefix_cache_hit_rate=e.prefix_cache_hit_rate, max_num_seqs=e.max_num_seqs,
-            max_waiting=e.max_waiting, draining=self.draining,
-            num_requests_total=e.num_requests_total, model_version=self._version,
+            prefix_cache_hit_rate=e.prefix_cache_hit_rate,
+            max_num_seqs=e.max_num_seqs,
+            max_waiting=e.max_waiting,
+            draining=self.draining,
+            num_requests_total=e.num_requests_total,
+            model_version=self._version,
         )
 
-    async def GetModelInfo(self, request: engine_pb2.GetModelInfoRequest,
-                           context: Context) -> engine_pb2.ModelInfo:
+    async def GetModelInfo(
+        self, request: engine_pb2.GetModelInfoRequest, context: Context
+    ) -> engine_pb2.ModelInfo:
         return convert.model_info_to_proto(
-            self._backend.model_info(), version=self._version, config_hash=self._config_hash,
-            build=self._build, served_model=self._model)
+            self._backend.model_info(),
+            version=self._version,
+            config_hash=self._config_hash,
+            build=self._build,
+            served_model=self._model,
+        )
 
     async def drain(self, grace_seconds: float) -> None:
         """Stop admitting; wait up to ``grace_seconds`` for in-flight streams to end."""

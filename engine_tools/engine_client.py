@@ -30,8 +30,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokenizer", default="127.0.0.1:50061")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--service-token-file", default=default_token_file(),
-                   help="the internal-call secret (default: make run's, when present)")
+    p.add_argument(
+        "--service-token-file",
+        default=default_token_file(),
+        help="the internal-call secret (default: make run's, when present)",
+    )
     args = p.parse_args(argv)
     md = token_metadata(read_service_token(args.service_token_file))
     with grpc.insecure_channel(args.tokenizer) as tch, grpc.insecure_channel(args.address) as ech:
@@ -39,27 +42,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         eng = engine_pb2_grpc.EngineStub(ech)
         try:
             msgs = common_pb2.ChatMessages(
-                messages=[common_pb2.ChatMessage(role="user", content=args.prompt)])
-            ids = tok.Encode(tokenizer_pb2.EncodeRequest(messages=msgs), timeout=10,
-                             metadata=md).token_ids
+                messages=[common_pb2.ChatMessage(role="user", content=args.prompt)]
+            )
+            ids = tok.Encode(
+                tokenizer_pb2.EncodeRequest(messages=msgs), timeout=10, metadata=md
+            ).token_ids
             req = engine_pb2.EngineGenerateRequest(
-                request_id=uuid.uuid4().hex, prompt_token_ids=ids,
-                sampling=engine_pb2.EngineSamplingParams(max_tokens=args.max_tokens,
-                                                         temperature=args.temperature))
+                request_id=uuid.uuid4().hex,
+                prompt_token_ids=ids,
+                sampling=engine_pb2.EngineSamplingParams(
+                    max_tokens=args.max_tokens, temperature=args.temperature
+                ),
+            )
 
             def token_stream() -> object:
                 for chunk in eng.Generate(req, timeout=300, metadata=md):
                     if chunk.finish_reason:  # before the yield: the tokenizer ends its
                         token_stream.last = chunk  # type: ignore[attr-defined]  # stream on it
-                    yield tokenizer_pb2.DecodeStreamRequest(token_ids=chunk.token_ids,
-                                                            finish=bool(chunk.finish_reason))
+                    yield tokenizer_pb2.DecodeStreamRequest(
+                        token_ids=chunk.token_ids, finish=bool(chunk.finish_reason)
+                    )
 
             for delta in tok.DecodeStream(token_stream(), metadata=md):  # type: ignore[arg-type]
                 print(delta.text, end="", flush=True)
             last = token_stream.last  # type: ignore[attr-defined]
-            print(f"\n[{common_pb2.FinishReason.Name(last.finish_reason)}] prompt "
-                  f"{last.usage.prompt_tokens} tokens, completion {last.usage.completion_tokens}, "
-                  f"ttft {last.timings.time_to_first_token_seconds * 1000:.0f} ms", file=sys.stderr)
+            print(
+                f"\n[{common_pb2.FinishReason.Name(last.finish_reason)}] prompt "
+                f"{last.usage.prompt_tokens} tokens, completion {last.usage.completion_tokens}, "
+                f"ttft {last.timings.time_to_first_token_seconds * 1000:.0f} ms",
+                file=sys.stderr,
+            )
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1

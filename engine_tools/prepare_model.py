@@ -210,8 +210,12 @@ def prepare(model_dir: Path, force: bool = False) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="output directory (default $LLM_MODEL_DIR or .cache/models/<name>)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="output directory (default $LLM_MODEL_DIR or .cache/models/<name>)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if it verifies")
     parser.add_argument("--verify-only", action="store_true", help="check, do not build")
     args = parser.parse_args(argv)

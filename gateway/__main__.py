@@ -34,8 +34,11 @@ from ratelimit.config import RateLimitConfig
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line flags (they override the YAML file and the environment)."""
-    parser = argparse.ArgumentParser(prog="python -m gateway", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_service_args(parser)
     parser.add_argument("--engines", help="comma-separated engine replicas, host:port")
     parser.add_argument("--tokenizer", help="tokenizer_svc address, host:port")
@@ -45,20 +48,39 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", help="HF checkpoint for in-process detokenization")
     parser.add_argument("--admin-key-file", help="file holding the bootstrap admin key")
     parser.add_argument("--failover", choices=["on", "off"], help="mid-stream failover")
-    parser.add_argument("--http-port", type=int,
-                        help="OpenAI-compatible HTTP port (0 = ephemeral, -1 = off)")
+    parser.add_argument(
+        "--http-port", type=int, help="OpenAI-compatible HTTP port (0 = ephemeral, -1 = off)"
+    )
     return parser.parse_args(argv)
 
 
 def load_configs(args: argparse.Namespace) -> tuple[GatewayConfig, RateLimitConfig]:
     """The ``gateway`` and ``ratelimit`` sections with the flags applied."""
     failover = None if args.failover is None else args.failover == "on"
-    gw = load_config(GatewayConfig, "gateway", path=args.config, overrides={
-        **service_overrides(args), "engines": args.engines, "tokenizer": args.tokenizer,
-        "model_dir": args.model_dir, "failover": failover, "http_port": args.http_port})
-    rl = load_config(RateLimitConfig, "ratelimit", path=args.config, overrides={
-        "redis_url": args.redis_url, "admin_key_file": args.admin_key_file,
-        "redis_username": args.redis_username, "redis_password_file": args.redis_password_file})
+    gw = load_config(
+        GatewayConfig,
+        "gateway",
+        path=args.config,
+        overrides={
+            **service_overrides(args),
+            "engines": args.engines,
+            "tokenizer": args.tokenizer,
+            "model_dir": args.model_dir,
+            "failover": failover,
+            "http_port": args.http_port,
+        },
+    )
+    rl = load_config(
+        RateLimitConfig,
+        "ratelimit",
+        path=args.config,
+        overrides={
+            "redis_url": args.redis_url,
+            "admin_key_file": args.admin_key_file,
+            "redis_username": args.redis_username,
+            "redis_password_file": args.redis_password_file,
+        },
+    )
     return gw, rl
 
 
@@ -69,9 +91,11 @@ async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
     admin_servicer = app.stack.servicer()
 
     def register(server: grpc.aio.Server) -> list[str]:
-        return [*service.add_to_server(gateway_servicer, server),
-                *add_admin_to_server(admin_servicer, server),
-                *routing_admin.add_to_server(app.release.servicer(), server)]
+        return [
+            *service.add_to_server(gateway_servicer, server),
+            *add_admin_to_server(admin_servicer, server),
+            *routing_admin.add_to_server(app.release.servicer(), server),
+        ]
 
     http = HttpFront(app.pipeline, config.host, config.http_port) if config.http_port >= 0 else None
 
@@ -87,8 +111,13 @@ async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
 
     # SIGTERM: app.drain makes the pipeline refuse new requests (gRPC and HTTP alike,
     # /health answers 503) and waits for streams in flight; then both servers stop.
-    hooks = ServiceHooks(register=register, ready=ready, on_drain=app.drain, on_stop=stop,
-                         interceptors=[ReflectionAuthInterceptor(app.stack.registry)])
+    hooks = ServiceHooks(
+        register=register,
+        ready=ready,
+        on_drain=app.drain,
+        on_stop=stop,
+        interceptors=[ReflectionAuthInterceptor(app.stack.registry)],
+    )
     await run_service("gateway", config, hooks)
 
 

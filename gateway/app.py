@@ -33,11 +33,15 @@ log = get_logger(__name__)
 
 def breaker_policy(c: GatewayConfig) -> BreakerPolicy:
     """The breaker thresholds of the config."""
-    return BreakerPolicy(window_s=c.breaker_window_s, min_calls=c.breaker_min_calls,
-                         error_ratio=c.breaker_error_ratio,
-                         consecutive_failures=c.breaker_consecutive_failures,
-                         open_s=c.breaker_open_s, max_open_s=c.breaker_max_open_s,
-                         half_open_probes=c.breaker_half_open_probes)
+    return BreakerPolicy(
+        window_s=c.breaker_window_s,
+        min_calls=c.breaker_min_calls,
+        error_ratio=c.breaker_error_ratio,
+        consecutive_failures=c.breaker_consecutive_failures,
+        open_s=c.breaker_open_s,
+        max_open_s=c.breaker_max_open_s,
+        half_open_probes=c.breaker_half_open_probes,
+    )
 
 
 @dataclass(slots=True)
@@ -57,26 +61,51 @@ class GatewayApp:
         """Build everything; no network I/O until ``start``."""
         stack = RateLimitStack.from_config(rl_config)
         token = read_service_token(config.service_token_file)
-        pool = ReplicaPool(config.engines, breaker_policy(config),
-                           max_ejected_fraction=config.max_ejected_fraction,
-                           stats_interval_s=config.stats_interval_s,
-                           queue_weight=config.queue_weight, kv_weight=config.kv_weight,
-                           default_model=config.default_model, service_token=token)
+        pool = ReplicaPool(
+            config.engines,
+            breaker_policy(config),
+            max_ejected_fraction=config.max_ejected_fraction,
+            stats_interval_s=config.stats_interval_s,
+            queue_weight=config.queue_weight,
+            kv_weight=config.kv_weight,
+            default_model=config.default_model,
+            service_token=token,
+        )
         tokenizer = TextTokenizer(Path(config.model_dir or default_model_dir()))
-        encoder = Encoder(config.tokenizer, config.encode_timeout_s, token,
-                          local=tokenizer if config.tokenize_in_process else None)
+        encoder = Encoder(
+            config.tokenizer,
+            config.encode_timeout_s,
+            token,
+            local=tokenizer if config.tokenize_in_process else None,
+        )
         dispatcher = Dispatcher(
             pool,
-            RetryPolicy(config.max_attempts, config.retry_backoff_base_ms / 1000.0,
-                        config.retry_backoff_max_ms / 1000.0),
-            RetryBudget(config.retry_budget_ratio, config.retry_budget_min,
-                        config.retry_budget_window_s),
-            failover=config.failover, max_failovers=config.max_failovers)
+            RetryPolicy(
+                config.max_attempts,
+                config.retry_backoff_base_ms / 1000.0,
+                config.retry_backoff_max_ms / 1000.0,
+            ),
+            RetryBudget(
+                config.retry_budget_ratio, config.retry_budget_min, config.retry_budget_window_s
+            ),
+            failover=config.failover,
+            max_failovers=config.max_failovers,
+        )
         release = ReleaseControl.build(config, stack, pool, dispatcher)
-        pipeline = Pipeline(config, Authenticator(stack.registry, FailedAuthThrottle(
-            config.auth_failures_per_minute, config.auth_failure_burst)), encoder, tokenizer,
-                            stack.limiter, pool, dispatcher, router=release.router,
-                            shadow=release.shadow)
+        pipeline = Pipeline(
+            config,
+            Authenticator(
+                stack.registry,
+                FailedAuthThrottle(config.auth_failures_per_minute, config.auth_failure_burst),
+            ),
+            encoder,
+            tokenizer,
+            stack.limiter,
+            pool,
+            dispatcher,
+            router=release.router,
+            shadow=release.shadow,
+        )
         discovery = Discovery(config.engines, pool.sync, config.discovery_interval_s)
         return cls(config, stack, pool, encoder, pipeline, release, discovery)
 
@@ -90,8 +119,10 @@ class GatewayApp:
         self.pool.start()
         self.discovery.start()
         if not await self.pool.wait_ready(self.config.startup_wait_s):
-            log.warning("no engine replica is SERVING yet; requests get UNAVAILABLE until one is",
-                        engines=self.config.engines)
+            log.warning(
+                "no engine replica is SERVING yet; requests get UNAVAILABLE until one is",
+                engines=self.config.engines,
+            )
 
     async def drain(self) -> None:
         """Stop admitting and let streams in flight finish within the grace period."""

@@ -115,20 +115,39 @@ class GatewayConfig(ServiceConfig):
             if not host or not port.isdigit():
                 raise ValueError(f"[gateway] engines: {addr!r} is not host:port")
         if not self.request_timeout_s <= self.max_request_timeout_s < float("inf"):
-            raise ValueError("[gateway] max_request_timeout_s must be finite and >= "
-                             f"request_timeout_s ({self.request_timeout_s}), got "
-                             f"{self.max_request_timeout_s}")
-        positive = ("default_max_tokens", "request_timeout_s", "encode_timeout_s",
-                    "max_attempts", "breaker_min_calls", "breaker_consecutive_failures",
-                    "breaker_open_s", "breaker_half_open_probes", "stats_interval_s",
-                    "retry_budget_window_s", "guard_interval_s", "auth_failure_burst")
+            raise ValueError(
+                "[gateway] max_request_timeout_s must be finite and >= "
+                f"request_timeout_s ({self.request_timeout_s}), got "
+                f"{self.max_request_timeout_s}"
+            )
+        positive = (
+            "default_max_tokens",
+            "request_timeout_s",
+            "encode_timeout_s",
+            "max_attempts",
+            "breaker_min_calls",
+            "breaker_consecutive_failures",
+            "breaker_open_s",
+            "breaker_half_open_probes",
+            "stats_interval_s",
+            "retry_budget_window_s",
+            "guard_interval_s",
+            "auth_failure_burst",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"[gateway] {name} must be > 0, got {getattr(self, name)}")
-        for name in ("max_max_tokens", "max_failovers", "retry_budget_min",
-                     "retry_backoff_base_ms", "retry_backoff_max_ms", "startup_wait_s",
-                     "routing_policy_cache_ms", "shadow_max_in_flight",
-                     "auth_failures_per_minute"):
+        for name in (
+            "max_max_tokens",
+            "max_failovers",
+            "retry_budget_min",
+            "retry_backoff_base_ms",
+            "retry_backoff_max_ms",
+            "startup_wait_s",
+            "routing_policy_cache_ms",
+            "shadow_max_in_flight",
+            "auth_failures_per_minute",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"[gateway] {name} must be >= 0, got {getattr(self, name)}")
         if self.http_port < -1:

@@ -41,8 +41,14 @@ class GatewayError(Exception):
         dimension: For tenant-limit denials: which limits were short (for metrics).
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, retry_after_ms: int | None = None,
-                 trailers: Metadata = ()) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        retry_after_ms: int | None = None,
+        trailers: Metadata = (),
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -118,7 +124,8 @@ class CallContext:
         if self.request_id and not _REQUEST_ID_RE.match(self.request_id):
             self.request_id_error = (
                 "request_id must be 1-128 printable ASCII characters without spaces "
-                "(leave it empty to get a generated one)")
+                "(leave it empty to get a generated one)"
+            )
             self.request_id = ""
         self.request_id = self.request_id or uuid.uuid4().hex
         self.traceparent, self.trace_id = new_traceparent(self.traceparent)
@@ -154,8 +161,7 @@ class Deadline:
         self._wall_at = time.time() + seconds
 
     @classmethod
-    def for_client(cls, requested: float | None, default_s: float, maximum_s: float
-                   ) -> Deadline:
+    def for_client(cls, requested: float | None, default_s: float, maximum_s: float) -> Deadline:
         """The deadline of a request: the client's (cut to ``maximum_s``) or ``default_s``.
 
         Raises:
@@ -165,12 +171,15 @@ class Deadline:
         if requested is None:
             return cls(min(default_s, maximum_s))
         if math.isnan(requested) or requested < 0:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"the request deadline must be a positive number of seconds, "
-                               f"got {requested}")
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request deadline must be a positive number of seconds, got {requested}",
+            )
         if requested == 0:
-            raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               "the request deadline had passed before the gateway got it")
+            raise GatewayError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the request deadline had passed before the gateway got it",
+            )
         return cls(min(requested, maximum_s))
 
     def remaining(self) -> float:

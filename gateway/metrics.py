@@ -39,76 +39,138 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from ratelimit.config import Dimension
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                    120.0, 300.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 _OVERHEAD_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
-REQUESTS = Counter("gateway_requests_total", "Generate requests by tenant and final gRPC status",
-                   ["tenant", "code", "model", "version"])
-TOKENS_CHARGED = Counter("gateway_tokens_charged_total",
-                         "Tokens settled against tenants' limits", ["tenant", "kind"])
-TTFT = Histogram("gateway_time_to_first_token_seconds",
-                 "Request arrival to the first token sent to the client",
-                 ["tenant", "model", "version"], buckets=_LATENCY_BUCKETS)
-E2E = Histogram("gateway_e2e_latency_seconds", "Request arrival to the end of the stream",
-                ["model", "version"], buckets=_LATENCY_BUCKETS)
-TPOT = Histogram("gateway_time_per_output_token_seconds",
-                 "First token to the end of the stream, per output token after the first",
-                 ["model", "version"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                                0.25, 0.5, 1.0, 2.5))
-OVERHEAD = Histogram("gateway_overhead_seconds",
-                     "Time the gateway spends before the engine call that produced the first "
-                     "token (auth, encode, limits, routing, retries)", buckets=_OVERHEAD_BUCKETS)
-STAGE = Histogram("gateway_stage_seconds",
-                  "Time of each step before the engine call: auth, reserve (request unit + "
-                  "lease), encode (tokenize), take (tokens), route", ["stage"],
-                  buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05,
-                           0.1, 0.5))
+REQUESTS = Counter(
+    "gateway_requests_total",
+    "Generate requests by tenant and final gRPC status",
+    ["tenant", "code", "model", "version"],
+)
+TOKENS_CHARGED = Counter(
+    "gateway_tokens_charged_total", "Tokens settled against tenants' limits", ["tenant", "kind"]
+)
+TTFT = Histogram(
+    "gateway_time_to_first_token_seconds",
+    "Request arrival to the first token sent to the client",
+    ["tenant", "model", "version"],
+    buckets=_LATENCY_BUCKETS,
+)
+E2E = Histogram(
+    "gateway_e2e_latency_seconds",
+    "Request arrival to the end of the stream",
+    ["model", "version"],
+    buckets=_LATENCY_BUCKETS,
+)
+TPOT = Histogram(
+    "gateway_time_per_output_token_seconds",
+    "First token to the end of the stream, per output token after the first",
+    ["model", "version"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+OVERHEAD = Histogram(
+    "gateway_overhead_seconds",
+    "Time the gateway spends before the engine call that produced the first "
+    "token (auth, encode, limits, routing, retries)",
+    buckets=_OVERHEAD_BUCKETS,
+)
+STAGE = Histogram(
+    "gateway_stage_seconds",
+    "Time of each step before the engine call: auth, reserve (request unit + "
+    "lease), encode (tokenize), take (tokens), route",
+    ["stage"],
+    buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5),
+)
 # bound once: the per-request path does no label lookup
 STAGE_AUTH, STAGE_RESERVE, STAGE_ENCODE, STAGE_ROUTE, STAGE_TAKE = (
-    STAGE.labels(s) for s in ("auth", "reserve", "encode", "route", "take"))
+    STAGE.labels(s) for s in ("auth", "reserve", "encode", "route", "take")
+)
 RETRIES = Counter("gateway_retries_total", "Engine attempts retried on another replica")
-FAILOVERS = Counter("gateway_failovers_total",
-                    "Streams resumed on another replica after their engine failed mid-stream")
-BREAKER_STATE = Gauge("gateway_breaker_state",
-                      "Circuit breaker per engine replica: 0 closed, 1 half-open, 2 open",
-                      ["replica"])
-RATELIMIT_DENIALS = Counter("gateway_ratelimit_denials_total",
-                            "Requests denied by tenant limits, per short dimension",
-                            ["tenant", "dimension"])
-LOCAL_DENIALS = Counter("gateway_ratelimit_local_denials_total",
-                        "Request-rate denials answered from the local memo (no Redis call)",
-                        ["tenant"])
-AUTH_THROTTLED = Counter("gateway_auth_throttled_total",
-                         "Calls refused because their client address failed authentication "
-                         "too often (keys already known valid still pass)")
-OUTSTANDING = Gauge("gateway_replica_outstanding", "Engine calls in flight per replica",
-                    ["replica"])
+FAILOVERS = Counter(
+    "gateway_failovers_total",
+    "Streams resumed on another replica after their engine failed mid-stream",
+)
+BREAKER_STATE = Gauge(
+    "gateway_breaker_state",
+    "Circuit breaker per engine replica: 0 closed, 1 half-open, 2 open",
+    ["replica"],
+)
+RATELIMIT_DENIALS = Counter(
+    "gateway_ratelimit_denials_total",
+    "Requests denied by tenant limits, per short dimension",
+    ["tenant", "dimension"],
+)
+LOCAL_DENIALS = Counter(
+    "gateway_ratelimit_local_denials_total",
+    "Request-rate denials answered from the local memo (no Redis call)",
+    ["tenant"],
+)
+AUTH_THROTTLED = Counter(
+    "gateway_auth_throttled_total",
+    "Calls refused because their client address failed authentication "
+    "too often (keys already known valid still pass)",
+)
+OUTSTANDING = Gauge(
+    "gateway_replica_outstanding", "Engine calls in flight per replica", ["replica"]
+)
 HEALTHY = Gauge("gateway_replica_healthy", "1 when the replica's health is SERVING", ["replica"])
 IN_FLIGHT = Gauge("gateway_in_flight", "Generate requests being served")
-VERSION_ATTEMPTS = Counter("gateway_version_attempts_total",
-                           "Engine attempts per model version by outcome (what the canary "
-                           "guard judges)", ["model", "version", "outcome"])
-ROUTING_DECISIONS = Counter("gateway_routing_decisions_total",
-                            "Version chosen for admitted requests, and why",
-                            ["model", "version", "reason"])
-POLICY_WEIGHT = Gauge("gateway_routing_weight_percent",
-                      "Share of a model's traffic the routing policy gives a version",
-                      ["model", "version"])
-ROLLBACKS = Counter("gateway_routing_rollbacks_total", "Routing policy rollbacks",
-                    ["model", "trigger"])
-SHADOW_REQUESTS = Counter("gateway_shadow_requests_total",
-                          "Mirrored (shadow) engine calls by final status; output discarded",
-                          ["model", "version", "code"])
-SHADOW_TTFT = Histogram("gateway_shadow_time_to_first_token_seconds",
-                        "Shadow call start to its first token", ["model", "version"],
-                        buckets=_LATENCY_BUCKETS)
-SHADOW_SKIPPED = Counter("gateway_shadow_skipped_total",
-                         "Shadow copies not sent (too many in flight, no replica)",
-                         ["model", "reason"])
+VERSION_ATTEMPTS = Counter(
+    "gateway_version_attempts_total",
+    "Engine attempts per model version by outcome (what the canary guard judges)",
+    ["model", "version", "outcome"],
+)
+ROUTING_DECISIONS = Counter(
+    "gateway_routing_decisions_total",
+    "Version chosen for admitted requests, and why",
+    ["model", "version", "reason"],
+)
+POLICY_WEIGHT = Gauge(
+    "gateway_routing_weight_percent",
+    "Share of a model's traffic the routing policy gives a version",
+    ["model", "version"],
+)
+ROLLBACKS = Counter(
+    "gateway_routing_rollbacks_total", "Routing policy rollbacks", ["model", "trigger"]
+)
+SHADOW_REQUESTS = Counter(
+    "gateway_shadow_requests_total",
+    "Mirrored (shadow) engine calls by final status; output discarded",
+    ["model", "version", "code"],
+)
+SHADOW_TTFT = Histogram(
+    "gateway_shadow_time_to_first_token_seconds",
+    "Shadow call start to its first token",
+    ["model", "version"],
+    buckets=_LATENCY_BUCKETS,
+)
+SHADOW_SKIPPED = Counter(
+    "gateway_shadow_skipped_total",
+    "Shadow copies not sent (too many in flight, no replica)",
+    ["model", "reason"],
+)
 
-_DIMENSIONS = ((Dimension.REQUESTS, "requests"), (Dimension.TOKENS, "tokens"),
-               (Dimension.CONCURRENCY, "concurrency"))
+_DIMENSIONS = (
+    (Dimension.REQUESTS, "requests"),
+    (Dimension.TOKENS, "tokens"),
+    (Dimension.CONCURRENCY, "concurrency"),
+)
 
 
 def count_denial(tenant: str, denied: Dimension) -> None:

@@ -95,18 +95,18 @@ class RateLimitStack:
             concurrency_retry_ms=config.concurrency_retry_ms,
         )
         limiter = RateLimiter(
-                store,
-                fail_mode=config.fail_mode,
-                timeout_ms=config.timeout_ms,
-                num_replicas=config.num_replicas,
-                breaker=CircuitBreaker(
-                    config.breaker_failures, config.breaker_open_ms, on_change=log_breaker_change
-                ),
-                fallback=MemoryStore(
-                    lease_ttl_ms=config.lease_ttl_ms,
-                    concurrency_retry_ms=config.concurrency_retry_ms,
-                ),
-            )
+            store,
+            fail_mode=config.fail_mode,
+            timeout_ms=config.timeout_ms,
+            num_replicas=config.num_replicas,
+            breaker=CircuitBreaker(
+                config.breaker_failures, config.breaker_open_ms, on_change=log_breaker_change
+            ),
+            fallback=MemoryStore(
+                lease_ttl_ms=config.lease_ttl_ms,
+                concurrency_retry_ms=config.concurrency_retry_ms,
+            ),
+        )
         return cls(
             config=config,
             client=client,
@@ -117,7 +117,9 @@ class RateLimitStack:
             ),
             audit=AuditLog(client, prefix=config.key_prefix, max_events=config.audit_max_events),
             membership=ReplicaMembership(
-                client, prefix=config.key_prefix, ttl_ms=config.replica_ttl_ms,
+                client,
+                prefix=config.key_prefix,
+                ttl_ms=config.replica_ttl_ms,
                 on_count=limiter.set_live_replicas,
                 timeout_s=backstop_s(config),
             ),

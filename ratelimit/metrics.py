@@ -32,8 +32,7 @@ STORE_ERRORS = Counter(
 )
 LIVE_REPLICAS = Gauge(
     "ratelimit_live_replicas",
-    "Gateway replicas sharing the limits, as last counted in Redis (divides the "
-    "fail-open share).",
+    "Gateway replicas sharing the limits, as last counted in Redis (divides the fail-open share).",
 )
 BREAKER_STATE = Gauge(
     "ratelimit_breaker_state",

@@ -81,8 +81,12 @@ class Stack:
         host_port = url.split("//", 1)[1].split("/", 1)[0]
         host, port = host_port.rsplit(":", 1)
         wanted = int(port)
-        self.redis = RedisServer(port=wanted if wanted and port_free(host, wanted) else 0,
-                                 host=host, password=password, key_prefix=key_prefix)
+        self.redis = RedisServer(
+            port=wanted if wanted and port_free(host, wanted) else 0,
+            host=host,
+            password=password,
+            key_prefix=key_prefix,
+        )
         self.redis.start()
         return self.redis.url
 
@@ -133,12 +137,25 @@ async def create_demo_tenant(address: str, key: str) -> str:
     md = (("authorization", f"Bearer {key}"),)
     async with grpc.aio.insecure_channel(address) as ch:
         stub = admin_pb2_grpc.RateLimitAdminStub(ch)
-        await stub.UpsertTenant(admin_pb2.Tenant(
-            id=DEMO_TENANT, display_name="make run demo", priority=common_pb2.NORMAL,
-            limits=admin_pb2.LimitPolicy(requests_per_minute=600, tokens_per_minute=200_000,
-                                         max_concurrent=16)), metadata=md, timeout=10)
-        resp = await stub.CreateApiKey(admin_pb2.CreateApiKeyRequest(
-            tenant_id=DEMO_TENANT, name=f"make-run-{int(time.time())}"), metadata=md, timeout=10)
+        await stub.UpsertTenant(
+            admin_pb2.Tenant(
+                id=DEMO_TENANT,
+                display_name="make run demo",
+                priority=common_pb2.NORMAL,
+                limits=admin_pb2.LimitPolicy(
+                    requests_per_minute=600, tokens_per_minute=200_000, max_concurrent=16
+                ),
+            ),
+            metadata=md,
+            timeout=10,
+        )
+        resp = await stub.CreateApiKey(
+            admin_pb2.CreateApiKeyRequest(
+                tenant_id=DEMO_TENANT, name=f"make-run-{int(time.time())}"
+            ),
+            metadata=md,
+            timeout=10,
+        )
     path = RUN_DIR / "demo.key"
     path.write_text(resp.key + "\n")
     path.chmod(0o600)
@@ -157,33 +174,72 @@ def bring_up(stack: Stack) -> None:
     stack.admin_key = admin_key()
     # engines and the tokenizer answer only callers with this secret (the gateway)
     common = ["--log-format", "json", "--service-token-file", str(secret_file("service.token")[0])]
-    stack.start(ManagedProcess(
-        name="tokenizer", module="tokenizer_svc", log_dir=stack.log_dir, host=tok.host,
-        args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port), *common]))
-    stack.start(ManagedProcess(
-        name="engine-0", module="engine_svc", log_dir=stack.log_dir, host=eng.host,
-        args=["--port", str(eng.port), "--metrics-port", str(eng.metrics_port), *common]))
+    stack.start(
+        ManagedProcess(
+            name="tokenizer",
+            module="tokenizer_svc",
+            log_dir=stack.log_dir,
+            host=tok.host,
+            args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port), *common],
+        )
+    )
+    stack.start(
+        ManagedProcess(
+            name="engine-0",
+            module="engine_svc",
+            log_dir=stack.log_dir,
+            host=eng.host,
+            args=["--port", str(eng.port), "--metrics-port", str(eng.metrics_port), *common],
+        )
+    )
     engine = stack.by_name("engine-0").address
-    stack.start(ManagedProcess(
-        name="gateway", module="gateway", log_dir=stack.log_dir, host=gw.host,
-        args=["--port", str(gw.port), "--metrics-port", str(gw.metrics_port),
-              "--http-port", str(gw.http_port), "--engines", engine,
-              "--tokenizer", stack.by_name("tokenizer").address,
-              "--redis-url", redis_url, "--redis-username", SERVICE_USER,
-              "--redis-password-file", str(redis_password),
-              "--admin-key-file", str(RUN_DIR / "admin.key"), *common]))
+    stack.start(
+        ManagedProcess(
+            name="gateway",
+            module="gateway",
+            log_dir=stack.log_dir,
+            host=gw.host,
+            args=[
+                "--port",
+                str(gw.port),
+                "--metrics-port",
+                str(gw.metrics_port),
+                "--http-port",
+                str(gw.http_port),
+                "--engines",
+                engine,
+                "--tokenizer",
+                stack.by_name("tokenizer").address,
+                "--redis-url",
+                redis_url,
+                "--redis-username",
+                SERVICE_USER,
+                "--redis-password-file",
+                str(redis_password),
+                "--admin-key-file",
+                str(RUN_DIR / "admin.key"),
+                *common,
+            ],
+        )
+    )
     gateway = stack.by_name("gateway").address
     print("starting envoy ...", flush=True)
     ev = load_config(EnvoyConfig, "envoy")
     cfg = render_config_file(
-        RUN_DIR / "envoy.yaml", listener_host=ev.host, listener_port=ev.port,
-        admin_port=ev.admin_port, gateway=[gateway], admin=[gateway],
+        RUN_DIR / "envoy.yaml",
+        listener_host=ev.host,
+        listener_port=ev.port,
+        admin_port=ev.admin_port,
+        gateway=[gateway],
+        admin=[gateway],
         gateway_http=[f"{gw.host}:{gw.http_port}"],
-        access_log_path=stack.log_dir / "envoy-access.log")
+        access_log_path=stack.log_dir / "envoy-access.log",
+    )
     stack.envoy = EnvoyProcess(cfg, log_dir=stack.log_dir)
     stack.envoy.start(timeout=60)
-    stack.demo_key = asyncio.run(create_demo_tenant(stack.envoy.listener_address(),
-                                                    stack.admin_key))
+    stack.demo_key = asyncio.run(
+        create_demo_tenant(stack.envoy.listener_address(), stack.admin_key)
+    )
 
 
 def _rel(path: Path) -> Path:
@@ -202,8 +258,11 @@ def banner(stack: Stack) -> str:
         "The stack is up:",
         f"  {'redis':<10} {stack.redis.url} (ACL user {SERVICE_USER!r}, password "
         f"{_rel(RUN_DIR / 'redis.password')})",
-        *(f"  {p.name:<10} grpc {p.address:<22} metrics http://{p.host}:{p.metrics_port}/metrics"
-          f"   log {_rel(p.log_path)}" for p in stack.procs),
+        *(
+            f"  {p.name:<10} grpc {p.address:<22} metrics http://{p.host}:{p.metrics_port}/metrics"
+            f"   log {_rel(p.log_path)}"
+            for p in stack.procs
+        ),
         f"  {'envoy':<10} {edge:<27} (public: llm.v1.Gateway, OpenAI /v1/*, admin as "
         f"HTTP/JSON under /v1/admin/)   log {_rel(stack.log_dir / 'envoy-access.log')}",
         "",
@@ -216,21 +275,21 @@ def banner(stack: Stack) -> str:
         f"  {cli} --address {edge} chat 'What is the capital of France?'",
         f"  {cli} --address {edge} --json prompt 'Once upon a time'",
         f"  {cli} --address {edge} admin usage {DEMO_TENANT}",
-        f"  curl -s -H \"authorization: Bearer $(cat {_rel(RUN_DIR / 'admin.key')})\" "
+        f'  curl -s -H "authorization: Bearer $(cat {_rel(RUN_DIR / "admin.key")})" '
         f"http://{host}:{port}/v1/admin/tenants/{DEMO_TENANT}/usage",
-        f"  grpcurl -plaintext -H \"authorization: Bearer $(cat {_rel(RUN_DIR / 'demo.key')})\" "
-        f"-d '{{\"prompt\": \"Hi\"}}' {edge} llm.v1.Gateway/Generate",
+        f'  grpcurl -plaintext -H "authorization: Bearer $(cat {_rel(RUN_DIR / "demo.key")})" '
+        f'-d \'{{"prompt": "Hi"}}\' {edge} llm.v1.Gateway/Generate',
         "",
         "OpenAI-compatible HTTP (same keys, limits and metrics):",
         f"  curl -N http://{host}:{port}/v1/chat/completions "
-        f"-H \"Authorization: Bearer $(cat {_rel(RUN_DIR / 'demo.key')})\" "
-        "-H 'Content-Type: application/json' -d '{\"model\": \"\", \"messages\": "
-        "[{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 32, \"stream\": true}'",
+        f'-H "Authorization: Bearer $(cat {_rel(RUN_DIR / "demo.key")})" '
+        '-H \'Content-Type: application/json\' -d \'{"model": "", "messages": '
+        '[{"role": "user", "content": "Hi"}], "max_tokens": 32, "stream": true}\'',
         f"  {py} -c \"from openai import OpenAI; c = OpenAI(base_url='http://{host}:{port}/v1', "
         f"api_key=open('{_rel(RUN_DIR / 'demo.key')}').read().strip()); "
         "print(c.chat.completions.create(model='', max_tokens=32, "
         "messages=[{'role': 'user', 'content': 'What is the capital of France?'}])"
-        ".choices[0].message.content)\"",
+        '.choices[0].message.content)"',
         "",
         "Ctrl-C stops everything.",
     ]
@@ -256,8 +315,10 @@ def main() -> int:
         while not stopping:
             for p in stack.procs:
                 if p.proc is not None and p.proc.poll() is not None:
-                    print(f"{p.name} exited with code {p.proc.returncode}; see {p.log_path}",
-                          file=sys.stderr)
+                    print(
+                        f"{p.name} exited with code {p.proc.returncode}; see {p.log_path}",
+                        file=sys.stderr,
+                    )
                     stopping, code = True, 1
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -46,22 +46,40 @@ ENGINE_TEST_ENV = {
 }
 
 
-def start_engine(name: str, model_dir: Path, log_dir: Path, env: dict[str, str] | None = None,
-                 args: list[str] | None = None, timeout: float = 180) -> ManagedProcess:
+def start_engine(
+    name: str,
+    model_dir: Path,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    args: list[str] | None = None,
+    timeout: float = 180,
+) -> ManagedProcess:
     """A real engine replica (native backend unless ``args`` say otherwise, real model)
     on ephemeral ports."""
     proc = ManagedProcess(
-        name=name, module="engine_svc",
-        args=["--port", "0", "--metrics-port", "0", "--model-dir", str(model_dir),
-              "--log-format", "json", *(args or [])],
-        env={**ENGINE_TEST_ENV, **(env or {})}, log_dir=log_dir,
+        name=name,
+        module="engine_svc",
+        args=[
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--model-dir",
+            str(model_dir),
+            "--log-format",
+            "json",
+            *(args or []),
+        ],
+        env={**ENGINE_TEST_ENV, **(env or {})},
+        log_dir=log_dir,
     )
     return proc.start(timeout=timeout)
 
 
 @pytest.fixture(scope="session")
-def engine_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[ManagedProcess]:
+def engine_server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ManagedProcess]:
     proc = start_engine("engine", model_dir, tmp_path_factory.mktemp("engine-logs"))
     try:
         yield proc
@@ -70,13 +88,22 @@ def engine_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 @pytest.fixture(scope="session")
-def tokenizer_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                     ) -> Iterator[ManagedProcess]:
+def tokenizer_server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ManagedProcess]:
     proc = ManagedProcess(
         name="tokenizer",
         module="tokenizer_svc",
-        args=["--port", "0", "--metrics-port", "0", "--model-dir", str(model_dir),
-              "--log-format", "json"],
+        args=[
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--model-dir",
+            str(model_dir),
+            "--log-format",
+            "json",
+        ],
         env={"LLM_TOKENIZER_MAX_INPUT_CHARS": "20000"},
         log_dir=tmp_path_factory.mktemp("tokenizer-logs"),
     )

@@ -37,21 +37,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_service_args(parser)
     parser.add_argument("--model-dir")
     args = parser.parse_args(argv)
-    cfg = load_config(TokenizerConfig, "tokenizer", path=args.config,
-                      overrides={**service_overrides(args), "model_dir": args.model_dir})
+    cfg = load_config(
+        TokenizerConfig,
+        "tokenizer",
+        path=args.config,
+        overrides={**service_overrides(args), "model_dir": args.model_dir},
+    )
     configure_logging("tokenizer", cfg.log_level, cfg.log_format)
     log = get_logger("tokenizer_svc")
     tok = TextTokenizer(cfg.model_dir or default_model_dir(), cfg.max_input_chars)
-    log.info("tokenizer loaded", model=cfg.model_name, vocab_size=tok.vocab_size,
-             model_dir=str(tok.model_dir), detokenizer=tok.byte_table.kind)
+    log.info(
+        "tokenizer loaded",
+        model=cfg.model_name,
+        vocab_size=tok.vocab_size,
+        model_dir=str(tok.model_dir),
+        detokenizer=tok.byte_table.kind,
+    )
     servicer = TokenizerServicer(tok, cfg.model_name, cfg.max_batch_size)
 
     def register(server: grpc.aio.Server) -> list[str]:
         tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
         return [tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name]
 
-    run(run_service("tokenizer", cfg,
-                            ServiceHooks(register=register, require_service_token=True)))
+    run(run_service("tokenizer", cfg, ServiceHooks(register=register, require_service_token=True)))
 
 
 if __name__ == "__main__":

@@ -23,8 +23,11 @@ from llm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tokenizer_svc.client", description=__doc__)
     p.add_argument("--address", default="127.0.0.1:50061")
-    p.add_argument("--service-token-file", default=default_token_file(),
-                   help="the internal-call secret (default: make run's, when present)")
+    p.add_argument(
+        "--service-token-file",
+        default=default_token_file(),
+        help="the internal-call secret (default: make run's, when present)",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("encode").add_argument("text")
     c = sub.add_parser("chat")
@@ -37,21 +40,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         stub = tokenizer_pb2_grpc.TokenizerStub(ch)
         try:
             if args.cmd == "encode":
-                r = stub.Encode(tokenizer_pb2.EncodeRequest(text=args.text), timeout=10,
-                                metadata=md)
+                r = stub.Encode(
+                    tokenizer_pb2.EncodeRequest(text=args.text), timeout=10, metadata=md
+                )
                 print(" ".join(map(str, r.token_ids)))
             elif args.cmd == "chat":
                 msgs = [common_pb2.ChatMessage(role="user", content=args.text)]
                 if args.system:
                     msgs.insert(0, common_pb2.ChatMessage(role="system", content=args.system))
-                r = stub.Encode(tokenizer_pb2.EncodeRequest(
-                    messages=common_pb2.ChatMessages(messages=msgs), return_text=True), timeout=10,
-                    metadata=md)
+                r = stub.Encode(
+                    tokenizer_pb2.EncodeRequest(
+                        messages=common_pb2.ChatMessages(messages=msgs), return_text=True
+                    ),
+                    timeout=10,
+                    metadata=md,
+                )
                 print(r.text, end="")
                 print(f"-> {len(r.token_ids)} tokens: {' '.join(map(str, r.token_ids))}")
             else:
-                d = stub.Decode(tokenizer_pb2.DecodeRequest(token_ids=args.ids), timeout=10,
-                                metadata=md)
+                d = stub.Decode(
+                    tokenizer_pb2.DecodeRequest(token_ids=args.ids), timeout=10, metadata=md
+                )
                 print(d.text)
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)

@@ -116,8 +116,9 @@ class IncrementalDetokenizer:
         send(detok.finish())         # flush whatever was held back
     """
 
-    def __init__(self, tokenizer: Tokenizer, table: ByteTable,
-                 skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, table: ByteTable, skip_special_tokens: bool = True
+    ) -> None:
         self._tok = tokenizer
         self._table = table
         self._skip = skip_special_tokens
@@ -152,7 +153,7 @@ class IncrementalDetokenizer:
         """Flush: an incomplete trailing character becomes U+FFFD, as in a full decode."""
         if self._table.kind == "unknown":
             text = self._tok.decode(self._ids, skip_special_tokens=self._skip)
-            return text[self._emitted:]
+            return text[self._emitted :]
         return self._decoder.decode(b"", final=True)
 
     def _add_fallback(self, ids: list[int]) -> str:
@@ -161,6 +162,6 @@ class IncrementalDetokenizer:
         text = self._tok.decode(self._ids, skip_special_tokens=self._skip)
         if text.endswith("\ufffd"):
             return ""  # maybe half a character: wait for more
-        delta = text[self._emitted:]
+        delta = text[self._emitted :]
         self._emitted = len(text)
         return delta

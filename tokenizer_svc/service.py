@@ -18,10 +18,15 @@ from tokenizer_svc.tokenizer import TextTokenizer, TokenizerInputError
 
 log = get_logger(__name__)
 
-REQUESTS = Counter("tokenizer_requests_total", "Tokenizer RPCs by method and gRPC status",
-                   ["method", "code"])
-LATENCY = Histogram("tokenizer_request_seconds", "Tokenizer RPC latency", ["method"],
-                    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 1))
+REQUESTS = Counter(
+    "tokenizer_requests_total", "Tokenizer RPCs by method and gRPC status", ["method", "code"]
+)
+LATENCY = Histogram(
+    "tokenizer_request_seconds",
+    "Tokenizer RPC latency",
+    ["method"],
+    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 1),
+)
 TOKENS = Counter("tokenizer_tokens_total", "Tokens produced or consumed", ["direction"])
 
 # Texts longer than this are encoded on a worker thread so one huge prompt
@@ -36,8 +41,7 @@ def request_chars(req: tokenizer_pb2.EncodeRequest) -> int:
     return len(req.text) + sum(len(m.content) for m in req.messages.messages)
 
 
-def encode_request(tok: TextTokenizer, req: tokenizer_pb2.EncodeRequest
-                   ) -> tuple[list[int], str]:
+def encode_request(tok: TextTokenizer, req: tokenizer_pb2.EncodeRequest) -> tuple[list[int], str]:
     """Token ids and the encoded text of one EncodeRequest (the chat template applied
     for messages): what Encode answers, for in-process callers too (the gateway).
 
@@ -63,8 +67,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self._model = model_name
         self._max_batch = max_batch_size
 
-    async def _guard(self, method: str, context: Context,
-                     fn: Callable[[], Awaitable[T]]) -> T:
+    async def _guard(self, method: str, context: Context, fn: Callable[[], Awaitable[T]]) -> T:
         start = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
@@ -102,29 +105,39 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             return await asyncio.to_thread(self._encode_one, req)
         return self._encode_one(req)
 
-    async def Encode(self, request: tokenizer_pb2.EncodeRequest,
-                     context: Context) -> tokenizer_pb2.EncodeResponse:
+    async def Encode(
+        self, request: tokenizer_pb2.EncodeRequest, context: Context
+    ) -> tokenizer_pb2.EncodeResponse:
         return await self._guard("Encode", context, lambda: self._encode(request))
 
-    async def CountTokens(self, request: tokenizer_pb2.EncodeRequest,
-                          context: Context) -> tokenizer_pb2.CountTokensResponse:
+    async def CountTokens(
+        self, request: tokenizer_pb2.EncodeRequest, context: Context
+    ) -> tokenizer_pb2.CountTokensResponse:
         async def count() -> tokenizer_pb2.CountTokensResponse:
             return tokenizer_pb2.CountTokensResponse(
-                num_tokens=len((await self._encode(request)).token_ids))
+                num_tokens=len((await self._encode(request)).token_ids)
+            )
+
         return await self._guard("CountTokens", context, count)
 
-    async def EncodeBatch(self, request: tokenizer_pb2.EncodeBatchRequest,
-                          context: Context) -> tokenizer_pb2.EncodeBatchResponse:
+    async def EncodeBatch(
+        self, request: tokenizer_pb2.EncodeBatchRequest, context: Context
+    ) -> tokenizer_pb2.EncodeBatchResponse:
         async def batch() -> tokenizer_pb2.EncodeBatchResponse:
             reqs = list(request.requests)
             if not reqs:
                 raise TokenizerInputError("requests is empty: send at least one EncodeRequest")
             if len(reqs) > self._max_batch:
                 raise TokenizerInputError(
-                    f"{len(reqs)} requests in one batch; the limit is {self._max_batch}")
-            plain = all(r.WhichOneof("input") == "text" and not r.model
-                        and not r.HasField("add_special_tokens") and not r.return_text
-                        for r in reqs)
+                    f"{len(reqs)} requests in one batch; the limit is {self._max_batch}"
+                )
+            plain = all(
+                r.WhichOneof("input") == "text"
+                and not r.model
+                and not r.HasField("add_special_tokens")
+                and not r.return_text
+                for r in reqs
+            )
             if plain:  # the common case: one parallel Rust call for the whole batch
                 all_ids = await asyncio.to_thread(self._tok.encode_batch, [r.text for r in reqs])
                 TOKENS.labels("encode").inc(sum(map(len, all_ids)))
@@ -132,19 +145,23 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             else:
                 resps = [self._encode_one(r) for r in reqs]
             return tokenizer_pb2.EncodeBatchResponse(responses=resps)
+
         return await self._guard("EncodeBatch", context, batch)
 
-    async def Decode(self, request: tokenizer_pb2.DecodeRequest,
-                     context: Context) -> tokenizer_pb2.DecodeResponse:
+    async def Decode(
+        self, request: tokenizer_pb2.DecodeRequest, context: Context
+    ) -> tokenizer_pb2.DecodeResponse:
         async def decode() -> tokenizer_pb2.DecodeResponse:
             self._check_model(request.model)
             skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
             TOKENS.labels("decode").inc(len(request.token_ids))
             return tokenizer_pb2.DecodeResponse(text=self._tok.decode(request.token_ids, skip))
+
         return await self._guard("Decode", context, decode)
 
     async def DecodeStream(
-        self, request_iterator: AsyncIterator[tokenizer_pb2.DecodeStreamRequest],
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.DecodeStreamRequest],
         context: Context,
     ) -> AsyncIterator[tokenizer_pb2.DecodeStreamResponse]:
         detok = None
@@ -175,22 +192,27 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         finally:
             REQUESTS.labels("DecodeStream", code.name).inc()
 
-    async def GetTokenizerInfo(self, request: tokenizer_pb2.GetTokenizerInfoRequest,
-                               context: Context) -> tokenizer_pb2.TokenizerInfo:
+    async def GetTokenizerInfo(
+        self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: Context
+    ) -> tokenizer_pb2.TokenizerInfo:
         async def info() -> tokenizer_pb2.TokenizerInfo:
             self._check_model(request.model)
             sp = self._tok.special
             return tokenizer_pb2.TokenizerInfo(
-                model=self._model, vocab_size=self._tok.vocab_size,
-                eos_token_ids=list(sp.eos_token_ids), bos_token_id=sp.bos_token_id or 0,
+                model=self._model,
+                vocab_size=self._tok.vocab_size,
+                eos_token_ids=list(sp.eos_token_ids),
+                bos_token_id=sp.bos_token_id or 0,
                 has_bos_token=sp.bos_token_id is not None,
                 has_chat_template=self._tok.chat_template is not None,
                 max_input_chars=self._tok.max_input_chars,
             )
+
         return await self._guard("GetTokenizerInfo", context, info)
 
 
 def chat_messages(pairs: list[tuple[str, str]]) -> common_pb2.ChatMessages:
     """Build ChatMessages from (role, content) pairs (for clients and tests)."""
     return common_pb2.ChatMessages(
-        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in pairs])
+        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in pairs]
+    )

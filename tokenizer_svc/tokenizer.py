@@ -63,9 +63,11 @@ class TextTokenizer:
         if src is None and (d / "chat_template.jinja").exists():
             src = (d / "chat_template.jinja").read_text()
         self.chat_template = (
-            ChatTemplate(src, {"bos_token": self.special.bos_token,
-                               "eos_token": self.special.eos_token})
-            if src else None
+            ChatTemplate(
+                src, {"bos_token": self.special.bos_token, "eos_token": self.special.eos_token}
+            )
+            if src
+            else None
         )
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.byte_table = ByteTable.build(self.tokenizer)
@@ -75,8 +77,10 @@ class TextTokenizer:
         eos_ids = gen.get("eos_token_id")
         if eos_ids is None and eos is not None:
             eos_ids = self.tokenizer.token_to_id(eos)
-        ids = tuple(eos_ids) if isinstance(eos_ids, list) else (
-            (int(eos_ids),) if eos_ids is not None else ()
+        ids = (
+            tuple(eos_ids)
+            if isinstance(eos_ids, list)
+            else ((int(eos_ids),) if eos_ids is not None else ())
         )
         bos_id = gen.get("bos_token_id")
         if bos_id is None and bos is not None:
@@ -126,8 +130,9 @@ class TextTokenizer:
         self._check_text(text, "rendered chat prompt")
         return text
 
-    def encode_chat(self, messages: Sequence[Message],
-                    add_generation_prompt: bool = True) -> tuple[list[int], str]:
+    def encode_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> tuple[list[int], str]:
         """Render then encode. Special tokens come from the template, none are added."""
         text = self.render_chat(messages, add_generation_prompt)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids), text

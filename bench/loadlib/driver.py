@@ -79,14 +79,20 @@ def tenant_process(tenant: TenantSpec, cfg: RunConfig, total_share: float) -> tu
 class _Run:
     """State of one run: the budget, in-flight tasks, records, the progress bar."""
 
-    def __init__(self, target: Target, streams: dict[str, Iterator[RequestSpec]],
-                 cfg: RunConfig, t0: float) -> None:
+    def __init__(
+        self, target: Target, streams: dict[str, Iterator[RequestSpec]], cfg: RunConfig, t0: float
+    ) -> None:
         self.target, self.streams, self.cfg, self.t0 = target, streams, cfg, t0
         self.result = LoadResult(t0=t0)
         self.budget = _Budget(cfg.num_requests, t0 + cfg.duration)
         self.inflight: set[asyncio.Task[bool]] = set()
-        self.bar = tqdm(total=cfg.num_requests, desc=f"load {target.name}", unit="req",
-                        disable=not cfg.progress, leave=False)
+        self.bar = tqdm(
+            total=cfg.num_requests,
+            desc=f"load {target.name}",
+            unit="req",
+            disable=not cfg.progress,
+            leave=False,
+        )
 
     async def fire(self, name: str) -> bool:
         spec = next(self.streams[name])
@@ -119,8 +125,9 @@ class _Run:
                 rng = random.Random(self.cfg.seed * 7919 + i)
                 tasks.append(asyncio.create_task(self.open_loop(tenant.name, value, rng)))
             elif kind == "concurrency":
-                tasks += [asyncio.create_task(self.closed_loop(tenant.name))
-                          for _ in range(int(value))]
+                tasks += [
+                    asyncio.create_task(self.closed_loop(tenant.name)) for _ in range(int(value))
+                ]
         return tasks
 
     async def wait(self, producers: list[asyncio.Task[None]]) -> None:
@@ -129,8 +136,9 @@ class _Run:
         while any(not p.done() for p in producers) or self.inflight:
             if time.perf_counter() >= hard_stop:
                 break
-            await asyncio.wait([*producers, *self.inflight], timeout=0.2,
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                [*producers, *self.inflight], timeout=0.2, return_when=asyncio.FIRST_COMPLETED
+            )
         self.budget.closed = True
         for t in [*producers, *self.inflight]:
             t.cancel()
@@ -138,9 +146,13 @@ class _Run:
         self.bar.close()
 
 
-async def run_load(target: Target, tenants: list[TenantSpec],
-                   streams: dict[str, Iterator[RequestSpec]], cfg: RunConfig,
-                   on_start: Callable[[float], Awaitable[None]] | None = None) -> LoadResult:
+async def run_load(
+    target: Target,
+    tenants: list[TenantSpec],
+    streams: dict[str, Iterator[RequestSpec]],
+    cfg: RunConfig,
+    on_start: Callable[[float], Awaitable[None]] | None = None,
+) -> LoadResult:
     """Drive every tenant's arrival process against ``target`` until a bound is hit.
 
     ``on_start(t0)`` runs first (the engine sampler takes its baseline there).

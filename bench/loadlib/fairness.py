@@ -38,8 +38,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--phase-duration", type=float, default=20.0, help="seconds per phase")
     g.add_argument("--chat-rate", type=float, default=1.0, help="(a) chat tenant req/s")
     g.add_argument("--flood-concurrency", type=int, default=4, help="(a) flood workers")
-    g.add_argument("--flood-max-concurrent", type=int, default=0,
-                   help="(a) the flood tenant's max_concurrent limit (0 = none)")
+    g.add_argument(
+        "--flood-max-concurrent",
+        type=int,
+        default=0,
+        help="(a) the flood tenant's max_concurrent limit (0 = none)",
+    )
     g.add_argument("--critical-rate", type=float, default=0.5, help="(b) CRITICAL req/s")
     g.add_argument("--low-concurrency", type=int, default=24, help="(b) LOW workers")
     g.add_argument("--limited-rate", type=float, default=5.0, help="(c) offered req/s")
@@ -57,21 +61,26 @@ def _strip(report: dict[str, Any]) -> dict[str, Any]:
 class Runner:
     """Runs phases with shared settings; tenants get ids unique to this run."""
 
-    def __init__(self, args: argparse.Namespace, endpoint: Endpoint, admin_key: str,
-                 pool: TextPool) -> None:
+    def __init__(
+        self, args: argparse.Namespace, endpoint: Endpoint, admin_key: str, pool: TextPool
+    ) -> None:
         self.args, self.endpoint, self.admin_key, self.pool = args, endpoint, admin_key, pool
         self.tag = f"-{uuid.uuid4().hex[:6]}"
         self.caps = Caps(args.max_prompt_tokens, args.max_output_tokens)
 
     def phase(self, tenants: list[TenantSpec], duration: float | None = None) -> dict[str, Any]:
         """One bounded phase with ``tenants``; returns its report."""
-        run = RunConfig(num_requests=self.args.num_requests,
-                        duration=duration or self.args.phase_duration,
-                        drain_timeout=self.args.drain_timeout,
-                        request_timeout=self.args.request_timeout, seed=self.args.seed,
-                        progress=not self.args.no_progress)
-        report, _ = run_phase_sync(Phase(self.endpoint, tenants, run, "short_chat", self.caps),
-                                   self.pool)
+        run = RunConfig(
+            num_requests=self.args.num_requests,
+            duration=duration or self.args.phase_duration,
+            drain_timeout=self.args.drain_timeout,
+            request_timeout=self.args.request_timeout,
+            seed=self.args.seed,
+            progress=not self.args.no_progress,
+        )
+        report, _ = run_phase_sync(
+            Phase(self.endpoint, tenants, run, "short_chat", self.caps), self.pool
+        )
         time.sleep(1.0)  # let the engines drain what was cancelled
         return report
 
@@ -81,21 +90,33 @@ class Runner:
         return list(specs)
 
 
-def _ratio_experiment(exp_id: str, r: Runner, protected: TenantSpec, aggressor: TenantSpec,
-                      limit: float, what: str) -> dict[str, Any]:
+def _ratio_experiment(
+    exp_id: str, r: Runner, protected: TenantSpec, aggressor: TenantSpec, limit: float, what: str
+) -> dict[str, Any]:
     r.tenants(protected, aggressor)
     idle = r.phase([protected])
     loaded = r.phase([protected, aggressor])
     base, under = _p(idle, protected.name), _p(loaded, protected.name)
     ratio = under / base if base > 0 else float("nan")
     return {
-        "id": exp_id, "what": what, "metric": f"{protected.name} p95 TTFT",
-        "idle_ms": base, "loaded_ms": under, "ratio": ratio, "allowed_ratio": limit,
-        "holds": bool(ratio <= limit), "aggressor_p95_ttft_ms": _p(loaded, aggressor.name),
-        "bars": {f"{protected.name} idle": base, f"{protected.name} loaded": under,
-                 f"{aggressor.name} loaded": _p(loaded, aggressor.name)},
-        "limit_ms": base * limit, "limit_label": f"{limit}x idle",
-        "idle": _strip(idle), "loaded": _strip(loaded),
+        "id": exp_id,
+        "what": what,
+        "metric": f"{protected.name} p95 TTFT",
+        "idle_ms": base,
+        "loaded_ms": under,
+        "ratio": ratio,
+        "allowed_ratio": limit,
+        "holds": bool(ratio <= limit),
+        "aggressor_p95_ttft_ms": _p(loaded, aggressor.name),
+        "bars": {
+            f"{protected.name} idle": base,
+            f"{protected.name} loaded": under,
+            f"{aggressor.name} loaded": _p(loaded, aggressor.name),
+        },
+        "limit_ms": base * limit,
+        "limit_label": f"{limit}x idle",
+        "idle": _strip(idle),
+        "loaded": _strip(loaded),
     }
 
 
@@ -103,10 +124,16 @@ def exp_flood(r: Runner) -> dict[str, Any]:
     """(a) short chats beside a long-prompt flood, same priority."""
     a = r.args
     chat = TenantSpec("chat", "NORMAL", rate=a.chat_rate, mix="short_chat")
-    flood = TenantSpec("flood", "NORMAL", concurrency=a.flood_concurrency, mix="long_context",
-                       max_concurrent=a.flood_max_concurrent)
-    return _ratio_experiment("a", r, chat, flood, 2.0,
-                             "short chats' p95 TTFT with a long-prompt flood beside them")
+    flood = TenantSpec(
+        "flood",
+        "NORMAL",
+        concurrency=a.flood_concurrency,
+        mix="long_context",
+        max_concurrent=a.flood_max_concurrent,
+    )
+    return _ratio_experiment(
+        "a", r, chat, flood, 2.0, "short chats' p95 TTFT with a long-prompt flood beside them"
+    )
 
 
 def exp_priority(r: Runner) -> dict[str, Any]:
@@ -114,15 +141,22 @@ def exp_priority(r: Runner) -> dict[str, Any]:
     a = r.args
     critical = TenantSpec("critical", "CRITICAL", rate=a.critical_rate, mix="short_chat")
     low = TenantSpec("low", "LOW", concurrency=a.low_concurrency, mix="chatlike")
-    return _ratio_experiment("b", r, critical, low, 1.5,
-                             "CRITICAL p95 TTFT while LOW overloads the engine")
+    return _ratio_experiment(
+        "b", r, critical, low, 1.5, "CRITICAL p95 TTFT while LOW overloads the engine"
+    )
 
 
 def exp_limits(r: Runner) -> dict[str, Any]:
     """(c) a rate-limited tenant far above its limit: fast rejections, no engine work."""
     a = r.args
-    limited = TenantSpec("limited", "NORMAL", rate=a.limited_rate, mix="short_chat",
-                         rpm=a.limited_rpm, request_burst=1)
+    limited = TenantSpec(
+        "limited",
+        "NORMAL",
+        rate=a.limited_rate,
+        mix="short_chat",
+        rpm=a.limited_rpm,
+        request_burst=1,
+    )
     r.tenants(limited)
     rep = r.phase([limited], duration=min(a.phase_duration, 10.0))
     o = rep["overall"]
@@ -132,26 +166,39 @@ def exp_limits(r: Runner) -> dict[str, Any]:
     fast = rej_p99 <= 5.0
     no_engine_work = engine_seen == o["num_ok"]
     return {
-        "id": "c", "what": "rate-limited tenant: rejection latency and engine work",
-        "metric": "rejection p99", "num_offered": o["num_requests"], "num_admitted": o["num_ok"],
-        "num_rejected": rejected, "rejection_ms": o["error_latency_ms"],
-        "engine_requests_seen": engine_seen, "fast_rejections": fast,
-        "no_engine_work_for_rejected": no_engine_work, "holds": bool(fast and no_engine_work),
-        "bars": {"rejection p50": float(o["error_latency_ms"].get("p50", float("nan"))),
-                 "rejection p99": rej_p99},
-        "limit_ms": 5.0, "limit_label": "5 ms", "phase": _strip(rep),
+        "id": "c",
+        "what": "rate-limited tenant: rejection latency and engine work",
+        "metric": "rejection p99",
+        "num_offered": o["num_requests"],
+        "num_admitted": o["num_ok"],
+        "num_rejected": rejected,
+        "rejection_ms": o["error_latency_ms"],
+        "engine_requests_seen": engine_seen,
+        "fast_rejections": fast,
+        "no_engine_work_for_rejected": no_engine_work,
+        "holds": bool(fast and no_engine_work),
+        "bars": {
+            "rejection p50": float(o["error_latency_ms"].get("p50", float("nan"))),
+            "rejection p99": rej_p99,
+        },
+        "limit_ms": 5.0,
+        "limit_label": "5 ms",
+        "phase": _strip(rep),
     }
 
 
 EXPERIMENTS = {"a": exp_flood, "b": exp_priority, "c": exp_limits}
 
 
-def run_all(args: argparse.Namespace, endpoint: Endpoint, admin_key: str, pool: TextPool,
-            png: Path) -> dict[str, Any]:
+def run_all(
+    args: argparse.Namespace, endpoint: Endpoint, admin_key: str, pool: TextPool, png: Path
+) -> dict[str, Any]:
     """Run the chosen experiments; print verdicts; plot; return the report."""
     if endpoint.kind == "engine" or not admin_key:
-        raise SystemExit("fairness runs through the Gateway API with an admin key: "
-                         "--target gateway|envoy with --spawn or --admin-key(-file)")
+        raise SystemExit(
+            "fairness runs through the Gateway API with an admin key: "
+            "--target gateway|envoy with --spawn or --admin-key(-file)"
+        )
     r = Runner(args, endpoint, admin_key, pool)
     results = []
     for exp_id in filter(None, args.experiments.split(",")):
@@ -159,12 +206,16 @@ def run_all(args: argparse.Namespace, endpoint: Endpoint, admin_key: str, pool: 
         results.append(res)
         verdict = "HOLDS" if res["holds"] else "MISSES"
         if "ratio" in res:
-            print(f"({exp_id}) {verdict}: {res['metric']} idle {res['idle_ms']:.0f} ms, "
-                  f"loaded {res['loaded_ms']:.0f} ms, ratio {res['ratio']:.2f} "
-                  f"(allowed {res['allowed_ratio']})")
+            print(
+                f"({exp_id}) {verdict}: {res['metric']} idle {res['idle_ms']:.0f} ms, "
+                f"loaded {res['loaded_ms']:.0f} ms, ratio {res['ratio']:.2f} "
+                f"(allowed {res['allowed_ratio']})"
+            )
         else:
-            print(f"({exp_id}) {verdict}: rejection p99 {res['bars']['rejection p99']:.1f} ms, "
-                  f"{res['num_rejected']} rejected / {res['num_admitted']} admitted, "
-                  f"engines saw {res['engine_requests_seen']}")
+            print(
+                f"({exp_id}) {verdict}: rejection p99 {res['bars']['rejection p99']:.1f} ms, "
+                f"{res['num_rejected']} rejected / {res['num_admitted']} admitted, "
+                f"engines saw {res['engine_requests_seen']}"
+            )
     plots.plot_fairness(results, png)
     return {"experiments": results, "target": endpoint.kind, "address": endpoint.address}

@@ -23,17 +23,22 @@ def _cdf(ax: Any, values_ms: list[float], label: str) -> None:
     ax.step(xs, ys, where="post", label=f"{label} (n={len(xs)})")
 
 
-def plot_run(records: Sequence[RequestRecord], engine: dict[str, Any], path: Path,
-             title: str) -> Path:
+def plot_run(
+    records: Sequence[RequestRecord], engine: dict[str, Any], path: Path, title: str
+) -> Path:
     """Latency CDFs per tenant (TTFT, TPOT, e2e) and engine queue / KV usage over time."""
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     tenants = sorted({r.tenant for r in records})
     metrics: list[tuple[str, Callable[[RequestRecord], float | None]]] = [
-        ("TTFT", lambda r: r.ttft), ("TPOT", lambda r: r.tpot), ("end-to-end", lambda r: r.e2e)]
+        ("TTFT", lambda r: r.ttft),
+        ("TPOT", lambda r: r.tpot),
+        ("end-to-end", lambda r: r.e2e),
+    ]
     for ax, (name, get) in zip(axes.flat, metrics, strict=False):
         for t in tenants:
-            vals = [1000 * v for r in records if r.ok and r.tenant == t
-                    and (v := get(r)) is not None]
+            vals = [
+                1000 * v for r in records if r.ok and r.tenant == t and (v := get(r)) is not None
+            ]
             _cdf(ax, vals, t)
         ax.set(xlabel=f"{name} (ms)", ylabel="fraction of requests", title=f"{name} CDF")
         ax.set_xscale("log")
@@ -58,8 +63,13 @@ def plot_run(records: Sequence[RequestRecord], engine: dict[str, Any], path: Pat
     return path
 
 
-def plot_sweep(points: list[dict[str, Any]], target_ms: float, knee: float | None,
-               path: Path, offered_label: str) -> Path:
+def plot_sweep(
+    points: list[dict[str, Any]],
+    target_ms: float,
+    knee: float | None,
+    path: Path,
+    offered_label: str,
+) -> Path:
     """Achieved throughput and TTFT percentiles against offered load."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
     xs = [p["offered"] for p in points]
@@ -67,10 +77,18 @@ def plot_sweep(points: list[dict[str, Any]], target_ms: float, knee: float | Non
     if "rate" in offered_label:
         a1.plot(xs, xs, "k:", label="achieved = offered")
     a1b = a1.twinx()
-    a1b.plot(xs, [p["output_token_throughput"] for p in points], "s--", color="tab:green",
-             label="output tok/s")
-    a1.set(xlabel=offered_label, ylabel="requests/s (to the last completion)",
-           title="throughput vs offered load")
+    a1b.plot(
+        xs,
+        [p["output_token_throughput"] for p in points],
+        "s--",
+        color="tab:green",
+        label="output tok/s",
+    )
+    a1.set(
+        xlabel=offered_label,
+        ylabel="requests/s (to the last completion)",
+        title="throughput vs offered load",
+    )
     a1b.set_ylabel("output tokens/s")
     a1.legend(loc="upper left", fontsize=8)
     a1b.legend(loc="lower right", fontsize=8)
@@ -92,12 +110,14 @@ def plot_sweep(points: list[dict[str, Any]], target_ms: float, knee: float | Non
 def plot_fairness(experiments: list[dict[str, Any]], path: Path) -> Path:
     """Per experiment: the protected metric idle vs loaded, against its allowed ratio."""
     fig, axes = plt.subplots(1, len(experiments), figsize=(5 * len(experiments), 4.5))
-    for ax, exp in zip([axes] if len(experiments) == 1 else list(axes), experiments,
-                       strict=True):
+    for ax, exp in zip([axes] if len(experiments) == 1 else list(axes), experiments, strict=True):
         bars = exp["bars"]  # label -> ms
         labels = list(bars)
-        ax.bar(labels, [bars[k] for k in labels],
-               color=["tab:blue", "tab:orange", "tab:red", "tab:gray"][:len(labels)])
+        ax.bar(
+            labels,
+            [bars[k] for k in labels],
+            color=["tab:blue", "tab:orange", "tab:red", "tab:gray"][: len(labels)],
+        )
         if exp.get("limit_ms") is not None:
             ax.axhline(exp["limit_ms"], color="red", ls="--", label=exp["limit_label"])
             ax.legend(fontsize=8)

@@ -63,27 +63,40 @@ def describe(phase: Phase) -> dict[str, Any]:
         kind, value = tenant_process(t, phase.run, total_share)
         d = {k: v for k, v in asdict(t).items() if k != "key"}
         tenants.append({**d, "mix": t.mix or phase.mix, "process": kind, "offered": value})
-    return {"target": phase.endpoint.kind, "address": phase.endpoint.address,
-            "stats_replicas": phase.endpoint.stats, "mix": phase.mix, "caps": asdict(phase.caps),
-            "run": asdict(phase.run), "tenants": tenants, "slo": asdict(phase.slo)}
+    return {
+        "target": phase.endpoint.kind,
+        "address": phase.endpoint.address,
+        "stats_replicas": phase.endpoint.stats,
+        "mix": phase.mix,
+        "caps": asdict(phase.caps),
+        "run": asdict(phase.run),
+        "tenants": tenants,
+        "slo": asdict(phase.slo),
+    }
 
 
 async def run_phase(phase: Phase, pool: TextPool) -> tuple[dict[str, Any], list[RequestRecord]]:
     """Run one phase; returns (report section, raw records)."""
-    streams = {t.name: tenant_requests(t, phase.mix, pool, phase.run.seed, phase.caps)
-               for t in phase.tenants}
+    streams = {
+        t.name: tenant_requests(t, phase.mix, pool, phase.run.seed, phase.caps)
+        for t in phase.tenants
+    }
     target = phase.endpoint.target(phase.tenants)
-    sampler = EngineSampler(phase.endpoint.stats, phase.stats_interval,
-                            phase.endpoint.service_token)
+    sampler = EngineSampler(
+        phase.endpoint.stats, phase.stats_interval, phase.endpoint.service_token
+    )
     started = time.time()
     try:
         result = await run_load(target, phase.tenants, streams, phase.run, sampler.start)
     finally:
         await sampler.stop()
         await target.close()
-    report = {"config": describe(phase), "started_at": started,
-              **full_summary(result.records, result.wall_s, phase.slo),
-              "engine": sampler.summary()}
+    report = {
+        "config": describe(phase),
+        "started_at": started,
+        **full_summary(result.records, result.wall_s, phase.slo),
+        "engine": sampler.summary(),
+    }
     return report, result.records
 
 

@@ -38,8 +38,9 @@ class StatsSample:
 class EngineSampler:
     """Polls ``GetStats`` on each address every ``interval`` seconds until stopped."""
 
-    def __init__(self, addresses: list[str], interval: float = 0.25,
-                 service_token: str = "") -> None:
+    def __init__(
+        self, addresses: list[str], interval: float = 0.25, service_token: str = ""
+    ) -> None:
         self.addresses = addresses
         self.metadata = token_metadata(service_token)
         self.interval = interval
@@ -56,14 +57,23 @@ class EngineSampler:
         now = time.perf_counter() - self._t0
         for addr, stub in zip(self.addresses, self._stubs, strict=True):
             try:
-                s = await stub.GetStats(engine_pb2.GetStatsRequest(), timeout=2.0,
-                                        metadata=self.metadata)
+                s = await stub.GetStats(
+                    engine_pb2.GetStatsRequest(), timeout=2.0, metadata=self.metadata
+                )
             except grpc.aio.AioRpcError:
                 continue
-            sample = StatsSample(now, addr, s.num_waiting, s.num_running, s.num_kv_blocks_used,
-                                 s.num_kv_blocks_total, s.kv_cache_usage,
-                                 s.num_preemptions_total, s.num_requests_total,
-                                 s.generation_tokens_per_second)
+            sample = StatsSample(
+                now,
+                addr,
+                s.num_waiting,
+                s.num_running,
+                s.num_kv_blocks_used,
+                s.num_kv_blocks_total,
+                s.kv_cache_usage,
+                s.num_preemptions_total,
+                s.num_requests_total,
+                s.generation_tokens_per_second,
+            )
             self.first.setdefault(addr, sample)
             self.last[addr] = sample
             self.samples.append(sample)
@@ -91,8 +101,9 @@ class EngineSampler:
 
     def delta(self, name: str) -> int:
         """Growth of a counter (``num_preemptions_total``...) over the run, all replicas."""
-        return sum(int(getattr(self.last[a], name)) - int(getattr(self.first[a], name))
-                   for a in self.first)
+        return sum(
+            int(getattr(self.last[a], name)) - int(getattr(self.first[a], name)) for a in self.first
+        )
 
     def summary(self) -> dict[str, Any]:
         """Peaks, means and counter deltas over the run, plus the raw series."""

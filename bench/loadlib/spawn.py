@@ -64,11 +64,16 @@ class Stack:
         self.envoy = ""
         self._started: list[_Stoppable] = []
 
-    def _proc(self, name: str, module: str, args: list[str], env: dict[str, str],
-              timeout: float) -> ManagedProcess:
-        proc = ManagedProcess(name=name, module=module, env=env, log_dir=self.spec.work_dir,
-                              args=["--port", "0", "--metrics-port", "0", "--log-format",
-                                    "json", *args])
+    def _proc(
+        self, name: str, module: str, args: list[str], env: dict[str, str], timeout: float
+    ) -> ManagedProcess:
+        proc = ManagedProcess(
+            name=name,
+            module=module,
+            env=env,
+            log_dir=self.spec.work_dir,
+            args=["--port", "0", "--metrics-port", "0", "--log-format", "json", *args],
+        )
         self._started.append(proc)
         return proc.start(timeout=timeout)
 
@@ -85,8 +90,7 @@ class Stack:
         spec, md = self.spec, ["--model-dir", str(self.spec.model_dir)]
         for i in range(spec.num_engines):
             env = {**BENCH_ENGINE_ENV, **spec.engine_env}
-            self.engines.append(self._proc(f"bench-engine-{i}", "engine_svc", md, env,
-                                           240).address)
+            self.engines.append(self._proc(f"bench-engine-{i}", "engine_svc", md, env, 240).address)
         if not spec.gateway and not spec.envoy:
             return
         self.tokenizer = self._proc("bench-tokenizer", "tokenizer_svc", md, {}, 90).address
@@ -96,16 +100,34 @@ class Stack:
         self._started.append(redis)
         gw_env = {**GATEWAY_ENV, **spec.gateway_env, "ADMIN_KEY": self.admin_key}
         self.gateway = self._proc(
-            "bench-gateway", "gateway",
-            ["--engines", ",".join(self.engines), "--tokenizer", self.tokenizer,
-             "--redis-url", redis.url, "--http-port", "-1", *md], gw_env, 120).address
+            "bench-gateway",
+            "gateway",
+            [
+                "--engines",
+                ",".join(self.engines),
+                "--tokenizer",
+                self.tokenizer,
+                "--redis-url",
+                redis.url,
+                "--http-port",
+                "-1",
+                *md,
+            ],
+            gw_env,
+            120,
+        ).address
         if spec.envoy:
             from deploy.envoy import EnvoyProcess, render_config_file
 
-            cfg = render_config_file(spec.work_dir / "envoy.yaml", listener_host="127.0.0.1",
-                                     listener_port=0, admin_port=0, gateway=[self.gateway],
-                                     admin=[self.gateway],
-                                     access_log_path=spec.work_dir / "envoy-access.log")
+            cfg = render_config_file(
+                spec.work_dir / "envoy.yaml",
+                listener_host="127.0.0.1",
+                listener_port=0,
+                admin_port=0,
+                gateway=[self.gateway],
+                admin=[self.gateway],
+                access_log_path=spec.work_dir / "envoy-access.log",
+            )
             envoy = EnvoyProcess(cfg, log_dir=spec.work_dir)
             self._started.append(envoy)
             self.envoy = envoy.start(timeout=60).listener_address()
@@ -123,8 +145,9 @@ class Stack:
         self.stop()
 
 
-def setup_tenants(admin_address: str, admin_key: str, tenants: list[TenantSpec],
-                  run_tag: str = "") -> None:
+def setup_tenants(
+    admin_address: str, admin_key: str, tenants: list[TenantSpec], run_tag: str = ""
+) -> None:
     """Upsert each tenant (priority, limits) and give it a fresh key (``tenant.key``).
 
     Tenant ids get ``run_tag`` appended so repeated runs on one Redis start
@@ -136,11 +159,23 @@ def setup_tenants(admin_address: str, admin_key: str, tenants: list[TenantSpec],
         for t in tenants:
             tid = t.name + run_tag
             limits = admin_pb2.LimitPolicy(
-                requests_per_minute=t.rpm, tokens_per_minute=t.tpm,
-                max_concurrent=t.max_concurrent, request_burst=t.request_burst)
-            admin.UpsertTenant(admin_pb2.Tenant(
-                id=tid, limits=limits, display_name=f"load test {t.name}",
-                priority=common_pb2.Priority.ValueType(t.priority_value)),
-                metadata=md, timeout=10)
-            t.key = admin.CreateApiKey(admin_pb2.CreateApiKeyRequest(
-                tenant_id=tid, name="bench-load"), metadata=md, timeout=10).key
+                requests_per_minute=t.rpm,
+                tokens_per_minute=t.tpm,
+                max_concurrent=t.max_concurrent,
+                request_burst=t.request_burst,
+            )
+            admin.UpsertTenant(
+                admin_pb2.Tenant(
+                    id=tid,
+                    limits=limits,
+                    display_name=f"load test {t.name}",
+                    priority=common_pb2.Priority.ValueType(t.priority_value),
+                ),
+                metadata=md,
+                timeout=10,
+            )
+            t.key = admin.CreateApiKey(
+                admin_pb2.CreateApiKeyRequest(tenant_id=tid, name="bench-load"),
+                metadata=md,
+                timeout=10,
+            ).key

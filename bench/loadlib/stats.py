@@ -59,8 +59,9 @@ def dist_ms(values_s: Iterable[float]) -> dict[str, float]:
     return out
 
 
-def summarize(records: Sequence[RequestRecord], wall_s: float, slo: Slo | None = None
-              ) -> dict[str, Any]:
+def summarize(
+    records: Sequence[RequestRecord], wall_s: float, slo: Slo | None = None
+) -> dict[str, Any]:
     """Counts, throughput, latency distributions and errors of ``records``."""
     ok = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
@@ -93,9 +94,12 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, slo: Slo | None =
     return out
 
 
-def breakdown(records: Sequence[RequestRecord], wall_s: float,
-              key: Callable[[RequestRecord], str], slo: Slo | None = None
-              ) -> dict[str, dict[str, Any]]:
+def breakdown(
+    records: Sequence[RequestRecord],
+    wall_s: float,
+    key: Callable[[RequestRecord], str],
+    slo: Slo | None = None,
+) -> dict[str, dict[str, Any]]:
     """``summarize`` per group of ``key``."""
     groups: dict[str, list[RequestRecord]] = {}
     for r in records:
@@ -103,8 +107,9 @@ def breakdown(records: Sequence[RequestRecord], wall_s: float,
     return {k: summarize(v, wall_s, slo) for k, v in sorted(groups.items())}
 
 
-def full_summary(records: Sequence[RequestRecord], wall_s: float, slo: Slo | None = None
-                 ) -> dict[str, Any]:
+def full_summary(
+    records: Sequence[RequestRecord], wall_s: float, slo: Slo | None = None
+) -> dict[str, Any]:
     """Overall, per-tenant, per-priority, per-workload-kind and per-model-version summaries.
 
     ``per_version`` puts a canary's TTFT/TPOT/error rate beside the stable
@@ -113,8 +118,9 @@ def full_summary(records: Sequence[RequestRecord], wall_s: float, slo: Slo | Non
     return {
         "overall": summarize(records, wall_s, slo),
         "per_tenant": breakdown(records, wall_s, lambda r: r.tenant, slo),
-        "per_priority": breakdown(records, wall_s,
-                                  lambda r: PRIORITY_NAMES.get(r.priority, str(r.priority)), slo),
+        "per_priority": breakdown(
+            records, wall_s, lambda r: PRIORITY_NAMES.get(r.priority, str(r.priority)), slo
+        ),
         "per_kind": breakdown(records, wall_s, lambda r: r.kind, slo),
         "per_version": breakdown(records, wall_s, lambda r: r.version or "-", slo),
     }
@@ -122,25 +128,33 @@ def full_summary(records: Sequence[RequestRecord], wall_s: float, slo: Slo | Non
 
 def format_table(summary: dict[str, Any], title: str) -> str:
     """A benchmark_serving-style text block for one summary."""
+
     def row(label: str, value: Any) -> str:
         text = f"{value:.2f}" if isinstance(value, float) else str(value)
         return f"{label:<40}{text:>12}"
 
-    lines = [f"{' ' + title + ' ':=^52}",
-             row("Successful requests", summary["num_ok"]),
-             row("Failed requests", summary["num_errors"]),
-             row("Duration (s)", summary["duration_s"]),
-             row("Request throughput (req/s)", summary["request_throughput"]),
-             row("Output token throughput (tok/s)", summary["output_token_throughput"]),
-             row("Total token throughput (tok/s)", summary["total_token_throughput"])]
+    lines = [
+        f"{' ' + title + ' ':=^52}",
+        row("Successful requests", summary["num_ok"]),
+        row("Failed requests", summary["num_errors"]),
+        row("Duration (s)", summary["duration_s"]),
+        row("Request throughput (req/s)", summary["request_throughput"]),
+        row("Output token throughput (tok/s)", summary["output_token_throughput"]),
+        row("Total token throughput (tok/s)", summary["total_token_throughput"]),
+    ]
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         d = summary[name]
         if d.get("n"):
-            lines.append(row(f"{name[:-3].upper()} p50 / p95 / p99 (ms)",
-                             f"{d['p50']:.0f} / {d['p95']:.0f} / {d['p99']:.0f}"))
+            lines.append(
+                row(
+                    f"{name[:-3].upper()} p50 / p95 / p99 (ms)",
+                    f"{d['p50']:.0f} / {d['p95']:.0f} / {d['p99']:.0f}",
+                )
+            )
     if summary["errors_by_status"]:
-        lines.append(row("Errors", ", ".join(f"{k}={v}"
-                                             for k, v in summary["errors_by_status"].items())))
+        lines.append(
+            row("Errors", ", ".join(f"{k}={v}" for k, v in summary["errors_by_status"].items()))
+        )
     if "goodput_req_s" in summary:
         lines.append(row("Goodput (req/s within SLO)", summary["goodput_req_s"]))
     return "\n".join(lines)

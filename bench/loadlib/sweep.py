@@ -36,15 +36,21 @@ def _point(rate: float, report: dict[str, Any], cfg: SweepConfig) -> dict[str, A
     o, eng = report["overall"], report["engine"]
     p95 = o["ttft_ms"].get("p95", math.inf)
     errors = o["num_errors"] / max(o["num_requests"], 1)
-    return {"offered": rate, "request_throughput": o["request_throughput"],
-            "output_token_throughput": o["output_token_throughput"],
-            "num_requests": o["num_requests"], "num_errors": o["num_errors"],
-            "errors_by_status": o["errors_by_status"], "ttft_ms": o["ttft_ms"],
-            "tpot_ms": o["tpot_ms"], "e2e_ms": o["e2e_ms"],
-            "max_kv_cache_usage": eng.get("max_kv_cache_usage"),
-            "max_num_waiting": eng.get("max_num_waiting"),
-            "num_preemptions": eng.get("num_preemptions"),
-            "passes": bool(p95 <= cfg.ttft_p95_target_ms and errors <= cfg.max_error_share)}
+    return {
+        "offered": rate,
+        "request_throughput": o["request_throughput"],
+        "output_token_throughput": o["output_token_throughput"],
+        "num_requests": o["num_requests"],
+        "num_errors": o["num_errors"],
+        "errors_by_status": o["errors_by_status"],
+        "ttft_ms": o["ttft_ms"],
+        "tpot_ms": o["tpot_ms"],
+        "e2e_ms": o["e2e_ms"],
+        "max_kv_cache_usage": eng.get("max_kv_cache_usage"),
+        "max_num_waiting": eng.get("max_num_waiting"),
+        "num_preemptions": eng.get("num_preemptions"),
+        "passes": bool(p95 <= cfg.ttft_p95_target_ms and errors <= cfg.max_error_share),
+    }
 
 
 def run_sweep(base: Phase, pool: TextPool, cfg: SweepConfig) -> dict[str, Any]:
@@ -56,13 +62,15 @@ def run_sweep(base: Phase, pool: TextPool, cfg: SweepConfig) -> dict[str, Any]:
         report, _ = run_phase_sync(phase, pool)
         point = _point(rate, report, cfg)
         points.append(point)
-        print(f"  offered {rate:7.3f} req/s -> {point['request_throughput']:6.3f} req/s, "
-              f"TTFT p95 {point['ttft_ms'].get('p95', float('nan')):8.0f} ms, "
-              f"errors {point['num_errors']}, {'pass' if point['passes'] else 'FAIL'}")
+        print(
+            f"  offered {rate:7.3f} req/s -> {point['request_throughput']:6.3f} req/s, "
+            f"TTFT p95 {point['ttft_ms'].get('p95', float('nan')):8.0f} ms, "
+            f"errors {point['num_errors']}, {'pass' if point['passes'] else 'FAIL'}"
+        )
         time.sleep(cfg.pause_s)
         return point
 
-    schedule = cfg.rates or [cfg.start * cfg.factor ** i for i in range(cfg.max_steps)]
+    schedule = cfg.rates or [cfg.start * cfg.factor**i for i in range(cfg.max_steps)]
     good: float | None = None
     bad: float | None = None
     for rate in schedule:
@@ -80,10 +88,14 @@ def run_sweep(base: Phase, pool: TextPool, cfg: SweepConfig) -> dict[str, Any]:
         else:
             bad = mid
     points.sort(key=lambda p: p["offered"])
-    return {"config": dataclasses.asdict(cfg), "base": {"mix": base.mix,
-                                                        "run": dataclasses.asdict(base.run)},
-            "points": points, "sustainable_rate": good, "first_failing_rate": bad,
-            "verdict": _verdict(good, bad, cfg)}
+    return {
+        "config": dataclasses.asdict(cfg),
+        "base": {"mix": base.mix, "run": dataclasses.asdict(base.run)},
+        "points": points,
+        "sustainable_rate": good,
+        "first_failing_rate": bad,
+        "verdict": _verdict(good, bad, cfg),
+    }
 
 
 def _verdict(good: float | None, bad: float | None, cfg: SweepConfig) -> str:
@@ -92,5 +104,4 @@ def _verdict(good: float | None, bad: float | None, cfg: SweepConfig) -> str:
         return f"no tested rate met {target}; start the sweep lower"
     if bad is None:
         return f"every tested rate met {target}; the knee lies above {good:g} req/s"
-    return (f"sustainable rate {good:g} req/s ({target}); "
-            f"{bad:g} req/s crosses the target")
+    return f"sustainable rate {good:g} req/s ({target}); {bad:g} req/s crosses the target"

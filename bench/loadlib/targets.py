@@ -99,9 +99,12 @@ class EngineTarget:
     async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[Progress]:
         """See ``Target.stream``."""
         req = engine_pb2.EngineGenerateRequest(
-            request_id=f"load-{spec.tenant}-{spec.index}", prompt_token_ids=spec.prompt_ids,
+            request_id=f"load-{spec.tenant}-{spec.index}",
+            prompt_token_ids=spec.prompt_ids,
             sampling=engine_pb2.EngineSamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
-            priority=common_pb2.Priority.ValueType(spec.priority), tenant_id=spec.tenant)
+            priority=common_pb2.Priority.ValueType(spec.priority),
+            tenant_id=spec.tenant,
+        )
         async for chunk in self.stub.Generate(req, timeout=timeout_s, metadata=self.metadata):
             yield len(chunk.token_ids), len(spec.prompt_ids), ""
 
@@ -122,10 +125,13 @@ class GatewayTarget:
     async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[Progress]:
         """See ``Target.stream``."""
         msgs = common_pb2.ChatMessages(
-            messages=[common_pb2.ChatMessage(role="user", content=spec.text)])
+            messages=[common_pb2.ChatMessage(role="user", content=spec.text)]
+        )
         req = gateway_pb2.GenerateRequest(
-            messages=msgs, request_id=f"load-{spec.tenant}-{spec.index}",
-            sampling=common_pb2.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True))
+            messages=msgs,
+            request_id=f"load-{spec.tenant}-{spec.index}",
+            sampling=common_pb2.SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True),
+        )
         md = (("authorization", f"Bearer {self.keys.get(spec.tenant, '')}"),)
         async for chunk in self.stub.Generate(req, metadata=md, timeout=timeout_s):
             yield len(chunk.token_ids), chunk.usage.prompt_tokens, chunk.model_version

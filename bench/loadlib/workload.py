@@ -52,16 +52,21 @@ class Shape:
             return rng.randint(*self.prompt), rng.randint(*self.output)
         p = int(rng.lognormvariate(math.log(self.lognormal[0]), 0.9))
         o = int(rng.lognormvariate(math.log(self.lognormal[1]), 0.8))
-        return (min(max(p, self.prompt[0]), self.prompt[1]),
-                min(max(o, self.output[0]), self.output[1]))
+        return (
+            min(max(p, self.prompt[0]), self.prompt[1]),
+            min(max(o, self.output[0]), self.output[1]),
+        )
 
 
-SHAPES = {s.name: s for s in (
-    Shape("short_chat", (24, 96), (16, 64)),
-    Shape("long_context", (900, 1700), (16, 48)),
-    Shape("long_output", (24, 64), (192, 384)),
-    Shape("chatlike", (8, 1500), (4, 384), lognormal=(120.0, 48.0)),
-)}
+SHAPES = {
+    s.name: s
+    for s in (
+        Shape("short_chat", (24, 96), (16, 64)),
+        Shape("long_context", (900, 1700), (16, 48)),
+        Shape("long_output", (24, 64), (192, 384)),
+        Shape("chatlike", (8, 1500), (4, 384), lognormal=(120.0, 48.0)),
+    )
+}
 
 
 def parse_mix(text: str) -> list[tuple[Shape, float]]:
@@ -161,18 +166,20 @@ class TextPool:
     def __init__(self, tok: TextTokenizer, seed: int, num_words: int = 6000) -> None:
         rng = random.Random(seed)
         self.tok = tok
-        self.ids = tok.encode(" ".join(rng.choice(_WORDS) for _ in range(num_words)),
-                              add_special_tokens=False)
+        self.ids = tok.encode(
+            " ".join(rng.choice(_WORDS) for _ in range(num_words)), add_special_tokens=False
+        )
 
     def text(self, rng: random.Random, num_tokens: int) -> str:
         """Text of about ``num_tokens`` tokens."""
         n = min(num_tokens, len(self.ids) - 1)
         start = rng.randrange(0, len(self.ids) - n)
-        return self.tok.decode(self.ids[start:start + n])
+        return self.tok.decode(self.ids[start : start + n])
 
 
-def tenant_requests(spec: TenantSpec, default_mix: str, pool: TextPool, seed: int,
-                    caps: Caps) -> Iterator[RequestSpec]:
+def tenant_requests(
+    spec: TenantSpec, default_mix: str, pool: TextPool, seed: int, caps: Caps
+) -> Iterator[RequestSpec]:
     """The endless, reproducible request stream of one tenant."""
     rng = random.Random(seed * 1_000_003 + zlib.crc32(spec.name.encode()))
     mix = parse_mix(spec.mix or default_mix)

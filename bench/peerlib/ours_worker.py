@@ -26,8 +26,7 @@ import torch
 Request = tuple[list[int], int]
 
 
-def run_ours(workloads: dict[str, Any], dtype: str, model_dir: str, device: str
-             ) -> dict[str, Any]:
+def run_ours(workloads: dict[str, Any], dtype: str, model_dir: str, device: str) -> dict[str, Any]:
     from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
 
     t0 = time.perf_counter()
@@ -86,8 +85,9 @@ async def _grpc_workload(address: str, reqs: list[Request], tag: str) -> tuple[f
         return time.perf_counter() - start, generated
 
 
-def run_ours_grpc(workloads: dict[str, Any], dtype: str, device: str, backend: str
-                  ) -> dict[str, Any]:
+def run_ours_grpc(
+    workloads: dict[str, Any], dtype: str, device: str, backend: str
+) -> dict[str, Any]:
     from common.procs import ManagedProcess
 
     env = {"LLM_ENGINE_CORE_ENABLE_PREFIX_CACHING": "false", "LLM_ENGINE_CORE_DEVICE": device}
@@ -96,8 +96,16 @@ def run_ours_grpc(workloads: dict[str, Any], dtype: str, device: str, backend: s
     server = ManagedProcess(
         name="peer-engine",
         module="engine_svc",
-        args=["--port", "0", "--metrics-port", "-1", "--log-level", "warning",
-              "--backend", backend],
+        args=[
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--log-level",
+            "warning",
+            "--backend",
+            backend,
+        ],
         env=env,
         log_dir=Path(tempfile.mkdtemp(prefix="peers-")),
     )
@@ -115,8 +123,9 @@ def run_ours_grpc(workloads: dict[str, Any], dtype: str, device: str, backend: s
     return {"load_s": load_s, "results": results}
 
 
-def run_transformers(workloads: dict[str, Any], dtype: str, model_dir: str, device: str
-                     ) -> dict[str, Any]:
+def run_transformers(
+    workloads: dict[str, Any], dtype: str, model_dir: str, device: str
+) -> dict[str, Any]:
     from bench.engine_bench import HF
 
     torch_dtype = {"auto": torch.bfloat16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)

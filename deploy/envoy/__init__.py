@@ -1,11 +1,11 @@
 """Envoy at the edge: the one config file, a renderer for variants, a process launcher.
 
-    from deploy.envoy import EnvoyProcess, render_config_file
+from deploy.envoy import EnvoyProcess, render_config_file
 
-    path = render_config_file(out_dir, listener_port=0, admin_port=0,
-                              gateway=[("127.0.0.1", 50051)])
-    with EnvoyProcess(path) as envoy:
-        envoy.listener_address()      # "127.0.0.1:<bound port>"
+path = render_config_file(out_dir, listener_port=0, admin_port=0,
+                          gateway=[("127.0.0.1", 50051)])
+with EnvoyProcess(path) as envoy:
+    envoy.listener_address()      # "127.0.0.1:<bound port>"
 """
 
 from deploy.envoy.config import (

@@ -172,13 +172,18 @@ def _set_endpoints(config: Config, name: str, endpoints: Sequence[EndpointLike])
     else:
         cl["type"] = "STRICT_DNS"
         cl["dns_lookup_family"] = "V4_ONLY"
-    cl["load_assignment"]["endpoints"] = [{
-        "lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": e.host,
-                                                          "port_value": e.port}}}}
-            for e in parsed
-        ]
-    }]
+    cl["load_assignment"]["endpoints"] = [
+        {
+            "lb_endpoints": [
+                {
+                    "endpoint": {
+                        "address": {"socket_address": {"address": e.host, "port_value": e.port}}
+                    }
+                }
+                for e in parsed
+            ]
+        }
+    ]
 
 
 def _drop(config: Config, kind: str, name: str) -> None:
@@ -222,8 +227,10 @@ def render_config(
             # before start when ephemeral: drop it rather than point it at
             # whatever else listens on 9901.
             if stats_port is not None:
-                raise ValueError("stats_port needs a fixed admin_port (the stats listener "
-                                 "proxies to it); use admin_port=0 without stats_port")
+                raise ValueError(
+                    "stats_port needs a fixed admin_port (the stats listener "
+                    "proxies to it); use admin_port=0 without stats_port"
+                )
             _drop(config, "listeners", STATS_LISTENER)
             _drop(config, "clusters", ENVOY_ADMIN_CLUSTER)
     if gateway is not None:
@@ -261,17 +268,27 @@ def render_config_file(path: str | Path | None = None, **overrides: Any) -> Path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deploy.envoy.config", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=["local", "container"], default="local",
-                        help="local = envoy.yaml as written; container = compose/Kubernetes")
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.envoy.config",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset",
+        choices=["local", "container"],
+        default="local",
+        help="local = envoy.yaml as written; container = compose/Kubernetes",
+    )
     parser.add_argument("--listen", help="host:port of the public listener")
     parser.add_argument("--admin-port", type=int)
     parser.add_argument("--stats-port", type=int)
     parser.add_argument("--gateway", action="append", help="gateway endpoint host:port (repeat)")
     parser.add_argument("--admin", action="append", help="RateLimitAdmin endpoint (repeat)")
-    parser.add_argument("--gateway-http", action="append",
-                        help="gateway OpenAI-compatible HTTP endpoint host:port (repeat)")
+    parser.add_argument(
+        "--gateway-http",
+        action="append",
+        help="gateway OpenAI-compatible HTTP endpoint host:port (repeat)",
+    )
     parser.add_argument("--descriptor", help="proto descriptor set path")
     parser.add_argument("--access-log", help="access log path (default /dev/stdout)")
     parser.add_argument("-o", "--output", required=True, help="where to write the YAML")
@@ -280,11 +297,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.listen:
         ep = Endpoint.parse(args.listen)
         overrides.update(listener_host=ep.host, listener_port=ep.port)
-    for key, value in (("admin_port", args.admin_port), ("stats_port", args.stats_port),
-                       ("gateway", args.gateway), ("admin", args.admin),
-                       ("gateway_http", args.gateway_http),
-                       ("proto_descriptor", args.descriptor),
-                       ("access_log_path", args.access_log)):
+    for key, value in (
+        ("admin_port", args.admin_port),
+        ("stats_port", args.stats_port),
+        ("gateway", args.gateway),
+        ("admin", args.admin),
+        ("gateway_http", args.gateway_http),
+        ("proto_descriptor", args.descriptor),
+        ("access_log_path", args.access_log),
+    ):
         if value is not None:
             overrides[key] = value
     out = render_config_file(args.output, **overrides)

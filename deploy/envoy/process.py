@@ -113,14 +113,23 @@ class EnvoyProcess(LoggedChild):
     def command(self) -> list[str]:
         return [
             self.binary,
-            "-c", str(self.config_path),
-            "--use-dynamic-base-id", "--base-id-path", str(self.base_id_path),
-            "--admin-address-path", str(self.admin_address_path),
-            "--concurrency", str(self.concurrency),
-            "--log-level", self.log_level,
-            "--file-flush-interval-msec", str(self.file_flush_interval_ms),
-            "--drain-time-s", "1",
-            "--parent-shutdown-time-s", "2",
+            "-c",
+            str(self.config_path),
+            "--use-dynamic-base-id",
+            "--base-id-path",
+            str(self.base_id_path),
+            "--admin-address-path",
+            str(self.admin_address_path),
+            "--concurrency",
+            str(self.concurrency),
+            "--log-level",
+            self.log_level,
+            "--file-flush-interval-msec",
+            str(self.file_flush_interval_ms),
+            "--drain-time-s",
+            "1",
+            "--parent-shutdown-time-s",
+            "2",
         ]
 
     def start(self, timeout: float = 30.0) -> EnvoyProcess:
@@ -130,8 +139,12 @@ class EnvoyProcess(LoggedChild):
         self.admin_address_path.unlink(missing_ok=True)
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            self.command(), cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            self.command(),
+            cwd=self.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -72,8 +72,7 @@ class RateWindow:
         self.window_s, self.every_s = window_s, every_s
         self._history: collections.deque[tuple[float, int, int]] = collections.deque()
 
-    def record(self, prompt_total: int, generation_total: int,
-               now: float | None = None) -> None:
+    def record(self, prompt_total: int, generation_total: int, now: float | None = None) -> None:
         """Note the totals (cheap to call on every step: most calls keep nothing)."""
         now = time.monotonic() if now is None else now
         h = self._history

@@ -96,8 +96,9 @@ class NativeBackend:
         """
         loop = self._loop = asyncio.get_running_loop()
         ready: asyncio.Future[bool] = loop.create_future()
-        self._thread = threading.Thread(target=self._main, args=(ready,),
-                                        name="engine-step-loop", daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, args=(ready,), name="engine-step-loop", daemon=True
+        )
         self._thread.start()
         try:
             await ready
@@ -121,7 +122,8 @@ class NativeBackend:
             raise BackendUnavailableError("the engine is not running")
         if inp.request_id in self._queues:
             raise DuplicateRequestError(
-                f"request_id {inp.request_id!r} is already in use by a live request")
+                f"request_id {inp.request_id!r} is already in use by a live request"
+            )
         out_q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[inp.request_id] = out_q
         finished = False
@@ -231,8 +233,12 @@ class NativeBackend:
         assert self._loop is not None
         try:
             ok = engine.add_request(
-                inp.request_id, inp.prompt_token_ids, inp.sampling_params, inp.priority,
-                inp.resumed_output_token_ids, speculative=inp.speculative_decoding,
+                inp.request_id,
+                inp.prompt_token_ids,
+                inp.sampling_params,
+                inp.priority,
+                inp.resumed_output_token_ids,
+                speculative=inp.speculative_decoding,
             )
         except ValueError as e:
             self._loop.call_soon_threadsafe(_resolve, fut, None, e)
@@ -254,8 +260,9 @@ class NativeBackend:
                 engine.abort_request(rid)
             except Exception:
                 log.exception("abort failed after a step-loop failure", request_id=rid)
-        fails = [RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR)
-                 for rid in ids]
+        fails = [
+            RequestOutput(rid, [], finished=True, finish_reason=FinishReason.ERROR) for rid in ids
+        ]
         self._loop.call_soon_threadsafe(self._dispatch, fails)
 
     def _shutdown(self, engine: LLMEngine) -> None:

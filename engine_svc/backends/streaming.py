@@ -25,11 +25,13 @@ from engine_svc.core.stop_checker import stop_holdback, stop_match
 from engine_svc.core.validation import validate_request
 
 
-def logprobs_from_stream(entries: Sequence[Any], token_ids: Sequence[int], top_n: int
-                      ) -> list[TokenLogprobs]:
+def logprobs_from_stream(
+    entries: Sequence[Any], token_ids: Sequence[int], top_n: int
+) -> list[TokenLogprobs]:
     """Per-position logprobs as vLLM and TensorRT-LLM stream them (``{token_id:
     Logprob}`` with ``.logprob`` and ``.rank``, the sampled token among them; or a bare
     float, the sampled token's alone) as our ``TokenLogprobs`` with the ``top_n`` best."""
+
     def value(v: Any) -> float:
         return float(getattr(v, "logprob", v))
 
@@ -45,14 +47,24 @@ def logprobs_from_stream(entries: Sequence[Any], token_ids: Sequence[int], top_n
             top = scored[:top_n]
         else:
             lp, rank, top = value(entry), 1, []
-        out.append(TokenLogprobs(token_id=int(tok), logprob=lp, rank=int(rank),
-                                 top_token_ids=[t for _, t in top],
-                                 top_logprobs=[v for v, _ in top]))
+        out.append(
+            TokenLogprobs(
+                token_id=int(tok),
+                logprob=lp,
+                rank=int(rank),
+                top_token_ids=[t for _, t in top],
+                top_logprobs=[v for v, _ in top],
+            )
+        )
     return out
 
 
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
-           "cancelled": FinishReason.ABORT, "abort": FinishReason.ABORT}
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "cancelled": FinishReason.ABORT,
+    "abort": FinishReason.ABORT,
+}
 
 
 @dataclass(slots=True)
@@ -78,9 +90,14 @@ class StreamState:
         self.output_ids = list(self.resumed)
         self.num_sent = len(self.resumed)  # the resumed ones went out before
 
-    def advance(self, cumulative_ids: Sequence[int], finish_reason: str | None,
-                now: float, cumulative_logprobs: Sequence[Any] | None = None,
-                num_cached_tokens: int | None = None) -> RequestOutput:
+    def advance(
+        self,
+        cumulative_ids: Sequence[int],
+        finish_reason: str | None,
+        now: float,
+        cumulative_logprobs: Sequence[Any] | None = None,
+        num_cached_tokens: int | None = None,
+    ) -> RequestOutput:
         """The delta since the last call; finished when the engine finished or a stop
         sequence completed (then the caller aborts the engine's request).
         ``num_cached_tokens``: prompt tokens from the prefix cache, where the engine
@@ -89,7 +106,7 @@ class StreamState:
             self.num_cached_tokens = num_cached_tokens
         out, stops = self.output_ids, self.params.stop_sequences
         checked = len(out)
-        out.extend(cumulative_ids[checked - len(self.resumed):])  # only what is new
+        out.extend(cumulative_ids[checked - len(self.resumed) :])  # only what is new
         stop_len = 0
         if stops:  # each new token, as the engine would check it
             for n in range(max(checked + 1, self.params.min_tokens), len(out) + 1):
@@ -111,25 +128,40 @@ class StreamState:
         logprobs = None
         if self.params.logprobs and cumulative_logprobs is not None:
             r = len(self.resumed)  # the engine's logprobs cover what it generated
-            logprobs = logprobs_from_stream(cumulative_logprobs[start - r:end - r], new,
-                                         self.params.logprobs)
+            logprobs = logprobs_from_stream(
+                cumulative_logprobs[start - r : end - r], new, self.params.logprobs
+            )
         self.num_sent = end
         if new and self.first_token_time is None:
             self.first_token_time = now
         finished = reason is not None
         return RequestOutput(
-            request_id=self.request_id, new_token_ids=new, new_logprobs=logprobs,
+            request_id=self.request_id,
+            new_token_ids=new,
+            new_logprobs=logprobs,
             finished=finished,
-            finish_reason=reason, num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=len(out), num_resumed_tokens=len(self.resumed),
-            num_cached_tokens=self.num_cached_tokens, arrival_time=self.arrival_time,
+            finish_reason=reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=len(out),
+            num_resumed_tokens=len(self.resumed),
+            num_cached_tokens=self.num_cached_tokens,
+            arrival_time=self.arrival_time,
             first_scheduled_time=self.arrival_time,
-            first_token_time=self.first_token_time, finished_time=now if finished else None,
+            first_token_time=self.first_token_time,
+            finished_time=now if finished else None,
         )
 
 
-def open_stream(inp: GenerateInput, info: ModelInfo, *, running: bool, live: Collection[str],
-                engine: str, max_num_seqs: int, max_waiting: int) -> StreamState:
+def open_stream(
+    inp: GenerateInput,
+    info: ModelInfo,
+    *,
+    running: bool,
+    live: Collection[str],
+    engine: str,
+    max_num_seqs: int,
+    max_waiting: int,
+) -> StreamState:
     """What every such adapter checks before handing a request to its engine, and the
     request's bookkeeping. The engine service has validated already; a direct caller
     gets the same answer here instead of an engine that fails on a bad id.
@@ -147,13 +179,26 @@ def open_stream(inp: GenerateInput, info: ModelInfo, *, running: bool, live: Col
         raise BackendUnavailableError(f"the {engine} engine is not running")
     if inp.request_id in live:
         raise DuplicateRequestError(
-            f"request_id {inp.request_id!r} is already in use by a live request")
+            f"request_id {inp.request_id!r} is already in use by a live request"
+        )
     if len(live) >= max_num_seqs + max_waiting:
         raise QueueFullError(
             f"the {engine} engine's waiting queue is full; retry later or on another replica",
-            retry_after_ms(len(live) - max_num_seqs, max_num_seqs))
-    validate_request(inp.request_id, inp.prompt_token_ids, inp.sampling_params, inp.priority,
-                     inp.resumed_output_token_ids, vocab_size=info.vocab_size,
-                     max_model_len=info.max_context_length)
-    return StreamState(inp.request_id, len(inp.prompt_token_ids), inp.sampling_params,
-                       time.monotonic(), list(inp.resumed_output_token_ids))
+            retry_after_ms(len(live) - max_num_seqs, max_num_seqs),
+        )
+    validate_request(
+        inp.request_id,
+        inp.prompt_token_ids,
+        inp.sampling_params,
+        inp.priority,
+        inp.resumed_output_token_ids,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_context_length,
+    )
+    return StreamState(
+        inp.request_id,
+        len(inp.prompt_token_ids),
+        inp.sampling_params,
+        time.monotonic(),
+        list(inp.resumed_output_token_ids),
+    )

@@ -59,15 +59,18 @@ def trt_kv_cache_dtype(requested: str, fp8_capable: bool) -> str:
     """
     if requested == "fp8":
         if not fp8_capable:
-            raise ValueError("kv_cache_dtype fp8 needs a GPU with FP8 (compute capability "
-                             ">= 8.9); use auto or bfloat16 here")
+            raise ValueError(
+                "kv_cache_dtype fp8 needs a GPU with FP8 (compute capability "
+                ">= 8.9); use auto or bfloat16 here"
+            )
         return "fp8"
     if requested == "auto":
         return "fp8" if fp8_capable else "auto"
     if requested == "bfloat16":
         return "auto"  # the checkpoint's dtype (bf16 for the models served here)
-    raise ValueError(f"kv_cache_dtype {requested!r} is not available with TensorRT-LLM "
-                     "(auto, fp8 or bfloat16)")
+    raise ValueError(
+        f"kv_cache_dtype {requested!r} is not available with TensorRT-LLM (auto, fp8 or bfloat16)"
+    )
 
 
 def llm_kwargs(cfg: EngineConfig, kv_cache_dtype: str = "fp8") -> dict[str, Any]:
@@ -95,8 +98,9 @@ def llm_kwargs(cfg: EngineConfig, kv_cache_dtype: str = "fp8") -> dict[str, Any]
     }
 
 
-def sampling_kwargs(p: SamplingParams, eos_token_ids: Sequence[int],
-                    num_resumed: int = 0) -> dict[str, Any]:
+def sampling_kwargs(
+    p: SamplingParams, eos_token_ids: Sequence[int], num_resumed: int = 0
+) -> dict[str, Any]:
     """Keyword arguments for ``tensorrt_llm.SamplingParams``.
 
     ``num_resumed`` output tokens of a failed-over stream are already produced (they
@@ -128,8 +132,9 @@ def sampling_kwargs(p: SamplingParams, eos_token_ids: Sequence[int],
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def stats_from_iteration(it: dict[str, Any], max_num_seqs: int, max_waiting: int,
-                         totals: dict[str, int]) -> EngineStats:
+def stats_from_iteration(
+    it: dict[str, Any], max_num_seqs: int, max_waiting: int, totals: dict[str, int]
+) -> EngineStats:
     """EngineStats from one TensorRT-LLM iteration-stats record (a dict)."""
     kv = it.get("kvCacheStats", {})
     used, total = int(kv.get("usedNumBlocks", 0)), int(kv.get("maxNumBlocks", 0))
@@ -137,7 +142,8 @@ def stats_from_iteration(it: dict[str, Any], max_num_seqs: int, max_waiting: int
     return EngineStats(
         num_waiting=int(it.get("numQueuedRequests", 0)),
         num_running=int(it.get("numActiveRequests", 0)),
-        num_kv_blocks_used=used, num_kv_blocks_total=total,
+        num_kv_blocks_used=used,
+        num_kv_blocks_total=total,
         kv_cache_usage=used / total if total else 0.0,
         num_preemptions_total=int(ifb.get("numPausedRequests", 0)),
         num_requests_total=totals.get("requests", 0),
@@ -146,12 +152,14 @@ def stats_from_iteration(it: dict[str, Any], max_num_seqs: int, max_waiting: int
         num_steps_total=int(it.get("iter", 0)),
         prefix_cache_queries=int(kv.get("missedBlocks", 0)) + int(kv.get("reusedBlocks", 0)),
         prefix_cache_hits=int(kv.get("reusedBlocks", 0)),
-        max_num_seqs=max_num_seqs, max_waiting=max_waiting,
+        max_num_seqs=max_num_seqs,
+        max_waiting=max_waiting,
     )
 
 
-def model_info_from_dir(model_dir: Path, cfg: EngineConfig, kv_cache_dtype: str = "fp8"
-                        ) -> ModelInfo:
+def model_info_from_dir(
+    model_dir: Path, cfg: EngineConfig, kv_cache_dtype: str = "fp8"
+) -> ModelInfo:
     """What GetModelInfo reports, read from the checkpoint's config files;
     ``kv_cache_dtype`` as TensorRT-LLM was given it."""
     hf = json.loads((model_dir / "config.json").read_text())
@@ -162,14 +170,20 @@ def model_info_from_dir(model_dir: Path, cfg: EngineConfig, kv_cache_dtype: str 
     quant = (hf.get("quantization_config") or {}).get("quant_algo", "")
     max_len = int(hf.get("max_position_embeddings", 0))
     return ModelInfo(
-        model=model_dir.name, backend="trtllm",
-        kv_cache_dtype="fp8_e4m3" if kv_cache_dtype == "fp8" else str(
-            hf.get("torch_dtype", "bfloat16")),
+        model=model_dir.name,
+        backend="trtllm",
+        kv_cache_dtype="fp8_e4m3"
+        if kv_cache_dtype == "fp8"
+        else str(hf.get("torch_dtype", "bfloat16")),
         max_context_length=min(cfg.max_model_len or max_len, max_len),
-        vocab_size=int(hf.get("vocab_size", 0)), eos_token_ids=[int(i) for i in eos_ids],
-        weight_dtype="fp8_e4m3" if "FP8" in str(quant).upper() else str(
-            hf.get("torch_dtype", "bfloat16")),
-        kv_block_size=cfg.block_size, device="cuda")
+        vocab_size=int(hf.get("vocab_size", 0)),
+        eos_token_ids=[int(i) for i in eos_ids],
+        weight_dtype="fp8_e4m3"
+        if "FP8" in str(quant).upper()
+        else str(hf.get("torch_dtype", "bfloat16")),
+        kv_block_size=cfg.block_size,
+        device="cuda",
+    )
 
 
 def _import_trtllm() -> Any:
@@ -234,13 +248,15 @@ class TrtLlmBackend:
         kw["kv_cache_config"] = KvCacheConfig(**kw["kv_cache_config"])
         policy = kw["scheduler_config"]["capacity_scheduler_policy"]
         kw["scheduler_config"] = SchedulerConfig(
-            capacity_scheduler_policy=getattr(CapacitySchedulerPolicy, policy))
+            capacity_scheduler_policy=getattr(CapacitySchedulerPolicy, policy)
+        )
         self._trt = trt
         self._llm = await asyncio.to_thread(trt.LLM, **kw)
         self._priority_arg = "priority" in inspect.signature(self._llm.generate_async).parameters
         self._info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg, kv_dtype)
-        self._stats = stats_from_iteration({}, self._cfg.max_num_seqs, self._cfg.max_waiting,
-                                           self._totals)
+        self._stats = stats_from_iteration(
+            {}, self._cfg.max_num_seqs, self._cfg.max_waiting, self._totals
+        )
         self._poller = asyncio.create_task(self._poll_stats())
 
     async def stop(self) -> None:
@@ -256,12 +272,18 @@ class TrtLlmBackend:
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
         info = self.model_info()
-        state = open_stream(inp, info, running=self._llm is not None, live=self._live,
-                            engine="TensorRT-LLM", max_num_seqs=self._cfg.max_num_seqs,
-                            max_waiting=self._cfg.max_waiting)
-        params = self._trt.SamplingParams(**sampling_kwargs(inp.sampling_params,
-                                                            info.eos_token_ids,
-                                                            len(state.resumed)))
+        state = open_stream(
+            inp,
+            info,
+            running=self._llm is not None,
+            live=self._live,
+            engine="TensorRT-LLM",
+            max_num_seqs=self._cfg.max_num_seqs,
+            max_waiting=self._cfg.max_waiting,
+        )
+        params = self._trt.SamplingParams(
+            **sampling_kwargs(inp.sampling_params, info.eos_token_ids, len(state.resumed))
+        )
         prompt = [*inp.prompt_token_ids, *state.resumed]
         extra = {"priority": priority_fraction(inp.priority)} if self._priority_arg else {}
         res = self._llm.generate_async(prompt, sampling_params=params, streaming=True, **extra)
@@ -273,8 +295,12 @@ class TrtLlmBackend:
             async for chunk in res:
                 o = chunk.outputs[0]
                 engine_done = bool(chunk.finished)
-                out = state.advance(o.token_ids, o.finish_reason if chunk.finished else None,
-                                    time.monotonic(), getattr(o, "logprobs", None))
+                out = state.advance(
+                    o.token_ids,
+                    o.finish_reason if chunk.finished else None,
+                    time.monotonic(),
+                    getattr(o, "logprobs", None),
+                )
                 self._totals["generation"] += len(out.new_token_ids)
                 yield out
                 if out.finished:
@@ -298,8 +324,9 @@ class TrtLlmBackend:
                 records = []
             for it in records or []:
                 rec = it if isinstance(it, dict) else {}
-                self._stats = stats_from_iteration(rec, self._cfg.max_num_seqs,
-                                                   self._cfg.max_waiting, self._totals)
+                self._stats = stats_from_iteration(
+                    rec, self._cfg.max_num_seqs, self._cfg.max_waiting, self._totals
+                )
             self._rates.record(self._totals["prompt"], self._totals["generation"])
             await asyncio.sleep(STATS_POLL_S)
 
@@ -307,9 +334,12 @@ class TrtLlmBackend:
         """The last snapshot (never blocks: a task keeps it fresh) and recent rates."""
         assert self._stats is not None, "start() first"
         t = self._totals  # this adapter's own counts are current; the snapshot lags them
-        engine = dataclasses.replace(self._stats, num_requests_total=t["requests"],
-                                     num_prompt_tokens_total=t["prompt"],
-                                     num_generation_tokens_total=t["generation"])
+        engine = dataclasses.replace(
+            self._stats,
+            num_requests_total=t["requests"],
+            num_prompt_tokens_total=t["prompt"],
+            num_generation_tokens_total=t["generation"],
+        )
         return BackendStats(engine, *self._rates.rates())
 
     def model_info(self) -> ModelInfo:

@@ -111,8 +111,13 @@ def _logger_factory(snapshot: _Snapshot) -> Any:
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             self._cache = vllm_config.cache_config
 
-        def record(self, scheduler_stats: Any, iteration_stats: Any,
-                   mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
             if iteration_stats is not None:
                 snapshot.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
             if scheduler_stats is None:
@@ -171,18 +176,26 @@ class VllmBackend:
 
         args = AsyncEngineArgs(**{**vllm_engine_args(self._cfg), **self._extra})
         self._vllm = vllm
-        self._llm = AsyncLLM.from_engine_args(
-            args, stat_loggers=[_logger_factory(self._snapshot)])
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_logger_factory(self._snapshot)])
         info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg)
-        device = "cuda" if getattr(vllm.platforms.current_platform, "is_cuda", lambda: False)() \
+        device = (
+            "cuda"
+            if getattr(vllm.platforms.current_platform, "is_cuda", lambda: False)()
             else "cpu"
+        )
         cache = self._llm.vllm_config.cache_config
         self._snapshot.kv_blocks_total = int(cache.num_gpu_blocks or 0)
         dtype = str(self._llm.vllm_config.model_config.dtype).removeprefix("torch.")
         kv_dtype = "fp8_e4m3" if self._cfg.kv_cache_dtype == "fp8" else dtype
         self._info = dataclasses.replace(
-            info, backend="vllm", device=device, weight_dtype=dtype, kv_cache_dtype=kv_dtype,
-            kv_block_size=int(cache.block_size), num_kv_blocks=self._snapshot.kv_blocks_total)
+            info,
+            backend="vllm",
+            device=device,
+            weight_dtype=dtype,
+            kv_cache_dtype=kv_dtype,
+            kv_block_size=int(cache.block_size),
+            num_kv_blocks=self._snapshot.kv_blocks_total,
+        )
 
     async def stop(self) -> None:
         if self._llm is not None:
@@ -192,27 +205,42 @@ class VllmBackend:
             self._llm = None
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[RequestOutput]:
-        state = open_stream(inp, self.model_info(), running=self._llm is not None,
-                            live=self._live, engine="vLLM", max_num_seqs=self._cfg.max_num_seqs,
-                            max_waiting=self._cfg.max_waiting)
+        state = open_stream(
+            inp,
+            self.model_info(),
+            running=self._llm is not None,
+            live=self._live,
+            engine="vLLM",
+            max_num_seqs=self._cfg.max_num_seqs,
+            max_waiting=self._cfg.max_waiting,
+        )
         from vllm.inputs import TokensPrompt
 
-        params = self._vllm.SamplingParams(**vllm_sampling_kwargs(inp.sampling_params,
-                                                                  len(state.resumed)))
+        params = self._vllm.SamplingParams(
+            **vllm_sampling_kwargs(inp.sampling_params, len(state.resumed))
+        )
         prompt = [*inp.prompt_token_ids, *state.resumed]
         self._live.add(inp.request_id)
         self._totals["requests"] += 1
         self._totals["prompt"] += len(prompt)
-        stream = self._llm.generate(TokensPrompt(prompt_token_ids=prompt), params,
-                                    inp.request_id, priority=vllm_priority(inp.priority))
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=prompt),
+            params,
+            inp.request_id,
+            priority=vllm_priority(inp.priority),
+        )
         engine_done = False
         try:
             async for chunk in stream:
                 o = chunk.outputs[0]
                 engine_done = bool(chunk.finished)
-                out = state.advance(o.token_ids, o.finish_reason if chunk.finished else None,
-                                    time.monotonic(), o.logprobs,
-                                    getattr(chunk, "num_cached_tokens", None))
+                out = state.advance(
+                    o.token_ids,
+                    o.finish_reason if chunk.finished else None,
+                    time.monotonic(),
+                    o.logprobs,
+                    getattr(chunk, "num_cached_tokens", None),
+                )
                 self._totals["generation"] += len(out.new_token_ids)
                 yield out
                 if out.finished:
@@ -233,14 +261,21 @@ class VllmBackend:
         self._rates.record(self._totals["prompt"], self._totals["generation"])
         s = self._snapshot
         stats = EngineStats(
-            num_waiting=s.waiting, num_running=s.running, num_kv_blocks_used=s.kv_blocks_used(),
-            num_kv_blocks_total=s.kv_blocks_total, kv_cache_usage=s.kv_usage,
+            num_waiting=s.waiting,
+            num_running=s.running,
+            num_kv_blocks_used=s.kv_blocks_used(),
+            num_kv_blocks_total=s.kv_blocks_total,
+            kv_cache_usage=s.kv_usage,
             num_preemptions_total=s.preemptions,
             num_requests_total=self._totals["requests"],
             num_prompt_tokens_total=self._totals["prompt"],
-            num_generation_tokens_total=self._totals["generation"], num_steps_total=s.steps,
-            prefix_cache_queries=s.queries, prefix_cache_hits=s.hits,
-            max_num_seqs=self._cfg.max_num_seqs, max_waiting=self._cfg.max_waiting)
+            num_generation_tokens_total=self._totals["generation"],
+            num_steps_total=s.steps,
+            prefix_cache_queries=s.queries,
+            prefix_cache_hits=s.hits,
+            max_num_seqs=self._cfg.max_num_seqs,
+            max_waiting=self._cfg.max_waiting,
+        )
         return BackendStats(stats, *self._rates.rates())
 
     def model_info(self) -> ModelInfo:

@@ -114,7 +114,8 @@ class LLMEngine:
         if config.tensor_parallel_size != 1 or config.pipeline_parallel_size != 1:
             raise ValueError(
                 "the native engine runs on one device: tensor_parallel_size and "
-                "pipeline_parallel_size must be 1 (several GPUs per engine need backend trtllm)")
+                "pipeline_parallel_size must be 1 (several GPUs per engine need backend trtllm)"
+            )
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -137,9 +138,7 @@ class LLMEngine:
             logger.info("prefill attention: %s (ms per 512-token prompt: %s)", dtype, timings)
         self.model_config = self.model.config
         kv_dtype = _kv_cache_dtype(config.kv_cache_dtype, self.weight_dtype, self.model.attn_dtype)
-        num_blocks = determine_num_blocks(
-            config, self.model_config, kv_dtype, self.device
-        )
+        num_blocks = determine_num_blocks(config, self.model_config, kv_dtype, self.device)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
@@ -222,9 +221,15 @@ class LLMEngine:
     ) -> None:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        validate_request(request_id, prompt, params, priority, resumed,
-                         vocab_size=self.model_config.vocab_size,
-                         max_model_len=self.max_model_len)
+        validate_request(
+            request_id,
+            prompt,
+            params,
+            priority,
+            resumed,
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len,
+        )
         blocks = cdiv(len(prompt) + params.max_tokens, self.config.block_size)
         if blocks > self.runner.num_blocks:
             raise ValueError(

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from engine_svc.core.request import Request, RequestStatus
 
 
-def stop_match(out: Sequence[int], stop_sequences: Sequence[Sequence[int]],
-               end: int | None = None) -> int:
+def stop_match(
+    out: Sequence[int], stop_sequences: Sequence[Sequence[int]], end: int | None = None
+) -> int:
     """Length of the stop sequence ``out[:end]`` ends with (the first listed that
     matches), 0 if none; compares only the window, copies nothing of ``out``. Shared by
     every backend that matches stop sequences itself."""

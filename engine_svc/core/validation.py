@@ -17,9 +17,16 @@ from engine_svc.core.sampling_params import SamplingParams
 MAX_PRIORITY = 3  # llm.v1.Priority: 0 unspecified, 1 LOW, 2 NORMAL, 3 CRITICAL
 
 
-def validate_request(request_id: str, prompt: Sequence[int], params: SamplingParams,
-                     priority: int, resumed: Sequence[int], *, vocab_size: int,
-                     max_model_len: int) -> None:
+def validate_request(
+    request_id: str,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    priority: int,
+    resumed: Sequence[int],
+    *,
+    vocab_size: int,
+    max_model_len: int,
+) -> None:
     """Raise ``ValueError`` with an actionable message when the request can never run.
 
     Args:
@@ -40,13 +47,16 @@ def validate_request(request_id: str, prompt: Sequence[int], params: SamplingPar
     if len(resumed) >= params.max_tokens:
         raise ValueError(
             f"{len(resumed)} resumed output tokens already reach "
-            f"max_tokens={params.max_tokens}; nothing is left to generate")
+            f"max_tokens={params.max_tokens}; nothing is left to generate"
+        )
     if len(prompt) + len(resumed) >= max_model_len:
         raise ValueError(
             f"prompt is {len(prompt) + len(resumed)} tokens; the context "
-            f"holds {max_model_len}, leaving no room for output")
+            f"holds {max_model_len}, leaving no room for output"
+        )
     if len(prompt) + params.max_tokens > max_model_len:
         raise ValueError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) "
             f"exceeds the context of {max_model_len} tokens; lower max_tokens to "
-            f"{max_model_len - len(prompt)} or less")
+            f"{max_model_len - len(prompt)} or less"
+        )

@@ -135,8 +135,10 @@ def _decode_only_metadata(
     three tensor constructions instead of a dozen small tensor ops."""
     ctx = [c + 1 for c in num_computed]
     nblk = -(-max(ctx) // block_size)
-    slots = [bt[c // block_size] * block_size + c % block_size
-             for c, bt in zip(num_computed, block_tables, strict=True)]
+    slots = [
+        bt[c // block_size] * block_size + c % block_size
+        for c, bt in zip(num_computed, block_tables, strict=True)
+    ]
     tables = _pad([bt[:nblk] for bt in block_tables], nblk)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -257,8 +259,9 @@ def _prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     if meta.prefill_dtype is not None and meta.prefill_dtype != q.dtype:
         q, k, v = q.to(meta.prefill_dtype), k.to(meta.prefill_dtype), v.to(meta.prefill_dtype)
-    outs = [_attend_segment(q, k, v, k_cache, v_cache, seg, kv_scales)
-            for seg in meta.prefill_segments]
+    outs = [
+        _attend_segment(q, k, v, k_cache, v_cache, seg, kv_scales) for seg in meta.prefill_segments
+    ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.reshape(num_tokens, num_heads * head_dim)
 

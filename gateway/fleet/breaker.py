@@ -76,10 +76,15 @@ class CircuitBreaker:
         on_change: Called with (name, new state) on every transition.
     """
 
-    def __init__(self, name: str, policy: BreakerPolicy, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 may_open: Callable[[CircuitBreaker], bool] | None = None,
-                 on_change: Callable[[str, BreakerState], None] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        policy: BreakerPolicy,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        may_open: Callable[[CircuitBreaker], bool] | None = None,
+        on_change: Callable[[str, BreakerState], None] | None = None,
+    ) -> None:
         self.name = name
         self.policy = policy
         self._clock = clock
@@ -108,8 +113,10 @@ class CircuitBreaker:
         state = self.state
         if state == BreakerState.CLOSED:
             return True
-        return (state == BreakerState.HALF_OPEN
-                and self._probes_in_flight < self.policy.half_open_probes)
+        return (
+            state == BreakerState.HALF_OPEN
+            and self._probes_in_flight < self.policy.half_open_probes
+        )
 
     def admit(self) -> Ticket | None:
         """Take a call; in HALF_OPEN this uses one probe slot. None when not available."""
@@ -163,7 +170,7 @@ class CircuitBreaker:
     def _trip(self, force: bool = False) -> None:
         if not force and not self._may_open(self):
             return
-        duration = min(self.policy.max_open_s, self.policy.open_s * 2 ** self._num_trips)
+        duration = min(self.policy.max_open_s, self.policy.open_s * 2**self._num_trips)
         self._num_trips += 1
         self._open_until = self._clock() + duration
         self._probes_in_flight = self._probe_successes = 0
@@ -186,9 +193,14 @@ class BreakerGroup:
         on_change: Transition callback (metrics, logs).
     """
 
-    def __init__(self, policy: BreakerPolicy, max_ejected_fraction: float = 0.5, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_change: Callable[[str, BreakerState], None] | None = None) -> None:
+    def __init__(
+        self,
+        policy: BreakerPolicy,
+        max_ejected_fraction: float = 0.5,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[str, BreakerState], None] | None = None,
+    ) -> None:
         self.policy = policy
         self.max_ejected_fraction = max_ejected_fraction
         self.breakers: dict[str, CircuitBreaker] = {}
@@ -198,9 +210,13 @@ class BreakerGroup:
     def add(self, name: str) -> CircuitBreaker:
         """Create (or return) the breaker of ``name``."""
         if name not in self.breakers:
-            self.breakers[name] = CircuitBreaker(name, self.policy, clock=self._clock,
-                                                 may_open=self._may_open,
-                                                 on_change=self._on_change)
+            self.breakers[name] = CircuitBreaker(
+                name,
+                self.policy,
+                clock=self._clock,
+                may_open=self._may_open,
+                on_change=self._on_change,
+            )
         return self.breakers[name]
 
     def remove(self, name: str) -> None:

@@ -76,8 +76,13 @@ class Discovery:
         interval_s: time between resolutions.
     """
 
-    def __init__(self, entries: Sequence[str], sync: Callable[[list[str]], None],
-                 interval_s: float, resolver: Resolver = resolve) -> None:
+    def __init__(
+        self,
+        entries: Sequence[str],
+        sync: Callable[[list[str]], None],
+        interval_s: float,
+        resolver: Resolver = resolve,
+    ) -> None:
         self.entries = list(entries)
         self._sync = sync
         self._interval = interval_s

@@ -35,9 +35,15 @@ from gateway.request.detokenize import TextStream
 from llm.v1 import common_pb2, engine_pb2
 
 log = get_logger(__name__)
-FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
-                            grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED,
-                            grpc.StatusCode.DATA_LOSS})
+FAILOVER_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 
 
 @dataclass(slots=True)
@@ -65,8 +71,14 @@ class EngineJob:
 class EngineCallError(Exception):
     """One attempt failed; ``num_tokens`` of its output reached the stream first."""
 
-    def __init__(self, replica: str, code: grpc.StatusCode, details: str, num_tokens: int,
-                 retry_after_ms: int | None = None) -> None:
+    def __init__(
+        self,
+        replica: str,
+        code: grpc.StatusCode,
+        details: str,
+        num_tokens: int,
+        retry_after_ms: int | None = None,
+    ) -> None:
         super().__init__(f"{replica} {code.name}: {details}")
         self.replica = replica
         self.code = code
@@ -95,8 +107,15 @@ class Dispatcher:
         max_failovers: Failovers per request.
     """
 
-    def __init__(self, pool: ReplicaPool, policy: RetryPolicy, budget: RetryBudget, *,
-                 failover: bool = True, max_failovers: int = 2) -> None:
+    def __init__(
+        self,
+        pool: ReplicaPool,
+        policy: RetryPolicy,
+        budget: RetryBudget,
+        *,
+        failover: bool = True,
+        max_failovers: int = 2,
+    ) -> None:
         self.pool = pool
         self.policy = policy
         self.budget = budget
@@ -118,8 +137,7 @@ class Dispatcher:
             try:
                 # aclosing: a client gone mid-stream closes the attempt (cancel the engine
                 # call, release the replica) now, not when the generator is collected
-                async with contextlib.aclosing(
-                        self._attempt(replica, ticket, job, text)) as chunks:
+                async with contextlib.aclosing(self._attempt(replica, ticket, job, text)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 return
@@ -134,66 +152,96 @@ class Dispatcher:
                 elif e.num_tokens > 0 and self._may_fail_over(e, num_failovers):
                     num_failovers += 1
                     metrics.FAILOVERS.inc()
-                    log.warning("engine failed mid-stream; failing over", error=str(e),
-                                num_tokens=len(text.token_ids))
+                    log.warning(
+                        "engine failed mid-stream; failing over",
+                        error=str(e),
+                        num_tokens=len(text.token_ids),
+                    )
                 else:
                     raise self._final_error(e, errors, text, job) from None
 
-    def _may_retry(self, e: EngineCallError, job: EngineJob, num_retries: int,
-                   text: TextStream) -> bool:
+    def _may_retry(
+        self, e: EngineCallError, job: EngineJob, num_retries: int, text: TextStream
+    ) -> bool:
         # Before the first token of this attempt: only the first attempt (nothing sent yet)
         # or a failover's resubmission may be retried, within the attempts cap and budget.
-        return (is_retryable(e.code) and num_retries + 1 < self.policy.max_attempts
-                and not job.deadline.expired and self.budget.try_withdraw())
+        return (
+            is_retryable(e.code)
+            and num_retries + 1 < self.policy.max_attempts
+            and not job.deadline.expired
+            and self.budget.try_withdraw()
+        )
 
     def _may_fail_over(self, e: EngineCallError, num_failovers: int) -> bool:
         return self.failover and e.code in FAILOVER_CODES and num_failovers < self.max_failovers
 
-    def _pick(self, job: EngineJob, tried: list[str], errors: list[EngineCallError]
-              ) -> tuple[Replica, Ticket]:
+    def _pick(
+        self, job: EngineJob, tried: list[str], errors: list[EngineCallError]
+    ) -> tuple[Replica, Ticket]:
         try:
             return self.pool.choose(job.model, job.model_version, tried, job.fallback_versions)
         except NoReplicaError as e:
             if errors:
                 raise self._final_error(errors[-1], errors, None, job) from None
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                               f"no engine replica can serve model {job.model!r} now: {e}; "
-                               "retry shortly") from None
+            raise GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"no engine replica can serve model {job.model!r} now: {e}; retry shortly",
+            ) from None
 
-    def _final_error(self, last: EngineCallError, errors: list[EngineCallError],
-                     text: TextStream | None, job: EngineJob) -> GatewayError:
+    def _final_error(
+        self,
+        last: EngineCallError,
+        errors: list[EngineCallError],
+        text: TextStream | None,
+        job: EngineJob,
+    ) -> GatewayError:
         sent = len(text.token_ids) if text is not None else 0
         history = "; ".join(str(e) for e in errors)
         if last.code == grpc.StatusCode.DEADLINE_EXCEEDED or job.deadline.expired:
-            return GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"the request deadline passed after {sent} output tokens")
+            return GatewayError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the request deadline passed after {sent} output tokens",
+            )
         if last.code == grpc.StatusCode.INVALID_ARGUMENT:
             return GatewayError(last.code, last.details)
         if last.code == grpc.StatusCode.RESOURCE_EXHAUSTED and sent == 0:
-            wait = min((e.retry_after_ms for e in errors if e.retry_after_ms is not None),
-                       default=1000)
-            return GatewayError(last.code, f"every engine replica tried is at capacity "
-                                f"({history}); retry after {wait} ms", retry_after_ms=wait)
+            wait = min(
+                (e.retry_after_ms for e in errors if e.retry_after_ms is not None), default=1000
+            )
+            return GatewayError(
+                last.code,
+                f"every engine replica tried is at capacity ({history}); retry after {wait} ms",
+                retry_after_ms=wait,
+            )
         if sent:
             why = "failover is off" if not self.failover else "no failover left"
-            return GatewayError(grpc.StatusCode.UNAVAILABLE,
-                                f"the engine failed after {sent} output tokens were sent and "
-                                f"the stream cannot continue ({why}): {history}")
-        return GatewayError(grpc.StatusCode.UNAVAILABLE,
-                            f"no engine replica could serve the request ({history}); "
-                            "retry shortly")
+            return GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the engine failed after {sent} output tokens were sent and "
+                f"the stream cannot continue ({why}): {history}",
+            )
+        return GatewayError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no engine replica could serve the request ({history}); retry shortly",
+        )
 
-    def _engine_request(self, job: EngineJob, text: TextStream
-                        ) -> engine_pb2.EngineGenerateRequest:
+    def _engine_request(self, job: EngineJob, text: TextStream) -> engine_pb2.EngineGenerateRequest:
         deadline = timestamp_pb2.Timestamp()
         deadline.FromNanoseconds(int(job.deadline.wall_time * 1e9))
         return engine_pb2.EngineGenerateRequest(
-            request_id=job.request_id, prompt_token_ids=job.prompt_token_ids,
-            sampling=job.sampling, priority=job.priority, tenant_id=job.tenant_id,
-            deadline=deadline, model=job.model, resumed_output_token_ids=text.token_ids)
+            request_id=job.request_id,
+            prompt_token_ids=job.prompt_token_ids,
+            sampling=job.sampling,
+            priority=job.priority,
+            tenant_id=job.tenant_id,
+            deadline=deadline,
+            model=job.model,
+            resumed_output_token_ids=text.token_ids,
+        )
 
-    async def _attempt(self, replica: Replica, ticket: Ticket, job: EngineJob,
-                       text: TextStream) -> AsyncGenerator[Chunk, None]:
+    async def _attempt(
+        self, replica: Replica, ticket: Ticket, job: EngineJob, text: TextStream
+    ) -> AsyncGenerator[Chunk, None]:
         # ``replica`` was acquired by _pick: from here every path ends in release()
         verdict: bool | None = None
         num_tokens = 0
@@ -203,15 +251,23 @@ class Dispatcher:
             text.attempt_started_at = time.perf_counter()
             if replica.info is not None:
                 text.model, text.model_version = replica.info.model, replica.info.version
-            metadata = (("x-request-id", job.request_id), ("traceparent", job.traceparent),
-                        *replica.call_metadata)
-            call = replica.stub.Generate(self._engine_request(job, text),
-                                         timeout=job.deadline.remaining(), metadata=metadata)
+            metadata = (
+                ("x-request-id", job.request_id),
+                ("traceparent", job.traceparent),
+                *replica.call_metadata,
+            )
+            call = replica.stub.Generate(
+                self._engine_request(job, text), timeout=job.deadline.remaining(), metadata=metadata
+            )
             text.dispatched = True
             async for resp in call:
                 if resp.finish_reason == common_pb2.ERROR:
-                    raise EngineCallError(replica.address, grpc.StatusCode.INTERNAL,
-                                          "the engine failed the request", num_tokens)
+                    raise EngineCallError(
+                        replica.address,
+                        grpc.StatusCode.INTERNAL,
+                        "the engine failed the request",
+                        num_tokens,
+                    )
                 if ttft is None and resp.token_ids:
                     ttft = time.perf_counter() - text.attempt_started_at
                 num_tokens += len(resp.token_ids)
@@ -221,13 +277,18 @@ class Dispatcher:
                 if text.finished:
                     verdict = True
                     return
-            raise EngineCallError(replica.address, grpc.StatusCode.UNAVAILABLE,
-                                  "the engine stream ended without a last chunk", num_tokens)
+            raise EngineCallError(
+                replica.address,
+                grpc.StatusCode.UNAVAILABLE,
+                "the engine stream ended without a last chunk",
+                num_tokens,
+            )
         except grpc.aio.AioRpcError as e:
             code = e.code()
             verdict = breaker_verdict(code)
-            raise EngineCallError(replica.address, code, e.details() or "", num_tokens,
-                                  _retry_after(e)) from None
+            raise EngineCallError(
+                replica.address, code, e.details() or "", num_tokens, _retry_after(e)
+            ) from None
         except EngineCallError:
             verdict = False
             raise

@@ -47,8 +47,13 @@ class Replica:
         stats_interval_s: GetStats period.
     """
 
-    def __init__(self, address: str, breaker: CircuitBreaker, stats_interval_s: float,
-                 service_token: str = "") -> None:
+    def __init__(
+        self,
+        address: str,
+        breaker: CircuitBreaker,
+        stats_interval_s: float,
+        service_token: str = "",
+    ) -> None:
         self.address = address
         self.call_metadata = token_metadata(service_token)  # sent on every engine call
         self.breaker = breaker
@@ -74,8 +79,10 @@ class Replica:
 
     def start(self) -> None:
         """Start the health watch and the stats poll."""
-        self._tasks = [asyncio.create_task(self._watch_health(), name=f"health-{self.address}"),
-                       asyncio.create_task(self._poll_stats(), name=f"stats-{self.address}")]
+        self._tasks = [
+            asyncio.create_task(self._watch_health(), name=f"health-{self.address}"),
+            asyncio.create_task(self._poll_stats(), name=f"stats-{self.address}"),
+        ]
 
     async def close(self) -> None:
         """Stop the background tasks and close the channel."""
@@ -101,8 +108,9 @@ class Replica:
 
     def _set_healthy(self, healthy: bool, why: str = "") -> None:
         if healthy != self.healthy:
-            log.info("engine replica health changed", replica=self.address, healthy=healthy,
-                     reason=why)
+            log.info(
+                "engine replica health changed", replica=self.address, healthy=healthy, reason=why
+            )
         self.healthy = healthy
         if why:
             self.last_error = why
@@ -117,8 +125,10 @@ class Replica:
                     serving = resp.status == health_pb2.HealthCheckResponse.SERVING
                     if serving and not self.healthy:
                         await self._refresh_info()
-                    self._set_healthy(serving and self.info is not None,
-                                      "" if serving else "health check says NOT_SERVING")
+                    self._set_healthy(
+                        serving and self.info is not None,
+                        "" if serving else "health check says NOT_SERVING",
+                    )
                     backoff = 0.1
                 self._set_healthy(False, "health watch ended")
             except grpc.aio.AioRpcError as e:
@@ -128,10 +138,12 @@ class Replica:
 
     async def _refresh_info(self) -> None:
         try:
-            self.info = await self.stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=5,
-                                                     metadata=self.call_metadata)
-            self.stats = await self.stub.GetStats(engine_pb2.GetStatsRequest(), timeout=5,
-                                                  metadata=self.call_metadata)
+            self.info = await self.stub.GetModelInfo(
+                engine_pb2.GetModelInfoRequest(), timeout=5, metadata=self.call_metadata
+            )
+            self.stats = await self.stub.GetStats(
+                engine_pb2.GetStatsRequest(), timeout=5, metadata=self.call_metadata
+            )
         except grpc.aio.AioRpcError as e:
             self.last_error = f"GetModelInfo failed ({e.code().name}: {e.details()})"
 
@@ -142,8 +154,10 @@ class Replica:
             if not self.healthy:
                 continue
             try:
-                self.stats = await self.stub.GetStats(engine_pb2.GetStatsRequest(),
-                                                      timeout=max(1.0, self.stats_interval_s),
-                                                      metadata=self.call_metadata)
+                self.stats = await self.stub.GetStats(
+                    engine_pb2.GetStatsRequest(),
+                    timeout=max(1.0, self.stats_interval_s),
+                    metadata=self.call_metadata,
+                )
             except grpc.aio.AioRpcError as e:
                 self.last_error = f"GetStats failed ({e.code().name})"

@@ -69,17 +69,27 @@ class ReplicaPool:
         default_model: Model for requests without one ("" = the most common).
     """
 
-    def __init__(self, addresses: Sequence[str], policy: BreakerPolicy, *,
-                 max_ejected_fraction: float = 0.5, stats_interval_s: float = 0.5,
-                 queue_weight: float = 1.0, kv_weight: float = 1.0,
-                 default_model: str = "", service_token: str = "") -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        policy: BreakerPolicy,
+        *,
+        max_ejected_fraction: float = 0.5,
+        stats_interval_s: float = 0.5,
+        queue_weight: float = 1.0,
+        kv_weight: float = 1.0,
+        default_model: str = "",
+        service_token: str = "",
+    ) -> None:
         self.service_token = service_token
         self.breakers = BreakerGroup(policy, max_ejected_fraction, on_change=self._on_breaker)
         self.stats_interval_s = stats_interval_s
         self.retire_grace_s = 60.0
         self._retiring: set[asyncio.Future[None]] = set()
-        self.replicas = [Replica(a, self.breakers.add(a), stats_interval_s, service_token)
-                         for a in dict.fromkeys(addresses)]
+        self.replicas = [
+            Replica(a, self.breakers.add(a), stats_interval_s, service_token)
+            for a in dict.fromkeys(addresses)
+        ]
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight
         self._default_model = default_model
@@ -104,8 +114,10 @@ class ReplicaPool:
         added = [a for a in wanted if a not in current]
         if not gone and not added:
             return
-        fresh = [Replica(a, self.breakers.add(a), self.stats_interval_s, self.service_token)
-                 for a in added]
+        fresh = [
+            Replica(a, self.breakers.add(a), self.stats_interval_s, self.service_token)
+            for a in added
+        ]
         self.replicas = [r for r in self.replicas if r.address in wanted] + fresh
         for r in gone:
             self.breakers.remove(r.address)
@@ -113,8 +125,12 @@ class ReplicaPool:
         if getattr(self, "_started", False):
             for r in fresh:
                 r.start()
-        log.info("engine replicas changed", added=added, removed=[r.address for r in gone],
-                 replicas=len(self.replicas))
+        log.info(
+            "engine replicas changed",
+            added=added,
+            removed=[r.address for r in gone],
+            replicas=len(self.replicas),
+        )
 
     async def _retire(self, replica: Replica) -> None:
         if replica.outstanding:  # streams on it get the grace period to finish or fail over
@@ -146,8 +162,13 @@ class ReplicaPool:
 
     def model_info(self, model: str, version: str = "") -> engine_pb2.ModelInfo | None:
         """ModelInfo of a replica serving ``model`` (healthy ones first), or None."""
-        known = [r for r in self.replicas if r.info is not None and r.info.model == model
-                 and (not version or r.info.version == version)]
+        known = [
+            r
+            for r in self.replicas
+            if r.info is not None
+            and r.info.model == model
+            and (not version or r.info.version == version)
+        ]
         known.sort(key=lambda r: not r.healthy)
         return known[0].info if known else None
 
@@ -157,8 +178,9 @@ class ReplicaPool:
         for r in self.replicas:
             if r.info is None:
                 continue
-            e = entries.setdefault(r.info.model, ModelEntry(r.info.model,
-                                                            r.info.max_context_length, {}))
+            e = entries.setdefault(
+                r.info.model, ModelEntry(r.info.model, r.info.max_context_length, {})
+            )
             n, healthy = e.versions.get(r.info.version, (0, 0))
             e.versions[r.info.version] = (n + 1, healthy + int(r.healthy and not r.draining))
         return sorted(entries.values(), key=lambda e: e.model)
@@ -166,10 +188,17 @@ class ReplicaPool:
     def candidates(self, model: str, version: str, exclude: Iterable[str]) -> list[Replica]:
         """Replicas that may take the attempt now."""
         skip = set(exclude)
-        return [r for r in self.replicas
-                if r.address not in skip and r.healthy and not r.draining
-                and r.info is not None and r.info.model == model
-                and (not version or r.info.version == version) and r.breaker.available()]
+        return [
+            r
+            for r in self.replicas
+            if r.address not in skip
+            and r.healthy
+            and not r.draining
+            and r.info is not None
+            and r.info.model == model
+            and (not version or r.info.version == version)
+            and r.breaker.available()
+        ]
 
     def deployments(self) -> dict[tuple[str, str], list[Replica]]:
         """Replicas grouped by (model, version) from their ModelInfo."""
@@ -179,8 +208,13 @@ class ReplicaPool:
                 groups.setdefault((r.info.model, r.info.version), []).append(r)
         return groups
 
-    def choose(self, model: str, version: str = "", exclude: Iterable[str] = (),
-               fallbacks: Sequence[str] = ()) -> tuple[Replica, Ticket]:
+    def choose(
+        self,
+        model: str,
+        version: str = "",
+        exclude: Iterable[str] = (),
+        fallbacks: Sequence[str] = (),
+    ) -> tuple[Replica, Ticket]:
         """Pick and acquire a replica of ``version``, else of each fallback version in order.
 
         ``release(verdict, ticket)`` the replica when the call ends (the ticket tells
@@ -200,8 +234,9 @@ class ReplicaPool:
                     return r, ticket
         raise NoReplicaError(self.explain(model, version, exclude, fallbacks))
 
-    def explain(self, model: str, version: str, exclude: set[str],
-                fallbacks: Sequence[str] = ()) -> str:
+    def explain(
+        self, model: str, version: str, exclude: set[str], fallbacks: Sequence[str] = ()
+    ) -> str:
         """Why no replica can serve ``model`` right now, one clause per replica."""
         wanted = {version, *fallbacks} if version else set()
         reasons = []

@@ -23,10 +23,14 @@ import grpc
 
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 # What says something about the replica's health (breaker failures).
-REPLICA_FAILURE_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
-    grpc.StatusCode.DATA_LOSS,
-})
+REPLICA_FAILURE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 
 
 def is_retryable(code: grpc.StatusCode) -> bool:
@@ -77,8 +81,13 @@ class RetryBudget:
         clock: Monotonic seconds (injectable for tests).
     """
 
-    def __init__(self, ratio: float = 0.2, min_retries: int = 3, window_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        ratio: float = 0.2,
+        min_retries: int = 3,
+        window_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.ratio = ratio
         self.min_retries = min_retries
         self.window_s = window_s

@@ -44,13 +44,19 @@ def _key(flag: str | None, env: str, file: str) -> str:
     path = RUN_DIR / file
     if path.exists():
         return path.read_text().strip()
-    raise SystemExit(f"error: no key: pass it as a flag, set ${env}, or run `make run` "
-                     f"(it writes {path})")
+    raise SystemExit(
+        f"error: no key: pass it as a flag, set ${env}, or run `make run` (it writes {path})"
+    )
 
 
 def _sampling(args: argparse.Namespace) -> common_pb2.SamplingParams:
-    sp = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                   top_p=args.top_p, top_k=args.top_k, stop=args.stop or [])
+    sp = common_pb2.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        stop=args.stop or [],
+    )
     if args.seed is not None:
         sp.seed = args.seed
     return sp
@@ -77,19 +83,27 @@ def generate(channel: grpc.Channel, args: argparse.Namespace) -> int:
     if last is not None and not args.json:
         u = last.usage
         reason = common_pb2.FinishReason.Name(last.finish_reason)
-        print(f"\n[{reason}] request {last.request_id}: prompt {u.prompt_tokens} tokens "
-              f"({u.cached_prompt_tokens} cached), completion {u.completion_tokens}",
-              file=sys.stderr)
+        print(
+            f"\n[{reason}] request {last.request_id}: prompt {u.prompt_tokens} tokens "
+            f"({u.cached_prompt_tokens} cached), completion {u.completion_tokens}",
+            file=sys.stderr,
+        )
     return 0
 
 
 def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
     def tenant(stub: Any) -> Message:
-        resp: Message = stub.UpsertTenant(admin_pb2.Tenant(
-            id=a.tenant, priority=common_pb2.Priority.Value(a.priority),
-            allowed_models=a.model or [], shadow_mode=a.shadow,
-            limits=admin_pb2.LimitPolicy(requests_per_minute=a.rpm, tokens_per_minute=a.tpm,
-                                         max_concurrent=a.concurrent)))
+        resp: Message = stub.UpsertTenant(
+            admin_pb2.Tenant(
+                id=a.tenant,
+                priority=common_pb2.Priority.Value(a.priority),
+                allowed_models=a.model or [],
+                shadow_mode=a.shadow,
+                limits=admin_pb2.LimitPolicy(
+                    requests_per_minute=a.rpm, tokens_per_minute=a.tpm, max_concurrent=a.concurrent
+                ),
+            )
+        )
         return resp
 
     return {
@@ -97,8 +111,9 @@ def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
         "tenant": tenant,
         "get": lambda s: s.GetTenant(admin_pb2.GetTenantRequest(tenant_id=a.tenant)),
         "delete": lambda s: s.DeleteTenant(admin_pb2.DeleteTenantRequest(tenant_id=a.tenant)),
-        "key": lambda s: s.CreateApiKey(admin_pb2.CreateApiKeyRequest(
-            tenant_id=a.tenant, name=a.name)),
+        "key": lambda s: s.CreateApiKey(
+            admin_pb2.CreateApiKeyRequest(tenant_id=a.tenant, name=a.name)
+        ),
         "keys": lambda s: s.ListApiKeys(admin_pb2.ListApiKeysRequest(tenant_id=a.tenant)),
         "revoke": lambda s: s.RevokeApiKey(admin_pb2.RevokeApiKeyRequest(key_id=a.key_id)),
         "usage": lambda s: s.GetUsage(admin_pb2.GetUsageRequest(tenant_id=a.tenant)),
@@ -122,8 +137,9 @@ def admin(channel: grpc.Channel, args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llm-client", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="llm-client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--address", default=os.environ.get("LLM_ADDRESS", "127.0.0.1:8080"))
     p.add_argument("--api-key")
     p.add_argument("--admin-key")

@@ -29,20 +29,27 @@ def call_context(request_id: str, context: Context) -> CallContext:
     md: dict[str, str] = {}
     for key, value in context.invocation_metadata() or ():
         md[key] = value.decode() if isinstance(value, bytes) else value
-    return CallContext(authorization=md.get("authorization", ""),
-                       request_id=request_id or md.get("x-request-id") or request_id_var.get(),
-                       traceparent=md.get("traceparent", ""),
-                       timeout_s=context.time_remaining(),
-                       session_key=md.get(SESSION_KEY_HEADER, "")[:256],
-                       source=client_source(md.get("x-forwarded-for", ""), context.peer() or ""))
+    return CallContext(
+        authorization=md.get("authorization", ""),
+        request_id=request_id or md.get("x-request-id") or request_id_var.get(),
+        traceparent=md.get("traceparent", ""),
+        timeout_s=context.time_remaining(),
+        session_key=md.get(SESSION_KEY_HEADER, "")[:256],
+        source=client_source(md.get("x-forwarded-for", ""), context.peer() or ""),
+    )
 
 
 def chunk_to_proto(chunk: Chunk) -> gateway_pb2.GenerateResponse:
     """One Chunk as a GenerateResponse."""
     resp = gateway_pb2.GenerateResponse(
-        request_id=chunk.request_id, text=chunk.text, token_ids=chunk.token_ids,
-        logprobs=chunk.logprobs, finish_reason=chunk.finish_reason,  # type: ignore[arg-type]
-        model=chunk.model, model_version=chunk.model_version)
+        request_id=chunk.request_id,
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        logprobs=chunk.logprobs,
+        finish_reason=chunk.finish_reason,  # type: ignore[arg-type]
+        model=chunk.model,
+        model_version=chunk.model_version,
+    )
     if chunk.usage is not None:
         resp.usage.CopyFrom(chunk.usage)
     return resp
@@ -58,13 +65,24 @@ def models_to_proto(entries: list[ModelEntry]) -> gateway_pb2.ListModelsResponse
     cards = []
     for e in entries:
         share = 100 // max(1, len(e.versions))
-        versions = [gateway_pb2.ModelVersion(
-            version=v, weight=round(e.routes[v][0]) if v in e.routes else share,
-            state=e.routes[v][1] if v in e.routes else "stable",
-            num_replicas=n, num_healthy_replicas=h)
-            for v, (n, h) in sorted(e.versions.items())]
-        cards.append(gateway_pb2.ModelCard(id=e.model, max_context_length=e.max_context_length,
-                                           versions=versions, owned_by="llm-serving-stack"))
+        versions = [
+            gateway_pb2.ModelVersion(
+                version=v,
+                weight=round(e.routes[v][0]) if v in e.routes else share,
+                state=e.routes[v][1] if v in e.routes else "stable",
+                num_replicas=n,
+                num_healthy_replicas=h,
+            )
+            for v, (n, h) in sorted(e.versions.items())
+        ]
+        cards.append(
+            gateway_pb2.ModelCard(
+                id=e.model,
+                max_context_length=e.max_context_length,
+                versions=versions,
+                owned_by="llm-serving-stack",
+            )
+        )
     return gateway_pb2.ListModelsResponse(models=cards)
 
 
@@ -79,7 +97,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.pipeline = pipeline
 
     async def Generate(  # type: ignore[override]  # streams with context.write
-            self, request: gateway_pb2.GenerateRequest, context: Context) -> None:
+        self, request: gateway_pb2.GenerateRequest, context: Context
+    ) -> None:
         """Stream the completion (written with ``context.write``); errors become statuses."""
         call = call_context(request.request_id, context)
         sent_headers = False
@@ -93,8 +112,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except GatewayError as e:
             await self._abort(context, call, e)
 
-    async def ListModels(self, request: gateway_pb2.ListModelsRequest,
-                         context: Context) -> gateway_pb2.ListModelsResponse:
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: Context
+    ) -> gateway_pb2.ListModelsResponse:
         """Models the caller may use, from the engines' ModelInfo."""
         call = call_context("", context)
         try:

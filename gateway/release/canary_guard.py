@@ -32,8 +32,9 @@ TTFT_SLACK_S = 0.05  # p95 differences below this are noise on any hardware
 Rollback = Callable[[RoutingPolicy, str], Awaitable[object]]
 
 
-def judge_version(policy: RoutingPolicy, cand: VersionSummary,
-                  stable: VersionSummary) -> str | None:
+def judge_version(
+    policy: RoutingPolicy, cand: VersionSummary, stable: VersionSummary
+) -> str | None:
     """Why a candidate with summary ``cand`` must be rolled back, or None."""
     g = policy.guard
     if cand.num_requests < g.min_requests:
@@ -41,12 +42,20 @@ def judge_version(policy: RoutingPolicy, cand: VersionSummary,
     baseline_ok = stable.num_requests >= g.min_requests
     base_rate = stable.error_rate if baseline_ok else 0.0
     if cand.error_rate > base_rate + g.max_error_rate_increase:
-        return (f"error rate {cand.error_rate:.1%} over {cand.num_requests} requests exceeds "
-                f"stable's {base_rate:.1%} by more than {g.max_error_rate_increase:.1%}")
-    if (baseline_ok and cand.ttft_p95_s is not None and stable.ttft_p95_s is not None
-            and cand.ttft_p95_s > stable.ttft_p95_s * g.max_ttft_p95_ratio + TTFT_SLACK_S):
-        return (f"p95 TTFT {cand.ttft_p95_s * 1000:.0f} ms exceeds stable's "
-                f"{stable.ttft_p95_s * 1000:.0f} ms by more than x{g.max_ttft_p95_ratio:g}")
+        return (
+            f"error rate {cand.error_rate:.1%} over {cand.num_requests} requests exceeds "
+            f"stable's {base_rate:.1%} by more than {g.max_error_rate_increase:.1%}"
+        )
+    if (
+        baseline_ok
+        and cand.ttft_p95_s is not None
+        and stable.ttft_p95_s is not None
+        and cand.ttft_p95_s > stable.ttft_p95_s * g.max_ttft_p95_ratio + TTFT_SLACK_S
+    ):
+        return (
+            f"p95 TTFT {cand.ttft_p95_s * 1000:.0f} ms exceeds stable's "
+            f"{stable.ttft_p95_s * 1000:.0f} ms by more than x{g.max_ttft_p95_ratio:g}"
+        )
     return None
 
 
@@ -73,8 +82,13 @@ class CanaryGuard:
         interval_s: Time between two passes.
     """
 
-    def __init__(self, policies: PolicyCache, stats: VersionStats, rollback: Rollback,
-                 interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        policies: PolicyCache,
+        stats: VersionStats,
+        rollback: Rollback,
+        interval_s: float = 2.0,
+    ) -> None:
         self.policies = policies
         self.stats = stats
         self.rollback = rollback

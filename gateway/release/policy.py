@@ -121,20 +121,28 @@ def validate(p: RoutingPolicy) -> None:
     if not p.stable_version:
         raise ValueError(f"{where}: stable_version is empty")
     if any(w < 0 for w in p.weights.values()) or sum(p.weights.values()) <= 0:
-        raise ValueError(f"{where}: weights must be >= 0 with a positive sum, got "
-                         f"{dict(p.weights)}")
+        raise ValueError(
+            f"{where}: weights must be >= 0 with a positive sum, got {dict(p.weights)}"
+        )
     if "" in p.weights or "" in p.tenant_pins.values():
         raise ValueError(f"{where}: a version name is empty")
     if p.sticky not in STICKY_MODES:
-        raise ValueError(f"{where}: sticky must be one of {', '.join(STICKY_MODES)}, "
-                         f"got {p.sticky!r}")
+        raise ValueError(
+            f"{where}: sticky must be one of {', '.join(STICKY_MODES)}, got {p.sticky!r}"
+        )
     if not 0.0 <= p.shadow_percent <= 100.0:
         raise ValueError(f"{where}: shadow percent must be in [0, 100], got {p.shadow_percent}")
     g = p.guard
-    if g.max_error_rate_increase < 0 or g.max_ttft_p95_ratio < 1.0 or g.min_requests < 1 \
-            or g.window_s <= 0:
-        raise ValueError(f"{where}: guard needs max_error_rate_increase >= 0, "
-                         "max_ttft_p95_ratio >= 1, min_requests >= 1 and window_s > 0")
+    if (
+        g.max_error_rate_increase < 0
+        or g.max_ttft_p95_ratio < 1.0
+        or g.min_requests < 1
+        or g.window_s <= 0
+    ):
+        raise ValueError(
+            f"{where}: guard needs max_error_rate_increase >= 0, "
+            "max_ttft_p95_ratio >= 1, min_requests >= 1 and window_s > 0"
+        )
 
 
 def from_dict(raw: Mapping[str, Any], model: str = "") -> RoutingPolicy:
@@ -148,8 +156,9 @@ def from_dict(raw: Mapping[str, Any], model: str = "") -> RoutingPolicy:
     known = {f.name for f in dataclasses.fields(RoutingPolicy)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ValueError(f"routing policy of {model!r}: unknown key(s) {unknown}; "
-                         f"valid: {sorted(known)}")
+        raise ValueError(
+            f"routing policy of {model!r}: unknown key(s) {unknown}; valid: {sorted(known)}"
+        )
     d = dict(raw)
     d.setdefault("model", model)
     guard = d.get("guard") or {}

@@ -50,8 +50,9 @@ class PolicyStore(Protocol):
     async def load_all(self) -> dict[str, RoutingPolicy]:
         """Every stored policy by model."""
 
-    async def compare_and_set(self, model: str, revision: int,
-                              policy: RoutingPolicy | None) -> bool:
+    async def compare_and_set(
+        self, model: str, revision: int, policy: RoutingPolicy | None
+    ) -> bool:
         """Write (None = delete) if the stored revision is ``revision`` (0 = absent)."""
 
 
@@ -80,8 +81,9 @@ class RedisPolicyStore:
                 log.error("ignoring a corrupt routing policy in redis", model=model, error=str(e))
         return out
 
-    async def compare_and_set(self, model: str, revision: int,
-                              policy: RoutingPolicy | None) -> bool:
+    async def compare_and_set(
+        self, model: str, revision: int, policy: RoutingPolicy | None
+    ) -> bool:
         """See ``PolicyStore``."""
         body = json.dumps(policy.to_dict(), sort_keys=True) if policy is not None else ""
         with redis_errors("routing policy write"):
@@ -99,8 +101,9 @@ class MemoryPolicyStore:
         """See ``PolicyStore``."""
         return dict(self.policies)
 
-    async def compare_and_set(self, model: str, revision: int,
-                              policy: RoutingPolicy | None) -> bool:
+    async def compare_and_set(
+        self, model: str, revision: int, policy: RoutingPolicy | None
+    ) -> bool:
         """See ``PolicyStore``."""
         cur = self.policies.get(model)
         if (cur.revision if cur is not None else 0) != revision:
@@ -146,8 +149,9 @@ class PolicyCache:
             try:
                 self._policies = await self.store.load_all()
             except StoreError as e:
-                log.warning("cannot refresh routing policies; keeping the last good ones",
-                            error=str(e))
+                log.warning(
+                    "cannot refresh routing policies; keeping the last good ones", error=str(e)
+                )
             self._fresh_until = time.monotonic() + self.ttl_s
 
     async def write(self, model: str, policy: RoutingPolicy | None, expected: int) -> None:
@@ -158,8 +162,10 @@ class PolicyCache:
         """
         if not await self.store.compare_and_set(model, expected, policy):
             self.invalidate()
-            raise ConflictError(f"the routing policy of {model!r} changed since revision "
-                                f"{expected}; read it again and retry")
+            raise ConflictError(
+                f"the routing policy of {model!r} changed since revision "
+                f"{expected}; read it again and retry"
+            )
         if policy is None:
             self._policies.pop(model, None)
         else:
@@ -174,8 +180,11 @@ class PolicyCache:
         current = await self.store.load_all()
         for model, policy in policies.items():
             if model in current:
-                log.info("routing policy from redis kept over the config", model=model,
-                         revision=current[model].revision)
+                log.info(
+                    "routing policy from redis kept over the config",
+                    model=model,
+                    revision=current[model].revision,
+                )
                 continue
             seeded = policy.replace(revision=1, updated_by="config", updated_at=time.time())
             if await self.store.compare_and_set(model, 0, seeded):

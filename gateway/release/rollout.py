@@ -50,8 +50,10 @@ class RolloutManager:
         """The stored policy of ``model``; ``NotFoundError`` when it has none."""
         policy = await self.current(model)
         if policy is None:
-            raise NotFoundError(f"model {model!r} has no routing policy (every version "
-                                "serves by load); set one with SetRoutingPolicy")
+            raise NotFoundError(
+                f"model {model!r} has no routing policy (every version "
+                "serves by load); set one with SetRoutingPolicy"
+            )
         return policy
 
     async def list(self) -> list[RoutingPolicy]:
@@ -59,47 +61,72 @@ class RolloutManager:
         self.policies.invalidate()
         return sorted((await self.policies.all()).values(), key=lambda p: p.model)
 
-    async def set(self, policy: RoutingPolicy, *, expected: int, actor: str,
-                  reason: str) -> RoutingPolicy:
+    async def set(
+        self, policy: RoutingPolicy, *, expected: int, actor: str, reason: str
+    ) -> RoutingPolicy:
         """Create or replace a policy (``expected`` > 0: only over that revision)."""
         old = await self.current(policy.model)
         return await self._write(old, policy, expected, actor, "SetRoutingPolicy", reason)
 
-    async def set_weights(self, model: str, weights: Mapping[str, int], *, expected: int,
-                          actor: str, reason: str) -> RoutingPolicy:
+    async def set_weights(
+        self, model: str, weights: Mapping[str, int], *, expected: int, actor: str, reason: str
+    ) -> RoutingPolicy:
         """Replace only the weights (shift traffic)."""
         old = await self.get(model)
-        return await self._write(old, old.replace(weights=dict(weights)), expected, actor,
-                                 "SetWeights", reason)
+        return await self._write(
+            old, old.replace(weights=dict(weights)), expected, actor, "SetWeights", reason
+        )
 
-    async def rollback(self, model: str, *, to_version: str = "", reason: str = "",
-                       keep_pins: bool = False, actor: str, expected: int = 0
-                       ) -> RoutingPolicy:
+    async def rollback(
+        self,
+        model: str,
+        *,
+        to_version: str = "",
+        reason: str = "",
+        keep_pins: bool = False,
+        actor: str,
+        expected: int = 0,
+    ) -> RoutingPolicy:
         """All weight to ``to_version`` (default: the stable one), shadow off, pins cleared."""
         old = await self.get(model)
         target = to_version or old.stable_version
         dropped = set(old.candidates()) - {target}
         pins = {t: v for t, v in old.tenant_pins.items() if keep_pins or v not in dropped}
-        new = old.replace(stable_version=target, weights={target: 100}, tenant_pins=pins,
-                          shadow_version="", shadow_percent=0.0,
-                          last_rollback_reason=reason or f"manual rollback by {actor}")
+        new = old.replace(
+            stable_version=target,
+            weights={target: 100},
+            tenant_pins=pins,
+            shadow_version="",
+            shadow_percent=0.0,
+            last_rollback_reason=reason or f"manual rollback by {actor}",
+        )
         trigger = "guard" if actor == GUARD_ACTOR else "manual"
-        out = await self._write(old, new, expected, actor,
-                                "AutoRollback" if trigger == "guard" else "Rollback", reason)
+        out = await self._write(
+            old, new, expected, actor, "AutoRollback" if trigger == "guard" else "Rollback", reason
+        )
         metrics.ROLLBACKS.labels(model, trigger).inc()
-        log.warning("routing policy rolled back", model=model, to_version=target,
-                    reason=reason, actor=actor, candidates=sorted(dropped))
+        log.warning(
+            "routing policy rolled back",
+            model=model,
+            to_version=target,
+            reason=reason,
+            actor=actor,
+            candidates=sorted(dropped),
+        )
         return out
 
-    async def promote(self, model: str, version: str, *, actor: str, reason: str
-                      ) -> RoutingPolicy:
+    async def promote(self, model: str, version: str, *, actor: str, reason: str) -> RoutingPolicy:
         """``version`` becomes stable with all the weight."""
         if not version:
             raise ValueError("Promote needs the version to promote")
         old = await self.get(model)
         shadow = old.shadow_version if old.shadow_version != version else ""
-        new = old.replace(stable_version=version, weights={version: 100}, shadow_version=shadow,
-                          shadow_percent=old.shadow_percent if shadow else 0.0)
+        new = old.replace(
+            stable_version=version,
+            weights={version: 100},
+            shadow_version=shadow,
+            shadow_percent=old.shadow_percent if shadow else 0.0,
+        )
         return await self._write(old, new, 0, actor, "Promote", reason)
 
     async def delete(self, model: str, *, actor: str, reason: str) -> bool:
@@ -114,21 +141,38 @@ class RolloutManager:
 
     async def auto_rollback(self, policy: RoutingPolicy, why: str) -> RoutingPolicy:
         """The guard's rollback, only over the revision it judged."""
-        return await self.rollback(policy.model, reason=f"automatic: {why}", actor=GUARD_ACTOR,
-                                   expected=policy.revision)
+        return await self.rollback(
+            policy.model, reason=f"automatic: {why}", actor=GUARD_ACTOR, expected=policy.revision
+        )
 
-    async def _write(self, old: RoutingPolicy | None, new: RoutingPolicy, expected: int,
-                     actor: str, action: str, reason: str) -> RoutingPolicy:
+    async def _write(
+        self,
+        old: RoutingPolicy | None,
+        new: RoutingPolicy,
+        expected: int,
+        actor: str,
+        action: str,
+        reason: str,
+    ) -> RoutingPolicy:
         revision = old.revision if old is not None else 0
         if expected and expected != revision:
-            raise ConflictError(f"the routing policy of {new.model!r} is at revision "
-                                f"{revision}, not {expected}; read it again and retry")
+            raise ConflictError(
+                f"the routing policy of {new.model!r} is at revision "
+                f"{revision}, not {expected}; read it again and retry"
+            )
         new = new.replace(revision=revision + 1, updated_by=actor, updated_at=time.time())
         await self.policies.write(new.model, new, revision)
         await self._audit(actor, action, new.model, {"reason": reason, "policy": new.to_dict()})
         self._gauges(old, new)
-        log.info("routing policy changed", model=new.model, action=action, actor=actor,
-                 revision=new.revision, weights=dict(new.weights), reason=reason)
+        log.info(
+            "routing policy changed",
+            model=new.model,
+            action=action,
+            actor=actor,
+            revision=new.revision,
+            weights=dict(new.weights),
+            reason=reason,
+        )
         return new
 
     async def _audit(self, actor: str, action: str, model: str, detail: dict[str, Any]) -> None:

@@ -40,9 +40,14 @@ def shadow_request(job: EngineJob) -> engine_pb2.EngineGenerateRequest:
     deadline = timestamp_pb2.Timestamp()
     deadline.FromNanoseconds(int(job.deadline.wall_time * 1e9))
     return engine_pb2.EngineGenerateRequest(
-        request_id=f"{job.request_id}-shadow", prompt_token_ids=job.prompt_token_ids,
-        sampling=job.sampling, priority=common_pb2.LOW, tenant_id=job.tenant_id,
-        deadline=deadline, model=job.model)
+        request_id=f"{job.request_id}-shadow",
+        prompt_token_ids=job.prompt_token_ids,
+        sampling=job.sampling,
+        priority=common_pb2.LOW,
+        tenant_id=job.tenant_id,
+        deadline=deadline,
+        model=job.model,
+    )
 
 
 class ShadowMirror:
@@ -89,17 +94,24 @@ class ShadowMirror:
         except NoReplicaError as e:
             metrics.SHADOW_SKIPPED.labels(job.model, "unavailable").inc()
             self.stats.record(job.model, version, ok=False)
-            log.info("shadow copy skipped: no replica of the version", version=version,
-                     reason=str(e))
+            log.info(
+                "shadow copy skipped: no replica of the version", version=version, reason=str(e)
+            )
             return
         start = time.perf_counter()
         ttft: float | None = None
         code = grpc.StatusCode.OK
         call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
         try:  # the replica is acquired: every path below ends in release()
-            call = replica.stub.Generate(shadow_request(job), timeout=job.deadline.remaining(),
-                                         metadata=(("x-request-id", f"{job.request_id}-shadow"),
-                                                   ("x-shadow", "1"), *replica.call_metadata))
+            call = replica.stub.Generate(
+                shadow_request(job),
+                timeout=job.deadline.remaining(),
+                metadata=(
+                    ("x-request-id", f"{job.request_id}-shadow"),
+                    ("x-shadow", "1"),
+                    *replica.call_metadata,
+                ),
+            )
             async for resp in call:
                 if resp.finish_reason == common_pb2.ERROR:
                     code = grpc.StatusCode.INTERNAL

@@ -65,31 +65,40 @@ class VersionRouter:
         rng: Randomness for non-sticky picks and the shadow share (seed it in tests).
     """
 
-    def __init__(self, policies: PolicyCache, pool: ReplicaPool, stats: VersionStats,
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        policies: PolicyCache,
+        pool: ReplicaPool,
+        stats: VersionStats,
+        rng: random.Random | None = None,
+    ) -> None:
         self.policies = policies
         self.pool = pool
         self.stats = stats
         self.rng = rng or random.Random()
 
-    async def decide(self, model: str, requested: str, tenant_id: str,
-                     session_key: str = "") -> RouteDecision:
+    async def decide(
+        self, model: str, requested: str, tenant_id: str, session_key: str = ""
+    ) -> RouteDecision:
         """The version (and fallbacks, shadow) for one admitted request."""
         if requested:
             decision = RouteDecision(requested, reason="request")
         else:
             policy = await self.policies.get(model)
-            decision = RouteDecision("") if policy is None else self._by_policy(
-                policy, tenant_id, session_key)
+            decision = (
+                RouteDecision("")
+                if policy is None
+                else self._by_policy(policy, tenant_id, session_key)
+            )
         metrics.ROUTING_DECISIONS.labels(model, decision.version, decision.reason).inc()
         if decision.reason in ("pin", "weight") and not self.pool.candidates(
-                model, decision.version, ()):
+            model, decision.version, ()
+        ):
             self.stats.record(model, decision.version, ok=False)
             metrics.VERSION_ATTEMPTS.labels(model, decision.version, "unavailable").inc()
         return decision
 
-    def _by_policy(self, policy: RoutingPolicy, tenant_id: str,
-                   session_key: str) -> RouteDecision:
+    def _by_policy(self, policy: RoutingPolicy, tenant_id: str, session_key: str) -> RouteDecision:
         pin = policy.tenant_pins.get(tenant_id, "")
         if pin:
             version, reason = pin, "pin"
@@ -97,8 +106,11 @@ class VersionRouter:
             key = sticky_key(policy, tenant_id, session_key)
             version, reason = pick_version(policy, key, self.rng), "weight"
         shadow = ""
-        if (policy.shadow_version and policy.shadow_version != version
-                and self.rng.random() * 100.0 < policy.shadow_percent):
+        if (
+            policy.shadow_version
+            and policy.shadow_version != version
+            and self.rng.random() * 100.0 < policy.shadow_percent
+        ):
             shadow = policy.shadow_version
         return RouteDecision(version, fallback_order(policy, version), reason, shadow)
 

@@ -73,8 +73,9 @@ class VersionStats:
         window = self._samples.setdefault((model, version), deque(maxlen=MAX_SAMPLES))
         window.append(Sample(self.clock(), ok, ttft_s))
 
-    def summary(self, model: str, version: str, window_s: float,
-                since: float = 0.0) -> VersionSummary:
+    def summary(
+        self, model: str, version: str, window_s: float, since: float = 0.0
+    ) -> VersionSummary:
         """Outcomes newer than ``since`` and than ``window_s`` ago."""
         start = max(since, self.clock() - window_s)
         samples = [s for s in self._samples.get((model, version), ()) if s.at >= start]

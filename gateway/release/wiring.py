@@ -50,8 +50,9 @@ class ReleaseControl:
     guard: CanaryGuard
 
     @classmethod
-    def build(cls, config: GatewayConfig, stack: RateLimitStack, pool: ReplicaPool,
-              dispatcher: Dispatcher) -> ReleaseControl:
+    def build(
+        cls, config: GatewayConfig, stack: RateLimitStack, pool: ReplicaPool, dispatcher: Dispatcher
+    ) -> ReleaseControl:
         """Wire everything; no I/O until ``start``."""
         store = RedisPolicyStore(stack.client, prefix=stack.config.key_prefix)
         policies = PolicyCache(store, ttl_s=config.routing_policy_cache_ms / 1000.0)
@@ -65,8 +66,7 @@ class ReleaseControl:
 
     def servicer(self) -> RoutingAdminServicer:
         """The RoutingAdmin servicer over these components."""
-        return RoutingAdminServicer(self.stack.registry, self.rollout, self.pool, self.stats,
-                                    judge)
+        return RoutingAdminServicer(self.stack.registry, self.rollout, self.pool, self.stats, judge)
 
     async def start(self) -> None:
         """Seed the configured policies (Redis wins over the config), start the guard."""

@@ -32,8 +32,7 @@ class ReflectionAuthInterceptor(GateInterceptor):
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
 
-    async def refusal(self, details: grpc.HandlerCallDetails
-                      ) -> tuple[grpc.StatusCode, str] | None:
+    async def refusal(self, details: grpc.HandlerCallDetails) -> tuple[grpc.StatusCode, str] | None:
         if not details.method.startswith("/grpc.reflection."):
             return None
         md = dict(details.invocation_metadata or ())
@@ -44,9 +43,11 @@ class ReflectionAuthInterceptor(GateInterceptor):
             except PermissionDeniedError:  # an admin key: also fine here
                 await self.registry.authenticate(key, KeyRole.ADMIN)
         except (GatewayError, UnauthenticatedError, PermissionDeniedError, StoreError):
-            return (grpc.StatusCode.UNAUTHENTICATED,
-                    "reflection needs a valid API key: send metadata "
-                    "'authorization: Bearer sk-llm-...'")
+            return (
+                grpc.StatusCode.UNAUTHENTICATED,
+                "reflection needs a valid API key: send metadata "
+                "'authorization: Bearer sk-llm-...'",
+            )
         return None
 
 
@@ -57,12 +58,15 @@ def bearer_key(authorization: str) -> str:
         GatewayError: UNAUTHENTICATED when the value is missing or not a bearer token.
     """
     if not authorization:
-        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED,
-                           "missing API key: send metadata 'authorization: Bearer sk-llm-...'")
+        raise GatewayError(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "missing API key: send metadata 'authorization: Bearer sk-llm-...'",
+        )
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() != SCHEME or not token.strip():
-        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED,
-                           "the authorization metadata must be 'Bearer <API key>'")
+        raise GatewayError(
+            grpc.StatusCode.UNAUTHENTICATED, "the authorization metadata must be 'Bearer <API key>'"
+        )
     return token.strip()
 
 
@@ -76,8 +80,13 @@ class FailedAuthThrottle:
     out), so a spray from many addresses costs bounded memory.
     """
 
-    def __init__(self, per_minute: int, burst: int, max_sources: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        per_minute: int,
+        burst: int,
+        max_sources: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.per_minute = per_minute
         self.burst = burst
         self.max_sources = max_sources
@@ -138,15 +147,19 @@ class Authenticator:
                 key = ""
             if not self.registry.auth.known_valid(key):  # a known-good key still passes
                 metrics.AUTH_THROTTLED.inc()
-                raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"too many failed authentications from {call.source}; "
-                                   f"retry after {wait} ms with a valid API key",
-                                   retry_after_ms=wait)
+                raise GatewayError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"too many failed authentications from {call.source}; "
+                    f"retry after {wait} ms with a valid API key",
+                    retry_after_ms=wait,
+                )
         try:
             return await self._tenant(call.authorization)
         except GatewayError as e:
-            if throttle is not None and e.code in (grpc.StatusCode.UNAUTHENTICATED,
-                                                   grpc.StatusCode.PERMISSION_DENIED):
+            if throttle is not None and e.code in (
+                grpc.StatusCode.UNAUTHENTICATED,
+                grpc.StatusCode.PERMISSION_DENIED,
+            ):
                 throttle.failure(call.source)
             raise
 
@@ -159,9 +172,10 @@ class Authenticator:
         except PermissionDeniedError as e:
             raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
         except StoreError as e:
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                               f"cannot check the API key now: the key store is unavailable "
-                               f"({e}); retry shortly") from None
+            raise GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"cannot check the API key now: the key store is unavailable ({e}); retry shortly",
+            ) from None
         if principal.tenant is None:  # pragma: no cover - the registry checks the role
             raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, "this key has no tenant")
         return principal.tenant
@@ -171,6 +185,7 @@ class Authenticator:
         """PERMISSION_DENIED unless the tenant may call ``model``."""
         if not tenant.allows_model(model):
             allowed = ", ".join(tenant.allowed_models)
-            raise GatewayError(grpc.StatusCode.PERMISSION_DENIED,
-                               f"tenant {tenant.tenant_id!r} may not use model {model!r}; "
-                               f"allowed: {allowed}")
+            raise GatewayError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"tenant {tenant.tenant_id!r} may not use model {model!r}; allowed: {allowed}",
+            )

@@ -26,8 +26,9 @@ class TextStream:
         num_prompt_tokens: Reported in usage.
     """
 
-    def __init__(self, request_id: str, tokenizer: TextTokenizer, stops: list[str],
-                 num_prompt_tokens: int) -> None:
+    def __init__(
+        self, request_id: str, tokenizer: TextTokenizer, stops: list[str], num_prompt_tokens: int
+    ) -> None:
         self.request_id = request_id
         self._tok = tokenizer
         self._detok = tokenizer.detokenizer(skip_special_tokens=True)
@@ -66,8 +67,9 @@ class TextStream:
             out += self._stops.flush()
         if not (out or ids or finish):
             return None
-        chunk = Chunk(request_id=self.request_id, text=out, token_ids=ids,
-                      logprobs=self._logprobs(resp))
+        chunk = Chunk(
+            request_id=self.request_id, text=out, token_ids=ids, logprobs=self._logprobs(resp)
+        )
         if ids and self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         if not self._sent_first:
@@ -81,12 +83,15 @@ class TextStream:
 
     def usage(self) -> common_pb2.Usage:
         """Prompt tokens, every output token received (all attempts), cached prompt tokens."""
-        return common_pb2.Usage(prompt_tokens=self.num_prompt_tokens,
-                                completion_tokens=len(self.token_ids),
-                                cached_prompt_tokens=self.num_cached_tokens)
+        return common_pb2.Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=len(self.token_ids),
+            cached_prompt_tokens=self.num_cached_tokens,
+        )
 
-    def _logprobs(self, resp: engine_pb2.EngineGenerateResponse
-                  ) -> list[common_pb2.PositionLogprobs]:
+    def _logprobs(
+        self, resp: engine_pb2.EngineGenerateResponse
+    ) -> list[common_pb2.PositionLogprobs]:
         out = []
         for lp in resp.logprobs:
             pos = common_pb2.PositionLogprobs()

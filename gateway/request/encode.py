@@ -39,10 +39,12 @@ def check_prompt_size(request: gateway_pb2.GenerateRequest, max_context_tokens: 
         chars = len(request.prompt)
     limit = max_context_tokens * MAX_CHARS_PER_TOKEN
     if chars > limit:
-        raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"the prompt has {chars} characters, more than the model's context "
-                           f"of {max_context_tokens} tokens can hold (at most {limit} "
-                           "characters); shorten it")
+        raise GatewayError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the prompt has {chars} characters, more than the model's context "
+            f"of {max_context_tokens} tokens can hold (at most {limit} "
+            "characters); shorten it",
+        )
 
 
 class Encoder:
@@ -55,8 +57,13 @@ class Encoder:
         local: Encode in process with this tokenizer (None = call tokenizer_svc).
     """
 
-    def __init__(self, address: str, timeout_s: float = 10.0, service_token: str = "",
-                 local: TextTokenizer | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 10.0,
+        service_token: str = "",
+        local: TextTokenizer | None = None,
+    ) -> None:
         self.address = address
         self.local = local
         self._token_md = token_metadata(service_token)
@@ -68,8 +75,9 @@ class Encoder:
         """Close the channel."""
         await self.channel.close(None)
 
-    async def encode(self, request: gateway_pb2.GenerateRequest, call: CallContext,
-                     deadline: Deadline) -> list[int]:
+    async def encode(
+        self, request: gateway_pb2.GenerateRequest, call: CallContext, deadline: Deadline
+    ) -> list[int]:
         """Prompt token ids (the chat template applied for messages). The pipeline
         refuses a prompt no context could hold (``check_prompt_size``) before this.
 
@@ -81,16 +89,22 @@ class Encoder:
             req = tokenizer_pb2.EncodeRequest(text=request.prompt)
         elif which == "messages":
             if not request.messages.messages:
-                raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   "messages is empty: send at least one chat message")
+                raise GatewayError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "messages is empty: send at least one chat message",
+                )
             req = tokenizer_pb2.EncodeRequest(messages=request.messages)
         else:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT,
-                               "set either `prompt` or `messages` in the request")
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT, "set either `prompt` or `messages` in the request"
+            )
         if self.local is not None:
             return await self._encode_local(self.local, req)
-        metadata = (("x-request-id", call.request_id), ("traceparent", call.traceparent),
-                    *self._token_md)
+        metadata = (
+            ("x-request-id", call.request_id),
+            ("traceparent", call.traceparent),
+            *self._token_md,
+        )
         timeout = min(self.timeout_s, deadline.remaining())
         try:
             resp = await self.stub.Encode(req, timeout=timeout, metadata=metadata)
@@ -115,6 +129,8 @@ class Encoder:
             return GatewayError(code, e.details() or "invalid input")
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return GatewayError(code, "the deadline passed while encoding the prompt")
-        return GatewayError(grpc.StatusCode.UNAVAILABLE,
-                            f"the tokenizer service at {self.address} is unavailable "
-                            f"({code.name}: {e.details()}); retry shortly")
+        return GatewayError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"the tokenizer service at {self.address} is unavailable "
+            f"({code.name}: {e.details()}); retry shortly",
+        )

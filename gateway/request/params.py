@@ -40,13 +40,16 @@ def validate_sampling(p: common_pb2.SamplingParams, vocab_size: int) -> None:
     _in_range("temperature", p.temperature, 0.0, MAX_TEMPERATURE, " (0 = greedy)")
     _in_range("top_p", p.top_p, 0.0, 1.0, " (0 = 1.0, off)")
     _in_range("min_p", p.min_p, 0.0, 1.0, " (0 = off)")
-    _in_range("repetition_penalty", p.repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
-              " (0 = 1.0, off)")
+    _in_range(
+        "repetition_penalty", p.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, " (0 = 1.0, off)"
+    )
     _in_range("presence_penalty", p.presence_penalty, -2.0, 2.0)
     _in_range("frequency_penalty", p.frequency_penalty, -2.0, 2.0)
     if p.top_k > vocab_size:
-        raise ValueError(f"sampling.top_k must be at most the vocabulary size {vocab_size} "
-                         f"(0 = off), got {p.top_k}")
+        raise ValueError(
+            f"sampling.top_k must be at most the vocabulary size {vocab_size} "
+            f"(0 = off), got {p.top_k}"
+        )
     if p.logprobs > MAX_LOGPROBS:
         raise ValueError(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
     _check_stops(p)
@@ -54,29 +57,39 @@ def validate_sampling(p: common_pb2.SamplingParams, vocab_size: int) -> None:
 
 def _check_stops(p: common_pb2.SamplingParams) -> None:
     if len(p.stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"sampling.stop has {len(p.stop)} strings; at most "
-                         f"{MAX_STOP_STRINGS} are allowed")
+        raise ValueError(
+            f"sampling.stop has {len(p.stop)} strings; at most {MAX_STOP_STRINGS} are allowed"
+        )
     for i, s in enumerate(p.stop):
         if not s:
             raise ValueError(f"sampling.stop[{i}] is empty: remove it or give a non-empty string")
         if len(s) > MAX_STOP_CHARS:
-            raise ValueError(f"sampling.stop[{i}] is {len(s)} characters; at most "
-                             f"{MAX_STOP_CHARS} are allowed")
+            raise ValueError(
+                f"sampling.stop[{i}] is {len(s)} characters; at most {MAX_STOP_CHARS} are allowed"
+            )
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"sampling.stop_token_ids has {len(p.stop_token_ids)} ids; at most "
-                         f"{MAX_STOP_TOKEN_IDS} are allowed")
+        raise ValueError(
+            f"sampling.stop_token_ids has {len(p.stop_token_ids)} ids; at most "
+            f"{MAX_STOP_TOKEN_IDS} are allowed"
+        )
 
 
 def validate_stop_token_ids(p: common_pb2.SamplingParams, vocab_size: int) -> None:
     """Stop token ids must be inside the model's vocabulary."""
     for i, tid in enumerate(p.stop_token_ids):
         if tid >= vocab_size:
-            raise ValueError(f"sampling.stop_token_ids[{i}] = {tid} is outside the vocabulary "
-                             f"[0, {vocab_size})")
+            raise ValueError(
+                f"sampling.stop_token_ids[{i}] = {tid} is outside the vocabulary [0, {vocab_size})"
+            )
 
 
-def resolve_max_tokens(p: common_pb2.SamplingParams, num_prompt_tokens: int,
-                       max_context: int, default_max_tokens: int, max_max_tokens: int) -> int:
+def resolve_max_tokens(
+    p: common_pb2.SamplingParams,
+    num_prompt_tokens: int,
+    max_context: int,
+    default_max_tokens: int,
+    max_max_tokens: int,
+) -> int:
     """The output budget: the request's, or the default capped by what the context leaves.
 
     Raises:
@@ -84,31 +97,42 @@ def resolve_max_tokens(p: common_pb2.SamplingParams, num_prompt_tokens: int,
     """
     room = max_context - num_prompt_tokens
     if room < 1:
-        raise ValueError(f"the prompt is {num_prompt_tokens} tokens; the model's context is "
-                         f"{max_context} tokens including the output: shorten the prompt")
+        raise ValueError(
+            f"the prompt is {num_prompt_tokens} tokens; the model's context is "
+            f"{max_context} tokens including the output: shorten the prompt"
+        )
     if max_max_tokens and p.max_tokens > max_max_tokens:
-        raise ValueError(f"sampling.max_tokens is {p.max_tokens}; this gateway allows at most "
-                         f"{max_max_tokens}")
+        raise ValueError(
+            f"sampling.max_tokens is {p.max_tokens}; this gateway allows at most {max_max_tokens}"
+        )
     if p.max_tokens > room:
-        raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({p.max_tokens}) "
-                         f"exceeds the model's context of {max_context} tokens: lower "
-                         f"max_tokens to at most {room} or shorten the prompt")
-    max_tokens = p.max_tokens or min(default_max_tokens, room,
-                                     max_max_tokens or default_max_tokens)
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({p.max_tokens}) "
+            f"exceeds the model's context of {max_context} tokens: lower "
+            f"max_tokens to at most {room} or shorten the prompt"
+        )
+    max_tokens = p.max_tokens or min(default_max_tokens, room, max_max_tokens or default_max_tokens)
     if p.min_tokens > max_tokens:
-        raise ValueError(f"sampling.min_tokens ({p.min_tokens}) exceeds max_tokens "
-                         f"({max_tokens})")
+        raise ValueError(f"sampling.min_tokens ({p.min_tokens}) exceeds max_tokens ({max_tokens})")
     return max_tokens
 
 
-def engine_sampling(p: common_pb2.SamplingParams, max_tokens: int
-                    ) -> engine_pb2.EngineSamplingParams:
+def engine_sampling(
+    p: common_pb2.SamplingParams, max_tokens: int
+) -> engine_pb2.EngineSamplingParams:
     """The engine's params (stop strings stay in the gateway; it matches them on text)."""
     out = engine_pb2.EngineSamplingParams(
-        max_tokens=max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-        min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        min_tokens=p.min_tokens, logprobs=p.logprobs, stop_token_ids=p.stop_token_ids,
+        max_tokens=max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        min_tokens=p.min_tokens,
+        logprobs=p.logprobs,
+        stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
     )
     if p.HasField("seed"):

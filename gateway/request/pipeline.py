@@ -90,10 +90,18 @@ class Pipeline:
         shadow: Shadow copies to candidate versions (None = off).
     """
 
-    def __init__(self, config: GatewayConfig, auth: Authenticator, encoder: Encoder,
-                 tokenizer: TextTokenizer, limiter: RateLimiter, pool: ReplicaPool,
-                 dispatcher: Dispatcher, router: VersionRouter | None = None,
-                 shadow: ShadowMirror | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        auth: Authenticator,
+        encoder: Encoder,
+        tokenizer: TextTokenizer,
+        limiter: RateLimiter,
+        pool: ReplicaPool,
+        dispatcher: Dispatcher,
+        router: VersionRouter | None = None,
+        shadow: ShadowMirror | None = None,
+    ) -> None:
         self.config = config
         self.auth = auth
         self.encoder = encoder
@@ -114,8 +122,9 @@ class Pipeline:
         entries = [e for e in self.pool.catalog() if tenant.allows_model(e.model)]
         return await self.router.annotate(entries) if self.router is not None else entries
 
-    async def generate(self, request: gateway_pb2.GenerateRequest, call: CallContext
-                       ) -> AsyncGenerator[Chunk, None]:
+    async def generate(
+        self, request: gateway_pb2.GenerateRequest, call: CallContext
+    ) -> AsyncGenerator[Chunk, None]:
         """Stream one completion; see the module docstring for the contract.
 
         Raises:
@@ -124,8 +133,7 @@ class Pipeline:
         start = time.perf_counter()
         tenant_label, code = "unauthenticated", grpc.StatusCode.OK
         labels = _Labels()
-        structlog.contextvars.bind_contextvars(request_id=call.request_id,
-                                               trace_id=call.trace_id)
+        structlog.contextvars.bind_contextvars(request_id=call.request_id, trace_id=call.trace_id)
         self._enter()
         try:
             if call.tenant is None:
@@ -151,8 +159,10 @@ class Pipeline:
         except Exception:
             code = grpc.StatusCode.INTERNAL
             log.exception("generate failed")
-            raise GatewayError(code, "internal gateway error; see the gateway log with "
-                               f"request id {call.request_id}") from None
+            raise GatewayError(
+                code,
+                f"internal gateway error; see the gateway log with request id {call.request_id}",
+            ) from None
         finally:
             self._leave()
             metrics.REQUESTS.labels(tenant_label, code.name, labels.model, labels.version).inc()
@@ -160,8 +170,10 @@ class Pipeline:
 
     def _enter(self) -> None:
         if self.draining:
-            raise GatewayError(grpc.StatusCode.UNAVAILABLE,
-                               "this gateway replica is shutting down; retry on another")
+            raise GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                "this gateway replica is shutting down; retry on another",
+            )
         self.num_in_flight += 1
         self._idle.clear()
         metrics.IN_FLIGHT.inc()
@@ -172,8 +184,9 @@ class Pipeline:
         if self.num_in_flight == 0:
             self._idle.set()
 
-    async def _admit(self, request: gateway_pb2.GenerateRequest, call: CallContext,
-                     tenant: Tenant) -> _Admitted:
+    async def _admit(
+        self, request: gateway_pb2.GenerateRequest, call: CallContext, tenant: Tenant
+    ) -> _Admitted:
         model = request.model or self.pool.default_model()
         info = self.pool.model_info(model, request.model_version)
         if info is None:
@@ -184,8 +197,9 @@ class Pipeline:
             validate_stop_token_ids(request.sampling, info.vocab_size)
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        deadline = Deadline.for_client(call.timeout_s, self.config.request_timeout_s,
-                                       self.config.max_request_timeout_s)
+        deadline = Deadline.for_client(
+            call.timeout_s, self.config.request_timeout_s, self.config.max_request_timeout_s
+        )
         memo = self.limiter.known_denial(tenant)
         if memo is not None:  # refused before any tokenizer or Redis call
             metrics.LOCAL_DENIALS.labels(tenant.tenant_id).inc()
@@ -204,8 +218,12 @@ class Pipeline:
             metrics.STAGE_ENCODE.observe(t2 - t1)
             try:
                 max_tokens = resolve_max_tokens(
-                    request.sampling, len(prompt_ids), info.max_context_length,
-                    self.config.default_max_tokens, self.config.max_max_tokens)
+                    request.sampling,
+                    len(prompt_ids),
+                    info.max_context_length,
+                    self.config.default_max_tokens,
+                    self.config.max_max_tokens,
+                )
             except ValueError as e:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
             route = await self._route(model, request.model_version, tenant, call)
@@ -213,15 +231,20 @@ class Pipeline:
             metrics.STAGE_ROUTE.observe(t3 - t2)
             engine_id = engine_request_id(tenant.tenant_id)
             structlog.contextvars.bind_contextvars(engine_request_id=engine_id)
-            job = EngineJob(request_id=engine_id, correlation_id=call.request_id,
-                            traceparent=call.traceparent,
-                            tenant_id=tenant.tenant_id,
-                            priority=common_pb2.Priority.ValueType(int(tenant.priority)),
-                            model=model, model_version=route.version,
-                            prompt_token_ids=prompt_ids,
-                            sampling=engine_sampling(request.sampling, max_tokens),
-                            deadline=deadline, stop_strings=list(request.sampling.stop),
-                            fallback_versions=route.fallbacks)
+            job = EngineJob(
+                request_id=engine_id,
+                correlation_id=call.request_id,
+                traceparent=call.traceparent,
+                tenant_id=tenant.tenant_id,
+                priority=common_pb2.Priority.ValueType(int(tenant.priority)),
+                model=model,
+                model_version=route.version,
+                prompt_token_ids=prompt_ids,
+                sampling=engine_sampling(request.sampling, max_tokens),
+                deadline=deadline,
+                stop_strings=list(request.sampling.stop),
+                fallback_versions=route.fallbacks,
+            )
             if reservation is not None:
                 await self._take(tenant, reservation, len(prompt_ids) + max_tokens)
                 metrics.STAGE_TAKE.observe(time.perf_counter() - t3)
@@ -229,13 +252,15 @@ class Pipeline:
             # nothing was served: the lease and any tokens go back, the request unit stays
             # spent; from a successful take on, _serve's finally settles on every path
             if reservation is not None:
-                await asyncio.shield(self.limiter.settle(reservation, prompt_tokens=0,
-                                                         completion_tokens=0))
+                await asyncio.shield(
+                    self.limiter.settle(reservation, prompt_tokens=0, completion_tokens=0)
+                )
             raise
         return _Admitted(tenant, job, reservation, route.shadow_version)
 
-    async def _route(self, model: str, version: str, tenant: Tenant,
-                     call: CallContext) -> RouteDecision:
+    async def _route(
+        self, model: str, version: str, tenant: Tenant, call: CallContext
+    ) -> RouteDecision:
         if self.router is None:
             return RouteDecision(version, reason="request" if version else "any")
         return await self.router.decide(model, version, tenant.tenant_id, call.session_key)
@@ -243,17 +268,23 @@ class Pipeline:
     def _unknown_model(self, model: str, version: str) -> GatewayError:
         known = self.pool.catalog()
         if not known:
-            return GatewayError(grpc.StatusCode.UNAVAILABLE,
-                                "no engine replica is reachable yet, so no model is known: "
-                                + self.pool.explain(model, version, set()))
+            return GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                "no engine replica is reachable yet, so no model is known: "
+                + self.pool.explain(model, version, set()),
+            )
         if version and any(e.model == model for e in known):
             versions = sorted(v for e in known if e.model == model for v in e.versions)
-            return GatewayError(grpc.StatusCode.NOT_FOUND,
-                                f"model {model!r} has no version {version!r}; known versions: "
-                                f"{', '.join(versions)} (leave model_version empty for any)")
-        return GatewayError(grpc.StatusCode.NOT_FOUND,
-                            f"unknown model {model!r}; available: "
-                            f"{', '.join(e.model for e in known)} (empty = the default)")
+            return GatewayError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {model!r} has no version {version!r}; known versions: "
+                f"{', '.join(versions)} (leave model_version empty for any)",
+            )
+        return GatewayError(
+            grpc.StatusCode.NOT_FOUND,
+            f"unknown model {model!r}; available: "
+            f"{', '.join(e.model for e in known)} (empty = the default)",
+        )
 
     async def _reserve(self, tenant: Tenant, num_tokens: int) -> Reservation | None:
         try:
@@ -276,19 +307,25 @@ class Pipeline:
     def _denied(tenant: Tenant, decision: Decision) -> GatewayError:
         metrics.count_denial(tenant.tenant_id, decision.denied)
         retry = decision.retry_after_ms if decision.retry_after_ms >= 0 else None
-        return GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, decision.message(),
-                            retry_after_ms=retry, trailers=denial_metadata(decision))
+        return GatewayError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            decision.message(),
+            retry_after_ms=retry,
+            trailers=denial_metadata(decision),
+        )
 
-    async def _serve(self, admitted: _Admitted, start: float,
-                     labels: _Labels) -> AsyncIterator[Chunk]:
+    async def _serve(
+        self, admitted: _Admitted, start: float, labels: _Labels
+    ) -> AsyncIterator[Chunk]:
         job = admitted.job
         tenant = admitted.tenant.tenant_id
         first_at: float | None = None
         text: TextStream | None = None
         client_left = False  # cancelled, or its deadline passed
         try:
-            text = TextStream(job.correlation_id, self.tokenizer, job.stop_strings,
-                              len(job.prompt_token_ids))
+            text = TextStream(
+                job.correlation_id, self.tokenizer, job.stop_strings, len(job.prompt_token_ids)
+            )
             if admitted.shadow_version and self.shadow is not None:
                 self.shadow.mirror(job, admitted.shadow_version)
             async with self.limiter.keep_alive(admitted.reservation):
@@ -297,7 +334,8 @@ class Pipeline:
                     if first_at is None and chunk.token_ids:
                         first_at = time.perf_counter()
                         metrics.TTFT.labels(tenant, job.model, labels.version).observe(
-                            first_at - start)
+                            first_at - start
+                        )
                         metrics.OVERHEAD.observe(max(0.0, text.attempt_started_at - start))
                     yield chunk
         except (asyncio.CancelledError, GeneratorExit):
@@ -309,11 +347,13 @@ class Pipeline:
         finally:
             if text is not None and first_at is not None and len(text.token_ids) > 1:
                 metrics.TPOT.labels(job.model, labels.version).observe(
-                    (time.perf_counter() - first_at) / (len(text.token_ids) - 1))
+                    (time.perf_counter() - first_at) / (len(text.token_ids) - 1)
+                )
             await asyncio.shield(self._settle(admitted, text, client_left))
 
-    async def _settle(self, admitted: _Admitted, text: TextStream | None,
-                      client_left: bool) -> None:
+    async def _settle(
+        self, admitted: _Admitted, text: TextStream | None, client_left: bool
+    ) -> None:
         """Charge what was used and give back the rest of the reservation.
 
         The prompt is charged once an engine answered, or once it was sent to an
@@ -328,10 +368,15 @@ class Pipeline:
         metrics.TOKENS_CHARGED.labels(tenant, "prompt").inc(prompt)
         metrics.TOKENS_CHARGED.labels(tenant, "completion").inc(completion)
         if admitted.reservation is not None:
-            await self.limiter.settle(admitted.reservation, prompt_tokens=prompt,
-                                      completion_tokens=completion)
-        log.info("request settled", prompt_tokens=prompt, completion_tokens=completion,
-                 finish_reason=int(text.finish_reason) if text is not None else 0)
+            await self.limiter.settle(
+                admitted.reservation, prompt_tokens=prompt, completion_tokens=completion
+            )
+        log.info(
+            "request settled",
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            finish_reason=int(text.finish_reason) if text is not None else 0,
+        )
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests; wait up to ``grace_s`` for the ones in flight."""
@@ -339,4 +384,3 @@ class Pipeline:
         log.info("draining", in_flight=self.num_in_flight, grace_seconds=grace_s)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), grace_s)
-

@@ -53,7 +53,7 @@ class StopMatcher:
             self._pending = ""
             return buf[:best]
         hold = self._held_suffix(buf)
-        self._pending = buf[len(buf) - hold:] if hold else ""
+        self._pending = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold]
 
     def flush(self) -> str:

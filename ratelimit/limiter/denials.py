@@ -44,8 +44,9 @@ class _Memo:
 class DenialMemo:
     """Per-tenant request-rate denials, valid until their bucket refills."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic,
-                 max_tenants: int = 10_000) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, max_tenants: int = 10_000
+    ) -> None:
         self._clock = clock
         self._max = max_tenants
         self._memos: dict[str, _Memo] = {}
@@ -64,8 +65,9 @@ class DenialMemo:
         if len(self._memos) >= self._max:
             self._prune()
         until = self._clock() + wait / 1000
-        only_requests = dataclasses.replace(decision, denied=Dimension.REQUESTS,
-                                            retry_after_ms=wait)
+        only_requests = dataclasses.replace(
+            decision, denied=Dimension.REQUESTS, retry_after_ms=wait
+        )
         self._memos[tenant_id] = _Memo(until, only_requests, policy)
 
     def check(self, tenant_id: str, policy: LimitPolicy) -> Decision | None:

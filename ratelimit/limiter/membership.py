@@ -49,8 +49,15 @@ class ReplicaMembership:
         timeout_s: budget of one refresh.
     """
 
-    def __init__(self, client: Redis, *, prefix: str, ttl_ms: int,
-                 on_count: Callable[[int], None], timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        client: Redis,
+        *,
+        prefix: str,
+        ttl_ms: int,
+        on_count: Callable[[int], None],
+        timeout_s: float = 1.0,
+    ) -> None:
         if ttl_ms <= 0:
             raise ValueError(f"ttl_ms must be > 0, got {ttl_ms}")
         self.client = client
@@ -64,8 +71,11 @@ class ReplicaMembership:
 
     async def refresh(self) -> int:
         """Renew this replica's entry; return the live count (raises RedisError)."""
-        n = int(await asyncio.wait_for(
-            _SCRIPT(self.client, [self.key], [self.id, self.ttl_ms]), self.timeout_s))
+        n = int(
+            await asyncio.wait_for(
+                _SCRIPT(self.client, [self.key], [self.id, self.ttl_ms]), self.timeout_s
+            )
+        )
         self._set(n)
         return n
 
@@ -87,8 +97,11 @@ class ReplicaMembership:
             try:
                 await self.refresh()
             except (RedisError, OSError, TimeoutError) as exc:
-                log.warning("replica count not refreshed; the fail-open share keeps the last "
-                            "count", error=f"{type(exc).__name__}: {exc}", count=self.count)
+                log.warning(
+                    "replica count not refreshed; the fail-open share keeps the last count",
+                    error=f"{type(exc).__name__}: {exc}",
+                    count=self.count,
+                )
             await asyncio.sleep(period)
 
     async def leave(self) -> None:
@@ -99,5 +112,4 @@ class ReplicaMembership:
                 await self._task
             self._task = None
         with contextlib.suppress(RedisError, OSError, TimeoutError):
-            await asyncio.wait_for(_SCRIPT(self.client, [self.key], [self.id, ""]),
-                                   self.timeout_s)
+            await asyncio.wait_for(_SCRIPT(self.client, [self.key], [self.id, ""]), self.timeout_s)

@@ -44,7 +44,6 @@ _DIMENSION_NAMES = (
 )
 
 
-
 def _admitted_unchecked() -> Outcome:
     """A take admitted without a store answer (no levels known)."""
     return Outcome(True, Dimension.NONE, 0, UNLIMITED, UNLIMITED, 0, time.time() * 1000)
@@ -185,8 +184,12 @@ class RateLimiter:
                 metrics.COMPENSATIONS.labels("refunded" if held else "nothing_held").inc()
                 return
             metrics.COMPENSATIONS.labels("failed").inc()
-            log.warning("could not compensate a reserve with an unknown outcome; its lease "
-                        "expires after its TTL", tenant=tenant.tenant_id, lease_id=lease_id)
+            log.warning(
+                "could not compensate a reserve with an unknown outcome; its lease "
+                "expires after its TTL",
+                tenant=tenant.tenant_id,
+                lease_id=lease_id,
+            )
 
         task = asyncio.get_running_loop().create_task(run(), name=f"compensate-{lease_id}")
         self._background.add(task)
@@ -254,8 +257,13 @@ class RateLimiter:
         policy, source = reservation.policy, reservation.source
 
         def call(store: Store) -> Awaitable[Outcome]:
-            return store.take(reservation.tenant_id, policy, num_tokens=num_tokens,
-                              lease_id=reservation.lease_id, shadow=tenant.shadow_mode)
+            return store.take(
+                reservation.tenant_id,
+                policy,
+                num_tokens=num_tokens,
+                lease_id=reservation.lease_id,
+                shadow=tenant.shadow_mode,
+            )
 
         try:
             if not policy.tokens_per_minute:
@@ -272,13 +280,18 @@ class RateLimiter:
             # is given back there by lease id, one that did not leaves the usage as debt)
             outcome, source = _admitted_unchecked(), "local"
         metrics.DECISION_SECONDS.labels(source).observe(time.perf_counter() - start)
-        decision = self._decision(tenant, policy, outcome, reservation.lease_id, num_tokens,
-                                  source)
-        return dataclasses.replace(decision, reservation=reservation if decision.allowed
-                                   else None)
+        decision = self._decision(tenant, policy, outcome, reservation.lease_id, num_tokens, source)
+        return dataclasses.replace(decision, reservation=reservation if decision.allowed else None)
 
-    async def _finish(self, res: Reservation, refund: int, prompt: int, completion: int,
-                      *, refund_take: bool = True) -> None:
+    async def _finish(
+        self,
+        res: Reservation,
+        refund: int,
+        prompt: int,
+        completion: int,
+        *,
+        refund_take: bool = True,
+    ) -> None:
         if res.settled:
             return
         res.settled = True

@@ -33,16 +33,27 @@ pytestmark = pytest.mark.integration
 
 
 def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
-    env = {**os.environ, **ENGINE_TEST_ENV, "PYTHONPATH": str(ROOT), "LLM_RUN_DIR": str(tmp_path),
-           "LLM_RATELIMIT_REDIS_URL": "redis://127.0.0.1:0/0"}
+    env = {
+        **os.environ,
+        **ENGINE_TEST_ENV,
+        "PYTHONPATH": str(ROOT),
+        "LLM_RUN_DIR": str(tmp_path),
+        "LLM_RATELIMIT_REDIS_URL": "redis://127.0.0.1:0/0",
+    }
     env.pop("ADMIN_KEY", None)
     for svc in ("TOKENIZER", "ENGINE", "GATEWAY"):
         env[f"LLM_{svc}_PORT"] = env[f"LLM_{svc}_METRICS_PORT"] = "0"
     env["LLM_ENVOY_PORT"] = env["LLM_ENVOY_ADMIN_PORT"] = "0"
     env["LLM_GATEWAY_HTTP_PORT"] = str(free_port())
     env["LLM_ENVOY_HOST"] = "127.0.0.1"
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.run_stack"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scripts.run_stack"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     try:
         assert proc.stdout is not None
@@ -55,8 +66,9 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
             if "Ctrl-C stops everything" in line:
                 break
         out = "".join(lines)
-        addr = dict(re.findall(r"^\s+(tokenizer|gateway|envoy)\s+(?:grpc )?(127\.0\.0\.1:\d+)",
-                               out, re.M))
+        addr = dict(
+            re.findall(r"^\s+(tokenizer|gateway|envoy)\s+(?:grpc )?(127\.0\.0\.1:\d+)", out, re.M)
+        )
         assert set(addr) == {"tokenizer", "gateway", "envoy"}, out
         token = (tmp_path / "service.token").read_text().strip()
         assert len(token) >= 32
@@ -80,49 +92,113 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
                 stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             with pytest.raises(grpc.RpcError) as err:
-                stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10,
-                            metadata=(("x-service-token", "x" * 64),))
+                stub.Encode(
+                    tokenizer_pb2.EncodeRequest(text="hi"),
+                    timeout=10,
+                    metadata=(("x-service-token", "x" * 64),),
+                )
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert stub.Encode(tokenizer_pb2.EncodeRequest(text="hi"), timeout=10,
-                               metadata=(("x-service-token", token),)).token_ids
+            assert stub.Encode(
+                tokenizer_pb2.EncodeRequest(text="hi"),
+                timeout=10,
+                metadata=(("x-service-token", token),),
+            ).token_ids
             engine = re.search(r"^\s+engine-0\s+grpc (127\.0\.0\.1:\d+)", out, re.M)
             assert engine is not None, out
             eng_client = subprocess.run(  # straight to the engine, with make run's token
-                [sys.executable, "-m", "engine_tools.engine_client", "--address", engine.group(1),
-                 "--tokenizer", addr["tokenizer"], "--max-tokens", "3", "Hi"],
-                cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                [
+                    sys.executable,
+                    "-m",
+                    "engine_tools.engine_client",
+                    "--address",
+                    engine.group(1),
+                    "--tokenizer",
+                    addr["tokenizer"],
+                    "--max-tokens",
+                    "3",
+                    "Hi",
+                ],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert eng_client.returncode == 0, eng_client.stderr
             assert "completion 3" in eng_client.stderr
             tok_client = subprocess.run(  # the README's client finds make run's token itself
-                [sys.executable, "-m", "tokenizer_svc.client", "--address", addr["tokenizer"],
-                 "encode", "hi"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+                [
+                    sys.executable,
+                    "-m",
+                    "tokenizer_svc.client",
+                    "--address",
+                    addr["tokenizer"],
+                    "encode",
+                    "hi",
+                ],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert tok_client.returncode == 0, tok_client.stderr
             assert tok_client.stdout.split()
             health = health_pb2_grpc.HealthStub(ch)  # probes stay open
-            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
-                health_pb2.HealthCheckResponse.SERVING
+            assert (
+                health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+                == health_pb2.HealthCheckResponse.SERVING
+            )
         admin_key = (tmp_path / "admin.key").read_text().strip()
         demo_key = (tmp_path / "demo.key").read_text().strip()
         assert admin_key.startswith("sk-llm-")
         assert demo_key.startswith("sk-llm-")
         with grpc.insecure_channel(addr["envoy"]) as ch:  # through the edge
             admin = admin_pb2_grpc.RateLimitAdminStub(ch)
-            tenant = admin.GetTenant(admin_pb2.GetTenantRequest(tenant_id="demo"), timeout=10,
-                                     metadata=(("authorization", f"Bearer {admin_key}"),))
+            tenant = admin.GetTenant(
+                admin_pb2.GetTenantRequest(tenant_id="demo"),
+                timeout=10,
+                metadata=(("authorization", f"Bearer {admin_key}"),),
+            )
             assert tenant.limits.requests_per_minute == 600
-            chunks = list(gateway_pb2_grpc.GatewayStub(ch).Generate(
-                gateway_pb2.GenerateRequest(prompt="Hello", sampling=common_pb2.SamplingParams(
-                    max_tokens=3)), metadata=(("authorization", f"Bearer {demo_key}"),),
-                timeout=60))
+            chunks = list(
+                gateway_pb2_grpc.GatewayStub(ch).Generate(
+                    gateway_pb2.GenerateRequest(
+                        prompt="Hello", sampling=common_pb2.SamplingParams(max_tokens=3)
+                    ),
+                    metadata=(("authorization", f"Bearer {demo_key}"),),
+                    timeout=60,
+                )
+            )
             assert chunks[-1].usage.completion_tokens == 3
         openai = subprocess.run(  # the banner's OpenAI SDK example, through Envoy
             ["bash", "-c", next(ln for ln in out.splitlines() if "from openai import" in ln)],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert openai.returncode == 0, openai.stderr
         assert openai.stdout.strip()
         client = subprocess.run(
-            [sys.executable, "-m", "gateway.fronts.cli", "--address", addr["envoy"], "chat", "Hi",
-             "--max-tokens", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+            [
+                sys.executable,
+                "-m",
+                "gateway.fronts.cli",
+                "--address",
+                addr["envoy"],
+                "chat",
+                "Hi",
+                "--max-tokens",
+                "4",
+            ],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert client.returncode == 0, client.stderr
         assert "completion 4" in client.stderr or "[STOP]" in client.stderr
         pids = [json.loads(p.read_text())["pid"] for p in (tmp_path / "logs").glob("*.ports.json")]

@@ -39,35 +39,50 @@ def local(model_dir: Path) -> TextTokenizer:
 
 def chat(*pairs: tuple[str, str]) -> common_pb2.ChatMessages:
     return common_pb2.ChatMessages(
-        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in pairs])
+        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in pairs]
+    )
 
 
-def test_encode_text_and_chat(stub: tokenizer_pb2_grpc.TokenizerStub,
-                              local: TextTokenizer) -> None:
+def test_encode_text_and_chat(stub: tokenizer_pb2_grpc.TokenizerStub, local: TextTokenizer) -> None:
     text = "Bonjour, 世界! 🎉 def f(): pass"
     assert list(stub.Encode(tokenizer_pb2.EncodeRequest(text=text)).token_ids) == local.encode(text)
-    resp = stub.Encode(tokenizer_pb2.EncodeRequest(
-        messages=chat(("user", "What is the capital of France?")), return_text=True))
+    resp = stub.Encode(
+        tokenizer_pb2.EncodeRequest(
+            messages=chat(("user", "What is the capital of France?")), return_text=True
+        )
+    )
     ids, rendered = local.encode_chat([Message("user", "What is the capital of France?")])
     assert list(resp.token_ids) == ids
     assert resp.text == rendered
     assert rendered.endswith("<|im_start|>assistant\n")
-    no_gen = stub.Encode(tokenizer_pb2.EncodeRequest(
-        messages=chat(("user", "hi")), add_generation_prompt=False, return_text=True))
+    no_gen = stub.Encode(
+        tokenizer_pb2.EncodeRequest(
+            messages=chat(("user", "hi")), add_generation_prompt=False, return_text=True
+        )
+    )
     assert not no_gen.text.endswith("assistant\n")
 
 
-def test_count_batch_and_decode(stub: tokenizer_pb2_grpc.TokenizerStub,
-                                local: TextTokenizer) -> None:
+def test_count_batch_and_decode(
+    stub: tokenizer_pb2_grpc.TokenizerStub, local: TextTokenizer
+) -> None:
     texts = ["one", "deux trois", "四五六", "🎉" * 5]
     n = stub.CountTokens(tokenizer_pb2.EncodeRequest(text=texts[1])).num_tokens
     assert n == len(local.encode(texts[1]))
-    batch = stub.EncodeBatch(tokenizer_pb2.EncodeBatchRequest(
-        requests=[tokenizer_pb2.EncodeRequest(text=t) for t in texts]))
+    batch = stub.EncodeBatch(
+        tokenizer_pb2.EncodeBatchRequest(
+            requests=[tokenizer_pb2.EncodeRequest(text=t) for t in texts]
+        )
+    )
     assert [list(r.token_ids) for r in batch.responses] == [local.encode(t) for t in texts]
-    mixed = stub.EncodeBatch(tokenizer_pb2.EncodeBatchRequest(requests=[
-        tokenizer_pb2.EncodeRequest(text="a"),
-        tokenizer_pb2.EncodeRequest(messages=chat(("user", "b")))]))
+    mixed = stub.EncodeBatch(
+        tokenizer_pb2.EncodeBatchRequest(
+            requests=[
+                tokenizer_pb2.EncodeRequest(text="a"),
+                tokenizer_pb2.EncodeRequest(messages=chat(("user", "b"))),
+            ]
+        )
+    )
     assert len(mixed.responses) == 2
     ids = local.encode("<|im_start|>hello")
     assert stub.Decode(tokenizer_pb2.DecodeRequest(token_ids=ids)).text == "hello"
@@ -75,8 +90,9 @@ def test_count_batch_and_decode(stub: tokenizer_pb2_grpc.TokenizerStub,
     assert raw.text == "<|im_start|>hello"
 
 
-def test_decode_stream_is_utf8_safe(stub: tokenizer_pb2_grpc.TokenizerStub,
-                                    local: TextTokenizer) -> None:
+def test_decode_stream_is_utf8_safe(
+    stub: tokenizer_pb2_grpc.TokenizerStub, local: TextTokenizer
+) -> None:
     text = "naïve 你好 🎉🚀 done"
     ids = local.encode(text)
     reqs = [tokenizer_pb2.DecodeStreamRequest(token_ids=[i]) for i in ids]
@@ -103,18 +119,26 @@ BAD_INPUTS = [
     ("Encode", tokenizer_pb2.EncodeRequest(model="gpt-9", text="hi"), "unknown model 'gpt-9'"),
     ("CountTokens", tokenizer_pb2.EncodeRequest(text=""), "text is empty"),
     ("EncodeBatch", tokenizer_pb2.EncodeBatchRequest(), "requests is empty"),
-    ("EncodeBatch", tokenizer_pb2.EncodeBatchRequest(
-        requests=[tokenizer_pb2.EncodeRequest(text="ok"), tokenizer_pb2.EncodeRequest(text="")]),
-     "texts[1] is empty"),
+    (
+        "EncodeBatch",
+        tokenizer_pb2.EncodeBatchRequest(
+            requests=[tokenizer_pb2.EncodeRequest(text="ok"), tokenizer_pb2.EncodeRequest(text="")]
+        ),
+        "texts[1] is empty",
+    ),
     ("Decode", tokenizer_pb2.DecodeRequest(token_ids=[5, 49152]), "token_ids[1] = 49152"),
     ("Decode", tokenizer_pb2.DecodeRequest(token_ids=[2**32 - 1]), "outside the vocabulary"),
 ]
 
 
-@pytest.mark.parametrize(("method", "request_msg", "message"), BAD_INPUTS,
-                         ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(BAD_INPUTS)])
-def test_bad_input_is_invalid_argument(stub: tokenizer_pb2_grpc.TokenizerStub, method: str,
-                                       request_msg: Any, message: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "request_msg", "message"),
+    BAD_INPUTS,
+    ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(BAD_INPUTS)],
+)
+def test_bad_input_is_invalid_argument(
+    stub: tokenizer_pb2_grpc.TokenizerStub, method: str, request_msg: Any, message: str
+) -> None:
     with pytest.raises(grpc.RpcError) as err:
         getattr(stub, method)(request_msg, timeout=10)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -122,23 +146,31 @@ def test_bad_input_is_invalid_argument(stub: tokenizer_pb2_grpc.TokenizerStub, m
 
 
 def test_decode_stream_bad_id_is_invalid_argument(stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
-    reqs = iter([tokenizer_pb2.DecodeStreamRequest(token_ids=[5]),
-                 tokenizer_pb2.DecodeStreamRequest(token_ids=[10**6])])
+    reqs = iter(
+        [
+            tokenizer_pb2.DecodeStreamRequest(token_ids=[5]),
+            tokenizer_pb2.DecodeStreamRequest(token_ids=[10**6]),
+        ]
+    )
     with pytest.raises(grpc.RpcError) as err:
         list(stub.DecodeStream(reqs, timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "outside the vocabulary" in (err.value.details() or "")
 
 
-def test_health_reflection_and_metrics(channel: grpc.Channel,
-                                       tokenizer_server: ManagedProcess) -> None:
+def test_health_reflection_and_metrics(
+    channel: grpc.Channel, tokenizer_server: ManagedProcess
+) -> None:
     health = health_pb2_grpc.HealthStub(channel)
     for svc in ("", "llm.v1.Tokenizer"):
         resp = health.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-    answers = list(refl.ServerReflectionInfo(iter(
-        [reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    answers = list(
+        refl.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+    )
     names = {s.name for s in answers[0].list_services_response.service}
     assert {"llm.v1.Tokenizer", "grpc.health.v1.Health"} <= names
     url = f"http://127.0.0.1:{tokenizer_server.metrics_port}/metrics"
@@ -150,7 +182,8 @@ def test_health_reflection_and_metrics(channel: grpc.Channel,
 
 def test_sigterm_drains_and_exits_cleanly(model_dir: Path, tmp_path: Path) -> None:
     proc = ManagedProcess(
-        name="tokenizer-drain", module="tokenizer_svc",
+        name="tokenizer-drain",
+        module="tokenizer_svc",
         args=["--port", "0", "--metrics-port", "-1", "--model-dir", str(model_dir)],
         log_dir=tmp_path,
     ).start(timeout=60)

@@ -57,9 +57,17 @@ class ApiError(Exception):
         should_retry: Sets ``x-should-retry`` when not None.
     """
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 retry_after_ms: int | None = None, should_retry: bool | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_ms: int | None = None,
+        should_retry: bool | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -85,13 +93,26 @@ class ApiError(Exception):
             if not e.trailers:  # no QuotaFailure: the engines are full, not the tenant's limit
                 status, type_, code = 503, "service_unavailable", "engine_overloaded"
             should_retry = retry_ms is not None
-        return cls(status, message, type=type_, param=_param(e, chat), code=code,
-                   retry_after_ms=retry_ms, should_retry=should_retry)
+        return cls(
+            status,
+            message,
+            type=type_,
+            param=_param(e, chat),
+            code=code,
+            retry_after_ms=retry_ms,
+            should_retry=should_retry,
+        )
 
     def body(self) -> dict[str, Any]:
         """The JSON body."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def headers(self) -> dict[str, str]:
         """Retry headers for the response."""

@@ -27,16 +27,21 @@ def check_body(body: Any) -> None:
     while stack:
         value, path, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise ApiError.invalid(path or None, f"the request body nests deeper than "
-                                   f"{MAX_DEPTH} levels at {path or 'the top'}")
+            raise ApiError.invalid(
+                path or None,
+                f"the request body nests deeper than {MAX_DEPTH} levels at {path or 'the top'}",
+            )
         if isinstance(value, str):
             if not value.isascii():
                 try:
                     value.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise ApiError.invalid(path or None, f"{path or 'a string'} is not valid "
-                                           "Unicode (a lone UTF-16 surrogate escape such as "
-                                           "\\ud800); send text as UTF-8") from None
+                    raise ApiError.invalid(
+                        path or None,
+                        f"{path or 'a string'} is not valid "
+                        "Unicode (a lone UTF-16 surrogate escape such as "
+                        "\\ud800); send text as UTF-8",
+                    ) from None
         elif isinstance(value, dict):
             for k, v in value.items():
                 key_path = f"{path}.{k}" if path else str(k)
@@ -61,8 +66,9 @@ class Fields:
         """``value`` when it is a ``tp`` (bools are not numbers), else a 400."""
         if isinstance(value, tp) and (tp is bool or not isinstance(value, bool)):
             return value
-        raise ApiError.invalid(param, f"{param} must be {_TYPE_NAMES.get(tp, tp.__name__)}, "
-                               f"got {value!r}")
+        raise ApiError.invalid(
+            param, f"{param} must be {_TYPE_NAMES.get(tp, tp.__name__)}, got {value!r}"
+        )
 
     def str_(self, name: str) -> str:
         """A string field ("" when absent)."""

@@ -18,8 +18,13 @@ from gateway.fronts.http.errors import ApiError
 from gateway.fronts.http.fields import Fields
 from llm.v1 import common_pb2, gateway_pb2
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-         "tool": "tool"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 MAX_TOP_LOGPROBS = 20
 UINT64 = 1 << 64
 
@@ -56,27 +61,32 @@ def _content(f: Fields, i: int, content: Any) -> str:
         parts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise ApiError.invalid(f"messages[{i}].content[{j}]",
-                                       "only text content parts are supported")
+                raise ApiError.invalid(
+                    f"messages[{i}].content[{j}]", "only text content parts are supported"
+                )
             parts.append(f.typed(part.get("text"), str, f"messages[{i}].content[{j}].text"))
         return "".join(parts)
-    raise ApiError.invalid(f"messages[{i}].content", "content must be a string or a list of "
-                           "text parts")
+    raise ApiError.invalid(
+        f"messages[{i}].content", "content must be a string or a list of text parts"
+    )
 
 
 def _messages(f: Fields) -> common_pb2.ChatMessages:
     raw = f.body.get("messages")
     if not isinstance(raw, list) or not raw:
-        raise ApiError.invalid("messages", "messages must be a non-empty list of "
-                               "{role, content} objects")
+        raise ApiError.invalid(
+            "messages", "messages must be a non-empty list of {role, content} objects"
+        )
     out = common_pb2.ChatMessages()
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise ApiError.invalid(f"messages[{i}]", "each message must be an object")
         role = ROLES.get(str(m.get("role")))
         if role is None:
-            raise ApiError.invalid(f"messages[{i}].role", f"role must be one of "
-                                   f"{', '.join(ROLES)}, got {m.get('role')!r}")
+            raise ApiError.invalid(
+                f"messages[{i}].role",
+                f"role must be one of {', '.join(ROLES)}, got {m.get('role')!r}",
+            )
         if m.get("tool_calls"):
             raise ApiError.invalid(f"messages[{i}].tool_calls", "tool calls are not supported")
         out.messages.add(role=role, content=_content(f, i, m.get("content")))
@@ -88,8 +98,11 @@ def _prompt(f: Fields) -> str:
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
         raw = raw[0]
     if not isinstance(raw, str):
-        raise ApiError.invalid("prompt", "prompt must be a string (or a list of one string); "
-                               "token-id prompts and batches are not supported")
+        raise ApiError.invalid(
+            "prompt",
+            "prompt must be a string (or a list of one string); "
+            "token-id prompts and batches are not supported",
+        )
     return raw
 
 
@@ -140,8 +153,9 @@ def _check_unsupported(f: Fields, chat: bool) -> None:
         raise ApiError.invalid("tools", "tools (function calling) are not supported")
     fmt = f.body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ApiError.invalid("response_format", "only response_format {\"type\": \"text\"} "
-                               "is supported")
+        raise ApiError.invalid(
+            "response_format", 'only response_format {"type": "text"} is supported'
+        )
 
 
 def _logprobs(f: Fields, chat: bool) -> tuple[bool, int]:
@@ -176,10 +190,19 @@ def parse(body: Any, *, chat: bool) -> ParsedRequest:
         raise ApiError.invalid("stream_options", "stream_options needs stream: true")
     if options is not None and not isinstance(options, dict):
         raise ApiError.invalid("stream_options", "stream_options must be an object")
-    include_usage = bool(options and f.typed(options.get("include_usage", False), bool,
-                                             "stream_options.include_usage"))
+    include_usage = bool(
+        options
+        and f.typed(options.get("include_usage", False), bool, "stream_options.include_usage")
+    )
     want, top = _logprobs(f, chat)
     # the engine returns the chosen token's logprob with at least one alternative
     req.sampling.logprobs = max(top, 1) if want else 0
-    return ParsedRequest(chat=chat, request=req, stream=stream, include_usage=include_usage,
-                         logprobs=want, top_logprobs=top, user=f.str_("user"))
+    return ParsedRequest(
+        chat=chat,
+        request=req,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=want,
+        top_logprobs=top,
+        user=f.str_("user"),
+    )

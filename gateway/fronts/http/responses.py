@@ -24,9 +24,12 @@ Json = dict[str, Any]
 
 def usage_json(u: common_pb2.Usage) -> Json:
     """OpenAI's usage object."""
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
 
 
 def _token(t: common_pb2.TokenLogprob) -> Json:
@@ -74,19 +77,32 @@ class Formatter:
             return None
         n = self.parsed.top_logprobs
         if self.chat:
-            return {"content": [{**_token(p.chosen), "top_logprobs": [_token(t) for t in p.top[:n]]}
-                                for p in positions], "refusal": None}
+            return {
+                "content": [
+                    {**_token(p.chosen), "top_logprobs": [_token(t) for t in p.top[:n]]}
+                    for p in positions
+                ],
+                "refusal": None,
+            }
         offsets = []
         for p in positions:
             offsets.append(self._num_chars)
             self._num_chars += len(p.chosen.text)
-        return {"tokens": [p.chosen.text for p in positions],
-                "token_logprobs": [p.chosen.logprob for p in positions],
-                "top_logprobs": [{t.text: t.logprob for t in p.top[:n]} for p in positions],
-                "text_offset": offsets}
+        return {
+            "tokens": [p.chosen.text for p in positions],
+            "token_logprobs": [p.chosen.logprob for p in positions],
+            "top_logprobs": [{t.text: t.logprob for t in p.top[:n]} for p in positions],
+            "text_offset": offsets,
+        }
 
-    def _choice(self, text: str, positions: list[common_pb2.PositionLogprobs],
-                finish: int, *, delta: Json | None) -> Json:
+    def _choice(
+        self,
+        text: str,
+        positions: list[common_pb2.PositionLogprobs],
+        finish: int,
+        *,
+        delta: Json | None,
+    ) -> Json:
         choice: Json = {"index": 0}
         if not self.chat:
             choice["text"] = text
@@ -101,8 +117,14 @@ class Formatter:
     def role_chunk(self) -> Json:
         """The first chunk of a streamed chat: the assistant role, no content yet."""
         out = self._head("chat.completion.chunk")
-        out["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                           "logprobs": None, "finish_reason": None}]
+        out["choices"] = [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ]
         return self._stream_usage(out)
 
     def stream_chunk(self, chunk: Chunk) -> Json | None:
@@ -112,8 +134,9 @@ class Formatter:
             return None
         delta = {"content": chunk.text} if chunk.text else {}
         out = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        out["choices"] = [self._choice(chunk.text, list(chunk.logprobs), chunk.finish_reason,
-                                       delta=delta)]
+        out["choices"] = [
+            self._choice(chunk.text, list(chunk.logprobs), chunk.finish_reason, delta=delta)
+        ]
         return self._stream_usage(out)
 
     def usage_chunk(self) -> Json:
@@ -131,7 +154,8 @@ class Formatter:
     def final(self) -> Json:
         """The non-streamed response object."""
         out = self._head("chat.completion" if self.chat else "text_completion")
-        out["choices"] = [self._choice("".join(self.text), self.positions, self.finish_reason,
-                                       delta=None)]
+        out["choices"] = [
+            self._choice("".join(self.text), self.positions, self.finish_reason, delta=None)
+        ]
         out["usage"] = usage_json(self.usage or common_pb2.Usage())
         return out

@@ -56,21 +56,28 @@ def call_context(request: web.Request) -> CallContext:
         except ValueError:
             timeout = -1.0
         if not 0 < timeout < float("inf"):
-            raise ApiError.invalid(None, f"header {TIMEOUT_HEADER} must be a positive number "
-                                   f"of seconds, got {raw!r}")
-    return CallContext(authorization=request.headers.get("Authorization", ""),
-                       request_id=request.headers.get("x-request-id", ""),
-                       traceparent=request.headers.get("traceparent", ""), timeout_s=timeout,
-                       source=client_source(request.headers.get("x-forwarded-for", ""),
-                                            request.remote or ""))
+            raise ApiError.invalid(
+                None, f"header {TIMEOUT_HEADER} must be a positive number of seconds, got {raw!r}"
+            )
+    return CallContext(
+        authorization=request.headers.get("Authorization", ""),
+        request_id=request.headers.get("x-request-id", ""),
+        traceparent=request.headers.get("traceparent", ""),
+        timeout_s=timeout,
+        source=client_source(request.headers.get("x-forwarded-for", ""), request.remote or ""),
+    )
 
 
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None
-                  ) -> web.Response:
+def json_response(
+    obj: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
     """A JSON response (compact, UTF-8)."""
-    return web.json_response(obj, status=status, headers=headers,
-                             dumps=lambda o: json.dumps(o, ensure_ascii=False,
-                                                        separators=(",", ":")))
+    return web.json_response(
+        obj,
+        status=status,
+        headers=headers,
+        dumps=lambda o: json.dumps(o, ensure_ascii=False, separators=(",", ":")),
+    )
 
 
 class OpenAIRoutes:
@@ -111,8 +118,12 @@ class OpenAIRoutes:
         for e in await self._models(request):
             if e.model == name:
                 return json_response(self._card(e))
-        raise ApiError(404, f"unknown model {name!r}; GET /v1/models lists the available ones",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"unknown model {name!r}; GET /v1/models lists the available ones",
+            param="model",
+            code="model_not_found",
+        )
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 503 once the gateway drains, so load balancers move away first."""
@@ -127,8 +138,14 @@ class OpenAIRoutes:
             raise ApiError.from_gateway(e) from None
 
     def _card(self, e: ModelEntry) -> dict[str, Any]:
-        return {"id": e.model, "object": "model", "created": self.started, "owned_by": OWNER,
-                "max_model_len": e.max_context_length, "versions": sorted(e.versions)}
+        return {
+            "id": e.model,
+            "object": "model",
+            "created": self.started,
+            "owned_by": OWNER,
+            "max_model_len": e.max_context_length,
+            "versions": sorted(e.versions),
+        }
 
     async def _parse(self, request: web.Request, chat: bool) -> ParsedRequest:
         """The converted body; a bad body is reported after the key is checked (401 first)."""
@@ -158,8 +175,11 @@ class OpenAIRoutes:
             raise ApiError.from_gateway(e, chat=chat) from None
         parsed = await self._parse(request, chat)
         if parsed.user:  # client text in logs: cut short
-            log.info("openai request", user=parsed.user[:LOGGED_FIELD_CHARS],
-                     model=parsed.request.model[:LOGGED_FIELD_CHARS])
+            log.info(
+                "openai request",
+                user=parsed.user[:LOGGED_FIELD_CHARS],
+                model=parsed.request.model[:LOGGED_FIELD_CHARS],
+            )
         fmt = Formatter(parsed, call.request_id, parsed.request.model)
         chunks = self.pipeline.generate(parsed.request, call)
         async with contextlib.aclosing(chunks):
@@ -171,21 +191,27 @@ class OpenAIRoutes:
             except GatewayError as e:
                 raise ApiError.from_gateway(e, chat=chat) from None
         if fmt.finish_reason == common_pb2.CANCELLED:
-            raise ApiError(504, "the request deadline passed before the completion finished",
-                           type="timeout_error", code="deadline_exceeded")
+            raise ApiError(
+                504,
+                "the request deadline passed before the completion finished",
+                type="timeout_error",
+                code="deadline_exceeded",
+            )
         return json_response(fmt.final())
 
-    async def _stream(self, request: web.Request, chunks: AsyncIterator[Chunk],
-                      fmt: Formatter) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, chunks: AsyncIterator[Chunk], fmt: Formatter
+    ) -> web.StreamResponse:
         events = EventStream(request, {"x-request-id": request[CALL_KEY].request_id})
         try:
             async for chunk in chunks:
                 if fmt.chat and not events.started:
                     await events.send(fmt.role_chunk())
                 if chunk.finish_reason == common_pb2.CANCELLED:
-                    raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                       "the request deadline passed before the completion "
-                                       "finished")
+                    raise GatewayError(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        "the request deadline passed before the completion finished",
+                    )
                 obj = fmt.stream_chunk(chunk)
                 if obj is not None:
                     await events.send(obj)

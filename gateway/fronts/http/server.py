@@ -28,9 +28,11 @@ from gateway.request.pipeline import Pipeline
 log = get_logger(__name__)
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
-RESPONSES = Counter("gateway_http_responses_total",
-                    "Responses of the OpenAI-compatible HTTP front by route and HTTP status",
-                    ["route", "status"])
+RESPONSES = Counter(
+    "gateway_http_responses_total",
+    "Responses of the OpenAI-compatible HTTP front by route and HTTP status",
+    ["route", "status"],
+)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -61,20 +63,31 @@ async def openai_middleware(request: web.Request, handler: Handler) -> web.Strea
     except Exception:
         log.exception("http handler failed")
         rid = request[CALL_KEY].request_id
-        return _error_response(ApiError(500, "internal gateway error; see the gateway log "
-                                        f"with request id {rid}", type="server_error",
-                                        code="internal_error"))
+        return _error_response(
+            ApiError(
+                500,
+                f"internal gateway error; see the gateway log with request id {rid}",
+                type="server_error",
+                code="internal_error",
+            )
+        )
     finally:
         RESPONSES.labels(_route(request), str(status)).inc()
         emit = log.debug if request.path == "/health" else log.info  # probes every few s
-        emit("http request", method=request.method, path=request.path, status=status,
-                 request_id=request[CALL_KEY].request_id,
-                 duration_ms=round((time.perf_counter() - start) * 1000, 1))
+        emit(
+            "http request",
+            method=request.method,
+            path=request.path,
+            status=status,
+            request_id=request[CALL_KEY].request_id,
+            duration_ms=round((time.perf_counter() - start) * 1000, 1),
+        )
 
 
 def _http_code(e: web.HTTPException) -> str:
-    return {404: "not_found", 405: "method_not_allowed",
-            413: "request_too_large"}.get(e.status, "http_error")
+    return {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+        e.status, "http_error"
+    )
 
 
 def _error_response(e: ApiError) -> web.Response:
@@ -98,18 +111,22 @@ class HttpFront:
             (the pipeline's drain already gave streams their grace period).
     """
 
-    def __init__(self, pipeline: Pipeline, host: str, port: int,
-                 shutdown_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self, pipeline: Pipeline, host: str, port: int, shutdown_timeout_s: float = 1.0
+    ) -> None:
         self.host = host
         self.port = port
-        self.app = web.Application(middlewares=[openai_middleware],
-                                   client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(middlewares=[openai_middleware], client_max_size=MAX_BODY_BYTES)
         self.app.on_response_prepare.append(_request_id_header)
         OpenAIRoutes(pipeline).add_to(self.app)
         # handler_cancellation: a client that disconnects cancels its handler, which
         # closes the pipeline's generator and so cancels the engine call.
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=shutdown_timeout_s)
+        self._runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=shutdown_timeout_s,
+        )
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port."""
@@ -117,8 +134,12 @@ class HttpFront:
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await site.start()
         self.port = int(self._runner.addresses[0][1])
-        log.info("http serving", host=self.host, http_port=self.port,
-                 routes=["/v1/chat/completions", "/v1/completions", "/v1/models"])
+        log.info(
+            "http serving",
+            host=self.host,
+            http_port=self.port,
+            routes=["/v1/chat/completions", "/v1/completions", "/v1/models"],
+        )
         return self.port
 
     async def stop(self) -> None:

@@ -30,8 +30,7 @@ CONTENT_TYPE = "text/event-stream"
 
 def encode_event(obj: Any) -> bytes:
     """One ``data:`` event (compact JSON, UTF-8, no newline inside)."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + \
-        b"\n\n"
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 class EventStream:
@@ -44,8 +43,10 @@ class EventStream:
 
     def __init__(self, request: web.Request, headers: dict[str, str] | None = None) -> None:
         self.request = request
-        self.response = web.StreamResponse(status=200, headers={
-            "Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+        self.response = web.StreamResponse(
+            status=200,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
         self.response.content_type = CONTENT_TYPE
         self.response.charset = "utf-8"
 

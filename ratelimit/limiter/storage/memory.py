@@ -104,10 +104,18 @@ class MemoryStore:
         st.expire_leases(now)
         if lease_id in st.takes:  # a retried call: taken already
             req, tok = algorithm.levels_at(policy, st.bucket, now)
-            return Outcome(True, Dimension.NONE, 0, algorithm.reported(req),
-                           algorithm.reported(tok), len(st.leases), now)
-        outcome, st.bucket = algorithm.take(policy, st.bucket, now, num_tokens=num_tokens,
-                                            num_leases=len(st.leases), shadow=shadow)
+            return Outcome(
+                True,
+                Dimension.NONE,
+                0,
+                algorithm.reported(req),
+                algorithm.reported(tok),
+                len(st.leases),
+                now,
+            )
+        outcome, st.bucket = algorithm.take(
+            policy, st.bucket, now, num_tokens=num_tokens, num_leases=len(st.leases), shadow=shadow
+        )
         if outcome.taken and num_tokens and policy.tokens_per_minute:
             st.takes[lease_id] = num_tokens
         elif outcome.shadow_denied:

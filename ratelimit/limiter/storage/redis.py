@@ -132,8 +132,14 @@ class RedisStore:
         shadow: bool,
     ) -> Outcome:
         """See ``Store.take``."""
-        args = [self._now(), *_policy_args(policy), num_tokens, lease_id, self.lease_ttl_ms,
-                1 if shadow else 0]
+        args = [
+            self._now(),
+            *_policy_args(policy),
+            num_tokens,
+            lease_id,
+            self.lease_ttl_ms,
+            1 if shadow else 0,
+        ]
         return _outcome(await self._run(_TAKE, bucket_keys(self.prefix, tenant_id), args))
 
     async def settle(

@@ -23,8 +23,17 @@ from common.redis_server import RedisServer
 
 pytestmark = pytest.mark.integration
 
-SMALL = ["--mix", "short_chat", "--max-prompt-tokens", "24", "--max-output-tokens", "3",
-         "--no-progress", "--drain-timeout", "30"]
+SMALL = [
+    "--mix",
+    "short_chat",
+    "--max-prompt-tokens",
+    "24",
+    "--max-output-tokens",
+    "3",
+    "--no-progress",
+    "--drain-timeout",
+    "30",
+]
 ADMIN_KEY = "sk-llm-" + secrets.token_urlsafe(24)
 
 
@@ -35,15 +44,32 @@ def report(out: Path, name: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def gateway(engine_server: ManagedProcess, tokenizer_server: ManagedProcess,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+def gateway(
+    engine_server: ManagedProcess,
+    tokenizer_server: ManagedProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ManagedProcess]:
     redis = RedisServer().start()
     proc = ManagedProcess(
-        name="bench-gateway", module="gateway", log_dir=tmp_path_factory.mktemp("bench-gw"),
-        args=["--port", "0", "--metrics-port", "0", "--engines", engine_server.address,
-              "--tokenizer", tokenizer_server.address, "--redis-url", redis.url,
-              "--log-format", "json"],
-        env={"ADMIN_KEY": ADMIN_KEY, "LLM_GATEWAY_STATS_INTERVAL_S": "0.2"})
+        name="bench-gateway",
+        module="gateway",
+        log_dir=tmp_path_factory.mktemp("bench-gw"),
+        args=[
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--engines",
+            engine_server.address,
+            "--tokenizer",
+            tokenizer_server.address,
+            "--redis-url",
+            redis.url,
+            "--log-format",
+            "json",
+        ],
+        env={"ADMIN_KEY": ADMIN_KEY, "LLM_GATEWAY_STATS_INTERVAL_S": "0.2"},
+    )
     try:
         yield proc.start(timeout=90)
     finally:
@@ -51,13 +77,35 @@ def gateway(engine_server: ManagedProcess, tokenizer_server: ManagedProcess,
         redis.close()
 
 
-def test_run_against_engine_reports_every_section(engine_server: ManagedProcess,
-                                                  tmp_path: Path) -> None:
-    load.main(["run", "--target", "engine", "--address", engine_server.address,
-               "--concurrency", "2", "--num-requests", "6", "--duration", "30",
-               "--tenant", "name=gold,priority=CRITICAL,share=1",
-               "--tenant", "name=free,priority=LOW,share=1",
-               "--slo-ttft-ms", "600000", "--out-dir", str(tmp_path), "--name", "eng", *SMALL])
+def test_run_against_engine_reports_every_section(
+    engine_server: ManagedProcess, tmp_path: Path
+) -> None:
+    load.main(
+        [
+            "run",
+            "--target",
+            "engine",
+            "--address",
+            engine_server.address,
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "6",
+            "--duration",
+            "30",
+            "--tenant",
+            "name=gold,priority=CRITICAL,share=1",
+            "--tenant",
+            "name=free,priority=LOW,share=1",
+            "--slo-ttft-ms",
+            "600000",
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "eng",
+            *SMALL,
+        ]
+    )
     r = report(tmp_path, "eng")
     o = r["overall"]
     assert (o["num_requests"], o["num_ok"], o["errors_by_status"]) == (6, 6, {})
@@ -74,9 +122,23 @@ def test_run_against_engine_reports_every_section(engine_server: ManagedProcess,
 
 
 def test_sweep_names_the_knee(engine_server: ManagedProcess, tmp_path: Path) -> None:
-    common = ["--target", "engine", "--address", engine_server.address, "--duration", "1.5",
-              "--num-requests", "3", "--rates", "2,4", "--refine", "0",
-              "--out-dir", str(tmp_path), *SMALL]
+    common = [
+        "--target",
+        "engine",
+        "--address",
+        engine_server.address,
+        "--duration",
+        "1.5",
+        "--num-requests",
+        "3",
+        "--rates",
+        "2,4",
+        "--refine",
+        "0",
+        "--out-dir",
+        str(tmp_path),
+        *SMALL,
+    ]
     load.main(["sweep", *common, "--name", "easy", "--ttft-p95-target-ms", "600000"])
     easy = report(tmp_path, "easy")
     assert [p["offered"] for p in easy["points"]] == [2.0, 4.0]
@@ -87,13 +149,37 @@ def test_sweep_names_the_knee(engine_server: ManagedProcess, tmp_path: Path) -> 
     assert (hard["sustainable_rate"], hard["first_failing_rate"]) == (None, 2.0)
 
 
-def test_fairness_through_the_gateway(gateway: ManagedProcess, engine_server: ManagedProcess,
-                                      tmp_path: Path) -> None:
-    load.main(["fairness", "--address", gateway.address, "--admin-key", ADMIN_KEY,
-               "--engine-stats", engine_server.address, "--experiments", "a,c",
-               "--phase-duration", "2", "--chat-rate", "2", "--flood-concurrency", "1",
-               "--limited-rate", "10", "--limited-rpm", "1",
-               "--out-dir", str(tmp_path), "--name", "fair", *SMALL])
+def test_fairness_through_the_gateway(
+    gateway: ManagedProcess, engine_server: ManagedProcess, tmp_path: Path
+) -> None:
+    load.main(
+        [
+            "fairness",
+            "--address",
+            gateway.address,
+            "--admin-key",
+            ADMIN_KEY,
+            "--engine-stats",
+            engine_server.address,
+            "--experiments",
+            "a,c",
+            "--phase-duration",
+            "2",
+            "--chat-rate",
+            "2",
+            "--flood-concurrency",
+            "1",
+            "--limited-rate",
+            "10",
+            "--limited-rpm",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+            "--name",
+            "fair",
+            *SMALL,
+        ]
+    )
     r = report(tmp_path, "fair")
     a, c = r["experiments"]
     assert a["id"] == "a"
@@ -109,10 +195,30 @@ def test_fairness_through_the_gateway(gateway: ManagedProcess, engine_server: Ma
 
 
 def test_capacity_measures_a_real_engine(model_dir: Path, tmp_path: Path) -> None:
-    assert capacity.main(["--model-dir", str(model_dir), "--out", str(tmp_path), "--measure",
-                          "--measure-blocks", "2", "--measure-contexts", "16",
-                          "--measure-concurrency", "1", "--measure-max-seqs", "4",
-                          "--contexts", "256,1024", "--weight-dtype", "fp32"]) == 0
+    assert (
+        capacity.main(
+            [
+                "--model-dir",
+                str(model_dir),
+                "--out",
+                str(tmp_path),
+                "--measure",
+                "--measure-blocks",
+                "2",
+                "--measure-contexts",
+                "16",
+                "--measure-concurrency",
+                "1",
+                "--measure-max-seqs",
+                "4",
+                "--contexts",
+                "256,1024",
+                "--weight-dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     rep = json.loads((tmp_path / "capacity.json").read_text())
     m = rep["measured"]
     assert m["kv_cache_bytes"] == 2 * 16 * 46080  # fp32 KV on CPU
@@ -127,10 +233,24 @@ def test_capacity_measures_a_real_engine(model_dir: Path, tmp_path: Path) -> Non
 
 def test_python_m_bench_capacity(tmp_path: Path, model_dir: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.capacity", "--model-dir", str(model_dir), "--out",
-         str(tmp_path), "--kv-dtype", "bf16,fp8"],
-        capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "bench.capacity",
+            "--model-dir",
+            str(model_dir),
+            "--out",
+            str(tmp_path),
+            "--kv-dtype",
+            "bf16,fp8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "KV B/token" in proc.stdout
-    assert [b["kv_dtype"] for b in json.loads((tmp_path / "capacity.json").read_text())
-            ["budgets"]] == ["bf16", "fp8"]
+    assert [
+        b["kv_dtype"] for b in json.loads((tmp_path / "capacity.json").read_text())["budgets"]
+    ] == ["bf16", "fp8"]

@@ -54,13 +54,24 @@ def edge_redis() -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="package")
-def ratelimit_server(edge_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
-                     ) -> Iterator[ManagedProcess]:
+def ratelimit_server(
+    edge_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ManagedProcess]:
     proc = ManagedProcess(
         name="ratelimit",
         module="ratelimit",
-        args=["--port", "0", "--metrics-port", "-1", "--redis-url", edge_redis.url,
-              "--key-prefix", f"edge{uuid.uuid4().hex[:8]}:", "--log-format", "json"],
+        args=[
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--redis-url",
+            edge_redis.url,
+            "--key-prefix",
+            f"edge{uuid.uuid4().hex[:8]}:",
+            "--log-format",
+            "json",
+        ],
         env={"ADMIN_KEY": ADMIN_KEY},
         log_dir=tmp_path_factory.mktemp("ratelimit-logs"),
     )
@@ -72,8 +83,9 @@ def ratelimit_server(edge_redis: RedisServer, tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="module")
-def edge(ratelimit_server: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[Edge]:
+def edge(
+    ratelimit_server: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Edge]:
     workdir = tmp_path_factory.mktemp("envoy")
     access_log = workdir / "access.log"
     access_log.touch()

@@ -74,7 +74,8 @@ class FakeGateway(gateway_pb2_grpc.GatewayServicer):
                 time.sleep(0.8)
             yield gateway_pb2.GenerateResponse(request_id=request.request_id, text=text)
         yield gateway_pb2.GenerateResponse(
-            request_id=request.request_id, finish_reason=common_pb2.STOP)
+            request_id=request.request_id, finish_reason=common_pb2.STOP
+        )
 
     def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: Context

@@ -23,8 +23,13 @@ AUTH = (("authorization", f"Bearer {ADMIN_KEY}"),)
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def http(edge: Edge, method: str, path: str, body: dict[str, Any] | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], dict[str, str]]:
+def http(
+    edge: Edge,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, Any], dict[str, str]]:
     """One HTTP/1.1 call to Envoy's public listener: (status, JSON body, headers)."""
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(edge.http_url + path, data=data, method=method)
@@ -55,10 +60,10 @@ def test_grpc_admin_call_through_envoy(edge: Edge) -> None:
     with grpc.insecure_channel(edge.address) as channel:
         stub = admin_pb2_grpc.RateLimitAdminStub(channel)
         tenant = admin_pb2.Tenant(
-            id=tid, limits=admin_pb2.LimitPolicy(requests_per_minute=60, max_concurrent=2))
+            id=tid, limits=admin_pb2.LimitPolicy(requests_per_minute=60, max_concurrent=2)
+        )
         stub.UpsertTenant(tenant, metadata=AUTH, timeout=10)
-        got = stub.GetTenant(admin_pb2.GetTenantRequest(tenant_id=tid), metadata=AUTH,
-                             timeout=10)
+        got = stub.GetTenant(admin_pb2.GetTenantRequest(tenant_id=tid), metadata=AUTH, timeout=10)
         assert got.limits.requests_per_minute == 60
         assert got.limits.max_concurrent == 2
         with pytest.raises(grpc.RpcError) as info:
@@ -68,8 +73,11 @@ def test_grpc_admin_call_through_envoy(edge: Edge) -> None:
 
 def test_http_json_put_then_get_tenant(edge: Edge) -> None:
     tid = tenant_id()
-    body = {"limits": {"requests_per_minute": 120, "tokens_per_minute": 50000},
-            "priority": "CRITICAL", "display_name": "Team A"}
+    body = {
+        "limits": {"requests_per_minute": 120, "tokens_per_minute": 50000},
+        "priority": "CRITICAL",
+        "display_name": "Team A",
+    }
     status, put, _ = http(edge, "PUT", f"/v1/admin/tenants/{tid}", body, ADMIN_HEADERS)
     assert status == 200, put
     assert put["id"] == tid
@@ -89,22 +97,30 @@ def test_http_json_put_then_get_tenant(edge: Edge) -> None:
 
 def test_http_json_key_and_usage_paths(edge: Edge) -> None:
     tid = tenant_id()
-    status, _, _ = http(edge, "PUT", f"/v1/admin/tenants/{tid}",
-                        {"limits": {"requests_per_minute": 10}}, ADMIN_HEADERS)
+    status, _, _ = http(
+        edge,
+        "PUT",
+        f"/v1/admin/tenants/{tid}",
+        {"limits": {"requests_per_minute": 10}},
+        ADMIN_HEADERS,
+    )
     assert status == 200
-    status, created, _ = http(edge, "POST", f"/v1/admin/tenants/{tid}/keys",
-                              {"name": "ci", "role": "TENANT"}, ADMIN_HEADERS)
+    status, created, _ = http(
+        edge,
+        "POST",
+        f"/v1/admin/tenants/{tid}/keys",
+        {"name": "ci", "role": "TENANT"},
+        ADMIN_HEADERS,
+    )
     assert status == 200, created
     assert created["key"]
     assert created["api_key"]["tenant_id"] == tid
-    status, usage, _ = http(edge, "GET", f"/v1/admin/tenants/{tid}/usage",
-                            headers=ADMIN_HEADERS)
+    status, usage, _ = http(edge, "GET", f"/v1/admin/tenants/{tid}/usage", headers=ADMIN_HEADERS)
     assert status == 200, usage
     assert usage["tenant_id"] == tid
     assert usage["limits"]["requests_per_minute"] == 10
     key_id = created["api_key"]["key_id"]
-    status, revoked, _ = http(edge, "DELETE", f"/v1/admin/keys/{key_id}",
-                              headers=ADMIN_HEADERS)
+    status, revoked, _ = http(edge, "DELETE", f"/v1/admin/keys/{key_id}", headers=ADMIN_HEADERS)
     assert status == 200, revoked
     assert revoked["api_key"]["revoked"] is True
 
@@ -114,17 +130,27 @@ def test_http_json_key_and_usage_paths(edge: Edge) -> None:
     [
         ("GET", "/v1/admin/tenants/no-such-tenant", None, ADMIN_HEADERS, 404, 5),
         ("GET", "/v1/admin/tenants", None, {}, 401, 16),
-        ("GET", "/v1/admin/tenants", None, {"authorization": "Bearer sk-llm-" + "x" * 40},
-         401, 16),
+        ("GET", "/v1/admin/tenants", None, {"authorization": "Bearer sk-llm-" + "x" * 40}, 401, 16),
         ("PUT", "/v1/admin/tenants/bad%20id!", {}, ADMIN_HEADERS, 400, 3),
-        ("PUT", "/v1/admin/tenants/t1", {"limits": {"requests_per_minute": "many"}},
-         ADMIN_HEADERS, 400, None),
+        (
+            "PUT",
+            "/v1/admin/tenants/t1",
+            {"limits": {"requests_per_minute": "many"}},
+            ADMIN_HEADERS,
+            400,
+            None,
+        ),
     ],
     ids=["not-found", "no-key", "unknown-key", "invalid-id", "malformed-json"],
 )
 def test_grpc_status_becomes_http_code(
-    edge: Edge, method: str, path: str, body: dict[str, Any] | None,
-    headers: dict[str, str], code: int, grpc_code: int | None,
+    edge: Edge,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    headers: dict[str, str],
+    code: int,
+    grpc_code: int | None,
 ) -> None:
     status, payload, _ = http(edge, method, path, body, headers)
     assert status == code, payload
@@ -178,8 +204,10 @@ def test_envoy_admin_is_on_loopback_only(edge: Edge) -> None:
     ip = _non_loopback_ipv4()
     if ip is None:
         pytest.skip("no non-loopback IPv4 address to probe from")
-    with pytest.raises(ConnectionRefusedError), socket.create_connection(
-            (ip, int(port)), timeout=2):
+    with (
+        pytest.raises(ConnectionRefusedError),
+        socket.create_connection((ip, int(port)), timeout=2),
+    ):
         pass
     # control: the same probe reaches a socket bound to every interface
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
@@ -191,8 +219,9 @@ def test_envoy_admin_is_on_loopback_only(edge: Edge) -> None:
 
 def test_access_log_is_json_with_the_request_id(edge: Edge) -> None:
     rid = f"req-{uuid.uuid4().hex}"
-    status, _, headers = http(edge, "GET", "/v1/admin/tenants", headers={
-        **ADMIN_HEADERS, "x-request-id": rid})
+    status, _, headers = http(
+        edge, "GET", "/v1/admin/tenants", headers={**ADMIN_HEADERS, "x-request-id": rid}
+    )
     assert status == 200
     assert headers["x-request-id"] == rid  # kept and echoed
     status, _, headers = http(edge, "GET", "/v1/admin/tenants", headers=ADMIN_HEADERS)
@@ -203,8 +232,11 @@ def test_access_log_is_json_with_the_request_id(edge: Edge) -> None:
         stub = admin_pb2_grpc.RateLimitAdminStub(channel)
         grpc_rid = f"grpc-{uuid.uuid4().hex}"
         with pytest.raises(grpc.RpcError):
-            stub.GetTenant(admin_pb2.GetTenantRequest(tenant_id="missing"),
-                           metadata=(*AUTH, ("x-request-id", grpc_rid)), timeout=10)
+            stub.GetTenant(
+                admin_pb2.GetTenantRequest(tenant_id="missing"),
+                metadata=(*AUTH, ("x-request-id", grpc_rid)),
+                timeout=10,
+            )
     entries = [json.loads(line) for line in _wait_for_lines(edge, {rid, generated, grpc_rid})]
     by_id = {e["request_id"]: e for e in entries}
     assert by_id[rid]["path"] == "/v1/admin/tenants"
@@ -221,8 +253,11 @@ def test_access_log_is_json_with_the_request_id(edge: Edge) -> None:
 def test_stats_the_dashboard_reads_exist(edge: Edge) -> None:
     status, body = edge.envoy.admin_get("/stats/prometheus")
     assert status == 200
-    names = {line.split("{")[0].split(" ")[0] for line in body.splitlines()
-             if line and not line.startswith("#")}
+    names = {
+        line.split("{")[0].split(" ")[0]
+        for line in body.splitlines()
+        if line and not line.startswith("#")
+    }
     missing = ENVOY_DASHBOARD_METRICS - names
     assert not missing, sorted(missing)
 

@@ -37,8 +37,8 @@ class Pair:
                 chunks: list[str] = []
                 try:
                     for chunk in stub.Generate(
-                            gateway_pb2.GenerateRequest(prompt="hi", request_id=f"r{i}"),
-                            timeout=10):
+                        gateway_pb2.GenerateRequest(prompt="hi", request_id=f"r{i}"), timeout=10
+                    ):
                         chunks.append(chunk.text)
                     out.append("".join(chunks))
                 except grpc.RpcError as err:
@@ -47,16 +47,25 @@ class Pair:
         return out
 
 
-def _pair(mode_a: Mode, workdir: Path, mode_b: Mode = Mode.OK,
-          edit: Callable[[str], str] = lambda text: text) -> Iterator[Pair]:
+def _pair(
+    mode_a: Mode,
+    workdir: Path,
+    mode_b: Mode = Mode.OK,
+    edit: Callable[[str], str] = lambda text: text,
+) -> Iterator[Pair]:
     a = FakeGateway("a", mode_a).start()
     b = FakeGateway("b", mode_b).start()
     envoy = None
     try:
         config = render_config_file(
-            workdir / "envoy.yaml", listener_host="127.0.0.1", listener_port=0, admin_port=0,
-            gateway=[a.address, b.address], admin=[a.address],
-            access_log_path=workdir / "access.log")
+            workdir / "envoy.yaml",
+            listener_host="127.0.0.1",
+            listener_port=0,
+            admin_port=0,
+            gateway=[a.address, b.address],
+            admin=[a.address],
+            access_log_path=workdir / "access.log",
+        )
         config.write_text(edit(config.read_text()))
         envoy = EnvoyProcess(config, log_dir=workdir).start()
         yield Pair(a, b, envoy)
@@ -124,7 +133,8 @@ def slow_streams_short_request_timeout(tmp_path: Path) -> Iterator[Pair]:
 
 
 def test_request_timeout_never_cuts_a_response_stream(
-        slow_streams_short_request_timeout: Pair) -> None:
+    slow_streams_short_request_timeout: Pair,
+) -> None:
     """Envoy's request_timeout bounds receiving the request (slow uploads); it stops once
     the request is in, so a stream that outlives it is delivered whole."""
     out = slow_streams_short_request_timeout.generate(2)

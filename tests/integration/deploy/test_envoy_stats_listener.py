@@ -20,9 +20,15 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 def envoy_fixed_admin(tmp_path: Path) -> Iterator[EnvoyProcess]:
     # the stats listener proxies to the admin port, so that one must be known up front
     path = render_config_file(
-        tmp_path / "envoy.yaml", listener_host="127.0.0.1", listener_port=0,
-        admin_port=free_port(), stats_port=0, gateway=["127.0.0.1:1"], admin=["127.0.0.1:1"],
-        access_log_path=tmp_path / "access.log")
+        tmp_path / "envoy.yaml",
+        listener_host="127.0.0.1",
+        listener_port=0,
+        admin_port=free_port(),
+        stats_port=0,
+        gateway=["127.0.0.1:1"],
+        admin=["127.0.0.1:1"],
+        access_log_path=tmp_path / "access.log",
+    )
     with EnvoyProcess(path, log_dir=tmp_path) as envoy:
         yield envoy
 

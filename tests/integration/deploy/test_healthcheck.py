@@ -16,8 +16,9 @@ def test_serving_service_exits_0(ratelimit_server: ManagedProcess) -> None:
     assert healthcheck.main([ratelimit_server.address, "llm.v1.RateLimitAdmin"]) == 0
 
 
-def test_unknown_service_or_dead_port_exits_1(ratelimit_server: ManagedProcess,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_service_or_dead_port_exits_1(
+    ratelimit_server: ManagedProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert healthcheck.main([ratelimit_server.address, "llm.v1.NoSuchService"]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
     assert healthcheck.main([f"127.0.0.1:{free_port()}"]) == 1

@@ -34,12 +34,23 @@ pytestmark = pytest.mark.integration
 NOISE_MARGIN = 1e-3  # top-1/top-2 logprob gap below which argmax may flip with batching
 
 
-BACKENDS = ["native", pytest.param("vllm", marks=pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None,
-    reason="vLLM is not installed here; make test-vllm runs these in vLLM's venv"))]
+BACKENDS = [
+    "native",
+    pytest.param(
+        "vllm",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("vllm") is None,
+            reason="vLLM is not installed here; make test-vllm runs these in vLLM's venv",
+        ),
+    ),
+]
 # vLLM on the CPU: no graph compilation at start, a 1 GiB KV pool, every core
-VLLM_ENV = {"LLM_ENGINE_VLLM_ENFORCE_EAGER": "true", "LLM_ENGINE_WARMUP": "false",
-            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+VLLM_ENV = {
+    "LLM_ENGINE_VLLM_ENFORCE_EAGER": "true",
+    "LLM_ENGINE_WARMUP": "false",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+}
 
 
 @dataclass
@@ -48,22 +59,31 @@ class Served:
     proc: ManagedProcess
 
 
-def start_backend(backend: str, name: str, model_dir: Path, log_dir: Path,
-                  env: dict[str, str] | None = None) -> ManagedProcess:
+def start_backend(
+    backend: str, name: str, model_dir: Path, log_dir: Path, env: dict[str, str] | None = None
+) -> ManagedProcess:
     if backend == "vllm":
-        return start_engine(f"{name}-vllm", model_dir, log_dir, args=["--backend", "vllm"],
-                            env={**VLLM_ENV, **(env or {})}, timeout=600)
+        return start_engine(
+            f"{name}-vllm",
+            model_dir,
+            log_dir,
+            args=["--backend", "vllm"],
+            env={**VLLM_ENV, **(env or {})},
+            timeout=600,
+        )
     return start_engine(name, model_dir, log_dir, env=env)
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def served(request: pytest.FixtureRequest, model_dir: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(
+    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
     if request.param == "native":  # the session's shared engine
         yield Served("native", request.getfixturevalue("engine_server"))
         return
-    proc = start_backend(request.param, "engine", model_dir,
-                         tmp_path_factory.mktemp(f"engine-{request.param}"))
+    proc = start_backend(
+        request.param, "engine", model_dir, tmp_path_factory.mktemp(f"engine-{request.param}")
+    )
     try:
         yield Served(request.param, proc)
     finally:
@@ -87,15 +107,19 @@ def tok(model_dir: Path) -> TextTokenizer:
     return TextTokenizer(model_dir)
 
 
-def request(rid: str, ids: list[int], max_tokens: int, **kw: Any
-            ) -> engine_pb2.EngineGenerateRequest:
+def request(
+    rid: str, ids: list[int], max_tokens: int, **kw: Any
+) -> engine_pb2.EngineGenerateRequest:
     return engine_pb2.EngineGenerateRequest(
-        request_id=rid, prompt_token_ids=ids,
-        sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens, **kw))
+        request_id=rid,
+        prompt_token_ids=ids,
+        sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens, **kw),
+    )
 
 
-def collect(stub: engine_pb2_grpc.EngineStub, req: engine_pb2.EngineGenerateRequest,
-            timeout: float = 120) -> tuple[list[int], list[engine_pb2.EngineGenerateResponse]]:
+def collect(
+    stub: engine_pb2_grpc.EngineStub, req: engine_pb2.EngineGenerateRequest, timeout: float = 120
+) -> tuple[list[int], list[engine_pb2.EngineGenerateResponse]]:
     chunks = list(stub.Generate(req, timeout=timeout))
     return [t for c in chunks for t in c.token_ids], chunks
 
@@ -113,8 +137,7 @@ def test_model_info(stub: engine_pb2_grpc.EngineStub, served: Served) -> None:
     info = stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
     assert info.model == "SmolLM2-135M-Instruct"
     assert info.version.startswith("sha-")
-    assert (info.vocab_size, list(info.eos_token_ids), info.backend) == (49152, [2],
-                                                                          served.backend)
+    assert (info.vocab_size, list(info.eos_token_ids), info.backend) == (49152, [2], served.backend)
     assert info.kv_block_size > 0
     assert info.max_context_length == 2048  # from the env override
     assert info.weight_dtype == "float32"
@@ -123,9 +146,14 @@ def test_model_info(stub: engine_pb2_grpc.EngineStub, served: Served) -> None:
 
 
 PROMPTS = [
-    "What is the capital of France?", "Write a haiku about the sea.",
-    "List three prime numbers.", "Explain gravity to a child.", "Say hello in Spanish.",
-    "What is 12 times 12?", "Name a famous painter.", "Describe a cat in one sentence.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain gravity to a child.",
+    "Say hello in Spanish.",
+    "What is 12 times 12?",
+    "Name a famous painter.",
+    "Describe a cat in one sentence.",
 ]
 
 
@@ -139,8 +167,10 @@ def test_concurrent_streams_match_offline_engine(
         ids, _ = tok.encode_chat([Message("user", PROMPTS[i % len(PROMPTS)] + " " * (i // 8))])
         jobs.append((f"c{i}", ids, 4 + 2 * i))
     with cf.ThreadPoolExecutor(16) as pool:
-        futs = [pool.submit(collect, stub, request(rid, ids, n, ignore_eos=True))
-                for rid, ids, n in jobs]
+        futs = [
+            pool.submit(collect, stub, request(rid, ids, n, ignore_eos=True))
+            for rid, ids, n in jobs
+        ]
         results = [f.result() for f in futs]
     for (_, _, n), (tokens, chunks) in zip(jobs, results, strict=True):
         assert len(tokens) == n
@@ -148,8 +178,15 @@ def test_concurrent_streams_match_offline_engine(
         assert chunks[-1].usage.completion_tokens == n
         assert chunks[0].timings.time_to_first_token_seconds > 0
     device = os.environ.get("LLM_TEST_ENGINE_DEVICE", "cpu")
-    offline = LLMEngine(EngineConfig(model_dir=str(model_dir), dtype="float32", device=device,
-                                     num_kv_blocks=512, max_model_len=2048))
+    offline = LLMEngine(
+        EngineConfig(
+            model_dir=str(model_dir),
+            dtype="float32",
+            device=device,
+            num_kv_blocks=512,
+            max_model_len=2048,
+        )
+    )
     for rid, ids, n in jobs:
         offline.add_request(rid, ids, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=1))
     ref: dict[str, list[Any]] = {rid: [] for rid, _, _ in jobs}
@@ -179,13 +216,21 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(
     assert first_chunks[-1].usage.cached_prompt_tokens < chunks[-1].usage.cached_prompt_tokens
 
 
-def test_speculative_decoding_over_grpc(native_stub: engine_pb2_grpc.EngineStub,
-                                        tok: TextTokenizer) -> None:
+def test_speculative_decoding_over_grpc(
+    native_stub: engine_pb2_grpc.EngineStub, tok: TextTokenizer
+) -> None:
     """Native only (request-level prompt-lookup speculation): asking for it gives the
     same greedy tokens with drafts accepted."""
     stub = native_stub
-    ids, _ = tok.encode_chat([Message("user", "Repeat this list exactly: apple, banana, "
-                                      "cherry, date, elderberry, fig, grape, honeydew.")])
+    ids, _ = tok.encode_chat(
+        [
+            Message(
+                "user",
+                "Repeat this list exactly: apple, banana, "
+                "cherry, date, elderberry, fig, grape, honeydew.",
+            )
+        ]
+    )
     plain, _ = collect(stub, request("spec-off", ids, 20))
     req = request("spec-on", ids, 20)
     req.speculative_decoding = True
@@ -261,15 +306,22 @@ BAD = [
     (request("b8", [1, 2], 4, logprobs=50), "logprobs must be in [0, 20]"),
     (request("b9", [1, 2], 4, min_tokens=9), "must not exceed max_tokens"),
     (request("b10", [1, 2], 4, stop_token_ids=[70000]), "stop_token_ids"),
-    (engine_pb2.EngineGenerateRequest(request_id="b11", prompt_token_ids=[1], model="gpt-9",
-                                      sampling=engine_pb2.EngineSamplingParams(max_tokens=2)),
-     "not 'gpt-9'"),
+    (
+        engine_pb2.EngineGenerateRequest(
+            request_id="b11",
+            prompt_token_ids=[1],
+            model="gpt-9",
+            sampling=engine_pb2.EngineSamplingParams(max_tokens=2),
+        ),
+        "not 'gpt-9'",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("req", "message"), BAD, ids=[r.request_id or "empty-id" for r, _ in BAD])
-def test_bad_input_is_invalid_argument(stub: engine_pb2_grpc.EngineStub,
-                                       req: engine_pb2.EngineGenerateRequest, message: str) -> None:
+def test_bad_input_is_invalid_argument(
+    stub: engine_pb2_grpc.EngineStub, req: engine_pb2.EngineGenerateRequest, message: str
+) -> None:
     with pytest.raises(grpc.RpcError) as err:
         collect(stub, req, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -290,31 +342,48 @@ def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub, served: Served) -> 
     url = f"http://127.0.0.1:{served.proc.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as r:
         body = r.read().decode()
-    for name in ("engine_time_to_first_token_seconds_bucket", "engine_num_requests_running",
-                 "engine_kv_cache_usage_perc", 'engine_request_success_total{finished_reason=',
-                 'engine_request_errors_total{error_type="invalid"',
-                 "engine_generation_tokens_total", f'engine_model_info{{backend="{served.backend}"',
-                 # vLLM's names (with backend vllm, vLLM's own series), for its dashboards
-                 "vllm:num_requests_running{", "vllm:time_to_first_token_seconds_bucket{",
-                 "vllm:generation_tokens_total{", "vllm:kv_cache_usage_perc{"):
+    for name in (
+        "engine_time_to_first_token_seconds_bucket",
+        "engine_num_requests_running",
+        "engine_kv_cache_usage_perc",
+        "engine_request_success_total{finished_reason=",
+        'engine_request_errors_total{error_type="invalid"',
+        "engine_generation_tokens_total",
+        f'engine_model_info{{backend="{served.backend}"',
+        # vLLM's names (with backend vllm, vLLM's own series), for its dashboards
+        "vllm:num_requests_running{",
+        "vllm:time_to_first_token_seconds_bucket{",
+        "vllm:generation_tokens_total{",
+        "vllm:kv_cache_usage_perc{",
+    ):
         assert name in body, name
-    series = [line for line in body.splitlines()  # the *_info series describe configs
-              if line.startswith(("engine_", "vllm:")) and "_info{" not in line]
+    series = [
+        line
+        for line in body.splitlines()  # the *_info series describe configs
+        if line.startswith(("engine_", "vllm:")) and "_info{" not in line
+    ]
     assert series
     assert all('model_name="' in line for line in series), "every engine series names its model"
     assert "# TYPE vllm:num_preemptions" in body
 
 
 @pytest.fixture(scope="module")
-def small_engine(served: Served, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[ManagedProcess]:
+def small_engine(
+    served: Served, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ManagedProcess]:
     """One running slot and one waiting slot: easy to fill."""
-    proc = start_backend(served.backend, "engine-small", model_dir,
-                         tmp_path_factory.mktemp("small-engine"),
-                         env={"LLM_ENGINE_CORE_MAX_NUM_SEQS": "1",
-                              "LLM_ENGINE_CORE_MAX_WAITING": "1",
-                              # the drain below must not race a loaded machine
-                              "LLM_ENGINE_GRACE_SECONDS": "60"})
+    proc = start_backend(
+        served.backend,
+        "engine-small",
+        model_dir,
+        tmp_path_factory.mktemp("small-engine"),
+        env={
+            "LLM_ENGINE_CORE_MAX_NUM_SEQS": "1",
+            "LLM_ENGINE_CORE_MAX_WAITING": "1",
+            # the drain below must not race a loaded machine
+            "LLM_ENGINE_GRACE_SECONDS": "60",
+        },
+    )
     try:
         yield proc
     finally:
@@ -350,7 +419,8 @@ def test_sigterm_drains_in_flight_then_exits(small_engine: ManagedProcess) -> No
 
         def run() -> None:
             result["tokens"], result["chunks"] = collect(
-                stub, request("drain-1", [1, 2, 3], 40, ignore_eos=True))
+                stub, request("drain-1", [1, 2, 3], 40, ignore_eos=True)
+            )
 
         t = threading.Thread(target=run)
         t.start()

@@ -52,8 +52,9 @@ class EnginePair:
     def restart(self, i: int) -> ManagedProcess:
         old = self.procs[i]
         old.stop()
-        self.procs[i] = start_engine(f"gw-engine-{i}", self.model_dir, self.log_dir,
-                                     args=["--port", str(old.port)])
+        self.procs[i] = start_engine(
+            f"gw-engine-{i}", self.model_dir, self.log_dir, args=["--port", str(old.port)]
+        )
         return self.procs[i]
 
     def ensure_running(self) -> None:
@@ -87,19 +88,26 @@ class GatewayProcess:
     def tenant(self, tenant_id: str | None = None, **limits: int) -> tuple[str, str]:
         """Create a tenant with ``limits``; returns (tenant_id, plaintext key)."""
         tid = tenant_id or f"t-{secrets.token_hex(4)}"
-        self.admin.UpsertTenant(admin_pb2.Tenant(id=tid, limits=admin_pb2.LimitPolicy(**limits)),
-                                metadata=self.admin_md)
-        key = self.admin.CreateApiKey(admin_pb2.CreateApiKeyRequest(tenant_id=tid, name="test"),
-                                      metadata=self.admin_md).key
+        self.admin.UpsertTenant(
+            admin_pb2.Tenant(id=tid, limits=admin_pb2.LimitPolicy(**limits)), metadata=self.admin_md
+        )
+        key = self.admin.CreateApiKey(
+            admin_pb2.CreateApiKeyRequest(tenant_id=tid, name="test"), metadata=self.admin_md
+        ).key
         return tid, key
 
     def usage(self, tenant_id: str) -> admin_pb2.TenantUsage:
-        return self.admin.GetUsage(admin_pb2.GetUsageRequest(tenant_id=tenant_id),
-                                   metadata=self.admin_md)
+        return self.admin.GetUsage(
+            admin_pb2.GetUsageRequest(tenant_id=tenant_id), metadata=self.admin_md
+        )
 
-    def generate(self, key: str, req: gateway_pb2.GenerateRequest, timeout: float = 60,
-                 metadata: tuple[tuple[str, str], ...] = ()
-                 ) -> list[gateway_pb2.GenerateResponse]:
+    def generate(
+        self,
+        key: str,
+        req: gateway_pb2.GenerateRequest,
+        timeout: float = 60,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> list[gateway_pb2.GenerateResponse]:
         md = (("authorization", f"Bearer {key}"), *metadata)
         return list(self.stub.Generate(req, metadata=md, timeout=timeout))
 
@@ -136,16 +144,38 @@ def trailers(err: grpc.RpcError) -> dict[str, str]:
 def chat(text: str, max_tokens: int = 8, **sampling: Any) -> gateway_pb2.GenerateRequest:
     msgs = common_pb2.ChatMessages(messages=[common_pb2.ChatMessage(role="user", content=text)])
     return gateway_pb2.GenerateRequest(
-        messages=msgs, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling))
+        messages=msgs, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling)
+    )
 
 
-def start_gateway(name: str, engines: list[str], tokenizer: str, redis_url: str,
-                  log_dir: Path, env: dict[str, str] | None = None) -> GatewayProcess:
+def start_gateway(
+    name: str,
+    engines: list[str],
+    tokenizer: str,
+    redis_url: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+) -> GatewayProcess:
     proc = ManagedProcess(
-        name=name, module="gateway",
-        args=["--port", "0", "--metrics-port", "0", "--engines", ",".join(engines),
-              "--tokenizer", tokenizer, "--redis-url", redis_url, "--log-format", "json"],
-        env={**TEST_ENV, **(env or {})}, log_dir=log_dir)
+        name=name,
+        module="gateway",
+        args=[
+            "--port",
+            "0",
+            "--metrics-port",
+            "0",
+            "--engines",
+            ",".join(engines),
+            "--tokenizer",
+            tokenizer,
+            "--redis-url",
+            redis_url,
+            "--log-format",
+            "json",
+        ],
+        env={**TEST_ENV, **(env or {})},
+        log_dir=log_dir,
+    )
     proc.start(timeout=90)
     return GatewayProcess(proc)
 
@@ -169,10 +199,19 @@ def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="session")
-def gateway(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: RedisServer,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    gw = start_gateway("gateway", engines.addresses, tokenizer_server.address, gw_redis.url,
-                       tmp_path_factory.mktemp("gateway"))
+def gateway(
+    engines: EnginePair,
+    tokenizer_server: ManagedProcess,
+    gw_redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GatewayProcess]:
+    gw = start_gateway(
+        "gateway",
+        engines.addresses,
+        tokenizer_server.address,
+        gw_redis.url,
+        tmp_path_factory.mktemp("gateway"),
+    )
     try:
         yield gw
     finally:
@@ -203,20 +242,41 @@ class HttpGateway:
         return f"http://127.0.0.1:{self.http_port}/v1"
 
 
-def start_http_gateway(name: str, engines: list[str], tokenizer: str, redis_url: str,
-                       log_dir: Path, env: dict[str, str] | None = None) -> HttpGateway:
+def start_http_gateway(
+    name: str,
+    engines: list[str],
+    tokenizer: str,
+    redis_url: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+) -> HttpGateway:
     port = free_port()
-    gw = start_gateway(name, engines, tokenizer, redis_url, log_dir,
-                       env={"LLM_GATEWAY_HTTP_PORT": str(port), **(env or {})})
+    gw = start_gateway(
+        name,
+        engines,
+        tokenizer,
+        redis_url,
+        log_dir,
+        env={"LLM_GATEWAY_HTTP_PORT": str(port), **(env or {})},
+    )
     return HttpGateway(gw, port)
 
 
 @pytest.fixture(scope="session")
-def http_gateway(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: RedisServer,
-                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpGateway]:
+def http_gateway(
+    engines: EnginePair,
+    tokenizer_server: ManagedProcess,
+    gw_redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[HttpGateway]:
     """A gateway with its OpenAI-compatible front (tests/integration/gateway/test_openai_*)."""
-    hg = start_http_gateway("gateway-http", engines.addresses, tokenizer_server.address,
-                            gw_redis.url, tmp_path_factory.mktemp("gateway-http"))
+    hg = start_http_gateway(
+        "gateway-http",
+        engines.addresses,
+        tokenizer_server.address,
+        gw_redis.url,
+        tmp_path_factory.mktemp("gateway-http"),
+    )
     try:
         yield hg
     finally:

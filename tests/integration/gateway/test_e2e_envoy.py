@@ -34,19 +34,36 @@ CACHE_TTL_MS = 1000
 
 
 @pytest.fixture(scope="module")
-def edge(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: RedisServer,
-         tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[tuple[EnvoyProcess, list[GatewayProcess]]]:
+def edge(
+    engines: EnginePair,
+    tokenizer_server: ManagedProcess,
+    gw_redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[EnvoyProcess, list[GatewayProcess]]]:
     """Two gateway replicas (one Redis) behind one Envoy, all on ephemeral ports."""
     engines.ensure_running()
     logs = tmp_path_factory.mktemp("e2e-envoy")
-    gws = [start_gateway(f"e2e-gw-{i}", engines.addresses, tokenizer_server.address,
-                         gw_redis.url, logs, env={"LLM_RATELIMIT_AUTH_CACHE_TTL_MS": str(
-                             CACHE_TTL_MS)}) for i in range(2)]
+    gws = [
+        start_gateway(
+            f"e2e-gw-{i}",
+            engines.addresses,
+            tokenizer_server.address,
+            gw_redis.url,
+            logs,
+            env={"LLM_RATELIMIT_AUTH_CACHE_TTL_MS": str(CACHE_TTL_MS)},
+        )
+        for i in range(2)
+    ]
     addrs = [g.proc.address for g in gws]
-    cfg = render_config_file(logs / "envoy.yaml", listener_host="127.0.0.1", listener_port=0,
-                             admin_port=0, gateway=addrs, admin=addrs,
-                             access_log_path=logs / "access.log")
+    cfg = render_config_file(
+        logs / "envoy.yaml",
+        listener_host="127.0.0.1",
+        listener_port=0,
+        admin_port=0,
+        gateway=addrs,
+        admin=addrs,
+        access_log_path=logs / "access.log",
+    )
     envoy = EnvoyProcess(cfg, log_dir=logs)
     envoy.start(timeout=60)
     try:
@@ -57,12 +74,19 @@ def edge(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: RedisS
             g.stop()
 
 
-def http(envoy: EnvoyProcess, method: str, path: str, body: dict[str, Any] | None = None,
-         key: str = ADMIN_KEY) -> tuple[int, dict[str, Any]]:
+def http(
+    envoy: EnvoyProcess,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    key: str = ADMIN_KEY,
+) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(
-        f"http://{envoy.listener_address()}{path}", method=method,
+        f"http://{envoy.listener_address()}{path}",
+        method=method,
         data=json.dumps(body).encode() if body is not None else None,
-        headers={"authorization": f"Bearer {key}", "content-type": "application/json"})
+        headers={"authorization": f"Bearer {key}", "content-type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
@@ -70,21 +94,26 @@ def http(envoy: EnvoyProcess, method: str, path: str, body: dict[str, Any] | Non
         return e.code, json.loads(e.read() or b"{}")
 
 
-def stream(envoy: EnvoyProcess, key: str, text: str = "Say hi", max_tokens: int = 4
-           ) -> list[Any]:
+def stream(envoy: EnvoyProcess, key: str, text: str = "Say hi", max_tokens: int = 4) -> list[Any]:
     with grpc.insecure_channel(envoy.listener_address()) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
-        return list(stub.Generate(chat(text, max_tokens),
-                                  metadata=(("authorization", f"Bearer {key}"),), timeout=60))
+        return list(
+            stub.Generate(
+                chat(text, max_tokens), metadata=(("authorization", f"Bearer {key}"),), timeout=60
+            )
+        )
 
 
 def test_admin_over_http_json_then_a_tenant_streams_and_new_limits_apply(
     edge: tuple[EnvoyProcess, list[GatewayProcess]],
 ) -> None:
     envoy, _ = edge
-    code, tenant = http(envoy, "PUT", "/v1/admin/tenants/e2e-team",
-                        {"limits": {"requests_per_minute": 100, "max_concurrent": 4},
-                         "priority": "CRITICAL"})
+    code, tenant = http(
+        envoy,
+        "PUT",
+        "/v1/admin/tenants/e2e-team",
+        {"limits": {"requests_per_minute": 100, "max_concurrent": 4}, "priority": "CRITICAL"},
+    )
     assert code == 200, tenant
     assert tenant["priority"] == "CRITICAL"
     code, created = http(envoy, "POST", "/v1/admin/tenants/e2e-team/keys", {"name": "e2e"})
@@ -101,8 +130,12 @@ def test_admin_over_http_json_then_a_tenant_streams_and_new_limits_apply(
 
     # tighten the limit over HTTP; once every replica's tenant cache has seen it (the
     # bounded staleness across gateway replicas), the next request over it is refused
-    code, _ = http(envoy, "PUT", "/v1/admin/tenants/e2e-team",
-                   {"limits": {"requests_per_minute": 1, "request_burst": 1}})
+    code, _ = http(
+        envoy,
+        "PUT",
+        "/v1/admin/tenants/e2e-team",
+        {"limits": {"requests_per_minute": 1, "request_burst": 1}},
+    )
     assert code == 200
     time.sleep(CACHE_TTL_MS / 1000 + 0.2)
     code, _ = http(envoy, "POST", "/v1/admin/tenants/e2e-team/reset", {})

@@ -26,12 +26,19 @@ FAULT_ENV = {
     "LLM_GATEWAY_BREAKER_CONSECUTIVE_FAILURES": "1",
     "LLM_GATEWAY_BREAKER_OPEN_S": "1",
 }
-STORY = chat("Write a long story about a dragon who learns to bake bread.", max_tokens=40,
-             ignore_eos=True)
+STORY = chat(
+    "Write a long story about a dragon who learns to bake bread.", max_tokens=40, ignore_eos=True
+)
 
 
-def _gateway(name: str, env: dict[str, str], engines: EnginePair, tokenizer: ManagedProcess,
-             redis: RedisServer, log_dir: Path) -> Iterator[GatewayProcess]:
+def _gateway(
+    name: str,
+    env: dict[str, str],
+    engines: EnginePair,
+    tokenizer: ManagedProcess,
+    redis: RedisServer,
+    log_dir: Path,
+) -> Iterator[GatewayProcess]:
     engines.ensure_running()
     gw = start_gateway(name, engines.addresses, tokenizer.address, redis.url, log_dir, env)
     try:
@@ -43,19 +50,37 @@ def _gateway(name: str, env: dict[str, str], engines: EnginePair, tokenizer: Man
 
 
 @pytest.fixture(scope="module")
-def gw_fault(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: RedisServer,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayProcess]:
-    yield from _gateway("gateway-fault", FAULT_ENV, engines, tokenizer_server, gw_redis,
-                        tmp_path_factory.mktemp("gateway-fault"))
+def gw_fault(
+    engines: EnginePair,
+    tokenizer_server: ManagedProcess,
+    gw_redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GatewayProcess]:
+    yield from _gateway(
+        "gateway-fault",
+        FAULT_ENV,
+        engines,
+        tokenizer_server,
+        gw_redis,
+        tmp_path_factory.mktemp("gateway-fault"),
+    )
 
 
 @pytest.fixture(scope="module")
-def gw_no_failover(engines: EnginePair, tokenizer_server: ManagedProcess,
-                   gw_redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[GatewayProcess]:
-    yield from _gateway("gateway-nofailover", {**FAULT_ENV, "LLM_GATEWAY_FAILOVER": "false"},
-                        engines, tokenizer_server, gw_redis,
-                        tmp_path_factory.mktemp("gateway-nofailover"))
+def gw_no_failover(
+    engines: EnginePair,
+    tokenizer_server: ManagedProcess,
+    gw_redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GatewayProcess]:
+    yield from _gateway(
+        "gateway-nofailover",
+        {**FAULT_ENV, "LLM_GATEWAY_FAILOVER": "false"},
+        engines,
+        tokenizer_server,
+        gw_redis,
+        tmp_path_factory.mktemp("gateway-nofailover"),
+    )
 
 
 def wait_until(fn: object, timeout: float = 30.0) -> None:
@@ -81,8 +106,9 @@ def serving_replica(engines: EnginePair) -> int:
     raise AssertionError("no engine replica is running the request")
 
 
-def start_and_kill(gw: GatewayProcess, key: str, engines: EnginePair
-                   ) -> tuple[list[int], Iterator[gateway_pb2.GenerateResponse], int]:
+def start_and_kill(
+    gw: GatewayProcess, key: str, engines: EnginePair
+) -> tuple[list[int], Iterator[gateway_pb2.GenerateResponse], int]:
     """Start STORY, read a few tokens, SIGKILL the replica serving it."""
     call = gw.stub.Generate(STORY, metadata=(("authorization", f"Bearer {key}"),), timeout=60)
     stream = iter(call)
@@ -95,7 +121,8 @@ def start_and_kill(gw: GatewayProcess, key: str, engines: EnginePair
 
 
 def test_failover_mid_stream_then_survivor_then_breaker_closes(
-        gw_fault: GatewayProcess, engines: EnginePair) -> None:
+    gw_fault: GatewayProcess, engines: EnginePair
+) -> None:
     _, key = gw_fault.tenant()
     reference = gw_fault.generate(key, STORY)
     ref_ids = [t for c in reference for t in c.token_ids]
@@ -134,9 +161,11 @@ def test_failover_mid_stream_then_survivor_then_breaker_closes(
 
 
 def test_without_failover_the_stream_ends_with_a_clear_status(
-        gw_no_failover: GatewayProcess, engines: EnginePair) -> None:
+    gw_no_failover: GatewayProcess, engines: EnginePair
+) -> None:
     _, key = gw_no_failover.tenant()
     head_ids, stream, victim = start_and_kill(gw_no_failover, key, engines)
+
     def drain() -> None:
         for chunk in stream:
             head_ids.extend(chunk.token_ids)

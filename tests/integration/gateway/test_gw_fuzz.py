@@ -21,25 +21,39 @@ u32 = st.integers(0, 2**32 - 1)
 
 sampling = st.builds(
     common_pb2.SamplingParams,
-    max_tokens=small | u32, temperature=floats, top_p=floats, top_k=small | u32,
-    seed=st.none() | st.integers(0, 2**64 - 1), stop=st.lists(text, max_size=3),
-    repetition_penalty=floats, presence_penalty=floats, frequency_penalty=floats,
-    min_tokens=small | u32, logprobs=small | u32, min_p=floats,
-    stop_token_ids=st.lists(small | u32, max_size=3), ignore_eos=st.booleans(),
+    max_tokens=small | u32,
+    temperature=floats,
+    top_p=floats,
+    top_k=small | u32,
+    seed=st.none() | st.integers(0, 2**64 - 1),
+    stop=st.lists(text, max_size=3),
+    repetition_penalty=floats,
+    presence_penalty=floats,
+    frequency_penalty=floats,
+    min_tokens=small | u32,
+    logprobs=small | u32,
+    min_p=floats,
+    stop_token_ids=st.lists(small | u32, max_size=3),
+    ignore_eos=st.booleans(),
 )
 messages = st.lists(
-    st.builds(common_pb2.ChatMessage,
-              role=st.sampled_from(["user", "system", "assistant", "tool", "bogus", ""]),
-              content=text),
-    max_size=3).map(lambda ms: common_pb2.ChatMessages(messages=ms))
+    st.builds(
+        common_pb2.ChatMessage,
+        role=st.sampled_from(["user", "system", "assistant", "tool", "bogus", ""]),
+        content=text,
+    ),
+    max_size=3,
+).map(lambda ms: common_pb2.ChatMessages(messages=ms))
 
 
 @st.composite
 def requests(draw: st.DrawFn) -> gateway_pb2.GenerateRequest:
     req = gateway_pb2.GenerateRequest(
         model=draw(st.sampled_from(["", "SmolLM2-135M-Instruct", "nope"]) | text),
-        sampling=draw(sampling), request_id=draw(st.sampled_from(["", "fuzz-1"]) | text),
-        model_version=draw(st.sampled_from(["", "v0"])))
+        sampling=draw(sampling),
+        request_id=draw(st.sampled_from(["", "fuzz-1"]) | text),
+        model_version=draw(st.sampled_from(["", "v0"])),
+    )
     which = draw(st.sampled_from(["prompt", "messages", "none"]))
     if which == "prompt":
         req.prompt = draw(text)
@@ -53,11 +67,15 @@ def key(gateway: GatewayProcess) -> str:
     return gateway.tenant()[1]
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(req=requests())
-def test_any_request_gets_a_proper_status(gateway: GatewayProcess, key: str,
-                                          req: gateway_pb2.GenerateRequest) -> None:
+def test_any_request_gets_a_proper_status(
+    gateway: GatewayProcess, key: str, req: gateway_pb2.GenerateRequest
+) -> None:
     try:
         chunks = gateway.generate(key, req, timeout=60)
     except grpc.RpcError as e:

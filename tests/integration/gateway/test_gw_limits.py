@@ -13,8 +13,7 @@ from tests.integration.gateway.conftest import EnginePair, GatewayProcess, chat,
 pytestmark = pytest.mark.integration
 
 
-def denied(gateway: GatewayProcess, key: str, req: gateway_pb2.GenerateRequest
-           ) -> tuple[str, int]:
+def denied(gateway: GatewayProcess, key: str, req: gateway_pb2.GenerateRequest) -> tuple[str, int]:
     """(details, retry-after-ms) of a RESOURCE_EXHAUSTED answer."""
     with pytest.raises(grpc.RpcError) as info:
         gateway.generate(key, req)
@@ -27,8 +26,8 @@ def denied(gateway: GatewayProcess, key: str, req: gateway_pb2.GenerateRequest
 
 def prompt(max_tokens: int) -> gateway_pb2.GenerateRequest:
     return gateway_pb2.GenerateRequest(
-        prompt="Hello", sampling=common_pb2.SamplingParams(max_tokens=max_tokens,
-                                                           ignore_eos=True))
+        prompt="Hello", sampling=common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    )
 
 
 def test_requests_per_minute(gateway: GatewayProcess) -> None:
@@ -45,17 +44,18 @@ def test_requests_per_minute(gateway: GatewayProcess) -> None:
     assert gateway.metric("gateway_ratelimit_local_denials_total", tenant=tid) == 1
     time.sleep(retry_ms2 / 1000)
     assert gateway.generate(key, prompt(2))[-1].finish_reason == common_pb2.LENGTH
-    assert gateway.metric("gateway_ratelimit_denials_total", tenant=tid,
-                          dimension="requests") == 2
+    assert gateway.metric("gateway_ratelimit_denials_total", tenant=tid, dimension="requests") == 2
 
 
 def test_the_request_rate_is_checked_before_the_prompt_is_tokenized(
-        gateway: GatewayProcess) -> None:
+    gateway: GatewayProcess,
+) -> None:
     """Over both the request and the token rate: the answer names only the request rate
     (the request unit is taken before the tokenizer runs, so the tokens were never
     counted), and the next calls are refused by the gateway itself for that wait."""
-    tid, key = gateway.tenant(requests_per_minute=6, request_burst=1,
-                              tokens_per_minute=60, token_burst=50)
+    tid, key = gateway.tenant(
+        requests_per_minute=6, request_burst=1, tokens_per_minute=60, token_burst=50
+    )
     assert gateway.generate(key, prompt(40))[-1].finish_reason == common_pb2.LENGTH  # 9 left
     details, retry_ms = denied(gateway, key, prompt(30))
     assert "requests_per_minute" in details
@@ -71,8 +71,9 @@ def test_the_request_rate_is_checked_before_the_prompt_is_tokenized(
 
 def test_tokens_per_minute(gateway: GatewayProcess) -> None:
     tid, key = gateway.tenant(tokens_per_minute=1200, token_burst=50)
-    first = gateway.stub.Generate(prompt(40), metadata=(("authorization", f"Bearer {key}"),),
-                                  timeout=60)
+    first = gateway.stub.Generate(
+        prompt(40), metadata=(("authorization", f"Bearer {key}"),), timeout=60
+    )
     next(iter(first))  # 1 + 40 tokens reserved, 9 left in the bucket
     details, retry_ms = denied(gateway, key, prompt(40))
     assert "tokens_per_minute" in details
@@ -97,8 +98,9 @@ def test_too_big_for_the_bucket_never_fits(gateway: GatewayProcess) -> None:
 
 def test_max_concurrent(gateway: GatewayProcess) -> None:
     tid, key = gateway.tenant(max_concurrent=1)
-    first = gateway.stub.Generate(prompt(48), metadata=(("authorization", f"Bearer {key}"),),
-                                  timeout=60)
+    first = gateway.stub.Generate(
+        prompt(48), metadata=(("authorization", f"Bearer {key}"),), timeout=60
+    )
     next(iter(first))  # admitted and streaming
     details, retry_ms = denied(gateway, key, prompt(2))
     assert "max_concurrent" in details
@@ -106,8 +108,9 @@ def test_max_concurrent(gateway: GatewayProcess) -> None:
     assert rest[-1].usage.completion_tokens == 48
     time.sleep(retry_ms / 1000)
     assert gateway.generate(key, prompt(2))[-1].finish_reason == common_pb2.LENGTH
-    assert gateway.metric("gateway_ratelimit_denials_total", tenant=tid,
-                          dimension="concurrency") == 1
+    assert (
+        gateway.metric("gateway_ratelimit_denials_total", tenant=tid, dimension="concurrency") == 1
+    )
 
 
 def wait_for(fn: object, timeout: float = 15.0) -> None:
@@ -119,8 +122,9 @@ def wait_for(fn: object, timeout: float = 15.0) -> None:
 
 def test_cancel_releases_lease_and_settles(gateway: GatewayProcess, engines: EnginePair) -> None:
     tid, key = gateway.tenant(max_concurrent=1, tokens_per_minute=100_000)
-    call = gateway.stub.Generate(prompt(64), metadata=(("authorization", f"Bearer {key}"),),
-                                 timeout=60)
+    call = gateway.stub.Generate(
+        prompt(64), metadata=(("authorization", f"Bearer {key}"),), timeout=60
+    )
     got = [t for _, chunk in zip(range(3), call, strict=False) for t in chunk.token_ids]
     assert gateway.usage(tid).concurrent_in_use == 1
     call.cancel()  # type: ignore[no-untyped-call]
@@ -129,7 +133,8 @@ def test_cancel_releases_lease_and_settles(gateway: GatewayProcess, engines: Eng
     assert usage.prompt_tokens_total > 0
     assert len(got) <= usage.completion_tokens_total < 64  # produced tokens, not max_tokens
     assert usage.tokens_available == pytest.approx(  # the unused reservation came back
-        100_000 - usage.prompt_tokens_total - usage.completion_tokens_total, abs=50)
+        100_000 - usage.prompt_tokens_total - usage.completion_tokens_total, abs=50
+    )
 
     def engines_idle() -> bool:
         for address in engines.addresses:

@@ -48,10 +48,12 @@ def test_stream_happy_path(gateway: GatewayProcess, key: str, tok: TextTokenizer
     assert dict(call.initial_metadata())["x-request-id"] == "happy-path-1"
 
 
-def test_prompt_input_and_generated_request_id(gateway: GatewayProcess, key: str,
-                                               tok: TextTokenizer) -> None:
-    req = gateway_pb2.GenerateRequest(prompt="The capital of France is",
-                                      sampling=common_pb2.SamplingParams(max_tokens=5))
+def test_prompt_input_and_generated_request_id(
+    gateway: GatewayProcess, key: str, tok: TextTokenizer
+) -> None:
+    req = gateway_pb2.GenerateRequest(
+        prompt="The capital of France is", sampling=common_pb2.SamplingParams(max_tokens=5)
+    )
     chunks = gateway.generate(key, req)
     ids = [t for c in chunks for t in c.token_ids]
     assert "".join(c.text for c in chunks) == tok.decode(ids)
@@ -67,21 +69,25 @@ def test_default_max_tokens_and_eos(gateway: GatewayProcess, key: str) -> None:
 
 
 def test_stop_string_is_trimmed(gateway: GatewayProcess, key: str) -> None:
-    full = "".join(c.text for c in gateway.generate(
-        key, chat("Count from one to ten in words.", max_tokens=24, ignore_eos=True)))
+    full = "".join(
+        c.text
+        for c in gateway.generate(
+            key, chat("Count from one to ten in words.", max_tokens=24, ignore_eos=True)
+        )
+    )
     words = full.split()
     assert len(words) > 3, full
     stop = words[2]
-    chunks = gateway.generate(key, chat("Count from one to ten in words.", max_tokens=24,
-                                        ignore_eos=True, stop=[stop]))
+    chunks = gateway.generate(
+        key, chat("Count from one to ten in words.", max_tokens=24, ignore_eos=True, stop=[stop])
+    )
     text = "".join(c.text for c in chunks)
     assert text == full[: full.index(stop)]
     assert chunks[-1].finish_reason == common_pb2.STOP
     assert chunks[-1].usage.completion_tokens < 24
 
 
-def test_logprobs_carry_token_text(gateway: GatewayProcess, key: str,
-                                   tok: TextTokenizer) -> None:
+def test_logprobs_carry_token_text(gateway: GatewayProcess, key: str, tok: TextTokenizer) -> None:
     chunks = gateway.generate(key, chat("Hi", max_tokens=3, logprobs=2, ignore_eos=True))
     lps = [lp for c in chunks for lp in c.logprobs]
     ids = [t for c in chunks for t in c.token_ids]
@@ -90,24 +96,31 @@ def test_logprobs_carry_token_text(gateway: GatewayProcess, key: str,
 
 
 def test_list_models(gateway: GatewayProcess, key: str) -> None:
-    resp = gateway.stub.ListModels(gateway_pb2.ListModelsRequest(),
-                                   metadata=(("authorization", f"Bearer {key}"),))
+    resp = gateway.stub.ListModels(
+        gateway_pb2.ListModelsRequest(), metadata=(("authorization", f"Bearer {key}"),)
+    )
     (card,) = resp.models
     assert card.id == "SmolLM2-135M-Instruct"
     assert card.max_context_length == 2048
     assert sum(v.num_replicas for v in card.versions) == 2
-    assert rpc_error(gateway.stub.ListModels, gateway_pb2.ListModelsRequest()).code() == \
-        grpc.StatusCode.UNAUTHENTICATED
+    assert (
+        rpc_error(gateway.stub.ListModels, gateway_pb2.ListModelsRequest()).code()
+        == grpc.StatusCode.UNAUTHENTICATED
+    )
 
 
-@pytest.mark.parametrize(("authorization", "code", "words"), [
-    (None, grpc.StatusCode.UNAUTHENTICATED, "missing API key"),
-    ("Basic abc", grpc.StatusCode.UNAUTHENTICATED, "Bearer"),
-    ("Bearer sk-llm-" + "x" * 40, grpc.StatusCode.UNAUTHENTICATED, "unknown API key"),
-    ("Bearer not-a-key", grpc.StatusCode.UNAUTHENTICATED, "malformed"),
-])
-def test_bad_keys(gateway: GatewayProcess, authorization: str | None, code: grpc.StatusCode,
-                  words: str) -> None:
+@pytest.mark.parametrize(
+    ("authorization", "code", "words"),
+    [
+        (None, grpc.StatusCode.UNAUTHENTICATED, "missing API key"),
+        ("Basic abc", grpc.StatusCode.UNAUTHENTICATED, "Bearer"),
+        ("Bearer sk-llm-" + "x" * 40, grpc.StatusCode.UNAUTHENTICATED, "unknown API key"),
+        ("Bearer not-a-key", grpc.StatusCode.UNAUTHENTICATED, "malformed"),
+    ],
+)
+def test_bad_keys(
+    gateway: GatewayProcess, authorization: str | None, code: grpc.StatusCode, words: str
+) -> None:
     md = (("authorization", authorization),) if authorization else ()
     # invalid params too: authentication comes before any other check
     req = chat("hi", max_tokens=10**6, temperature=-1)
@@ -119,26 +132,32 @@ def test_bad_keys(gateway: GatewayProcess, authorization: str | None, code: grpc
 def test_revoked_key_admin_key_and_model_not_allowed(gateway: GatewayProcess) -> None:
     tid, key = gateway.tenant()
     assert gateway.generate(key, chat("hi", max_tokens=1))[-1].finish_reason
-    keys = gateway.admin.ListApiKeys(admin_pb2.ListApiKeysRequest(tenant_id=tid),
-                                     metadata=gateway.admin_md).api_keys
-    gateway.admin.RevokeApiKey(admin_pb2.RevokeApiKeyRequest(key_id=keys[0].key_id),
-                               metadata=gateway.admin_md)
+    keys = gateway.admin.ListApiKeys(
+        admin_pb2.ListApiKeysRequest(tenant_id=tid), metadata=gateway.admin_md
+    ).api_keys
+    gateway.admin.RevokeApiKey(
+        admin_pb2.RevokeApiKeyRequest(key_id=keys[0].key_id), metadata=gateway.admin_md
+    )
     err = rpc_error(gateway.generate, key, chat("hi"))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "revoked" in (err.details() or "")
     err = rpc_error(gateway.generate, ADMIN_KEY, chat("hi"))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "ADMIN key" in (err.details() or "")
-    gateway.admin.UpsertTenant(admin_pb2.Tenant(id="only-other", allowed_models=["other"]),
-                               metadata=gateway.admin_md)
-    key2 = gateway.admin.CreateApiKey(admin_pb2.CreateApiKeyRequest(tenant_id="only-other"),
-                                      metadata=gateway.admin_md).key
+    gateway.admin.UpsertTenant(
+        admin_pb2.Tenant(id="only-other", allowed_models=["other"]), metadata=gateway.admin_md
+    )
+    key2 = gateway.admin.CreateApiKey(
+        admin_pb2.CreateApiKeyRequest(tenant_id="only-other"), metadata=gateway.admin_md
+    ).key
     err = rpc_error(gateway.generate, key2, chat("hi"))
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "may not use model" in (
-        err.details() or "")
-    err = rpc_error(gateway.admin.ListTenants, admin_pb2.ListTenantsRequest(),
-                    metadata=(("authorization", f"Bearer {key2}"),))
+    assert "may not use model" in (err.details() or "")
+    err = rpc_error(
+        gateway.admin.ListTenants,
+        admin_pb2.ListTenantsRequest(),
+        metadata=(("authorization", f"Bearer {key2}"),),
+    )
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
@@ -165,8 +184,9 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize(("req", "words"), BAD_INPUTS)
-def test_invalid_argument(gateway: GatewayProcess, key: str, req: gateway_pb2.GenerateRequest,
-                          words: str) -> None:
+def test_invalid_argument(
+    gateway: GatewayProcess, key: str, req: gateway_pb2.GenerateRequest, words: str
+) -> None:
     err = rpc_error(gateway.generate, key, req)
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     assert words in (err.details() or ""), err.details()
@@ -176,21 +196,32 @@ def test_unknown_model_and_version(gateway: GatewayProcess, key: str) -> None:
     err = rpc_error(gateway.generate, key, gateway_pb2.GenerateRequest(model="gpt-9", prompt="x"))
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert "SmolLM2-135M-Instruct" in (err.details() or "")
-    err = rpc_error(gateway.generate, key, gateway_pb2.GenerateRequest(
-        model="SmolLM2-135M-Instruct", model_version="v0", prompt="x"))
+    err = rpc_error(
+        gateway.generate,
+        key,
+        gateway_pb2.GenerateRequest(model="SmolLM2-135M-Instruct", model_version="v0", prompt="x"),
+    )
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert "sha-" in (err.details() or "")
 
 
 def test_request_id_and_trace_reach_logs(gateway: GatewayProcess, key: str) -> None:
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    gateway.generate(key, chat("hi", max_tokens=2),
-                     metadata=(("traceparent", f"00-{trace_id}-00f067aa0ba902b7-01"),
-                               ("x-request-id", "trace-me-1")))
+    gateway.generate(
+        key,
+        chat("hi", max_tokens=2),
+        metadata=(
+            ("traceparent", f"00-{trace_id}-00f067aa0ba902b7-01"),
+            ("x-request-id", "trace-me-1"),
+        ),
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        lines = [json.loads(line) for line in gateway.proc.log_path.read_text().splitlines()
-                 if "trace-me-1" in line]
+        lines = [
+            json.loads(line)
+            for line in gateway.proc.log_path.read_text().splitlines()
+            if "trace-me-1" in line
+        ]
         settled = [rec for rec in lines if rec.get("event") == "request settled"]
         if settled:
             break
@@ -202,10 +233,17 @@ def test_request_id_and_trace_reach_logs(gateway: GatewayProcess, key: str) -> N
 def test_metrics_names(gateway: GatewayProcess, key: str) -> None:
     gateway.generate(key, chat("hi", max_tokens=2))
     text = gateway.metrics()
-    for name in ("gateway_requests_total", "gateway_tokens_charged_total",
-                 "gateway_time_to_first_token_seconds", "gateway_e2e_latency_seconds",
-                 "gateway_overhead_seconds", "gateway_retries_total", "gateway_failovers_total",
-                 "gateway_breaker_state", "gateway_ratelimit_denials_total"):
+    for name in (
+        "gateway_requests_total",
+        "gateway_tokens_charged_total",
+        "gateway_time_to_first_token_seconds",
+        "gateway_e2e_latency_seconds",
+        "gateway_overhead_seconds",
+        "gateway_retries_total",
+        "gateway_failovers_total",
+        "gateway_breaker_state",
+        "gateway_ratelimit_denials_total",
+    ):
         assert name in text, name
     assert gateway.metric("gateway_requests_total", code="OK") >= 1
     assert gateway.metric("gateway_requests_total", code="INVALID_ARGUMENT") >= 1

@@ -39,19 +39,29 @@ class Edge:
 
 
 @pytest.fixture(scope="module")
-def edge(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: RedisServer,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
+def edge(
+    engines: EnginePair,
+    tokenizer_server: ManagedProcess,
+    gw_redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Edge]:
     engines.ensure_running()
     logs = tmp_path_factory.mktemp("hostile-envoy")
-    hg = start_http_gateway("hostile-gw", engines.addresses, tokenizer_server.address,
-                            gw_redis.url, logs)
+    hg = start_http_gateway(
+        "hostile-gw", engines.addresses, tokenizer_server.address, gw_redis.url, logs
+    )
     envoy = None
     try:
-        cfg = render_config_file(logs / "envoy.yaml", listener_host="127.0.0.1", listener_port=0,
-                                 admin_port=0, gateway=[hg.gw.proc.address],
-                                 admin=[hg.gw.proc.address],
-                                 gateway_http=[f"127.0.0.1:{hg.http_port}"],
-                                 access_log_path=logs / "access.log")
+        cfg = render_config_file(
+            logs / "envoy.yaml",
+            listener_host="127.0.0.1",
+            listener_port=0,
+            admin_port=0,
+            gateway=[hg.gw.proc.address],
+            admin=[hg.gw.proc.address],
+            gateway_http=[f"127.0.0.1:{hg.http_port}"],
+            access_log_path=logs / "access.log",
+        )
         envoy = EnvoyProcess(cfg, log_dir=logs)
         envoy.start(timeout=60)
         tenant, key = hg.gw.tenant()
@@ -62,8 +72,9 @@ def edge(engines: EnginePair, tokenizer_server: ManagedProcess, gw_redis: RedisS
         hg.gw.stop()
 
 
-def grpc_call(edge: Edge, req: gateway_pb2.GenerateRequest | bytes, key: str | None = "",
-              timeout: float = 60) -> grpc.StatusCode:
+def grpc_call(
+    edge: Edge, req: gateway_pb2.GenerateRequest | bytes, key: str | None = "", timeout: float = 60
+) -> grpc.StatusCode:
     md = () if key is None else (("authorization", f"Bearer {key or edge.key}"),)
     with grpc.insecure_channel(edge.envoy.listener_address()) as ch:
         if isinstance(req, bytes):
@@ -90,25 +101,41 @@ def temperature(t: float) -> gateway_pb2.GenerateRequest:
 
 GRPC_TABLE: list[tuple[str, Callable[[Edge], grpc.StatusCode], grpc.StatusCode]] = [
     ("no key", lambda e: grpc_call(e, chat("Hi", 2), key=None), grpc.StatusCode.UNAUTHENTICATED),
-    ("made-up key", lambda e: grpc_call(e, chat("Hi", 2), key="sk-llm-" + "x" * 40),
-     grpc.StatusCode.UNAUTHENTICATED),
-    ("invalid UTF-8 in prompt", lambda e: grpc_call(e, bad_utf8()),
-     grpc.StatusCode.INVALID_ARGUMENT),
+    (
+        "made-up key",
+        lambda e: grpc_call(e, chat("Hi", 2), key="sk-llm-" + "x" * 40),
+        grpc.StatusCode.UNAUTHENTICATED,
+    ),
+    (
+        "invalid UTF-8 in prompt",
+        lambda e: grpc_call(e, bad_utf8()),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     ("temperature 5", lambda e: grpc_call(e, temperature(5.0)), grpc.StatusCode.INVALID_ARGUMENT),
-    ("unknown model", lambda e: grpc_call(e, gateway_pb2.GenerateRequest(
-        model="nope", prompt="Hi")), grpc.StatusCode.NOT_FOUND),
-    ("no input", lambda e: grpc_call(e, gateway_pb2.GenerateRequest()),
-     grpc.StatusCode.INVALID_ARGUMENT),
-    ("a deadline of 30 years", lambda e: grpc_call(e, chat("Hi", 2), timeout=1e9),
-     grpc.StatusCode.OK),
+    (
+        "unknown model",
+        lambda e: grpc_call(e, gateway_pb2.GenerateRequest(model="nope", prompt="Hi")),
+        grpc.StatusCode.NOT_FOUND,
+    ),
+    (
+        "no input",
+        lambda e: grpc_call(e, gateway_pb2.GenerateRequest()),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    (
+        "a deadline of 30 years",
+        lambda e: grpc_call(e, chat("Hi", 2), timeout=1e9),
+        grpc.StatusCode.OK,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("name", "send", "expected"), GRPC_TABLE,
-                         ids=[row[0] for row in GRPC_TABLE])
-def test_grpc_table_through_envoy(edge: Edge, name: str,
-                                  send: Callable[[Edge], grpc.StatusCode],
-                                  expected: grpc.StatusCode) -> None:
+@pytest.mark.parametrize(
+    ("name", "send", "expected"), GRPC_TABLE, ids=[row[0] for row in GRPC_TABLE]
+)
+def test_grpc_table_through_envoy(
+    edge: Edge, name: str, send: Callable[[Edge], grpc.StatusCode], expected: grpc.StatusCode
+) -> None:
     assert send(edge) == expected, name
 
 
@@ -116,8 +143,9 @@ def reflection_list(edge: Edge, key: str | None) -> list[bytes]:
     """``list_services`` over gRPC reflection through Envoy (raw protobuf bytes)."""
     md = () if key is None else (("authorization", f"Bearer {key}"),)
     with grpc.insecure_channel(edge.envoy.listener_address()) as ch:
-        call = ch.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-                                None, None)
+        call = ch.stream_stream(
+            "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", None, None
+        )
         return list(call(iter([b"\x3a\x00"]), metadata=md, timeout=10))  # list_services
 
 
@@ -131,12 +159,18 @@ def test_reflection_on_the_public_listener_needs_a_key(edge: Edge) -> None:
 
 
 def http_post(edge: Edge, body: bytes, headers: dict[str, str]) -> int:
-    conn = http.client.HTTPConnection(edge.envoy.listener_address().split(":")[0],
-                                      int(edge.envoy.listener_address().split(":")[1]),
-                                      timeout=60)
+    conn = http.client.HTTPConnection(
+        edge.envoy.listener_address().split(":")[0],
+        int(edge.envoy.listener_address().split(":")[1]),
+        timeout=60,
+    )
     try:
-        conn.request("POST", "/v1/chat/completions", body=body,
-                     headers={"content-type": "application/json", **headers})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=body,
+            headers={"content-type": "application/json", **headers},
+        )
         resp = conn.getresponse()
         resp.read()
         return resp.status
@@ -145,8 +179,9 @@ def http_post(edge: Edge, body: bytes, headers: dict[str, str]) -> int:
 
 
 def ok_body(**extra: object) -> bytes:
-    return json.dumps({"model": "", "messages": [{"role": "user", "content": "Hi"}],
-                       "max_tokens": 2, **extra}).encode()
+    return json.dumps(
+        {"model": "", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **extra}
+    ).encode()
 
 
 HTTP_TABLE: list[tuple[str, bytes, dict[str, str], bool, int]] = [
@@ -162,10 +197,14 @@ HTTP_TABLE: list[tuple[str, bytes, dict[str, str], bool, int]] = [
 ]
 
 
-@pytest.mark.parametrize(("name", "body", "headers", "with_key", "expected"), HTTP_TABLE,
-                         ids=[row[0] for row in HTTP_TABLE])
-def test_http_table_through_envoy(edge: Edge, name: str, body: bytes, headers: dict[str, str],
-                                  with_key: bool, expected: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "body", "headers", "with_key", "expected"),
+    HTTP_TABLE,
+    ids=[row[0] for row in HTTP_TABLE],
+)
+def test_http_table_through_envoy(
+    edge: Edge, name: str, body: bytes, headers: dict[str, str], with_key: bool, expected: int
+) -> None:
     auth = {"authorization": f"Bearer {edge.key}"} if with_key else {}
     assert http_post(edge, body, {**headers, **auth}) == expected, name
 

@@ -30,8 +30,7 @@ from tests.integration.gateway.conftest import (
 
 pytestmark = pytest.mark.integration
 
-LONG = chat("Count from one to one hundred, one number per line.", max_tokens=48,
-            ignore_eos=True)
+LONG = chat("Count from one to one hundred, one number per line.", max_tokens=48, ignore_eos=True)
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
@@ -46,8 +45,9 @@ def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> bool:
 def assert_idle(gw: GatewayProcess, tenant_id: str, engines: EnginePair) -> None:
     """Nothing a finished request took is still held, anywhere."""
     assert wait_until(lambda: gw.metric("gateway_in_flight") == 0), "requests still in flight"
-    assert wait_until(lambda: gw.metric("gateway_replica_outstanding") == 0), \
+    assert wait_until(lambda: gw.metric("gateway_replica_outstanding") == 0), (
         "a replica slot was never released"
+    )
     assert wait_until(lambda: gw.usage(tenant_id).concurrent_in_use == 0), "a lease leaked"
     for address in engines.addresses:
         with grpc.insecure_channel(address) as ch:
@@ -80,7 +80,8 @@ def test_a_reused_request_id_never_touches_another_stream(
         chunks: list[gateway_pb2.GenerateResponse] = []
         try:
             for chunk in gateway.stub.Generate(
-                    req, metadata=(("authorization", f"Bearer {key}"),), timeout=120):
+                req, metadata=(("authorization", f"Bearer {key}"),), timeout=120
+            ):
                 chunks.append(chunk)
                 first_is_live.set()
             results[name] = chunks
@@ -110,9 +111,24 @@ def test_a_reused_request_id_never_touches_another_stream(
 
 
 # x-request-timeout values a hostile or careless client sends, and what they must get
-TIMEOUTS = st.sampled_from(["1e12", "1e308", "99999999", "0", "-1", "nan", "NaN", "inf",
-                            "-inf", "99999999H", "", "abc", "1e-9", "0.000001"]) | st.floats(
-    allow_nan=True, allow_infinity=True).map(repr)
+TIMEOUTS = st.sampled_from(
+    [
+        "1e12",
+        "1e308",
+        "99999999",
+        "0",
+        "-1",
+        "nan",
+        "NaN",
+        "inf",
+        "-inf",
+        "99999999H",
+        "",
+        "abc",
+        "1e-9",
+        "0.000001",
+    ]
+) | st.floats(allow_nan=True, allow_infinity=True).map(repr)
 
 
 def expected_http_status(raw: str) -> set[int]:
@@ -127,8 +143,11 @@ def expected_http_status(raw: str) -> set[int]:
     return {200}
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(raw=TIMEOUTS)
 def test_absurd_http_deadlines_get_a_clear_status_and_release_everything(
     http_gateway: HttpGateway, engines: EnginePair, raw: str
@@ -138,9 +157,16 @@ def test_absurd_http_deadlines_get_a_clear_status_and_release_everything(
     conn = http.client.HTTPConnection("127.0.0.1", http_gateway.http_port, timeout=120)
     try:
         body = json.dumps({"model": "", "prompt": "Hi", "max_tokens": 2})
-        conn.request("POST", "/v1/completions", body=body, headers={
-            "Authorization": f"Bearer {key}", "Content-Type": "application/json",
-            "x-request-timeout": raw})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=body,
+            headers={
+                "Authorization": f"Bearer {key}",
+                "Content-Type": "application/json",
+                "x-request-timeout": raw,
+            },
+        )
         resp = conn.getresponse()
         payload = json.loads(resp.read() or b"{}")
     finally:
@@ -179,8 +205,12 @@ def test_a_deadline_that_passes_mid_stream_releases_everything(
 def post(hg: HttpGateway, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, object]]:
     conn = http.client.HTTPConnection("127.0.0.1", hg.http_port, timeout=60)
     try:
-        conn.request("POST", "/v1/chat/completions", body=body,
-                     headers={"Content-Type": "application/json", **headers})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=body,
+            headers={"Content-Type": "application/json", **headers},
+        )
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read() or b"{}")
     finally:
@@ -188,14 +218,16 @@ def post(hg: HttpGateway, body: bytes, headers: dict[str, str]) -> tuple[int, di
 
 
 @pytest.mark.parametrize("authorization", ["", "Bearer sk-not-a-real-key", "Basic abc"])
-def test_the_key_is_checked_before_the_body_is_read(http_gateway: HttpGateway,
-                                                    authorization: str) -> None:
+def test_the_key_is_checked_before_the_body_is_read(
+    http_gateway: HttpGateway, authorization: str
+) -> None:
     """A malformed body from a caller without a valid key is a 401, not a 400: nothing
     of the body was parsed (or logged) before authentication."""
     marker = "unauthenticated-user-marker"
     body = b'{"messages": [' + b"[" * 5000 + b'], "user": "' + marker.encode() + b'"'
-    status, payload = post(http_gateway, body, {"Authorization": authorization}
-                           if authorization else {})
+    status, payload = post(
+        http_gateway, body, {"Authorization": authorization} if authorization else {}
+    )
     assert status == 401, payload
     assert marker not in http_gateway.gw.proc.log_path.read_text()
 
@@ -203,20 +235,38 @@ def test_the_key_is_checked_before_the_body_is_read(http_gateway: HttpGateway,
 HI = b'{"role": "user", "content": "Hi"}'
 
 
-@pytest.mark.parametrize(("body", "param", "message"), [
-    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 1}',
-     "messages[0].content", "lone UTF-16 surrogate"),
-    (b'{"messages": [' + HI + b'], "stop": ["\\udfff"], "max_tokens": 1}', "stop[0]",
-     "not valid Unicode"),
-    (b'{"messages": [' + HI + b'], "user": "\\ud83d", "max_tokens": 1}', "user",
-     "not valid Unicode"),
-    (b'{"messages": [' + HI + b'], "metadata": ' + b"[" * 100 + b"]" * 100 + b"}",
-     "metadata", "nests deeper than 32 levels"),
-    (b'{"messages": [' + HI + b'], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-     None, "nests too deeply"),
-    (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', None, "not valid UTF-8"),
-    (b'{"messages": [' + HI + b'], "max_tokens": "8"}', "max_tokens", "must be an integer"),
-])
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (
+            b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 1}',
+            "messages[0].content",
+            "lone UTF-16 surrogate",
+        ),
+        (
+            b'{"messages": [' + HI + b'], "stop": ["\\udfff"], "max_tokens": 1}',
+            "stop[0]",
+            "not valid Unicode",
+        ),
+        (
+            b'{"messages": [' + HI + b'], "user": "\\ud83d", "max_tokens": 1}',
+            "user",
+            "not valid Unicode",
+        ),
+        (
+            b'{"messages": [' + HI + b'], "metadata": ' + b"[" * 100 + b"]" * 100 + b"}",
+            "metadata",
+            "nests deeper than 32 levels",
+        ),
+        (
+            b'{"messages": [' + HI + b'], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            None,
+            "nests too deeply",
+        ),
+        (b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', None, "not valid UTF-8"),
+        (b'{"messages": [' + HI + b'], "max_tokens": "8"}', "max_tokens", "must be an integer"),
+    ],
+)
 def test_malformed_bodies_get_400_naming_the_field(
     http_gateway: HttpGateway, body: bytes, param: str | None, message: str
 ) -> None:
@@ -235,8 +285,14 @@ def test_malformed_bodies_get_400_naming_the_field(
 def test_logged_client_fields_are_truncated(http_gateway: HttpGateway) -> None:
     _, key = http_gateway.gw.tenant()
     user = "u" * 5000
-    body = json.dumps({"model": "", "messages": [{"role": "user", "content": "Hi"}],
-                       "max_tokens": 1, "user": user}).encode()
+    body = json.dumps(
+        {
+            "model": "",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 1,
+            "user": user,
+        }
+    ).encode()
     status, _ = post(http_gateway, body, {"Authorization": f"Bearer {key}"})
     assert status == 200
     log = http_gateway.gw.proc.log_path.read_text()
@@ -244,8 +300,9 @@ def test_logged_client_fields_are_truncated(http_gateway: HttpGateway) -> None:
     assert "u" * 65 not in log
 
 
-def test_an_oversized_grpc_message_is_refused_before_any_work(gateway: GatewayProcess,
-                                                               engines: EnginePair) -> None:
+def test_an_oversized_grpc_message_is_refused_before_any_work(
+    gateway: GatewayProcess, engines: EnginePair
+) -> None:
     """Over the gateway's max_message_bytes (4 MiB): RESOURCE_EXHAUSTED from gRPC itself,
     before authentication, tokenization or metering run."""
     tid, key = gateway.tenant()
@@ -279,8 +336,9 @@ def gateway_encodes(gateway: GatewayProcess) -> float:
     return gateway.metric("gateway_stage_seconds_count", stage="encode")
 
 
-def test_an_over_rate_tenant_costs_no_tokenizing(gateway: GatewayProcess,
-                                                engines: EnginePair) -> None:
+def test_an_over_rate_tenant_costs_no_tokenizing(
+    gateway: GatewayProcess, engines: EnginePair
+) -> None:
     """The request unit is taken before the prompt is tokenized: a flood over the request
     rate is refused without one encode, by Redis first and then by the gateway's memo."""
     tid, key = gateway.tenant(requests_per_minute=1, request_burst=1)
@@ -305,8 +363,9 @@ def test_invalid_utf8_in_a_string_field_is_invalid_argument(
         raw = gateway_pb2.GenerateRequest(prompt="ab").SerializeToString()
     else:
         address, method = engines.addresses[0], "/llm.v1.Engine/Generate"
-        raw = engine_pb2.EngineGenerateRequest(request_id="ab", prompt_token_ids=[1]
-                                               ).SerializeToString()
+        raw = engine_pb2.EngineGenerateRequest(
+            request_id="ab", prompt_token_ids=[1]
+        ).SerializeToString()
     bad = raw.replace(b"ab", b"\xff\xfe")
     assert bad != raw
     with grpc.insecure_channel(address) as ch:
@@ -328,8 +387,9 @@ def test_a_spray_of_bad_keys_from_one_address_is_throttled(gateway: GatewayProce
     codes = []
     for i in range(61):
         with pytest.raises(grpc.RpcError) as err:
-            gateway.generate(f"sk-llm-made-up-key-{i:04d}-" + "x" * 24, chat("Hi", 2),
-                             metadata=spray)
+            gateway.generate(
+                f"sk-llm-made-up-key-{i:04d}-" + "x" * 24, chat("Hi", 2), metadata=spray
+            )
         codes.append(err.value.code())
     assert set(codes[:60]) == {grpc.StatusCode.UNAUTHENTICATED}
     assert codes[60] == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -23,15 +23,19 @@ QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name 
 @pytest.fixture(scope="module")
 def client(http_gateway: HttpGateway) -> Iterator[openai.OpenAI]:
     _, key = http_gateway.gw.tenant()
-    with openai.OpenAI(base_url=http_gateway.base_url, api_key=key, max_retries=0,
-                       timeout=60) as c:
+    with openai.OpenAI(base_url=http_gateway.base_url, api_key=key, max_retries=0, timeout=60) as c:
         yield c
 
 
 def test_chat_completion_with_usage_and_request_id(client: openai.OpenAI) -> None:
     raw = client.chat.completions.with_raw_response.create(
-        model="", messages=QUESTION, max_tokens=8, temperature=0,
-        extra_headers={"x-request-id": "my-req-42"}, user="alice")
+        model="",
+        messages=QUESTION,
+        max_tokens=8,
+        temperature=0,
+        extra_headers={"x-request-id": "my-req-42"},
+        user="alice",
+    )
     assert raw.headers["x-request-id"] == "my-req-42"
     resp = raw.parse()
     assert resp.id == "chatcmpl-my-req-42"
@@ -48,8 +52,9 @@ def test_chat_completion_with_usage_and_request_id(client: openai.OpenAI) -> Non
 
 
 def test_text_completion(client: openai.OpenAI) -> None:
-    resp = client.completions.create(model="", prompt="The capital of France is",
-                                     max_tokens=6, temperature=0)
+    resp = client.completions.create(
+        model="", prompt="The capital of France is", max_tokens=6, temperature=0
+    )
     assert resp.id.startswith("cmpl-")
     assert resp.object == "text_completion"
     (choice,) = resp.choices
@@ -60,11 +65,17 @@ def test_text_completion(client: openai.OpenAI) -> None:
 
 
 def test_streamed_chat_matches_non_streamed_and_reports_usage(client: openai.OpenAI) -> None:
-    whole = client.chat.completions.create(model="", messages=QUESTION,
-                                           max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(
+        model="", messages=QUESTION, max_tokens=12, temperature=0
+    )
     stream = client.chat.completions.create(
-        model="", messages=QUESTION, max_tokens=12, temperature=0,
-        stream=True, stream_options={"include_usage": True})
+        model="",
+        messages=QUESTION,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({c.id for c in chunks}) == 1
@@ -82,8 +93,11 @@ def test_streamed_chat_matches_non_streamed_and_reports_usage(client: openai.Ope
 
 
 def test_streamed_text_completion_without_usage(client: openai.OpenAI) -> None:
-    chunks = list(client.completions.create(model="", prompt="1, 2, 3,", max_tokens=8,
-                                            temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model="", prompt="1, 2, 3,", max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert len(chunks) > 1
     assert all(c.usage is None for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -96,10 +110,11 @@ def test_stop_string_trims_the_output(client: openai.OpenAI) -> None:
     text = free.choices[0].text
     assert len(text) > 6, text
     stop = text[3:6]
-    cut = text[:text.index(stop)]
+    cut = text[: text.index(stop)]
     for stops in (stop, [stop, "never-appears"]):
-        resp = client.completions.create(model="", prompt=prompt, max_tokens=16,
-                                         temperature=0, stop=stops)
+        resp = client.completions.create(
+            model="", prompt=prompt, max_tokens=16, temperature=0, stop=stops
+        )
         assert resp.choices[0].text == cut
         assert resp.choices[0].finish_reason == "stop"
 
@@ -107,9 +122,15 @@ def test_stop_string_trims_the_output(client: openai.OpenAI) -> None:
 def test_seed_makes_sampling_reproducible(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str:
         resp = client.chat.completions.create(
-            model="", messages=[{"role": "user", "content": "Write a word."}],
-            max_tokens=12, temperature=1.0, top_p=0.95, seed=seed,
-            presence_penalty=0.5, frequency_penalty=0.5)
+            model="",
+            messages=[{"role": "user", "content": "Write a word."}],
+            max_tokens=12,
+            temperature=1.0,
+            top_p=0.95,
+            seed=seed,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+        )
         return resp.choices[0].message.content or ""
 
     first = sample(1234)
@@ -119,9 +140,9 @@ def test_seed_makes_sampling_reproducible(client: openai.OpenAI) -> None:
 
 
 def test_logprobs(client: openai.OpenAI) -> None:
-    chat = client.chat.completions.create(model="", messages=QUESTION,
-                                          max_tokens=4, temperature=0, logprobs=True,
-                                          top_logprobs=3)
+    chat = client.chat.completions.create(
+        model="", messages=QUESTION, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     lp = chat.choices[0].logprobs
     assert lp is not None
     assert lp.content is not None
@@ -131,8 +152,9 @@ def test_logprobs(client: openai.OpenAI) -> None:
         assert len(pos.top_logprobs) == 3
         assert pos.top_logprobs[0].logprob >= pos.top_logprobs[-1].logprob
         assert pos.logprob == pytest.approx(pos.top_logprobs[0].logprob)  # greedy
-    text = client.completions.create(model="", prompt="Hello", max_tokens=3, temperature=0,
-                                     logprobs=2)
+    text = client.completions.create(
+        model="", prompt="Hello", max_tokens=3, temperature=0, logprobs=2
+    )
     tlp = text.choices[0].logprobs
     assert tlp is not None
     assert tlp.tokens is not None
@@ -148,8 +170,9 @@ def test_models(client: openai.OpenAI) -> None:
     model = client.models.retrieve(models[0].id)
     assert model.id == models[0].id
     assert model.owned_by == "llm-serving-stack"
-    resp = client.chat.completions.create(model=model.id, messages=QUESTION,
-                                          max_completion_tokens=2)
+    resp = client.chat.completions.create(
+        model=model.id, messages=QUESTION, max_completion_tokens=2
+    )
     assert resp.model == model.id
     assert resp.usage is not None
     assert resp.usage.completion_tokens <= 2

@@ -24,17 +24,23 @@ DESCRIPTOR = Path(__file__).resolve().parents[3] / "build" / "llm_v1.pb"
 
 
 @pytest.fixture(scope="module")
-def edge(http_gateway: HttpGateway, tmp_path_factory: pytest.TempPathFactory
-         ) -> Iterator[EnvoyProcess]:
+def edge(
+    http_gateway: HttpGateway, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EnvoyProcess]:
     if not DESCRIPTOR.exists():
         pytest.fail(f"{DESCRIPTOR} missing: run `make protos` (make test does it)")
     workdir = tmp_path_factory.mktemp("envoy-openai")
     grpc_addr = http_gateway.gw.proc.address
     path = render_config_file(
-        workdir / "envoy.yaml", listener_host="127.0.0.1", listener_port=0, admin_port=0,
-        gateway=[grpc_addr], admin=[grpc_addr],
+        workdir / "envoy.yaml",
+        listener_host="127.0.0.1",
+        listener_port=0,
+        admin_port=0,
+        gateway=[grpc_addr],
+        admin=[grpc_addr],
         gateway_http=[f"127.0.0.1:{http_gateway.http_port}"],
-        access_log_path=workdir / "access.log")
+        access_log_path=workdir / "access.log",
+    )
     with EnvoyProcess(path, log_dir=workdir) as envoy:
         yield envoy
 
@@ -44,9 +50,14 @@ def test_sdk_streams_chat_through_envoy(http_gateway: HttpGateway, edge: EnvoyPr
     base = f"http://{edge.listener_address()}/v1"
     with openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=60) as client:
         raw = client.chat.completions.with_raw_response.create(
-            model="", messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
-            temperature=0, stream=True, stream_options={"include_usage": True},
-            extra_headers={"x-request-id": "via-envoy-1"})
+            model="",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers={"x-request-id": "via-envoy-1"},
+        )
         assert raw.headers["x-request-id"] == "via-envoy-1"
         chunks = list(raw.parse())
         assert chunks[0].id == "chatcmpl-via-envoy-1"
@@ -58,14 +69,35 @@ def test_sdk_streams_chat_through_envoy(http_gateway: HttpGateway, edge: EnvoyPr
             client.with_options(api_key="sk-llm-wrong").models.list()
 
 
-def test_http2_stream_through_envoy_is_not_buffered(http_gateway: HttpGateway,
-                                                    edge: EnvoyProcess) -> None:
+def test_http2_stream_through_envoy_is_not_buffered(
+    http_gateway: HttpGateway, edge: EnvoyProcess
+) -> None:
     tid, key = http_gateway.gw.tenant()
-    body = json.dumps({"model": "", "prompt": "Once upon a time", "max_tokens": 40,
-                       "stream": True, "ignore_eos": True})
-    cmd = ["curl", "-sS", "-N", "--http2-prior-knowledge", "-i", "--max-time", "60",
-           "-H", f"Authorization: Bearer {key}", "-H", "Content-Type: application/json",
-           "-d", body, f"http://{edge.listener_address()}/v1/completions"]
+    body = json.dumps(
+        {
+            "model": "",
+            "prompt": "Once upon a time",
+            "max_tokens": 40,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    )
+    cmd = [
+        "curl",
+        "-sS",
+        "-N",
+        "--http2-prior-knowledge",
+        "-i",
+        "--max-time",
+        "60",
+        "-H",
+        f"Authorization: Bearer {key}",
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        body,
+        f"http://{edge.listener_address()}/v1/completions",
+    ]
     leases_at_first_event: list[int] = []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
@@ -90,7 +122,17 @@ def test_http2_stream_through_envoy_is_not_buffered(http_gateway: HttpGateway,
 def test_admin_transcoding_still_works(http_gateway: HttpGateway, edge: EnvoyProcess) -> None:
     tid, _ = http_gateway.gw.tenant()
     out = subprocess.run(
-        ["curl", "-sS", "--max-time", "10", "-H", f"Authorization: Bearer {ADMIN_KEY}",
-         f"http://{edge.listener_address()}/v1/admin/tenants/{tid}"],
-        capture_output=True, text=True, check=True)
+        [
+            "curl",
+            "-sS",
+            "--max-time",
+            "10",
+            "-H",
+            f"Authorization: Bearer {ADMIN_KEY}",
+            f"http://{edge.listener_address()}/v1/admin/tenants/{tid}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert json.loads(out.stdout)["id"] == tid

@@ -34,8 +34,7 @@ _CLIENTS: list[openai.OpenAI] = []
 
 
 def sdk(gw: HttpGateway, key: str, max_retries: int = 0) -> openai.OpenAI:
-    client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=max_retries,
-                           timeout=60)
+    client = openai.OpenAI(base_url=gw.base_url, api_key=key, max_retries=max_retries, timeout=60)
     _CLIENTS.append(client)
     return client
 
@@ -72,28 +71,35 @@ def test_unknown_key_is_401(http_gateway: HttpGateway) -> None:
 def test_revoked_key_is_403(http_gateway: HttpGateway) -> None:
     gw = http_gateway.gw
     tid, _ = gw.tenant()
-    created = gw.admin.CreateApiKey(admin_pb2.CreateApiKeyRequest(tenant_id=tid, name="rv"),
-                                    metadata=gw.admin_md)
-    gw.admin.RevokeApiKey(admin_pb2.RevokeApiKeyRequest(key_id=created.api_key.key_id),
-                          metadata=gw.admin_md)
+    created = gw.admin.CreateApiKey(
+        admin_pb2.CreateApiKeyRequest(tenant_id=tid, name="rv"), metadata=gw.admin_md
+    )
+    gw.admin.RevokeApiKey(
+        admin_pb2.RevokeApiKeyRequest(key_id=created.api_key.key_id), metadata=gw.admin_md
+    )
     with pytest.raises(openai.PermissionDeniedError) as info:
         sdk(http_gateway, created.key).chat.completions.create(model="", messages=HI)
     assert info.value.status_code == 403
 
 
-@pytest.mark.parametrize(("kwargs", "param"), [
-    ({"n": 2}, "n"),
-    ({"temperature": 5.0}, "temperature"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"max_tokens": 100_000}, "max_tokens"),
-    ({"stop": ["x"] * 40}, "stop"),
-    ({"extra_body": {"messages": []}}, "messages"),
-])
-def test_invalid_params_are_400_with_param(http_gateway: HttpGateway, key: str,
-                                           kwargs: dict[str, object], param: str) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"temperature": 5.0}, "temperature"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"max_tokens": 100_000}, "max_tokens"),
+        ({"stop": ["x"] * 40}, "stop"),
+        ({"extra_body": {"messages": []}}, "messages"),
+    ],
+)
+def test_invalid_params_are_400_with_param(
+    http_gateway: HttpGateway, key: str, kwargs: dict[str, object], param: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         sdk(http_gateway, key).chat.completions.create(
-            model="", messages=HI, **{"max_tokens": 2, **kwargs})  # type: ignore[call-overload]
+            model="", messages=HI, **{"max_tokens": 2, **kwargs}
+        )  # type: ignore[call-overload]
     assert info.value.status_code == 400
     assert info.value.param == param, info.value.message
     assert info.value.type == "invalid_request_error"
@@ -137,18 +143,26 @@ def test_sdk_retries_429_after_retry_after(http_gateway: HttpGateway) -> None:
 def test_deadline_is_504(http_gateway: HttpGateway, key: str) -> None:
     with pytest.raises(openai.InternalServerError) as info:
         sdk(http_gateway, key).chat.completions.create(
-            model="", messages=HI, max_tokens=32, extra_headers={"x-request-timeout": "0.001"})
+            model="", messages=HI, max_tokens=32, extra_headers={"x-request-timeout": "0.001"}
+        )
     assert info.value.status_code == 504
     assert info.value.code == "deadline_exceeded"
 
 
 @pytest.fixture
-def no_engine_gateway(tokenizer_server: ManagedProcess, gw_redis: RedisServer,
-                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpGateway]:
-    hg = start_http_gateway("gateway-no-engine", [f"127.0.0.1:{free_port()}"],
-                            tokenizer_server.address, gw_redis.url,
-                            tmp_path_factory.mktemp("gateway-no-engine"),
-                            env={"LLM_GATEWAY_STARTUP_WAIT_S": "0"})
+def no_engine_gateway(
+    tokenizer_server: ManagedProcess,
+    gw_redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[HttpGateway]:
+    hg = start_http_gateway(
+        "gateway-no-engine",
+        [f"127.0.0.1:{free_port()}"],
+        tokenizer_server.address,
+        gw_redis.url,
+        tmp_path_factory.mktemp("gateway-no-engine"),
+        env={"LLM_GATEWAY_STARTUP_WAIT_S": "0"},
+    )
     try:
         yield hg
     finally:
@@ -164,12 +178,14 @@ def test_no_engine_is_503(no_engine_gateway: HttpGateway) -> None:
     assert info.value.code == "service_unavailable"
 
 
-def test_disconnect_mid_stream_frees_the_engine(http_gateway: HttpGateway,
-                                                engines: EnginePair) -> None:
+def test_disconnect_mid_stream_frees_the_engine(
+    http_gateway: HttpGateway, engines: EnginePair
+) -> None:
     gw = http_gateway.gw
     tid, key = gw.tenant(max_concurrent=1)
     stream = sdk(http_gateway, key).chat.completions.create(
-        model="", messages=HI, max_tokens=64, stream=True, extra_body={"ignore_eos": True})
+        model="", messages=HI, max_tokens=64, stream=True, extra_body={"ignore_eos": True}
+    )
     got = [c for _, c in zip(range(3), stream, strict=False)]
     assert len(got) == 3
     assert gw.usage(tid).concurrent_in_use == 1

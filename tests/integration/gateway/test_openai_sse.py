@@ -23,15 +23,21 @@ from tests.integration.gateway.conftest import HttpGateway
 pytestmark = pytest.mark.integration
 
 
-async def read_stream(url: str, key: str, body: dict[str, Any],
-                      on_first_event: Callable[[], None] = lambda: None,
-                      ) -> tuple[aiohttp.ClientResponse, list[tuple[float, str]]]:
+async def read_stream(
+    url: str,
+    key: str,
+    body: dict[str, Any],
+    on_first_event: Callable[[], None] = lambda: None,
+) -> tuple[aiohttp.ClientResponse, list[tuple[float, str]]]:
     """(response, [(arrival time, line)]) of one streamed request; ``on_first_event``
     runs when the first ``data:`` line has arrived, before the next is read."""
     lines: list[tuple[float, str]] = []
-    async with aiohttp.ClientSession() as session, session.post(
-            url, json=body, headers={"Authorization": f"Bearer {key}",
-                                     "x-request-id": "sse-1"}) as resp:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(
+            url, json=body, headers={"Authorization": f"Bearer {key}", "x-request-id": "sse-1"}
+        ) as resp,
+    ):
         while True:
             raw = await resp.content.readline()
             if not raw:
@@ -44,16 +50,22 @@ async def read_stream(url: str, key: str, body: dict[str, Any],
 
 def test_sse_framing_and_no_buffering(http_gateway: HttpGateway) -> None:
     tid, key = http_gateway.gw.tenant()
-    body = {"model": "", "messages": [{"role": "user", "content": "Count to twenty."}],
-            "max_tokens": 48, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
+    body = {
+        "model": "",
+        "messages": [{"role": "user", "content": "Count to twenty."}],
+        "max_tokens": 48,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     leases_at_first_event: list[int] = []
 
     def first_event() -> None:  # the request's lease is held until its stream ends
         leases_at_first_event.append(http_gateway.gw.usage(tid).concurrent_in_use)
 
-    resp, lines = asyncio.run(read_stream(http_gateway.base_url + "/chat/completions", key,
-                                          body, first_event))
+    resp, lines = asyncio.run(
+        read_stream(http_gateway.base_url + "/chat/completions", key, body, first_event)
+    )
     assert resp.status == 200
     assert resp.headers["Content-Type"].startswith("text/event-stream")
     assert resp.headers["x-request-id"] == "sse-1"
@@ -66,7 +78,7 @@ def test_sse_framing_and_no_buffering(http_gateway: HttpGateway) -> None:
     assert len(events) == len(blanks)
     assert all(e.startswith("data: ") for e in events)
     assert events[-1] == "data: [DONE]\n"
-    objs = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    objs = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert {o["id"] for o in objs} == {"chatcmpl-sse-1"}
     assert objs[-1]["choices"] == []
     assert objs[-1]["usage"]["completion_tokens"] == 48
@@ -78,11 +90,18 @@ def test_sse_framing_and_no_buffering(http_gateway: HttpGateway) -> None:
 
 
 def test_errors_are_json_in_openai_shape(http_gateway: HttpGateway) -> None:
-    async def call(method: str, path: str, key: str, body: Any = None
-                   ) -> tuple[int, CIMultiDict[str], Any]:
-        async with aiohttp.ClientSession() as session, session.request(
-                method, http_gateway.base_url + path, json=body,
-                headers={"Authorization": f"Bearer {key}"}) as resp:
+    async def call(
+        method: str, path: str, key: str, body: Any = None
+    ) -> tuple[int, CIMultiDict[str], Any]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(
+                method,
+                http_gateway.base_url + path,
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+            ) as resp,
+        ):
             return resp.status, CIMultiDict(resp.headers), await resp.json()
 
     _, key = http_gateway.gw.tenant()

@@ -37,8 +37,9 @@ def acl_server() -> Iterator[RedisServer]:
 
 @pytest.fixture
 async def service_client(acl_server: RedisServer) -> AsyncIterator[Redis]:
-    client = Redis.from_url(acl_server.url, username=SERVICE_USER, password=PASSWORD,
-                            decode_responses=True)
+    client = Redis.from_url(
+        acl_server.url, username=SERVICE_USER, password=PASSWORD, decode_responses=True
+    )
     try:
         yield client
     finally:
@@ -61,11 +62,25 @@ async def test_anonymous_and_wrong_password_are_refused(acl_server: RedisServer)
             await c.aclose()
 
 
-@pytest.mark.parametrize("command", [
-    ("FLUSHALL",), ("FLUSHDB",), ("CONFIG", "GET", "*"), ("KEYS", "*"), ("CLIENT", "LIST"),
-    ("SAVE",), ("ACL", "LIST"), ("MONITOR",), ("SHUTDOWN",), ("SCAN", "0"), ("INFO",),
-    ("FUNCTION", "FLUSH"), ("SET", "other:key", "1"), ("GET", "rl:tenant"),
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("FLUSHALL",),
+        ("FLUSHDB",),
+        ("CONFIG", "GET", "*"),
+        ("KEYS", "*"),
+        ("CLIENT", "LIST"),
+        ("SAVE",),
+        ("ACL", "LIST"),
+        ("MONITOR",),
+        ("SHUTDOWN",),
+        ("SCAN", "0"),
+        ("INFO",),
+        ("FUNCTION", "FLUSH"),
+        ("SET", "other:key", "1"),
+        ("GET", "rl:tenant"),
+    ],
+)
 async def test_service_user_cannot_run_admin_commands_or_leave_its_prefix(
     service_client: Redis, command: tuple[str, ...]
 ) -> None:
@@ -87,16 +102,22 @@ async def test_the_whole_limiter_and_registry_work_as_the_service_user(
     password_file = tmp_path / "redis.password"
     password_file.write_text(PASSWORD + "\n")
     config = RateLimitConfig(
-        redis_url=acl_server.url, redis_username=SERVICE_USER,
-        redis_password_file=str(password_file), key_prefix=PREFIX, fail_mode="closed",
+        redis_url=acl_server.url,
+        redis_username=SERVICE_USER,
+        redis_password_file=str(password_file),
+        key_prefix=PREFIX,
+        fail_mode="closed",
         admin_key="sk-llm-" + "a" * 40,
     )
     stack = RateLimitStack.from_config(config)
     await stack.start(wait_s=10)  # loads every script, registers the admin key
     try:
         tenant = await stack.registry.upsert_tenant(
-            Tenant("acme", LimitPolicy(requests_per_minute=10, tokens_per_minute=1000,
-                                       max_concurrent=2)))
+            Tenant(
+                "acme",
+                LimitPolicy(requests_per_minute=10, tokens_per_minute=1000, max_concurrent=2),
+            )
+        )
         plaintext, _ = await stack.registry.create_key("acme", "ci", KeyRole.TENANT)
         principal = await stack.registry.authenticate(plaintext)
         assert principal.tenant is not None

@@ -168,8 +168,10 @@ async def test_fail_open_share_follows_the_live_replica_count(
     Redis: joins, a clean leave, and a replica that went silent past its TTL."""
     limiter: RateLimiter = limiter_factory("open")
     clients = [client_for(own_redis.url) for _ in range(4)]
-    members = [ReplicaMembership(c, prefix="f:", ttl_ms=60_000,
-                                 on_count=limiter.set_live_replicas) for c in clients[:3]]
+    members = [
+        ReplicaMembership(c, prefix="f:", ttl_ms=60_000, on_count=limiter.set_live_replicas)
+        for c in clients[:3]
+    ]
     silent = ReplicaMembership(clients[3], prefix="f:", ttl_ms=300, on_count=lambda n: None)
     try:
         for m in members:

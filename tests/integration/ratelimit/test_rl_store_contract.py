@@ -149,8 +149,15 @@ async def test_settle_only_if_held_refunds_exactly_once(store: Store) -> None:
     assert o.taken
 
     async def compensate(lease_id: str) -> bool:
-        return await store.settle("t", POLICY, lease_id=lease_id, refund_tokens=2500,
-                                  prompt_tokens=0, completion_tokens=0, only_if_held=True)
+        return await store.settle(
+            "t",
+            POLICY,
+            lease_id=lease_id,
+            refund_tokens=2500,
+            prompt_tokens=0,
+            completion_tokens=0,
+            only_if_held=True,
+        )
 
     assert await compensate("never-ran") is False
     assert (await store.usage("t", POLICY)).tokens_available == 3500  # nothing given back
@@ -167,8 +174,9 @@ async def test_an_overrun_to_exactly_minus_one_is_not_unlimited(store: Store, cl
     o = await store.reserve("t", policy, num_tokens=6000, lease_id="a", shadow=False)
     assert o.taken
     assert o.tokens_left == 0.0
-    await store.settle("t", policy, lease_id="a", refund_tokens=-1, prompt_tokens=6000,
-                       completion_tokens=1)  # used one token more than reserved
+    await store.settle(
+        "t", policy, lease_id="a", refund_tokens=-1, prompt_tokens=6000, completion_tokens=1
+    )  # used one token more than reserved
     u = await store.usage("t", policy)
     assert u.tokens_available == 0.0  # reported never below 0, never as -1 (unlimited)
     assert u.requests_available == -1.0  # the dimension without a limit
@@ -185,8 +193,9 @@ async def test_a_clock_stepping_back_credits_nothing(store: Store, clock: Clock)
     start = clock.now
     clock.now = start - 30_000
     assert not (await store.reserve("t", policy, num_tokens=1, lease_id="b", shadow=False)).taken
-    await store.settle("t", policy, lease_id="a", refund_tokens=3000, prompt_tokens=0,
-                       completion_tokens=0)  # a write while the clock is behind
+    await store.settle(
+        "t", policy, lease_id="a", refund_tokens=3000, prompt_tokens=0, completion_tokens=0
+    )  # a write while the clock is behind
     clock.now = start + 1000  # one real second after the take
     u = await store.usage("t", policy)
     assert u.tokens_available == pytest.approx(3100.0)  # the refund + 1 s at 100/s, not 31 s
@@ -211,11 +220,13 @@ async def test_take_after_reserve_then_settle_is_exact(store: Store, clock: Cloc
     assert (o.denied, o.retry_after_ms) == (Dimension.TOKENS, 10_000)
     o = await store.take("t", policy, num_tokens=7000, lease_id="b", shadow=False)
     assert o.retry_after_ms == -1  # above the bucket's capacity: never
-    await store.settle("t", policy, lease_id="b", refund_tokens=0, prompt_tokens=0,
-                       completion_tokens=0)
+    await store.settle(
+        "t", policy, lease_id="b", refund_tokens=0, prompt_tokens=0, completion_tokens=0
+    )
     # "a" used 300 tokens; the caller's refund never includes the take (0 - 300 here)
-    await store.settle("t", policy, lease_id="a", refund_tokens=-300, prompt_tokens=100,
-                       completion_tokens=200)
+    await store.settle(
+        "t", policy, lease_id="a", refund_tokens=-300, prompt_tokens=100, completion_tokens=200
+    )
     u = await store.usage("t", policy)
     assert (u.tokens_available, u.requests_available, u.concurrent_in_use) == (5700.0, 58.0, 0)
     assert (u.requests_total, u.prompt_tokens_total, u.completion_tokens_total) == (2, 100, 200)
@@ -230,8 +241,15 @@ async def test_take_in_shadow_mode_and_release_keeping_the_take(store: Store) ->
     assert o.shadow_denied
     o = await store.take("t", policy, num_tokens=100, lease_id="a", shadow=False)
     assert o.taken
-    await store.settle("t", policy, lease_id="a", refund_tokens=0, prompt_tokens=0,
-                       completion_tokens=0, refund_take=False)  # release: stays charged
+    await store.settle(
+        "t",
+        policy,
+        lease_id="a",
+        refund_tokens=0,
+        prompt_tokens=0,
+        completion_tokens=0,
+        refund_take=False,
+    )  # release: stays charged
     u = await store.usage("t", policy)
     assert u.tokens_available == 500.0
     assert u.shadow_denials_total == 1

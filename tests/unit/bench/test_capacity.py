@@ -11,23 +11,38 @@ from bench import capacity
 from engine_svc.models.config import ModelConfig
 
 SMOLLM2 = {  # SmolLM2-135M-Instruct's config.json, the fields the template reads
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
-    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-    "num_key_value_heads": 3, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
 }
 
 
 def smollm2() -> ModelConfig:
-    return ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                       num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                       head_dim=64, max_position_embeddings=8192, tie_word_embeddings=True)
+    return ModelConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
 
 
 def test_kv_bytes_per_token_by_dtype() -> None:
     cfg = smollm2()
     # 30 layers x 2 (K, V) x 3 KV heads x 64 x bytes: 23,040 in bf16
-    assert {d: cfg.kv_bytes_per_token(capacity.DTYPE_BYTES[d]) for d in ("fp32", "bf16", "fp8")
-            } == {"fp32": 46080, "bf16": 23040, "fp8": 11520}
+    assert {
+        d: cfg.kv_bytes_per_token(capacity.DTYPE_BYTES[d]) for d in ("fp32", "bf16", "fp8")
+    } == {"fp32": 46080, "bf16": 23040, "fp8": 11520}
 
 
 def test_parameters_and_weight_bytes() -> None:
@@ -54,14 +69,28 @@ def test_max_seqs_and_plan_account_for_every_byte() -> None:
     assert tiny.num_blocks == 0  # the weights alone do not fit: no KV at all
 
 
-def test_main_writes_table_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]
-                                        ) -> None:
+def test_main_writes_table_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(SMOLLM2))
     out = tmp_path / "out"
-    assert capacity.main(["--model-dir", str(model), "--out", str(out), "--memory-gib", "4",
-                          "--contexts", "512,2048", "--runtime-overhead-mib", "300"]) == 0
+    assert (
+        capacity.main(
+            [
+                "--model-dir",
+                str(model),
+                "--out",
+                str(out),
+                "--memory-gib",
+                "4",
+                "--contexts",
+                "512,2048",
+                "--runtime-overhead-mib",
+                "300",
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "capacity.json").read_text())
     assert (out / "capacity.png").stat().st_size > 10_000
     assert [b["kv_dtype"] for b in report["budgets"]] == ["fp32", "bf16", "fp8"]

@@ -13,8 +13,13 @@ def test_paired_differences_subtract_pair_by_pair() -> None:
     assert set(got) == {"gateway"}
     assert all(abs(v - 2.0) < 1e-9 for v in got["gateway"].values())
     # field 3 (first text event) differs by 3 ms in every pair
-    assert abs(paired_differences({"engine": base, "gateway": slow}, "engine", 3)
-               ["gateway"]["p50_ms"] - 3.0) < 1e-9
+    assert (
+        abs(
+            paired_differences({"engine": base, "gateway": slow}, "engine", 3)["gateway"]["p50_ms"]
+            - 3.0
+        )
+        < 1e-9
+    )
 
 
 def test_pct_is_nearest_rank() -> None:

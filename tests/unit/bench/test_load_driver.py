@@ -25,8 +25,13 @@ class FakeTarget:
     async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[Progress]:
         self.calls += 1
         if spec.tenant == self.fail_tenant:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(),
-                                       grpc.aio.Metadata(), "over limit", "")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "over limit",
+                "",
+            )
         self.active += 1
         self.peak = max(self.peak, self.active)
         try:
@@ -71,18 +76,19 @@ def test_open_loop_is_bounded_by_duration() -> None:
 
 def test_drain_timeout_cancels_stragglers() -> None:
     target = FakeTarget(delay=0.5)
-    cfg = RunConfig(concurrency=2, num_requests=2, duration=0.1, drain_timeout=0.2,
-                    progress=False)
+    cfg = RunConfig(concurrency=2, num_requests=2, duration=0.1, drain_timeout=0.2, progress=False)
     res = asyncio.run(run_load(target, [TenantSpec("t")], {"t": specs("t", max_tokens=50)}, cfg))
     assert [r.status for r in res.records] == [CLIENT_CANCELLED] * 2
 
 
 def test_tenants_get_their_own_processes_and_errors_are_recorded() -> None:
     target = FakeTarget(fail_tenant="limited")
-    tenants = [TenantSpec("a", share=3), TenantSpec("b", share=1),
-               TenantSpec("limited", concurrency=1)]
-    cfg = RunConfig(concurrency=4, num_requests=40, duration=5, progress=False,
-                    error_backoff=0.01)
+    tenants = [
+        TenantSpec("a", share=3),
+        TenantSpec("b", share=1),
+        TenantSpec("limited", concurrency=1),
+    ]
+    cfg = RunConfig(concurrency=4, num_requests=40, duration=5, progress=False, error_backoff=0.01)
     assert tenant_process(tenants[0], cfg, 4.0) == ("concurrency", 3.0)
     assert tenant_process(tenants[2], cfg, 4.0) == ("concurrency", 1.0)
     assert tenant_process(TenantSpec("r", rate=2), cfg, 4.0) == ("rate", 2.0)

@@ -11,11 +11,27 @@ from bench.loadlib.targets import RequestRecord
 from bench.loadlib.workload import SHAPES, Caps, TenantSpec, parse_mix
 
 
-def rec(tenant: str = "t", priority: int = 2, ttft: float | None = 0.1, e2e: float = 1.0,
-        out: int = 10, status: str = "OK") -> RequestRecord:
-    return RequestRecord(tenant, priority, "short_chat", 0.0, out, num_prompt_tokens=20,
-                         num_output_tokens=out if status == "OK" else 0, ttft=ttft, e2e=e2e,
-                         itl=[0.1] * (out - 1), status=status)
+def rec(
+    tenant: str = "t",
+    priority: int = 2,
+    ttft: float | None = 0.1,
+    e2e: float = 1.0,
+    out: int = 10,
+    status: str = "OK",
+) -> RequestRecord:
+    return RequestRecord(
+        tenant,
+        priority,
+        "short_chat",
+        0.0,
+        out,
+        num_prompt_tokens=20,
+        num_output_tokens=out if status == "OK" else 0,
+        ttft=ttft,
+        e2e=e2e,
+        itl=[0.1] * (out - 1),
+        status=status,
+    )
 
 
 def test_parse_mix_weights_and_errors() -> None:
@@ -55,8 +71,7 @@ def test_caps_clamp() -> None:
 
 def test_tenant_spec_parse() -> None:
     t = TenantSpec.parse("name=gold,priority=critical,rate=2.5,rpm=60,mix=short_chat")
-    assert (t.name, t.priority, t.priority_value, t.rate, t.rpm) == ("gold", "CRITICAL", 3,
-                                                                     2.5, 60)
+    assert (t.name, t.priority, t.priority_value, t.rate, t.rpm) == ("gold", "CRITICAL", 3, 2.5, 60)
     with pytest.raises(ValueError, match="unknown tenant field"):
         TenantSpec.parse("name=x,colour=red")
     with pytest.raises(ValueError, match="priority"):
@@ -72,8 +87,7 @@ def test_percentile_interpolates_like_numpy() -> None:
 
 
 def test_summarize_counts_throughput_errors_and_goodput() -> None:
-    records = [rec(ttft=0.1), rec(ttft=0.3), rec(status="RESOURCE_EXHAUSTED", ttft=None,
-                                                  e2e=0.002)]
+    records = [rec(ttft=0.1), rec(ttft=0.3), rec(status="RESOURCE_EXHAUSTED", ttft=None, e2e=0.002)]
     s = summarize(records, wall_s=2.0, slo=Slo(ttft_ms=200))
     assert (s["num_requests"], s["num_ok"], s["num_errors"]) == (3, 2, 1)
     assert s["request_throughput"] == pytest.approx(1.0)

@@ -19,9 +19,13 @@ def test_workloads_are_the_issue_shapes_and_the_same_every_time() -> None:
 
 
 def _run(w1_wall: float, w4_wall: float) -> dict[str, object]:
-    return {"results": {"W1": {"wall_s": w1_wall, "generated": 4096},
-                        "W4-512": {"wall_s": w4_wall, "generated": 1}},
-            "peak_rss_mib": {"self": 300.0, "children": 900.0}}
+    return {
+        "results": {
+            "W1": {"wall_s": w1_wall, "generated": 4096},
+            "W4-512": {"wall_s": w4_wall, "generated": 1},
+        },
+        "peak_rss_mib": {"self": 300.0, "children": 900.0},
+    }
 
 
 def test_medians_ratios_and_best_dtype() -> None:
@@ -50,7 +54,8 @@ def test_a_run_without_w1_picks_the_best_dtype_by_its_first_workload() -> None:
 
 
 def test_an_unknown_workload_is_refused_before_any_side_runs(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit) as err:
         main(["--sides", "ours", "--workloads", "W1,W9"])
     assert err.value.code == 2

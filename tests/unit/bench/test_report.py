@@ -10,8 +10,9 @@ import pytest
 from bench import report
 
 
-def test_save_report_records_cpu_flags_threads_and_load(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_save_report_records_cpu_flags_threads_and_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(report, "REPORT_DIR", tmp_path)
     path = report.save_report("x", {"figure": 1.0, "machine": {"loadavg": [9.0, 9.0, 9.0]}})
     saved = json.loads(path.read_text())

@@ -27,15 +27,24 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_precedence(tmp_path: Path) -> None:
     p = write(tmp_path, "demo:\n  port: 2000\n  ratio: 0.25\n  names: [a, b]\n")
-    cfg = load_config(DemoConfig, "demo", path=p, env={"LLM_DEMO_RATIO": "0.75"},
-                      overrides={"enabled": True, "port": None})
+    cfg = load_config(
+        DemoConfig,
+        "demo",
+        path=p,
+        env={"LLM_DEMO_RATIO": "0.75"},
+        overrides={"enabled": True, "port": None},
+    )
     assert (cfg.port, cfg.ratio, cfg.enabled, cfg.names) == (2000, 0.75, True, ["a", "b"])
     assert cfg.host == "127.0.0.1"  # inherited default
 
 
 def test_env_coercion(tmp_path: Path) -> None:
-    env = {"LLM_DEMO_ENABLED": "yes", "LLM_DEMO_NAMES": "x, y", "LLM_DEMO_BUDGET": "none",
-           "LLM_DEMO_PORT": "9"}
+    env = {
+        "LLM_DEMO_ENABLED": "yes",
+        "LLM_DEMO_NAMES": "x, y",
+        "LLM_DEMO_BUDGET": "none",
+        "LLM_DEMO_PORT": "9",
+    }
     cfg = load_config(DemoConfig, "demo", path=write(tmp_path, "{}\n"), env=env)
     assert (cfg.enabled, cfg.names, cfg.budget, cfg.port) == (True, ["x", "y"], None, 9)
 
@@ -54,8 +63,9 @@ def test_missing_section_gives_defaults(tmp_path: Path) -> None:
         ("- a list\n", {}, "expected a mapping"),
     ],
 )
-def test_bad_config_names_the_key(tmp_path: Path, yaml_text: str, env: dict[str, str],
-                                  match: str) -> None:
+def test_bad_config_names_the_key(
+    tmp_path: Path, yaml_text: str, env: dict[str, str], match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         load_config(DemoConfig, "demo", path=write(tmp_path, yaml_text), env=env)
 

@@ -11,19 +11,27 @@ from common.config import ROOT
 from llm.v1 import admin_pb2, common_pb2, engine_pb2, gateway_pb2, tokenizer_pb2
 
 FILES: dict[str, FileDescriptor] = {
-    "gateway": gateway_pb2.DESCRIPTOR, "admin": admin_pb2.DESCRIPTOR,
-    "engine": engine_pb2.DESCRIPTOR, "tokenizer": tokenizer_pb2.DESCRIPTOR,
+    "gateway": gateway_pb2.DESCRIPTOR,
+    "admin": admin_pb2.DESCRIPTOR,
+    "engine": engine_pb2.DESCRIPTOR,
+    "tokenizer": tokenizer_pb2.DESCRIPTOR,
 }
 
 RPCS = {
-    ("gateway", "Gateway"): {"Generate": ("GenerateRequest", "GenerateResponse", True),
-                             "ListModels": ("ListModelsRequest", "ListModelsResponse", False)},
-    ("engine", "Engine"): {"Generate": ("EngineGenerateRequest", "EngineGenerateResponse", True),
-                           "GetStats": ("GetStatsRequest", "EngineStats", False),
-                           "GetModelInfo": ("GetModelInfoRequest", "ModelInfo", False)},
-    ("tokenizer", "Tokenizer"): {"Encode": ("EncodeRequest", "EncodeResponse", False),
-                                 "Decode": ("DecodeRequest", "DecodeResponse", False),
-                                 "CountTokens": ("EncodeRequest", "CountTokensResponse", False)},
+    ("gateway", "Gateway"): {
+        "Generate": ("GenerateRequest", "GenerateResponse", True),
+        "ListModels": ("ListModelsRequest", "ListModelsResponse", False),
+    },
+    ("engine", "Engine"): {
+        "Generate": ("EngineGenerateRequest", "EngineGenerateResponse", True),
+        "GetStats": ("GetStatsRequest", "EngineStats", False),
+        "GetModelInfo": ("GetModelInfoRequest", "ModelInfo", False),
+    },
+    ("tokenizer", "Tokenizer"): {
+        "Encode": ("EncodeRequest", "EncodeResponse", False),
+        "Decode": ("DecodeRequest", "DecodeResponse", False),
+        "CountTokens": ("EncodeRequest", "CountTokensResponse", False),
+    },
     ("admin", "RateLimitAdmin"): {
         "UpsertTenant": ("Tenant", "Tenant", False),
         "GetTenant": ("GetTenantRequest", "Tenant", False),
@@ -32,31 +40,56 @@ RPCS = {
         "CreateApiKey": ("CreateApiKeyRequest", "CreateApiKeyResponse", False),
         "RevokeApiKey": ("RevokeApiKeyRequest", "RevokeApiKeyResponse", False),
         "GetUsage": ("GetUsageRequest", "TenantUsage", False),
-        "ResetLimits": ("ResetLimitsRequest", "ResetLimitsResponse", False)},
+        "ResetLimits": ("ResetLimitsRequest", "ResetLimitsResponse", False),
+    },
 }
 
 FIELDS: dict[Descriptor, dict[str, int]] = {
-    gateway_pb2.GenerateRequest.DESCRIPTOR: {"model": 1, "prompt": 2, "messages": 3,
-                                             "sampling": 4, "request_id": 5},
-    gateway_pb2.GenerateResponse.DESCRIPTOR: {"request_id": 1, "text": 2, "token_ids": 3,
-                                              "finish_reason": 4, "usage": 5},
+    gateway_pb2.GenerateRequest.DESCRIPTOR: {
+        "model": 1,
+        "prompt": 2,
+        "messages": 3,
+        "sampling": 4,
+        "request_id": 5,
+    },
+    gateway_pb2.GenerateResponse.DESCRIPTOR: {
+        "request_id": 1,
+        "text": 2,
+        "token_ids": 3,
+        "finish_reason": 4,
+        "usage": 5,
+    },
     common_pb2.SamplingParams.DESCRIPTOR: {
-        "max_tokens": 1, "temperature": 2, "top_p": 3, "top_k": 4, "seed": 5, "stop": 6,
-        "repetition_penalty": 7, "presence_penalty": 8, "frequency_penalty": 9,
-        "min_tokens": 10, "logprobs": 11},
-    common_pb2.Usage.DESCRIPTOR: {"prompt_tokens": 1, "completion_tokens": 2,
-                                  "cached_prompt_tokens": 3},
+        "max_tokens": 1,
+        "temperature": 2,
+        "top_p": 3,
+        "top_k": 4,
+        "seed": 5,
+        "stop": 6,
+        "repetition_penalty": 7,
+        "presence_penalty": 8,
+        "frequency_penalty": 9,
+        "min_tokens": 10,
+        "logprobs": 11,
+    },
+    common_pb2.Usage.DESCRIPTOR: {
+        "prompt_tokens": 1,
+        "completion_tokens": 2,
+        "cached_prompt_tokens": 3,
+    },
     common_pb2.ChatMessage.DESCRIPTOR: {"role": 1, "content": 2},
     common_pb2.ChatMessages.DESCRIPTOR: {"messages": 1},
     admin_pb2.Tenant.DESCRIPTOR: {"id": 1, "limits": 2, "priority": 3},
-    admin_pb2.LimitPolicy.DESCRIPTOR: {"requests_per_minute": 1, "tokens_per_minute": 2,
-                                       "max_concurrent": 3},
+    admin_pb2.LimitPolicy.DESCRIPTOR: {
+        "requests_per_minute": 1,
+        "tokens_per_minute": 2,
+        "max_concurrent": 3,
+    },
 }
 
 
 @pytest.mark.parametrize(("where", "rpcs"), RPCS.items(), ids=lambda x: str(x))
-def test_services_and_rpcs(where: tuple[str, str], rpcs: dict[str, tuple[str, str, bool]]
-                           ) -> None:
+def test_services_and_rpcs(where: tuple[str, str], rpcs: dict[str, tuple[str, str, bool]]) -> None:
     svc = FILES[where[0]].services_by_name[where[1]]
     assert svc.full_name == f"llm.v1.{where[1]}"
     for name, (req, resp, streaming) in rpcs.items():
@@ -72,9 +105,18 @@ def test_field_numbers(desc: Descriptor) -> None:
 
 def test_enums() -> None:
     assert dict(common_pb2.FinishReason.items()) == {
-        "FINISH_REASON_UNSPECIFIED": 0, "STOP": 1, "LENGTH": 2, "CANCELLED": 3, "ERROR": 4}
+        "FINISH_REASON_UNSPECIFIED": 0,
+        "STOP": 1,
+        "LENGTH": 2,
+        "CANCELLED": 3,
+        "ERROR": 4,
+    }
     assert dict(common_pb2.Priority.items()) == {
-        "PRIORITY_UNSPECIFIED": 0, "LOW": 1, "NORMAL": 2, "CRITICAL": 3}
+        "PRIORITY_UNSPECIFIED": 0,
+        "LOW": 1,
+        "NORMAL": 2,
+        "CRITICAL": 3,
+    }
     assert common_pb2.SamplingParams.DESCRIPTOR.fields_by_name["seed"].has_presence
 
 
@@ -89,6 +131,5 @@ def test_admin_rpcs_have_http_rules_under_v1_admin() -> None:
 def test_descriptor_set_for_envoy_holds_every_service() -> None:
     fds = descriptor_pb2.FileDescriptorSet.FromString((ROOT / "build/llm_v1.pb").read_bytes())
     names = {f"{f.package}.{s.name}" for f in fds.file for s in f.service}
-    assert {"llm.v1.Gateway", "llm.v1.RateLimitAdmin", "llm.v1.Engine",
-            "llm.v1.Tokenizer"} <= names
+    assert {"llm.v1.Gateway", "llm.v1.RateLimitAdmin", "llm.v1.Engine", "llm.v1.Tokenizer"} <= names
     assert "google/api/annotations.proto" in {f.name for f in fds.file}  # imports included

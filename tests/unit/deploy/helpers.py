@@ -41,10 +41,15 @@ def service_ports(section: str) -> dict[str, int]:
 def load_yaml_docs(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
+
 # Envoy's own stats the dashboard reads, as /stats/prometheus names them
 # (tests/integration/deploy/test_envoy_edge.py checks them on a real Envoy).
-ENVOY_DASHBOARD_METRICS = frozenset({
-    "envoy_cluster_upstream_rq_total", "envoy_cluster_upstream_rq_retry",
-    "envoy_cluster_outlier_detection_ejections_active", "envoy_cluster_membership_healthy",
-    "envoy_cluster_membership_total",
-})
+ENVOY_DASHBOARD_METRICS = frozenset(
+    {
+        "envoy_cluster_upstream_rq_total",
+        "envoy_cluster_upstream_rq_retry",
+        "envoy_cluster_outlier_detection_ejections_active",
+        "envoy_cluster_membership_healthy",
+        "envoy_cluster_membership_total",
+    }
+)

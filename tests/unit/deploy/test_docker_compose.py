@@ -24,8 +24,12 @@ from tests.unit.deploy.helpers import (
 
 DOCKER = DEPLOY / "docker"
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
-MODULE_OF = {"tokenizer": "tokenizer_svc", "engine": "engine_svc", "engine-trtllm": "engine_svc",
-             "gateway": "gateway"}
+MODULE_OF = {
+    "tokenizer": "tokenizer_svc",
+    "engine": "engine_svc",
+    "engine-trtllm": "engine_svc",
+    "gateway": "gateway",
+}
 
 
 @dataclass
@@ -129,6 +133,7 @@ def test_envoy_image_renders_the_one_config_and_keeps_admin_inside() -> None:
 
 # --- compose ---------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
     doc = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
@@ -171,8 +176,11 @@ def test_compose_ports_match_the_config(compose: dict[str, Any]) -> None:
 
 
 def test_only_envoy_publishes_ports_besides_monitoring(compose: dict[str, Any]) -> None:
-    published = {n for n, s in compose["services"].items()
-                 if s.get("ports") and "monitoring" not in s.get("profiles", [])}
+    published = {
+        n
+        for n, s in compose["services"].items()
+        if s.get("ports") and "monitoring" not in s.get("profiles", [])
+    }
     assert published == {"envoy"}
     ports = compose["services"]["envoy"]["ports"]
     assert f"{ENVOY_PUBLIC_PORT}:{ENVOY_PUBLIC_PORT}" in ports
@@ -206,11 +214,13 @@ def test_compose_references_resolve(compose: dict[str, Any]) -> None:
 def test_gateway_waits_for_its_dependencies_and_scales(compose: dict[str, Any]) -> None:
     gw = compose["services"]["gateway"]
     assert {k: v["condition"] for k, v in gw["depends_on"].items()} == {
-        "redis": "service_healthy", "tokenizer": "service_healthy", "engine": "service_healthy"}
+        "redis": "service_healthy",
+        "tokenizer": "service_healthy",
+        "engine": "service_healthy",
+    }
     assert gw["deploy"]["replicas"] >= 2
     assert "ADMIN_KEY" in env_of(gw)
-    model_users = [n for n, s in compose["services"].items()
-                   if "model" in s.get("depends_on", {})]
+    model_users = [n for n, s in compose["services"].items() if "model" in s.get("depends_on", {})]
     for name in model_users:
         dep = compose["services"][name]["depends_on"]["model"]
         assert dep["condition"] == "service_completed_successfully"
@@ -220,8 +230,7 @@ def test_internal_services_share_the_service_token_secret(compose: dict[str, Any
     """Engine and tokenizer require the secret; the gateway sends it: one compose secret."""
     name = "service_token"
     assert compose["secrets"][name] == {"environment": "SERVICE_TOKEN"}
-    for svc, section in (("engine", "ENGINE"), ("tokenizer", "TOKENIZER"),
-                         ("gateway", "GATEWAY")):
+    for svc, section in (("engine", "ENGINE"), ("tokenizer", "TOKENIZER"), ("gateway", "GATEWAY")):
         spec = compose["services"][svc]
         assert name in spec["secrets"], svc
         assert env_of(spec)[f"LLM_{section}_SERVICE_TOKEN_FILE"] == f"/run/secrets/{name}"

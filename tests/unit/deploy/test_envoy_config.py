@@ -45,7 +45,10 @@ def descriptor() -> Path:
 def envoy_validate(path: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(path), "--log-level", "warning"],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
@@ -63,7 +66,11 @@ def test_envoy_validates_the_file_as_written(descriptor: Path) -> None:
     # the file as written names build/llm_v1.pb relative to the repo root
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(ENVOY_YAML)],
-        capture_output=True, text=True, timeout=60, check=False, cwd=descriptor.parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=descriptor.parents[1],
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
@@ -73,17 +80,27 @@ def test_envoy_validates_the_file_as_written(descriptor: Path) -> None:
 @pytest.mark.parametrize(
     "overrides",
     [
-        {"listener_port": 0, "admin_port": 0, "gateway": ["127.0.0.1:1", "127.0.0.1:2"],
-         "admin": ["127.0.0.1:3"], "gateway_http": ["127.0.0.1:4"],
-         "listener_host": "127.0.0.1"},
+        {
+            "listener_port": 0,
+            "admin_port": 0,
+            "gateway": ["127.0.0.1:1", "127.0.0.1:2"],
+            "admin": ["127.0.0.1:3"],
+            "gateway_http": ["127.0.0.1:4"],
+            "listener_host": "127.0.0.1",
+        },
         {**CONTAINER_PRESET, "proto_descriptor": str(DESCRIPTOR_SET)},
-        {"listener_port": 18080, "admin_port": 19901, "stats_port": 19902,
-         "access_log_path": "/dev/null"},
+        {
+            "listener_port": 18080,
+            "admin_port": 19901,
+            "stats_port": 19902,
+            "access_log_path": "/dev/null",
+        },
     ],
     ids=["tests", "container", "make-run-shifted"],
 )
-def test_envoy_validates_rendered_variants(descriptor: Path, tmp_path: Path,
-                                           overrides: dict[str, Any]) -> None:
+def test_envoy_validates_rendered_variants(
+    descriptor: Path, tmp_path: Path, overrides: dict[str, Any]
+) -> None:
     path = render_config_file(tmp_path / "envoy.yaml", **overrides)
     result = envoy_validate(path)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -101,7 +118,9 @@ def test_envoy_validate_rejects_a_broken_variant(descriptor: Path, tmp_path: Pat
 def test_as_written_is_the_make_run_layout() -> None:
     cfg = load_config()
     assert cfg["admin"]["address"]["socket_address"] == {
-        "address": "127.0.0.1", "port_value": ENVOY_ADMIN_PORT}
+        "address": "127.0.0.1",
+        "port_value": ENVOY_ADMIN_PORT,
+    }
     assert listener(cfg, "public")["address"]["socket_address"]["port_value"] == ENVOY_PUBLIC_PORT
     assert cluster_endpoints(cfg, "gateway") == [Endpoint("127.0.0.1", 50051)]
     assert cluster_endpoints(cfg, "admin") == [Endpoint("127.0.0.1", 50051)]
@@ -131,19 +150,24 @@ def test_retries_only_before_the_response_starts() -> None:
     assert set(gen["retry_on"].split(",")) == {"connect-failure", "refused-stream", "unavailable"}
     assert "per_try_timeout" not in gen  # a per-try timeout would abort a live stream
     assert "retriable_status_codes" not in gen
-    assert any(p["name"] == "envoy.retry_host_predicates.previous_hosts"
-               for p in gen["retry_host_predicate"])
+    assert any(
+        p["name"] == "envoy.retry_host_predicates.previous_hosts"
+        for p in gen["retry_host_predicate"]
+    )
     admin = by_prefix["/llm.v1.RateLimitAdmin/"]["route"]["retry_policy"]
     # CreateApiKey is not idempotent: only retry what cannot have reached the service
     assert set(admin["retry_on"].split(",")) == {"connect-failure", "refused-stream"}
     routing = by_prefix["/llm.v1.RoutingAdmin/"]["route"]
     assert routing["cluster"] == "gateway"  # only the gateway serves RoutingAdmin
-    assert set(routing["retry_policy"]["retry_on"].split(",")) == {"connect-failure",
-                                                                   "refused-stream"}
+    assert set(routing["retry_policy"]["retry_on"].split(",")) == {
+        "connect-failure",
+        "refused-stream",
+    }
 
 
-@pytest.mark.parametrize(("name", "service"), [("gateway", "llm.v1.Gateway"),
-                                               ("admin", "llm.v1.RateLimitAdmin")])
+@pytest.mark.parametrize(
+    ("name", "service"), [("gateway", "llm.v1.Gateway"), ("admin", "llm.v1.RateLimitAdmin")]
+)
 def test_upstream_clusters_are_h2_health_checked_and_eject(name: str, service: str) -> None:
     cl = cluster(load_config(), name)
     h2 = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -218,22 +242,32 @@ def test_access_log_is_json_with_request_id_and_grpc_status() -> None:
 
 def test_render_replaces_only_what_it_is_given(tmp_path: Path) -> None:
     before = ENVOY_YAML.read_text()
-    cfg = render_config(listener_host="127.0.0.1", listener_port=0, admin_port=0,
-                        gateway=["127.0.0.1:7001", ("127.0.0.1", 7002)], admin=["10.0.0.5:7003"],
-                        access_log_path=tmp_path / "a.log")
+    cfg = render_config(
+        listener_host="127.0.0.1",
+        listener_port=0,
+        admin_port=0,
+        gateway=["127.0.0.1:7001", ("127.0.0.1", 7002)],
+        admin=["10.0.0.5:7003"],
+        access_log_path=tmp_path / "a.log",
+    )
     assert ENVOY_YAML.read_text() == before
     assert listener(cfg, "public")["address"]["socket_address"] == {
-        "address": "127.0.0.1", "port_value": 0}
+        "address": "127.0.0.1",
+        "port_value": 0,
+    }
     assert cfg["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 0}
-    assert cluster_endpoints(cfg, "gateway") == [Endpoint("127.0.0.1", 7001),
-                                                 Endpoint("127.0.0.1", 7002)]
+    assert cluster_endpoints(cfg, "gateway") == [
+        Endpoint("127.0.0.1", 7001),
+        Endpoint("127.0.0.1", 7002),
+    ]
     assert cluster_endpoints(cfg, "admin") == [Endpoint("10.0.0.5", 7003)]
     assert cluster_endpoints(cfg, "gateway_http") == [Endpoint("127.0.0.1", 8000)]  # kept
     http = render_config(gateway_http=["127.0.0.1:7004"])
     assert cluster_endpoints(http, "gateway_http") == [Endpoint("127.0.0.1", 7004)]
     # the YAML anchors are unshared: the admin cluster kept its own health check
     assert cluster(cfg, "admin")["health_checks"][0]["grpc_health_check"]["service_name"] == (
-        "llm.v1.RateLimitAdmin")
+        "llm.v1.RateLimitAdmin"
+    )
     # an ephemeral admin port cannot be proxied to: the stats listener goes
     names = [item["name"] for item in cfg["static_resources"]["listeners"]]
     assert names == ["public"]
@@ -285,7 +319,10 @@ def test_openai_routes_stream_to_the_gateway_http_port(path: str) -> None:
     assert route["idle_timeout"] not in ("0s", None)
     assert "per_try_timeout" not in route["retry_policy"]  # would cut a live stream
     assert set(route["retry_policy"]["retry_on"].split(",")) == {
-        "connect-failure", "refused-stream", "retriable-status-codes"}
+        "connect-failure",
+        "refused-stream",
+        "retriable-status-codes",
+    }
     assert route["retry_policy"]["retriable_status_codes"] == [503]
     # nothing on the route may buffer: the transcoder is switched off there
     per_filter = r["typed_per_filter_config"][TRANSCODER]
@@ -302,7 +339,8 @@ def test_public_listener_has_no_buffering_filter() -> None:
 def test_gateway_http_cluster_is_http1_and_health_checked() -> None:
     cl = cluster(load_config(), "gateway_http")
     opts = cl["typed_extension_protocol_options"][
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+    ]
     assert "http_protocol_options" in opts["explicit_http_config"]  # aiohttp speaks HTTP/1.1
     (hc,) = cl["health_checks"]
     assert hc["http_health_check"]["path"] == "/health"  # 503 while the gateway drains

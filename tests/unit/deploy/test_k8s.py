@@ -117,8 +117,11 @@ def test_gateway_has_hpa_pdb_and_a_headless_service(docs: list[Doc]) -> None:
     gw = find(docs, "Deployment", "gateway")
     labels = gw["spec"]["template"]["metadata"]["labels"]
     hpa = find(docs, "HorizontalPodAutoscaler", "gateway")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": "gateway"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "gateway",
+    }
     assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
     pdb = find(docs, "PodDisruptionBudget", "gateway")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -168,7 +171,8 @@ def test_probes_are_grpc_health_on_the_service_port(docs: list[Doc], name: str) 
     port = service_ports(name)["port"]
     names = {"port": "grpc", "metrics_port": "metrics", "http_port": "http"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {
-        names[k]: v for k, v in service_ports(name).items()}
+        names[k]: v for k, v in service_ports(name).items()
+    }
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert c[probe]["grpc"]["port"] == port, probe
     # ready = the service itself is SERVING (NOT_SERVING while warming or draining)
@@ -186,8 +190,11 @@ def test_services_select_existing_pods_and_ports(docs: list[Doc]) -> None:
     workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
     for svc in (d for d in docs if d["kind"] == "Service"):
         selector = svc["spec"]["selector"]
-        matches = [w for w in workloads
-                   if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        matches = [
+            w
+            for w in workloads
+            if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert len(matches) == 1, svc["metadata"]["name"]
         names = {p["name"] for c in pod_spec(matches[0])["containers"] for p in c["ports"]}
         for port in svc["spec"]["ports"]:
@@ -248,8 +255,9 @@ def test_redis_has_an_acl_user_and_the_gateway_uses_it(docs: list[Doc]) -> None:
     gw = container(gateway, "gateway")
     env = {e["name"]: e.get("value") for e in gw["env"]}
     assert env["LLM_RATELIMIT_REDIS_USERNAME"] == SERVICE_USER
-    assert secret_of(gateway, gw, Path(env["LLM_RATELIMIT_REDIS_PASSWORD_FILE"])) == \
-        secret_of(redis, container(redis, "redis"), password_path)
+    assert secret_of(gateway, gw, Path(env["LLM_RATELIMIT_REDIS_PASSWORD_FILE"])) == secret_of(
+        redis, container(redis, "redis"), password_path
+    )
     probe = " ".join(container(redis, "redis")["readinessProbe"]["exec"]["command"])
     assert f"--user {SERVICE_USER}" in probe
     assert "grep -q PONG" in probe
@@ -258,9 +266,13 @@ def test_redis_has_an_acl_user_and_the_gateway_uses_it(docs: list[Doc]) -> None:
 def _allowed(docs: list[Doc], src: dict[str, str] | None, dst: dict[str, str], port: int) -> bool:
     """Whether NetworkPolicies let a pod labelled ``src`` (None: outside the namespace)
     reach a pod labelled ``dst`` on ``port`` (the Kubernetes semantics, ingress only)."""
-    policies = [d for d in docs if d["kind"] == "NetworkPolicy"
-                and "Ingress" in d["spec"]["policyTypes"]
-                and d["spec"]["podSelector"].get("matchLabels", {}).items() <= dst.items()]
+    policies = [
+        d
+        for d in docs
+        if d["kind"] == "NetworkPolicy"
+        and "Ingress" in d["spec"]["policyTypes"]
+        and d["spec"]["podSelector"].get("matchLabels", {}).items() <= dst.items()
+    ]
     if not policies:
         return True  # not isolated
     for pol in policies:
@@ -271,21 +283,35 @@ def _allowed(docs: list[Doc], src: dict[str, str] | None, dst: dict[str, str], p
             if peers is None:
                 return True
             for peer in peers:
-                if src is not None and "podSelector" in peer and "namespaceSelector" not in peer \
-                        and peer["podSelector"]["matchLabels"].items() <= src.items():
+                if (
+                    src is not None
+                    and "podSelector" in peer
+                    and "namespaceSelector" not in peer
+                    and peer["podSelector"]["matchLabels"].items() <= src.items()
+                ):
                     return True
     return False
 
 
 def test_network_policies_allow_only_the_call_graph(docs: list[Doc]) -> None:
     apps = ["envoy", "gateway", "engine", "tokenizer", "redis"]
-    labels = {a: {"app.kubernetes.io/name": a, "app.kubernetes.io/part-of": "llm-stack"}
-              for a in apps}
-    ports = {"envoy": [8080, 9901, 9902], "gateway": [50051, 8000, 9451],
-             "engine": [50071, 9471], "tokenizer": [50061, 9461], "redis": [6379]}
-    expected = {("envoy", "gateway", 50051), ("envoy", "gateway", 8000),
-                ("gateway", "engine", 50071), ("gateway", "tokenizer", 50061),
-                ("gateway", "redis", 6379)}
+    labels = {
+        a: {"app.kubernetes.io/name": a, "app.kubernetes.io/part-of": "llm-stack"} for a in apps
+    }
+    ports = {
+        "envoy": [8080, 9901, 9902],
+        "gateway": [50051, 8000, 9451],
+        "engine": [50071, 9471],
+        "tokenizer": [50061, 9461],
+        "redis": [6379],
+    }
+    expected = {
+        ("envoy", "gateway", 50051),
+        ("envoy", "gateway", 8000),
+        ("gateway", "engine", 50071),
+        ("gateway", "tokenizer", 50061),
+        ("gateway", "redis", 6379),
+    }
     for dst in apps:
         for port in ports[dst]:
             outside = _allowed(docs, None, labels[dst], port)

@@ -20,23 +20,54 @@ from tests.unit.deploy.helpers import (
 )
 
 HISTOGRAMS = {
-    "engine_time_to_first_token_seconds", "engine_time_per_output_token_seconds",
-    "engine_e2e_request_latency_seconds", "engine_request_queue_time_seconds",
-    "gateway_time_to_first_token_seconds", "gateway_e2e_latency_seconds",
-    "gateway_overhead_seconds", "gateway_stage_seconds", "tokenizer_request_seconds",
+    "engine_time_to_first_token_seconds",
+    "engine_time_per_output_token_seconds",
+    "engine_e2e_request_latency_seconds",
+    "engine_request_queue_time_seconds",
+    "gateway_time_to_first_token_seconds",
+    "gateway_e2e_latency_seconds",
+    "gateway_overhead_seconds",
+    "gateway_stage_seconds",
+    "tokenizer_request_seconds",
 }
 PLAIN = {
-    "engine_num_requests_running", "engine_num_requests_waiting", "engine_kv_cache_usage_perc",
-    "engine_num_preemptions_total", "engine_prompt_tokens_total",
-    "engine_generation_tokens_total", "engine_prefix_cache_queries_total",
-    "engine_prefix_cache_hits_total", "engine_request_success_total",
-    "engine_request_errors_total", "gateway_requests_total", "gateway_tokens_charged_total",
-    "gateway_retries_total", "gateway_failovers_total", "gateway_breaker_state",
-    "gateway_ratelimit_denials_total", "tokenizer_requests_total",
+    "engine_num_requests_running",
+    "engine_num_requests_waiting",
+    "engine_kv_cache_usage_perc",
+    "engine_num_preemptions_total",
+    "engine_prompt_tokens_total",
+    "engine_generation_tokens_total",
+    "engine_prefix_cache_queries_total",
+    "engine_prefix_cache_hits_total",
+    "engine_request_success_total",
+    "engine_request_errors_total",
+    "gateway_requests_total",
+    "gateway_tokens_charged_total",
+    "gateway_retries_total",
+    "gateway_failovers_total",
+    "gateway_breaker_state",
+    "gateway_ratelimit_denials_total",
+    "tokenizer_requests_total",
 }
 PROMQL_WORDS = {
-    "sum", "max", "min", "avg", "count", "rate", "irate", "increase", "histogram_quantile",
-    "by", "without", "on", "ignoring", "and", "or", "unless", "le", "offset",
+    "sum",
+    "max",
+    "min",
+    "avg",
+    "count",
+    "rate",
+    "irate",
+    "increase",
+    "histogram_quantile",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "and",
+    "or",
+    "unless",
+    "le",
+    "offset",
 }
 
 
@@ -83,9 +114,11 @@ def exprs(dashboard: dict[str, Any]) -> list[str]:
 
 
 def test_metric_extraction() -> None:
-    assert metrics_in('histogram_quantile(0.95, sum by (le, priority) '
-                      '(rate(engine_request_queue_time_seconds_bucket{tenant=~"$tenant"}'
-                      '[$__rate_interval])))') == {"engine_request_queue_time_seconds_bucket"}
+    assert metrics_in(
+        "histogram_quantile(0.95, sum by (le, priority) "
+        '(rate(engine_request_queue_time_seconds_bucket{tenant=~"$tenant"}'
+        "[$__rate_interval])))"
+    ) == {"engine_request_queue_time_seconds_bucket"}
     assert metrics_in("sum(rate(a_total[5m])) / sum(rate(b_total[5m]))") == {"a_total", "b_total"}
 
 
@@ -97,11 +130,16 @@ def test_dashboard_queries_only_known_metrics(dashboard: dict[str, Any]) -> None
 
 def test_dashboard_covers_what_ops_watch(dashboard: dict[str, Any]) -> None:
     used = set().union(*(metrics_in(e) for e in exprs(dashboard)))
-    for needed in ("engine_time_to_first_token_seconds_bucket",
-                   "engine_time_per_output_token_seconds_bucket",
-                   "engine_generation_tokens_total", "engine_num_requests_waiting",
-                   "engine_kv_cache_usage_perc", "engine_request_errors_total",
-                   "gateway_ratelimit_denials_total", "gateway_tokens_charged_total"):
+    for needed in (
+        "engine_time_to_first_token_seconds_bucket",
+        "engine_time_per_output_token_seconds_bucket",
+        "engine_generation_tokens_total",
+        "engine_num_requests_waiting",
+        "engine_kv_cache_usage_perc",
+        "engine_request_errors_total",
+        "gateway_ratelimit_denials_total",
+        "gateway_tokens_charged_total",
+    ):
         assert needed in used, needed
 
 
@@ -132,7 +170,8 @@ def test_compose_prometheus_scrapes_every_metrics_port() -> None:
             targets.setdefault(job["job_name"], set()).update(sc["targets"])
         for sd in job.get("dns_sd_configs", []):
             targets.setdefault(job["job_name"], set()).update(
-                f"{n}:{sd['port']}" for n in sd["names"])
+                f"{n}:{sd['port']}" for n in sd["names"]
+            )
     assert targets["tokenizer"] == {f"tokenizer:{service_ports('tokenizer')['metrics_port']}"}
     assert targets["engine"] == {f"engine:{service_ports('engine')['metrics_port']}"}
     assert targets["gateway"] == {f"gateway:{service_ports('gateway')['metrics_port']}"}
@@ -152,8 +191,11 @@ def test_k8s_prometheus_config_and_pod_annotations_agree() -> None:
             ann = d["spec"]["template"]["metadata"].get("annotations", {})
             if ann.get("prometheus.io/scrape") != "true":
                 continue
-            ports = {p["containerPort"] for c in d["spec"]["template"]["spec"]["containers"]
-                     for p in c["ports"]}
+            ports = {
+                p["containerPort"]
+                for c in d["spec"]["template"]["spec"]["containers"]
+                for p in c["ports"]
+            }
             assert int(ann["prometheus.io/port"]) in ports, d["metadata"]["name"]
 
 

@@ -42,29 +42,52 @@ class RefusingBackend:
 
 
 BAD = [
-    ({"prompt_token_ids": [1, 500], "sampling": engine_pb2.EngineSamplingParams(max_tokens=4)},
-     "outside the vocabulary [0, 100)"),
-    ({"prompt_token_ids": [1], "resumed_output_token_ids": [2, 3],
-      "sampling": engine_pb2.EngineSamplingParams(max_tokens=2)}, "resumed output tokens"),
-    ({"prompt_token_ids": list(range(60)),
-      "sampling": engine_pb2.EngineSamplingParams(max_tokens=10)}, "lower max_tokens to 4"),
-    ({"prompt_token_ids": [1], "priority": 9,
-      "sampling": engine_pb2.EngineSamplingParams(max_tokens=4)}, "priority must be in [0, 3]"),
-    ({"prompt_token_ids": [1], "sampling": engine_pb2.EngineSamplingParams(
-        max_tokens=4, top_p=1.5)}, "top_p"),
+    (
+        {"prompt_token_ids": [1, 500], "sampling": engine_pb2.EngineSamplingParams(max_tokens=4)},
+        "outside the vocabulary [0, 100)",
+    ),
+    (
+        {
+            "prompt_token_ids": [1],
+            "resumed_output_token_ids": [2, 3],
+            "sampling": engine_pb2.EngineSamplingParams(max_tokens=2),
+        },
+        "resumed output tokens",
+    ),
+    (
+        {
+            "prompt_token_ids": list(range(60)),
+            "sampling": engine_pb2.EngineSamplingParams(max_tokens=10),
+        },
+        "lower max_tokens to 4",
+    ),
+    (
+        {
+            "prompt_token_ids": [1],
+            "priority": 9,
+            "sampling": engine_pb2.EngineSamplingParams(max_tokens=4),
+        },
+        "priority must be in [0, 3]",
+    ),
+    (
+        {
+            "prompt_token_ids": [1],
+            "sampling": engine_pb2.EngineSamplingParams(max_tokens=4, top_p=1.5),
+        },
+        "top_p",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("fields", "message"), BAD)
-def test_invalid_requests_never_reach_a_backend(fields: dict[str, object], message: str
-                                                ) -> None:
+def test_invalid_requests_never_reach_a_backend(fields: dict[str, object], message: str) -> None:
     backend = RefusingBackend()
 
     async def main() -> tuple[grpc.StatusCode, str]:
         server = grpc.aio.server()
         engine_pb2_grpc.add_EngineServicer_to_server(
-            EngineServicer(backend, model_name="m", version="v", config_hash="h", build="b"),
-            server)
+            EngineServicer(backend, model_name="m", version="v", config_hash="h", build="b"), server
+        )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:

@@ -52,8 +52,10 @@ def test_tampering_is_detected(model_dir: Path, tmp_path: Path) -> None:
     assert not ok
     assert "config.json" in reason
     (copy / "tokenizer.json").unlink()
-    assert prepare_model.verify(copy)[1] in ("tokenizer.json is missing",
-                                              "config.json does not match its checksum")
+    assert prepare_model.verify(copy)[1] in (
+        "tokenizer.json is missing",
+        "config.json does not match its checksum",
+    )
     assert prepare_model.verify(tmp_path)[1] == "no manifest"
 
 
@@ -65,9 +67,10 @@ def test_converted_model_answers_coherently(model_dir: Path) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
-                                  return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    answer = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer

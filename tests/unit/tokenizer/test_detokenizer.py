@@ -79,10 +79,14 @@ def sentencepiece_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     for piece in ["▁", "▁Hello", "▁world", "lo", "▁caf", "é", "▁你", "好", "!"]:
         vocab[piece] = len(vocab)
     t = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
-    t.decoder = decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-        decoders.Strip(" ", 1, 0),
-    ])
+    t.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     t.add_special_tokens(["<s>", "</s>"])
     path: Path = tmp_path_factory.mktemp("sp") / "tokenizer.json"
     t.save(str(path))
@@ -104,7 +108,8 @@ SP_PIECES = [259, 260, 261, 262, 263, 264, 265, 266, 267, 1, 2]  # words and spe
 @settings(max_examples=300, deadline=None)
 @given(
     parts=st.lists(
-        st.one_of(st.sampled_from(SP_PIECES), st.text(min_size=1, max_size=3)), max_size=12),
+        st.one_of(st.sampled_from(SP_PIECES), st.text(min_size=1, max_size=3)), max_size=12
+    ),
     cuts=st.lists(st.integers(0, 40), max_size=8),
     skip=st.booleans(),
 )

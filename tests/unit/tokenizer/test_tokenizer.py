@@ -36,23 +36,29 @@ def test_special_tokens_in_text_are_kept_when_asked(tok: TextTokenizer) -> None:
 CONVERSATIONS = [
     [Message("user", "What is the capital of France?")],
     [Message("system", "You answer in French."), Message("user", "Bonjour 👋")],
-    [Message("user", "Write code"), Message("assistant", "def f():\n    pass"),
-     Message("user", "Now in Rust, 中文 comments please.")],
+    [
+        Message("user", "Write code"),
+        Message("assistant", "def f():\n    pass"),
+        Message("user", "Now in Rust, 中文 comments please."),
+    ],
     [Message("user", "")],
 ]
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 @pytest.mark.parametrize("conv", CONVERSATIONS, ids=lambda c: f"{len(c)}msgs")
-def test_chat_template_matches_reference(tok: TextTokenizer, hf_tok: Any,
-                                         conv: list[Message], add_generation_prompt: bool) -> None:
+def test_chat_template_matches_reference(
+    tok: TextTokenizer, hf_tok: Any, conv: list[Message], add_generation_prompt: bool
+) -> None:
     msgs = [{"role": m.role, "content": m.content} for m in conv]
-    ref_text = hf_tok.apply_chat_template(msgs, tokenize=False,
-                                          add_generation_prompt=add_generation_prompt)
+    ref_text = hf_tok.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     ids, text = tok.encode_chat(conv, add_generation_prompt)
     assert text == ref_text
-    ref_ids = hf_tok.apply_chat_template(msgs, tokenize=True,
-                                         add_generation_prompt=add_generation_prompt)
+    ref_ids = hf_tok.apply_chat_template(
+        msgs, tokenize=True, add_generation_prompt=add_generation_prompt
+    )
     if isinstance(ref_ids, dict) or hasattr(ref_ids, "input_ids"):
         ref_ids = ref_ids["input_ids"]
     assert ids == list(ref_ids)

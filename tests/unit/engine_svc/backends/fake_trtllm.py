@@ -33,10 +33,26 @@ from engine_svc.core import EngineConfig, LLMEngine
 from engine_svc.core.request import FinishReason
 from engine_svc.core.sampling_params import SamplingParams as OurParams
 
-SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                   "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens",
-                   "logprobs", "stop_token_ids", "end_id", "ignore_eos", "detokenize",
-                   "include_stop_str_in_output", "n", "beam_width"}
+SAMPLING_FIELDS = {
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "logprobs",
+    "stop_token_ids",
+    "end_id",
+    "ignore_eos",
+    "detokenize",
+    "include_stop_str_in_output",
+    "n",
+    "beam_width",
+}
 
 
 class SamplingParams:
@@ -71,20 +87,27 @@ class RequestOutput:
 
 def _ours(sp: SamplingParams) -> OurParams:
     return OurParams(
-        max_tokens=sp.get("max_tokens", 16), temperature=sp.get("temperature", 0.0),
-        top_p=sp.get("top_p", 1.0), top_k=sp.get("top_k") or 0, min_p=sp.get("min_p") or 0.0,
-        seed=sp.get("seed"), repetition_penalty=sp.get("repetition_penalty", 1.0),
+        max_tokens=sp.get("max_tokens", 16),
+        temperature=sp.get("temperature", 0.0),
+        top_p=sp.get("top_p", 1.0),
+        top_k=sp.get("top_k") or 0,
+        min_p=sp.get("min_p") or 0.0,
+        seed=sp.get("seed"),
+        repetition_penalty=sp.get("repetition_penalty", 1.0),
         presence_penalty=sp.get("presence_penalty", 0.0),
         frequency_penalty=sp.get("frequency_penalty", 0.0),
-        min_tokens=sp.get("min_tokens", 0), logprobs=sp.get("logprobs") or 0,
+        min_tokens=sp.get("min_tokens", 0),
+        logprobs=sp.get("logprobs") or 0,
         stop_token_ids=list(sp.get("stop_token_ids") or []),
         ignore_eos=bool(sp.get("ignore_eos")) or sp.get("end_id") == -1,
-        include_stop_in_output=bool(sp.get("include_stop_str_in_output")))
+        include_stop_in_output=bool(sp.get("include_stop_str_in_output")),
+    )
 
 
 class GenerationResult:
-    def __init__(self, llm: LLM, prompt: list[int], params: SamplingParams, priority: float
-                 ) -> None:
+    def __init__(
+        self, llm: LLM, prompt: list[int], params: SamplingParams, priority: float
+    ) -> None:
         self.llm, self.prompt, self.params, self.priority = llm, prompt, params, priority
         self.aborted = False
         self._stream: Any = None
@@ -100,38 +123,66 @@ class GenerationResult:
 
     async def _run(self) -> AsyncIterator[RequestOutput]:
         backend = await self.llm.started()
-        inp = GenerateInput(request_id=uuid.uuid4().hex, prompt_token_ids=self.prompt,
-                            sampling_params=_ours(self.params))
+        inp = GenerateInput(
+            request_id=uuid.uuid4().hex,
+            prompt_token_ids=self.prompt,
+            sampling_params=_ours(self.params),
+        )
         self._stream = backend.generate(inp)
         done = CompletionOutput()
         async for out in self._stream:
             done.token_ids += out.new_token_ids
             for lp in out.new_logprobs or []:
-                done.logprobs.append({lp.token_id: Logprob(lp.logprob, lp.rank),
-                                      **{t: Logprob(v, i + 1) for i, (t, v) in enumerate(
-                                          zip(lp.top_token_ids, lp.top_logprobs, strict=True))
-                                         if t != lp.token_id}})
+                done.logprobs.append(
+                    {
+                        lp.token_id: Logprob(lp.logprob, lp.rank),
+                        **{
+                            t: Logprob(v, i + 1)
+                            for i, (t, v) in enumerate(
+                                zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                            )
+                            if t != lp.token_id
+                        },
+                    }
+                )
             if out.finished:
-                done.finish_reason = {FinishReason.STOP: "stop",
-                                      FinishReason.LENGTH: "length"}.get(
-                    out.finish_reason or FinishReason.ERROR, "cancelled")
-            yield RequestOutput([CompletionOutput(list(done.token_ids), list(done.logprobs),
-                                                  done.finish_reason)], out.finished)
+                done.finish_reason = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(
+                    out.finish_reason or FinishReason.ERROR, "cancelled"
+                )
+            yield RequestOutput(
+                [CompletionOutput(list(done.token_ids), list(done.logprobs), done.finish_reason)],
+                out.finished,
+            )
 
 
 class LLM:
-    def __init__(self, model: str, kv_cache_config: Any, scheduler_config: Any,
-                 max_batch_size: int, max_num_tokens: int, max_seq_len: int | None = None,
-                 skip_tokenizer_init: bool = True, enable_chunked_prefill: bool = True,
-                 enable_iter_perf_stats: bool = False, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1) -> None:
+    def __init__(
+        self,
+        model: str,
+        kv_cache_config: Any,
+        scheduler_config: Any,
+        max_batch_size: int,
+        max_num_tokens: int,
+        max_seq_len: int | None = None,
+        skip_tokenizer_init: bool = True,
+        enable_chunked_prefill: bool = True,
+        enable_iter_perf_stats: bool = False,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+    ) -> None:
         self.parallel = (tensor_parallel_size, pipeline_parallel_size)
         self.kv_cache_config, self.scheduler_config = kv_cache_config, scheduler_config
-        cfg = EngineConfig(model_dir=model, dtype="float32", device="cpu",
-                           block_size=kv_cache_config.tokens_per_block, num_kv_blocks=128,
-                           max_num_seqs=max_batch_size, max_num_batched_tokens=max_num_tokens,
-                           max_model_len=max_seq_len or 0,
-                           enable_prefix_caching=kv_cache_config.enable_block_reuse)
+        cfg = EngineConfig(
+            model_dir=model,
+            dtype="float32",
+            device="cpu",
+            block_size=kv_cache_config.tokens_per_block,
+            num_kv_blocks=128,
+            max_num_seqs=max_batch_size,
+            max_num_batched_tokens=max_num_tokens,
+            max_model_len=max_seq_len or 0,
+            enable_prefix_caching=kv_cache_config.enable_block_reuse,
+        )
         self._backend = NativeBackend(lambda: LLMEngine(cfg))
         self._started: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -147,8 +198,13 @@ class LLM:
         await asyncio.shield(self._started)
         return self._backend
 
-    def generate_async(self, prompt: list[int], sampling_params: SamplingParams,
-                       streaming: bool = False, priority: float = 0.5) -> GenerationResult:
+    def generate_async(
+        self,
+        prompt: list[int],
+        sampling_params: SamplingParams,
+        streaming: bool = False,
+        priority: float = 0.5,
+    ) -> GenerationResult:
         assert streaming, "the adapter always streams"
         self.priorities.append(priority)
         return GenerationResult(self, list(prompt), sampling_params, priority)
@@ -164,10 +220,17 @@ class LLM:
             return []
         e = self._backend.stats().engine
         self._iter += 1
-        return [{"iter": self._iter, "numActiveRequests": e.num_running,
-                 "numQueuedRequests": e.num_waiting,
-                 "kvCacheStats": {"usedNumBlocks": e.num_kv_blocks_used,
-                                  "maxNumBlocks": e.num_kv_blocks_total}}]
+        return [
+            {
+                "iter": self._iter,
+                "numActiveRequests": e.num_running,
+                "numQueuedRequests": e.num_waiting,
+                "kvCacheStats": {
+                    "usedNumBlocks": e.num_kv_blocks_used,
+                    "maxNumBlocks": e.num_kv_blocks_total,
+                },
+            }
+        ]
 
     def shutdown(self) -> None:
         if self._loop is not None and self._started is not None:
@@ -180,7 +243,11 @@ class _KwObject:
 
 
 runtime = types.SimpleNamespace(
-    LLM=LLM, SamplingParams=SamplingParams,
+    LLM=LLM,
+    SamplingParams=SamplingParams,
     llmapi=types.SimpleNamespace(
-        KvCacheConfig=_KwObject, SchedulerConfig=_KwObject,
-        CapacitySchedulerPolicy=types.SimpleNamespace(MAX_UTILIZATION="MAX_UTILIZATION")))
+        KvCacheConfig=_KwObject,
+        SchedulerConfig=_KwObject,
+        CapacitySchedulerPolicy=types.SimpleNamespace(MAX_UTILIZATION="MAX_UTILIZATION"),
+    ),
+)

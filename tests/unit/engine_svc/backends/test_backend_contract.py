@@ -34,10 +34,17 @@ MAX_NUM_SEQS, MAX_WAITING = 2, 1
 def engine_config(model_dir: Path) -> EngineConfig:
     # deploy/gpu-check.sh sets LLM_TEST_ENGINE_DEVICE=cuda to run the native side on a GPU
     device = os.environ.get("LLM_TEST_ENGINE_DEVICE", "cpu")
-    return EngineConfig(model_dir=str(model_dir), dtype="float32", device=device, block_size=4,
-                        num_kv_blocks=128, max_num_batched_tokens=64,
-                        enable_prefix_caching=False, max_num_seqs=MAX_NUM_SEQS,
-                        max_waiting=MAX_WAITING)
+    return EngineConfig(
+        model_dir=str(model_dir),
+        dtype="float32",
+        device=device,
+        block_size=4,
+        num_kv_blocks=128,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_waiting=MAX_WAITING,
+    )
 
 
 class Harness:
@@ -57,10 +64,12 @@ class Harness:
     def stream(self, inp: GenerateInput) -> list[RequestOutput]:
         async def collect() -> list[RequestOutput]:
             return [o async for o in self.backend.generate(inp)]
+
         return self.run(collect())
 
     def idle(self, timeout: float = 10) -> bool:
         """Whether the engine holds nothing (no request, no KV block) within ``timeout``."""
+
         async def poll() -> bool:
             for _ in range(int(timeout / 0.01)):
                 e = self.backend.stats().engine
@@ -68,6 +77,7 @@ class Harness:
                     return True
                 await asyncio.sleep(0.01)
             return False
+
         return self.run(poll())
 
     def close(self) -> None:
@@ -88,9 +98,17 @@ def _trtllm(model_dir: Path) -> Backend:  # pragma: no cover - NVIDIA GPUs only
     from engine_svc.backends.trtllm import TrtLlmBackend
 
     model_dir = Path(os.environ.get("LLM_TEST_TRTLLM_MODEL_DIR") or default_model_dir())
-    return TrtLlmBackend(EngineConfig(model_dir=str(model_dir), device="cuda", block_size=4,
-                                      max_num_batched_tokens=64, enable_prefix_caching=False,
-                                      max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING))
+    return TrtLlmBackend(
+        EngineConfig(
+            model_dir=str(model_dir),
+            device="cuda",
+            block_size=4,
+            max_num_batched_tokens=64,
+            enable_prefix_caching=False,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_waiting=MAX_WAITING,
+        )
+    )
 
 
 def _gpu_trtllm() -> bool:
@@ -107,10 +125,18 @@ def _trtllm_fake(model_dir: Path) -> Backend:
     from engine_svc.backends.trtllm import TrtLlmBackend
     from tests.unit.engine_svc.backends import fake_trtllm
 
-    return TrtLlmBackend(EngineConfig(model_dir=str(model_dir), block_size=4,
-                                      max_num_batched_tokens=64, enable_prefix_caching=False,
-                                      max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING),
-                         runtime=fake_trtllm.runtime, fp8=False)
+    return TrtLlmBackend(
+        EngineConfig(
+            model_dir=str(model_dir),
+            block_size=4,
+            max_num_batched_tokens=64,
+            enable_prefix_caching=False,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_waiting=MAX_WAITING,
+        ),
+        runtime=fake_trtllm.runtime,
+        fp8=False,
+    )
 
 
 def _vllm(model_dir: Path) -> Backend:  # pragma: no cover - in vLLM's venv only
@@ -122,11 +148,18 @@ def _vllm(model_dir: Path) -> Backend:  # pragma: no cover - in vLLM's venv only
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return VllmBackend(EngineConfig(model_dir=str(default_model_dir()), dtype="float32",
-                                    max_num_batched_tokens=512, max_model_len=1024,
-                                    enable_prefix_caching=False, max_num_seqs=MAX_NUM_SEQS,
-                                    max_waiting=MAX_WAITING),
-                       engine_args={"enforce_eager": True})  # no graph compile at start
+    return VllmBackend(
+        EngineConfig(
+            model_dir=str(default_model_dir()),
+            dtype="float32",
+            max_num_batched_tokens=512,
+            max_model_len=1024,
+            enable_prefix_caching=False,
+            max_num_seqs=MAX_NUM_SEQS,
+            max_waiting=MAX_WAITING,
+        ),
+        engine_args={"enforce_eager": True},
+    )  # no graph compile at start
 
 
 def _has_vllm() -> bool:
@@ -135,8 +168,7 @@ def _has_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-BACKENDS: dict[str, Callable[[Path], Backend]] = {"native": _native,
-                                                  "trtllm-fake": _trtllm_fake}
+BACKENDS: dict[str, Callable[[Path], Backend]] = {"native": _native, "trtllm-fake": _trtllm_fake}
 if _gpu_trtllm():  # pragma: no cover
     BACKENDS["trtllm"] = _trtllm
 if _has_vllm():  # pragma: no cover - in vLLM's venv (make test-vllm)
@@ -175,8 +207,9 @@ _ids = iter(range(10**9))
 
 
 def inp(params: SamplingParams, **kw: Any) -> GenerateInput:
-    return GenerateInput(request_id=f"c-{next(_ids)}", prompt_token_ids=list(PROMPT),
-                         sampling_params=params, **kw)
+    return GenerateInput(
+        request_id=f"c-{next(_ids)}", prompt_token_ids=list(PROMPT), sampling_params=params, **kw
+    )
 
 
 def streamed(outs: list[RequestOutput]) -> list[int]:
@@ -185,8 +218,7 @@ def streamed(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
-def test_streamed_deltas_make_up_the_offline_greedy_output(harness: Harness, offline: Any
-                                                           ) -> None:
+def test_streamed_deltas_make_up_the_offline_greedy_output(harness: Harness, offline: Any) -> None:
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     outs = harness.stream(inp(params))
     assert streamed(outs) == offline(params)
@@ -194,22 +226,30 @@ def test_streamed_deltas_make_up_the_offline_greedy_output(harness: Harness, off
     assert outs[-1].num_output_tokens == 12
 
 
-def test_a_multi_token_stop_sequence_is_held_back_and_trimmed(harness: Harness, offline: Any
-                                                              ) -> None:
+def test_a_multi_token_stop_sequence_is_held_back_and_trimmed(
+    harness: Harness, offline: Any
+) -> None:
     greedy = offline(SamplingParams(max_tokens=12, ignore_eos=True))
     stop = greedy[5:7]
-    first = next(i for i in range(len(greedy)) if greedy[i:i + 2] == stop)
-    outs = harness.stream(inp(SamplingParams(max_tokens=12, ignore_eos=True,
-                                             stop_sequences=[stop])))
+    first = next(i for i in range(len(greedy)) if greedy[i : i + 2] == stop)
+    outs = harness.stream(
+        inp(SamplingParams(max_tokens=12, ignore_eos=True, stop_sequences=[stop]))
+    )
     assert streamed(outs) == greedy[:first]
     assert outs[-1].finish_reason == FinishReason.STOP
-    kept = harness.stream(inp(SamplingParams(max_tokens=12, ignore_eos=True,
-                                             stop_sequences=[stop], include_stop_in_output=True)))
-    assert streamed(kept) == greedy[:first + 2]
+    kept = harness.stream(
+        inp(
+            SamplingParams(
+                max_tokens=12, ignore_eos=True, stop_sequences=[stop], include_stop_in_output=True
+            )
+        )
+    )
+    assert streamed(kept) == greedy[: first + 2]
 
 
-def test_a_resumed_stream_continues_within_the_original_max_tokens(harness: Harness,
-                                                                   offline: Any) -> None:
+def test_a_resumed_stream_continues_within_the_original_max_tokens(
+    harness: Harness, offline: Any
+) -> None:
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     greedy = offline(params)
     outs = harness.stream(inp(params, resumed_output_token_ids=greedy[:4]))
@@ -221,8 +261,9 @@ def test_a_resumed_stream_continues_within_the_original_max_tokens(harness: Harn
 def test_stop_token_ids_wait_for_min_tokens(harness: Harness, offline: Any) -> None:
     greedy = offline(SamplingParams(max_tokens=12, ignore_eos=True))
     stop_id, min_tokens = greedy[1], 4
-    params = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id],
-                            min_tokens=min_tokens)
+    params = SamplingParams(
+        max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=min_tokens
+    )
     outs = harness.stream(inp(params))
     tokens = streamed(outs)
     assert tokens == offline(params)
@@ -234,8 +275,12 @@ def test_stop_token_ids_wait_for_min_tokens(harness: Harness, offline: Any) -> N
 
 def test_a_seed_fixes_sampled_output(harness: Harness) -> None:
     def sample(seed: int) -> list[int]:
-        return streamed(harness.stream(inp(SamplingParams(max_tokens=16, temperature=1.0,
-                                                          seed=seed, ignore_eos=True))))
+        return streamed(
+            harness.stream(
+                inp(SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True))
+            )
+        )
+
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)
 
@@ -300,8 +345,11 @@ def test_past_its_queue_a_request_is_refused_with_a_retry_after(harness: Harness
 
 def test_an_impossible_request_is_a_value_error_that_says_why(harness: Harness) -> None:
     vocab = harness.backend.model_info().vocab_size
-    bad = GenerateInput(request_id="bad-1", prompt_token_ids=[1, vocab + 3],
-                        sampling_params=SamplingParams(max_tokens=4))
+    bad = GenerateInput(
+        request_id="bad-1",
+        prompt_token_ids=[1, vocab + 3],
+        sampling_params=SamplingParams(max_tokens=4),
+    )
     with pytest.raises(ValueError, match="outside the vocabulary"):
         harness.stream(bad)
 
@@ -318,7 +366,8 @@ def test_model_info_and_stats_describe_the_engine(harness: Harness) -> None:
 
 
 def test_the_tensorrt_llm_adapter_passes_priority_and_never_blocks_the_loop(
-        tiny_model_dir: Path) -> None:
+    tiny_model_dir: Path,
+) -> None:
     """Adapter-specific, on the fake (see _trtllm_fake): priority reaches generate_async,
     TensorRT-LLM's blocking get_stats runs off the event loop, and a stop sequence the
     adapter matched ends TensorRT-LLM's request too."""
@@ -329,8 +378,7 @@ def test_the_tensorrt_llm_adapter_passes_priority_and_never_blocks_the_loop(
         h.stream(inp(params, priority=3))
         h.stream(inp(params, priority=1))
         greedy = streamed(h.stream(inp(params)))
-        h.stream(inp(SamplingParams(max_tokens=12, ignore_eos=True,
-                                    stop_sequences=[greedy[2:4]])))
+        h.stream(inp(SamplingParams(max_tokens=12, ignore_eos=True, stop_sequences=[greedy[2:4]])))
         llm = backend._llm  # type: ignore[attr-defined]
         assert llm.priorities[:3] == [1.0, 0.25, 0.5]
         assert llm.aborted >= 1  # the stop matched by the adapter, not by TensorRT-LLM

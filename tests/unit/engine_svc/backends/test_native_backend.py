@@ -29,5 +29,6 @@ def test_engine_is_built_on_the_step_thread_and_a_failed_build_surfaces() -> Non
 
     assert built_on == ["engine-step-loop"]
     assert backend._thread is None  # joined, not left behind
-    assert not [t for t in threading.enumerate()
-                if t.ident not in before and t.name == "engine-step-loop"]
+    assert not [
+        t for t in threading.enumerate() if t.ident not in before and t.name == "engine-step-loop"
+    ]

@@ -15,14 +15,18 @@ def _lp(token: int) -> TokenLogprobs:
     return TokenLogprobs(token, -0.5, 1, [token], [-0.5])
 
 
-@given(chunks=st.lists(st.lists(st.integers(0, 100), max_size=4), min_size=1, max_size=8),
-       with_logprobs=st.booleans())
+@given(
+    chunks=st.lists(st.lists(st.integers(0, 100), max_size=4), min_size=1, max_size=8),
+    with_logprobs=st.booleans(),
+)
 def test_merged_outputs_carry_every_token_in_order(
     chunks: list[list[int]], with_logprobs: bool
 ) -> None:
     outs = [
         RequestOutput(
-            "r", ids, new_logprobs=[_lp(t) for t in ids] if with_logprobs else None,
+            "r",
+            ids,
+            new_logprobs=[_lp(t) for t in ids] if with_logprobs else None,
             num_output_tokens=sum(len(c) for c in chunks[: i + 1]),
         )
         for i, ids in enumerate(chunks)

@@ -28,25 +28,45 @@ HAS_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 
 
 def test_llm_kwargs_map_the_engine_config() -> None:
-    cfg = EngineConfig(model_dir="/m", max_num_seqs=64, max_num_batched_tokens=2048,
-                       max_model_len=4096, enable_prefix_caching=True,
-                       kv_cache_memory_fraction=0.85, block_size=32)
+    cfg = EngineConfig(
+        model_dir="/m",
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        max_model_len=4096,
+        enable_prefix_caching=True,
+        kv_cache_memory_fraction=0.85,
+        block_size=32,
+    )
     kw = llm_kwargs(cfg)
     assert kw["model"] == "/m"
     assert kw["skip_tokenizer_init"] is True
-    assert kw["kv_cache_config"] == {"dtype": "fp8", "enable_block_reuse": True,
-                                     "free_gpu_memory_fraction": 0.85, "tokens_per_block": 32}
+    assert kw["kv_cache_config"] == {
+        "dtype": "fp8",
+        "enable_block_reuse": True,
+        "free_gpu_memory_fraction": 0.85,
+        "tokens_per_block": 32,
+    }
     assert (kw["max_batch_size"], kw["max_num_tokens"], kw["max_seq_len"]) == (64, 2048, 4096)
     assert kw["enable_chunked_prefill"] is True
     assert kw["scheduler_config"]["capacity_scheduler_policy"] == "MAX_UTILIZATION"
     assert "max_seq_len" not in llm_kwargs(EngineConfig(model_dir="/m"))
-    assert llm_kwargs(EngineConfig(num_kv_blocks=10, block_size=16))["kv_cache_config"][
-        "max_tokens"] == 160
+    assert (
+        llm_kwargs(EngineConfig(num_kv_blocks=10, block_size=16))["kv_cache_config"]["max_tokens"]
+        == 160
+    )
 
 
 def test_sampling_kwargs() -> None:
-    p = SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=40, seed=7,
-                       stop_token_ids=[5], min_tokens=2, logprobs=3)
+    p = SamplingParams(
+        max_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        seed=7,
+        stop_token_ids=[5],
+        min_tokens=2,
+        logprobs=3,
+    )
     kw = sampling_kwargs(p, [2])
     assert kw["max_tokens"] == 9
     assert (kw["temperature"], kw["top_p"], kw["top_k"], kw["seed"]) == (0.7, 0.9, 40, 7)
@@ -69,8 +89,7 @@ def test_stream_state_holds_back_a_possible_stop_and_trims_a_completed_one() -> 
     assert (c.new_token_ids, c.finished, c.finish_reason) == ([], True, FinishReason.STOP)
     assert c.num_output_tokens == 5
     d = StreamState("s", 1, SamplingParams(max_tokens=2), 0.0).advance([4, 5], "length", 1.0)
-    assert (d.new_token_ids, d.finish_reason, d.finished_time) == ([4, 5], FinishReason.LENGTH,
-                                                                   1.0)
+    assert (d.new_token_ids, d.finish_reason, d.finished_time) == ([4, 5], FinishReason.LENGTH, 1.0)
 
 
 def _expected(out: list[int], stops: list[list[int]], min_tokens: int) -> tuple[list[int], bool]:
@@ -80,19 +99,26 @@ def _expected(out: list[int], stops: list[list[int]], min_tokens: int) -> tuple[
         if n < min_tokens:
             continue
         for seq in stops:
-            if seq and n >= len(seq) and out[n - len(seq):n] == seq:
-                return out[:n - len(seq)], True
+            if seq and n >= len(seq) and out[n - len(seq) : n] == seq:
+                return out[: n - len(seq)], True
     return out, False
 
 
 @settings(max_examples=300, deadline=None)
-@given(out=st.lists(st.integers(0, 3), max_size=14),
-       stops=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), max_size=2),
-       min_tokens=st.integers(0, 4), step=st.integers(1, 3))
+@given(
+    out=st.lists(st.integers(0, 3), max_size=14),
+    stops=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=3), max_size=2),
+    min_tokens=st.integers(0, 4),
+    step=st.integers(1, 3),
+)
 def test_streamed_deltas_never_contain_a_token_of_a_trimmed_stop(
-        out: list[int], stops: list[list[int]], min_tokens: int, step: int) -> None:
-    params = SamplingParams(max_tokens=max(1, len(out)), stop_sequences=stops,
-                            min_tokens=min(min_tokens, max(1, len(out))))
+    out: list[int], stops: list[list[int]], min_tokens: int, step: int
+) -> None:
+    params = SamplingParams(
+        max_tokens=max(1, len(out)),
+        stop_sequences=stops,
+        min_tokens=min(min_tokens, max(1, len(out))),
+    )
     state = StreamState("r", 1, params, 0.0)
     sent: list[int] = []
     finished = False
@@ -138,10 +164,18 @@ def test_priority_maps_onto_tensorrt_llm_s_scale() -> None:
 
 
 def test_stats_from_iteration() -> None:
-    it = {"iter": 12, "numActiveRequests": 5, "numQueuedRequests": 2,
-          "kvCacheStats": {"usedNumBlocks": 30, "maxNumBlocks": 120, "reusedBlocks": 6,
-                           "missedBlocks": 18},
-          "inflightBatchingStats": {"numPausedRequests": 1}}
+    it = {
+        "iter": 12,
+        "numActiveRequests": 5,
+        "numQueuedRequests": 2,
+        "kvCacheStats": {
+            "usedNumBlocks": 30,
+            "maxNumBlocks": 120,
+            "reusedBlocks": 6,
+            "missedBlocks": 18,
+        },
+        "inflightBatchingStats": {"numPausedRequests": 1},
+    }
     s = stats_from_iteration(it, 64, 256, {"requests": 9, "prompt": 100, "generation": 50})
     assert (s.num_running, s.num_waiting, s.num_kv_blocks_used) == (5, 2, 30)
     assert s.kv_cache_usage == pytest.approx(0.25)
@@ -172,8 +206,12 @@ async def test_trtllm_generates(model_dir: Path) -> None:  # pragma: no cover - 
     backend = TrtLlmBackend(EngineConfig(model_dir=str(model_dir)))
     await backend.start()
     try:
-        outs = [o async for o in backend.generate(
-            GenerateInput("g", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True)))]
+        outs = [
+            o
+            async for o in backend.generate(
+                GenerateInput("g", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+            )
+        ]
         assert sum(len(o.new_token_ids) for o in outs) == 4
         assert outs[-1].finished
     finally:
@@ -183,8 +221,7 @@ async def test_trtllm_generates(model_dir: Path) -> None:  # pragma: no cover - 
 def test_parallel_settings_reach_tensorrt_llm_and_the_native_engine_refuses_them() -> None:
     from engine_svc.core import LLMEngine
 
-    kw = llm_kwargs(EngineConfig(model_dir="/m", tensor_parallel_size=4,
-                                 pipeline_parallel_size=2))
+    kw = llm_kwargs(EngineConfig(model_dir="/m", tensor_parallel_size=4, pipeline_parallel_size=2))
     assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (4, 2)
     with pytest.raises(ValueError, match="one device"):
         LLMEngine(EngineConfig(model_dir="/m", tensor_parallel_size=2))

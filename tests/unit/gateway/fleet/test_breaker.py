@@ -13,8 +13,15 @@ class Clock:
         return self.now
 
 
-POLICY = BreakerPolicy(window_s=10, min_calls=4, error_ratio=0.5, consecutive_failures=3,
-                       open_s=5, max_open_s=20, half_open_probes=1)
+POLICY = BreakerPolicy(
+    window_s=10,
+    min_calls=4,
+    error_ratio=0.5,
+    consecutive_failures=3,
+    open_s=5,
+    max_open_s=20,
+    half_open_probes=1,
+)
 
 
 def breaker(clock: Clock, policy: BreakerPolicy = POLICY) -> CircuitBreaker:
@@ -65,8 +72,9 @@ def test_failed_probe_reopens_with_doubled_open_time() -> None:
 
 def test_error_ratio_needs_min_calls_and_uses_a_rolling_window() -> None:
     clock = Clock()
-    b = breaker(clock, BreakerPolicy(window_s=10, min_calls=4, error_ratio=0.5,
-                                     consecutive_failures=100))
+    b = breaker(
+        clock, BreakerPolicy(window_s=10, min_calls=4, error_ratio=0.5, consecutive_failures=100)
+    )
     call(b, False)
     call(b, True)
     call(b, False)
@@ -75,8 +83,9 @@ def test_error_ratio_needs_min_calls_and_uses_a_rolling_window() -> None:
     call(b, False)  # 3/5 failed >= 50%
     assert state(b) == BreakerState.OPEN
 
-    b2 = breaker(clock, BreakerPolicy(window_s=10, min_calls=4, error_ratio=0.5,
-                                      consecutive_failures=100))
+    b2 = breaker(
+        clock, BreakerPolicy(window_s=10, min_calls=4, error_ratio=0.5, consecutive_failures=100)
+    )
     call(b2, False)
     call(b2, False)
     call(b2, True)
@@ -140,9 +149,18 @@ def test_only_the_admitted_probe_decides_the_half_open_state() -> None:
 
 def test_a_probe_of_an_earlier_half_open_period_does_not_count() -> None:
     clock = Clock()
-    b = breaker(clock, BreakerPolicy(window_s=10, min_calls=4, error_ratio=0.5,
-                                     consecutive_failures=3, open_s=5, max_open_s=20,
-                                     half_open_probes=2))
+    b = breaker(
+        clock,
+        BreakerPolicy(
+            window_s=10,
+            min_calls=4,
+            error_ratio=0.5,
+            consecutive_failures=3,
+            open_s=5,
+            max_open_s=20,
+            half_open_probes=2,
+        ),
+    )
     for _ in range(3):
         call(b, False)
     clock.now += 5

@@ -10,8 +10,15 @@ from gateway.fleet.breaker import BreakerPolicy
 from gateway.fleet.discovery import Discovery, expand, has_names, resolve
 from gateway.fleet.replica_pool import ReplicaPool
 
-POLICY = BreakerPolicy(window_s=10, min_calls=4, error_ratio=0.5, consecutive_failures=3,
-                       open_s=1.0, max_open_s=8.0, half_open_probes=1)
+POLICY = BreakerPolicy(
+    window_s=10,
+    min_calls=4,
+    error_ratio=0.5,
+    consecutive_failures=3,
+    open_s=1.0,
+    max_open_s=8.0,
+    half_open_probes=1,
+)
 
 
 class FakeDns:

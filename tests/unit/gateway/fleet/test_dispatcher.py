@@ -32,8 +32,9 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
         self.mode = mode
         self.requests: list[engine_pb2.EngineGenerateRequest] = []
 
-    async def Generate(self, request: engine_pb2.EngineGenerateRequest, context: object
-                       ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+    async def Generate(
+        self, request: engine_pb2.EngineGenerateRequest, context: object
+    ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         ctx: grpc.aio.ServicerContext[object, object] = context  # type: ignore[assignment]
         self.requests.append(request)
         if self.mode == "unavailable":
@@ -59,8 +60,9 @@ def tokenizer() -> TextTokenizer:
     return TextTokenizer(default_model_dir())
 
 
-async def setup(modes: list[str], *, failover: bool = True, budget_min: int = 5
-                ) -> tuple[Dispatcher, list[ScriptedEngine], list[grpc.aio.Server]]:
+async def setup(
+    modes: list[str], *, failover: bool = True, budget_min: int = 5
+) -> tuple[Dispatcher, list[ScriptedEngine], list[grpc.aio.Server]]:
     engines, servers, addresses = [], [], []
     for mode in modes:
         engine = ScriptedEngine(mode)  # type: ignore[abstract]  # Generate is all it needs
@@ -75,21 +77,30 @@ async def setup(modes: list[str], *, failover: bool = True, budget_min: int = 5
     for r in pool.replicas:
         r.healthy = True
         r.info = engine_pb2.ModelInfo(model="m", version="v1", max_context_length=2048)
-    dispatcher = Dispatcher(pool, RetryPolicy(3, 0.001, 0.002),
-                            RetryBudget(0.2, budget_min, 10.0), failover=failover)
+    dispatcher = Dispatcher(
+        pool, RetryPolicy(3, 0.001, 0.002), RetryBudget(0.2, budget_min, 10.0), failover=failover
+    )
     return dispatcher, engines, servers
 
 
 def job() -> EngineJob:
-    return EngineJob(request_id="r1", traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
-                     tenant_id="t", priority=common_pb2.NORMAL, model="m", model_version="",
-                     prompt_token_ids=[1, 2, 3],
-                     sampling=engine_pb2.EngineSamplingParams(max_tokens=len(TOKENS)),
-                     deadline=Deadline(30), stop_strings=[])
+    return EngineJob(
+        request_id="r1",
+        traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+        tenant_id="t",
+        priority=common_pb2.NORMAL,
+        model="m",
+        model_version="",
+        prompt_token_ids=[1, 2, 3],
+        sampling=engine_pb2.EngineSamplingParams(max_tokens=len(TOKENS)),
+        deadline=Deadline(30),
+        stop_strings=[],
+    )
 
 
-async def run(dispatcher: Dispatcher, servers: list[grpc.aio.Server],
-              tokenizer: TextTokenizer) -> tuple[list[int], str, TextStream]:
+async def run(
+    dispatcher: Dispatcher, servers: list[grpc.aio.Server], tokenizer: TextTokenizer
+) -> tuple[list[int], str, TextStream]:
     text = TextStream("r1", tokenizer, [], 3)
     ids: list[int] = []
     out = ""
@@ -104,8 +115,7 @@ async def run(dispatcher: Dispatcher, servers: list[grpc.aio.Server],
     return ids, out, text
 
 
-async def test_retry_on_another_replica_before_the_first_token(tokenizer: TextTokenizer
-                                                                ) -> None:
+async def test_retry_on_another_replica_before_the_first_token(tokenizer: TextTokenizer) -> None:
     dispatcher, engines, servers = await setup(["unavailable", "ok"])
     ids, out, _ = await run(dispatcher, servers, tokenizer)
     assert ids == TOKENS
@@ -115,7 +125,8 @@ async def test_retry_on_another_replica_before_the_first_token(tokenizer: TextTo
 
 
 async def test_every_replica_full_is_resource_exhausted_with_retry_after(
-        tokenizer: TextTokenizer) -> None:
+    tokenizer: TextTokenizer,
+) -> None:
     dispatcher, engines, servers = await setup(["full", "full"])
     with pytest.raises(GatewayError) as info:
         await run(dispatcher, servers, tokenizer)

@@ -46,8 +46,7 @@ async def test_ties_go_to_the_least_recently_picked(pool: ReplicaPool) -> None:
     assert order == ["a:1", "b:2", "c:3", "a:1", "b:2", "c:3"]
 
 
-async def test_skips_unhealthy_draining_open_excluded_and_other_versions(
-        pool: ReplicaPool) -> None:
+async def test_skips_unhealthy_draining_open_excluded_and_other_versions(pool: ReplicaPool) -> None:
     a, b, c = pool.replicas
     a.healthy, a.last_error = False, "unreachable (UNAVAILABLE: connection refused)"
     b.stats = engine_pb2.EngineStats(draining=True)
@@ -69,8 +68,7 @@ async def test_skips_unhealthy_draining_open_excluded_and_other_versions(
 
 
 async def test_catalog_and_default_model(pool: ReplicaPool) -> None:
-    pool.replicas[2].info = engine_pb2.ModelInfo(model="other", version="x",
-                                                 max_context_length=512)
+    pool.replicas[2].info = engine_pb2.ModelInfo(model="other", version="x", max_context_length=512)
     assert pool.default_model() == MODEL
     entries = {e.model: e for e in pool.catalog()}
     assert entries[MODEL].versions == {"v1": (2, 2)}

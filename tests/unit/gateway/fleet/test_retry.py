@@ -10,8 +10,12 @@ from gateway.fleet.retry import RetryBudget, RetryPolicy, breaker_verdict, is_re
 def test_only_unavailable_and_engine_queue_full_are_retryable() -> None:
     assert is_retryable(grpc.StatusCode.UNAVAILABLE)
     assert is_retryable(grpc.StatusCode.RESOURCE_EXHAUSTED)
-    for code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL,
-                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+    for code in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    ):
         assert not is_retryable(code)
 
 
@@ -19,8 +23,12 @@ def test_breaker_verdicts() -> None:
     assert breaker_verdict(None) is True
     assert breaker_verdict(grpc.StatusCode.UNAVAILABLE) is False
     assert breaker_verdict(grpc.StatusCode.INTERNAL) is False
-    for code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):
+    for code in (
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    ):
         assert breaker_verdict(code) is None
 
 

@@ -19,17 +19,40 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 
 def test_chat_body_maps_every_sampling_field() -> None:
-    p = parse({"model": "m", "messages": [
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-    ], "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0.5, "top_p": 0.9,
-        "seed": -1, "stop": "END", "presence_penalty": 0.1, "frequency_penalty": -0.2,
-        "logprobs": True, "top_logprobs": 3, "user": "u1", "top_k": 5, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True}}, chat=True)
+    p = parse(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ],
+            "max_completion_tokens": 7,
+            "max_tokens": 99,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": -1,
+            "stop": "END",
+            "presence_penalty": 0.1,
+            "frequency_penalty": -0.2,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "user": "u1",
+            "top_k": 5,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        chat=True,
+    )
     r, s = p.request, p.request.sampling
     assert r.model == "m"
-    assert [(m.role, m.content) for m in r.messages.messages] == [("system", "be brief"),
-                                                                 ("user", "ab")]
+    assert [(m.role, m.content) for m in r.messages.messages] == [
+        ("system", "be brief"),
+        ("user", "ab"),
+    ]
     assert s.max_tokens == 7  # max_completion_tokens wins
     assert s.temperature == pytest.approx(0.5)
     assert s.top_p == pytest.approx(0.9)
@@ -37,7 +60,12 @@ def test_chat_body_maps_every_sampling_field() -> None:
     assert list(s.stop) == ["END"]
     assert (s.top_k, s.ignore_eos, s.logprobs) == (5, True, 3)
     assert (p.stream, p.include_usage, p.logprobs, p.top_logprobs, p.user) == (
-        True, True, True, 3, "u1")
+        True,
+        True,
+        True,
+        3,
+        "u1",
+    )
 
 
 def test_defaults_follow_openai() -> None:
@@ -54,29 +82,35 @@ def test_defaults_follow_openai() -> None:
     assert (text.logprobs, text.request.sampling.logprobs) == (True, 1)
 
 
-@pytest.mark.parametrize(("body", "chat", "param"), [
-    ({"messages": MSGS, "n": 2}, True, "n"),
-    ({"messages": MSGS, "n": 0}, True, "n"),
-    ({"messages": []}, True, "messages"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, True, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, True,
-     "messages[0].content[0]"),
-    ({"messages": MSGS, "temperature": "hot"}, True, "temperature"),
-    ({"messages": MSGS, "temperature": True}, True, "temperature"),
-    ({"messages": MSGS, "max_tokens": 0}, True, "max_tokens"),
-    ({"messages": MSGS, "max_tokens": 2.5}, True, "max_tokens"),
-    ({"messages": MSGS, "stop": [1]}, True, "stop"),
-    ({"messages": MSGS, "top_logprobs": 2}, True, "top_logprobs"),
-    ({"messages": MSGS, "top_logprobs": 21, "logprobs": True}, True, "top_logprobs"),
-    ({"messages": MSGS, "stream_options": {"include_usage": True}}, True, "stream_options"),
-    ({"messages": MSGS, "tools": [{"type": "function"}]}, True, "tools"),
-    ({"messages": MSGS, "response_format": {"type": "json_object"}}, True, "response_format"),
-    ({"messages": MSGS, "logit_bias": {"1": 5}}, True, "logit_bias"),
-    ({"prompt": [1, 2]}, False, "prompt"),
-    ({"prompt": "x", "echo": True}, False, "echo"),
-    ({"prompt": "x", "best_of": 2}, False, "best_of"),
-    ([], True, None),
-])
+@pytest.mark.parametrize(
+    ("body", "chat", "param"),
+    [
+        ({"messages": MSGS, "n": 2}, True, "n"),
+        ({"messages": MSGS, "n": 0}, True, "n"),
+        ({"messages": []}, True, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, True, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            True,
+            "messages[0].content[0]",
+        ),
+        ({"messages": MSGS, "temperature": "hot"}, True, "temperature"),
+        ({"messages": MSGS, "temperature": True}, True, "temperature"),
+        ({"messages": MSGS, "max_tokens": 0}, True, "max_tokens"),
+        ({"messages": MSGS, "max_tokens": 2.5}, True, "max_tokens"),
+        ({"messages": MSGS, "stop": [1]}, True, "stop"),
+        ({"messages": MSGS, "top_logprobs": 2}, True, "top_logprobs"),
+        ({"messages": MSGS, "top_logprobs": 21, "logprobs": True}, True, "top_logprobs"),
+        ({"messages": MSGS, "stream_options": {"include_usage": True}}, True, "stream_options"),
+        ({"messages": MSGS, "tools": [{"type": "function"}]}, True, "tools"),
+        ({"messages": MSGS, "response_format": {"type": "json_object"}}, True, "response_format"),
+        ({"messages": MSGS, "logit_bias": {"1": 5}}, True, "logit_bias"),
+        ({"prompt": [1, 2]}, False, "prompt"),
+        ({"prompt": "x", "echo": True}, False, "echo"),
+        ({"prompt": "x", "best_of": 2}, False, "best_of"),
+        ([], True, None),
+    ],
+)
 def test_bad_bodies_name_their_param(body: Any, chat: bool, param: str | None) -> None:
     with pytest.raises(ApiError) as info:
         parse(body, chat=chat)
@@ -84,15 +118,18 @@ def test_bad_bodies_name_their_param(body: Any, chat: bool, param: str | None) -
     assert info.value.param == param, info.value.message
 
 
-@pytest.mark.parametrize(("code", "status", "etype"), [
-    (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
-    (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
-    (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error"),
-    (grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error"),
-    (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
-    (grpc.StatusCode.INTERNAL, 500, "server_error"),
-])
+@pytest.mark.parametrize(
+    ("code", "status", "etype"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+        (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
+        (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error"),
+        (grpc.StatusCode.NOT_FOUND, 404, "invalid_request_error"),
+        (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable"),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
+        (grpc.StatusCode.INTERNAL, 500, "server_error"),
+    ],
+)
 def test_status_mapping(code: grpc.StatusCode, status: int, etype: str) -> None:
     e = ApiError.from_gateway(GatewayError(code, "why"))
     assert (e.status, e.type) == (status, etype)
@@ -100,29 +137,42 @@ def test_status_mapping(code: grpc.StatusCode, status: int, etype: str) -> None:
 
 
 def test_tenant_limit_is_429_and_full_engines_503_both_with_retry_after() -> None:
-    tenant = ApiError.from_gateway(GatewayError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED, "limit", retry_after_ms=1500,
-        trailers=(("grpc-status-details-bin", b"x"),)))
+    tenant = ApiError.from_gateway(
+        GatewayError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "limit",
+            retry_after_ms=1500,
+            trailers=(("grpc-status-details-bin", b"x"),),
+        )
+    )
     assert tenant.status == 429
-    assert tenant.headers() == {"Retry-After": "2", "retry-after-ms": "1500",
-                                "x-should-retry": "true"}
-    never = ApiError.from_gateway(GatewayError(
-        grpc.StatusCode.RESOURCE_EXHAUSTED, "never fits", trailers=(("k", "v"),)))
+    assert tenant.headers() == {
+        "Retry-After": "2",
+        "retry-after-ms": "1500",
+        "x-should-retry": "true",
+    }
+    never = ApiError.from_gateway(
+        GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "never fits", trailers=(("k", "v"),))
+    )
     assert never.headers() == {"x-should-retry": "false"}
-    engines = ApiError.from_gateway(GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full",
-                                                 retry_after_ms=200))
+    engines = ApiError.from_gateway(
+        GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", retry_after_ms=200)
+    )
     assert (engines.status, engines.code) == (503, "engine_overloaded")
     assert engines.headers()["Retry-After"] == "1"
 
 
-@pytest.mark.parametrize(("message", "chat", "param"), [
-    ("sampling.temperature must be in [0, 2], got 5", True, "temperature"),
-    ("sampling.logprobs must be in [0, 20], got 30", True, "top_logprobs"),
-    ("sampling.logprobs must be in [0, 20], got 30", False, "logprobs"),
-    ("prompt (10 tokens) + max_tokens (9999) exceeds the model's context", True, "max_tokens"),
-    ("the prompt is 5000 tokens; the model's context is 2048", False, "prompt"),
-    ("messages is empty: send at least one chat message", True, "messages"),
-])
+@pytest.mark.parametrize(
+    ("message", "chat", "param"),
+    [
+        ("sampling.temperature must be in [0, 2], got 5", True, "temperature"),
+        ("sampling.logprobs must be in [0, 20], got 30", True, "top_logprobs"),
+        ("sampling.logprobs must be in [0, 20], got 30", False, "logprobs"),
+        ("prompt (10 tokens) + max_tokens (9999) exceeds the model's context", True, "max_tokens"),
+        ("the prompt is 5000 tokens; the model's context is 2048", False, "prompt"),
+        ("messages is empty: send at least one chat message", True, "messages"),
+    ],
+)
 def test_pipeline_messages_name_the_openai_param(message: str, chat: bool, param: str) -> None:
     e = ApiError.from_gateway(GatewayError(grpc.StatusCode.INVALID_ARGUMENT, message), chat=chat)
     assert e.param == param
@@ -136,14 +186,23 @@ def _pos(tid: int, text: str, lp: float) -> common_pb2.PositionLogprobs:
 
 
 def test_streamed_chat_objects() -> None:
-    p = parse({"messages": MSGS, "stream": True, "stream_options": {"include_usage": True},
-               "logprobs": True, "top_logprobs": 1}, chat=True)
+    p = parse(
+        {
+            "messages": MSGS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": True,
+            "top_logprobs": 1,
+        },
+        chat=True,
+    )
     f = Formatter(p, "rid", "")
     role = f.role_chunk()
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert role["usage"] is None
-    first = f.stream_chunk(Chunk("rid", text="He", token_ids=[1], logprobs=[_pos(1, "He", -0.5)],
-                                 model="m"))
+    first = f.stream_chunk(
+        Chunk("rid", text="He", token_ids=[1], logprobs=[_pos(1, "He", -0.5)], model="m")
+    )
     assert first is not None
     assert first["model"] == "m"
     assert first["id"] == "chatcmpl-rid"
@@ -151,22 +210,34 @@ def test_streamed_chat_objects() -> None:
     assert (c["token"], c["bytes"], len(c["top_logprobs"])) == ("He", [72, 101], 1)
     assert f.stream_chunk(Chunk("rid")) is None  # nothing to show
     usage = common_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=1)
-    last = f.stream_chunk(Chunk("rid", text="y", token_ids=[2], finish_reason=common_pb2.STOP,
-                                usage=usage))
+    last = f.stream_chunk(
+        Chunk("rid", text="y", token_ids=[2], finish_reason=common_pb2.STOP, usage=usage)
+    )
     assert last is not None
     assert last["choices"][0]["finish_reason"] == "stop"
     tail = f.usage_chunk()
     assert tail["choices"] == []
-    assert tail["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
-                             "prompt_tokens_details": {"cached_tokens": 1}}
+    assert tail["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
     assert f.final()["choices"][0]["message"] == {"role": "assistant", "content": "Hey"}
 
 
 def test_text_completion_logprobs_have_offsets() -> None:
     f = Formatter(parse({"prompt": "x", "logprobs": 1}, chat=False), "r", "m")
     f.add(Chunk("r", text="ab", token_ids=[1, 2], logprobs=[_pos(1, "a", -1), _pos(2, "b", -2)]))
-    f.add(Chunk("r", text="c", token_ids=[3], logprobs=[_pos(3, "c", -3)],
-                finish_reason=common_pb2.LENGTH))
+    f.add(
+        Chunk(
+            "r",
+            text="c",
+            token_ids=[3],
+            logprobs=[_pos(3, "c", -3)],
+            finish_reason=common_pb2.LENGTH,
+        )
+    )
     out = f.final()
     (choice,) = out["choices"]
     assert (out["id"], out["object"], choice["text"]) == ("cmpl-r", "text_completion", "abc")

@@ -13,8 +13,9 @@ from gateway.release.version_stats import VersionStats
 from ratelimit.errors import NotFoundError
 
 MODEL = "m"
-GUARD = GuardPolicy(enabled=True, max_error_rate_increase=0.1, max_ttft_p95_ratio=1.5,
-                    min_requests=10, window_s=60)
+GUARD = GuardPolicy(
+    enabled=True, max_error_rate_increase=0.1, max_ttft_p95_ratio=1.5, min_requests=10, window_s=60
+)
 
 
 class Clock:
@@ -26,8 +27,13 @@ class Clock:
 
 
 def canary(**kw: object) -> RoutingPolicy:
-    args: dict[str, object] = {"model": MODEL, "stable_version": "v1",
-                               "weights": {"v1": 90, "v2": 10}, "guard": GUARD, **kw}
+    args: dict[str, object] = {
+        "model": MODEL,
+        "stable_version": "v1",
+        "weights": {"v1": 90, "v2": 10},
+        "guard": GUARD,
+        **kw,
+    }
     return RoutingPolicy(**args)  # type: ignore[arg-type]
 
 
@@ -72,13 +78,16 @@ async def test_rollout_set_cas_rollback_promote_delete() -> None:
     rollout = RolloutManager(PolicyCache(store, ttl_s=60), audit=None)
     with pytest.raises(NotFoundError):
         await rollout.get(MODEL)
-    p1 = await rollout.set(canary(tenant_pins={"beta": "v2", "legacy": "v0"}), expected=0,
-                           actor="k1", reason="canary 10%")
+    p1 = await rollout.set(
+        canary(tenant_pins={"beta": "v2", "legacy": "v0"}),
+        expected=0,
+        actor="k1",
+        reason="canary 10%",
+    )
     assert (p1.revision, p1.updated_by) == (1, "k1")
     with pytest.raises(ConflictError, match="revision 1, not 7"):
         await rollout.set_weights(MODEL, {"v1": 50, "v2": 50}, expected=7, actor="k1", reason="")
-    p2 = await rollout.set_weights(MODEL, {"v1": 50, "v2": 50}, expected=1, actor="k1",
-                                   reason="")
+    p2 = await rollout.set_weights(MODEL, {"v1": 50, "v2": 50}, expected=1, actor="k1", reason="")
     assert p2.revision == 2
     assert p2.percent("v2") == 50
     p3 = await rollout.rollback(MODEL, reason="bad answers", actor="k2")
@@ -117,8 +126,7 @@ async def test_guard_rolls_back_once_and_yields_to_a_concurrent_change() -> None
 
 
 def test_proto_round_trip_and_defaults() -> None:
-    p = canary(sticky="tenant", shadow_version="v3", shadow_percent=2.5,
-               tenant_pins={"beta": "v2"})
+    p = canary(sticky="tenant", shadow_version="v3", shadow_percent=2.5, tenant_pins={"beta": "v2"})
     assert policy_from_proto(policy_to_proto(p)) == p.replace(updated_at=0.0)
     msg = policy_to_proto(p)
     msg.ClearField("guard")

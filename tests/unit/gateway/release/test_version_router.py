@@ -33,8 +33,9 @@ async def pool() -> AsyncIterator[ReplicaPool]:
         await p.close()
 
 
-async def router_with(pool: ReplicaPool, policy: RoutingPolicy | None
-                      ) -> tuple[VersionRouter, VersionStats]:
+async def router_with(
+    pool: ReplicaPool, policy: RoutingPolicy | None
+) -> tuple[VersionRouter, VersionStats]:
     store = MemoryPolicyStore()
     if policy is not None:
         store.policies[MODEL] = policy
@@ -46,8 +47,9 @@ def policy(weights: dict[str, int], **kw: object) -> RoutingPolicy:
     return RoutingPolicy(model=MODEL, stable_version="v1", weights=weights, **kw)  # type: ignore[arg-type]
 
 
-async def route(router: VersionRouter, pool: ReplicaPool, tenant: str = "t",
-                session: str = "") -> str:
+async def route(
+    router: VersionRouter, pool: ReplicaPool, tenant: str = "t", session: str = ""
+) -> str:
     d = await router.decide(MODEL, "", tenant, session)
     replica, ticket = pool.choose(MODEL, d.version, (), d.fallbacks)
     replica.release(True, ticket)
@@ -64,7 +66,8 @@ async def test_weights_80_20_hold_over_200_decisions(pool: ReplicaPool) -> None:
 
 
 async def test_no_policy_means_any_version_and_requested_version_is_strict(
-        pool: ReplicaPool) -> None:
+    pool: ReplicaPool,
+) -> None:
     router, _ = await router_with(pool, None)
     d = await router.decide(MODEL, "", "t")
     assert (d.version, d.fallbacks, d.reason) == ("", (), "any")
@@ -82,12 +85,14 @@ async def test_pins_and_sticky_sessions_and_tenants(pool: ReplicaPool) -> None:
     assert unsticky == {"v1", "v2"}  # no session key: drawn by weight
     router, _ = await router_with(pool, policy({"v1": 50, "v2": 50}, sticky="tenant"))
     for tenant in ("t1", "t2", "t3"):
-        assert len({await route(router, pool, tenant=tenant, session=str(i))
-                    for i in range(10)}) == 1
+        assert (
+            len({await route(router, pool, tenant=tenant, session=str(i)) for i in range(10)}) == 1
+        )
 
 
 async def test_unavailable_canary_falls_back_to_stable_and_counts_as_its_error(
-        pool: ReplicaPool) -> None:
+    pool: ReplicaPool,
+) -> None:
     router, stats = await router_with(pool, policy({"v1": 0, "v2": 100}))
     pool.replicas[2].healthy = False
     d = await router.decide(MODEL, "", "t")
@@ -107,8 +112,9 @@ async def test_unavailable_canary_falls_back_to_stable_and_counts_as_its_error(
 
 
 async def test_shadow_share_and_attempt_outcomes(pool: ReplicaPool) -> None:
-    router, stats = await router_with(pool, policy({"v1": 100}, shadow_version="v2",
-                                                   shadow_percent=50.0))
+    router, stats = await router_with(
+        pool, policy({"v1": 100}, shadow_version="v2", shadow_percent=50.0)
+    )
     shadows = [(await router.decide(MODEL, "", "t")).shadow_version for _ in range(100)]
     assert 25 <= shadows.count("v2") <= 75
     assert set(shadows) == {"", "v2"}
@@ -120,8 +126,9 @@ async def test_shadow_share_and_attempt_outcomes(pool: ReplicaPool) -> None:
 
 
 async def test_list_models_shows_weights_and_states(pool: ReplicaPool) -> None:
-    router, _ = await router_with(pool, policy({"v1": 95, "v2": 5}, shadow_version="v3",
-                                               shadow_percent=10.0))
+    router, _ = await router_with(
+        pool, policy({"v1": 95, "v2": 5}, shadow_version="v3", shadow_percent=10.0)
+    )
     (card,) = models_to_proto(await router.annotate(pool.catalog())).models
     got = {v.version: (v.weight, v.state, v.num_replicas) for v in card.versions}
     assert got == {"v1": (95, "stable", 2), "v2": (5, "canary", 1), "v3": (0, "shadow", 0)}

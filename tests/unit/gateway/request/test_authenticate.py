@@ -51,14 +51,17 @@ def test_off_unknown_source_and_bounded_memory() -> None:
     assert throttle.blocked_ms("10.0.0.0") == 0  # the oldest went first
 
 
-@pytest.mark.parametrize(("forwarded", "peer", "expected"), [
-    ("", "ipv4:127.0.0.1:51234", "127.0.0.1"),
-    ("", "ipv6:[::1]:51234", "::1"),
-    ("", "10.1.2.3", "10.1.2.3"),  # aiohttp's request.remote
-    ("198.51.100.7", "ipv4:10.0.0.9:443", "198.51.100.7"),
-    ("1.1.1.1, 2.2.2.2,  198.51.100.7 ", "ipv4:10.0.0.9:443", "198.51.100.7"),  # last hop
-    ("", "", ""),
-])
+@pytest.mark.parametrize(
+    ("forwarded", "peer", "expected"),
+    [
+        ("", "ipv4:127.0.0.1:51234", "127.0.0.1"),
+        ("", "ipv6:[::1]:51234", "::1"),
+        ("", "10.1.2.3", "10.1.2.3"),  # aiohttp's request.remote
+        ("198.51.100.7", "ipv4:10.0.0.9:443", "198.51.100.7"),
+        ("1.1.1.1, 2.2.2.2,  198.51.100.7 ", "ipv4:10.0.0.9:443", "198.51.100.7"),  # last hop
+        ("", "", ""),
+    ],
+)
 def test_client_source(forwarded: str, peer: str, expected: str) -> None:
     assert client_source(forwarded, peer) == expected
 

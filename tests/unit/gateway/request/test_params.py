@@ -19,26 +19,38 @@ from llm.v1 import common_pb2
 VOCAB = 1000
 
 
-@pytest.mark.parametrize(("fields", "words"), [
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": math.inf}, "finite"),
-    ({"top_p": math.nan}, "top_p"),
-    ({"min_p": 1.5}, "min_p"),
-    ({"repetition_penalty": 11.0}, "repetition_penalty"),
-    ({"presence_penalty": -2.5}, "presence_penalty"),
-    ({"top_k": VOCAB + 1}, "top_k"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"stop": ["a"] * 17}, "at most 16"),
-    ({"stop": ["x" * 257]}, "257 characters"),
-])
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.inf}, "finite"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 11.0}, "repetition_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"top_k": VOCAB + 1}, "top_k"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": ["a"] * 17}, "at most 16"),
+        ({"stop": ["x" * 257]}, "257 characters"),
+    ],
+)
 def test_invalid_fields_name_the_field(fields: dict[str, object], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         validate_sampling(common_pb2.SamplingParams(**fields), VOCAB)  # type: ignore[arg-type]
 
 
 def test_valid_params_map_to_the_engine() -> None:
-    p = common_pb2.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=7, stop=["x"],
-                                  stop_token_ids=[3], min_tokens=2, logprobs=1, ignore_eos=True)
+    p = common_pb2.SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        seed=7,
+        stop=["x"],
+        stop_token_ids=[3],
+        min_tokens=2,
+        logprobs=1,
+        ignore_eos=True,
+    )
     validate_sampling(p, VOCAB)
     validate_stop_token_ids(p, VOCAB)
     e = engine_sampling(p, 10)
@@ -71,8 +83,12 @@ def test_traceparent_keeps_the_trace_and_makes_a_new_span() -> None:
     assert out.startswith("00-4bf92f3577b34da6a3ce929d0e0e4736-")
     assert out.endswith("-01")
     assert out != incoming
-    for bad in ("", "garbage", "00-" + "0" * 32 + "-00f067aa0ba902b7-01",
-                "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"):
+    for bad in (
+        "",
+        "garbage",
+        "00-" + "0" * 32 + "-00f067aa0ba902b7-01",
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    ):
         out, trace_id = new_traceparent(bad)
         assert len(trace_id) == 32
         assert out.split("-")[1] == trace_id

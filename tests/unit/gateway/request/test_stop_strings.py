@@ -47,10 +47,14 @@ def test_after_a_stop_nothing_more_is_emitted() -> None:
 alphabet = st.sampled_from("abc!é ")
 
 
-@given(stops=st.lists(st.text(alphabet, min_size=1, max_size=4), max_size=3),
-       text=st.text(alphabet, max_size=40), cuts=st.lists(st.integers(0, 40), max_size=8))
-def test_any_split_equals_matching_the_whole_text(stops: list[str], text: str,
-                                                  cuts: list[int]) -> None:
+@given(
+    stops=st.lists(st.text(alphabet, min_size=1, max_size=4), max_size=3),
+    text=st.text(alphabet, max_size=40),
+    cuts=st.lists(st.integers(0, 40), max_size=8),
+)
+def test_any_split_equals_matching_the_whole_text(
+    stops: list[str], text: str, cuts: list[int]
+) -> None:
     points = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     deltas = [text[a:b] for a, b in itertools.pairwise(points)]
     assert run(stops, deltas) == reference(stops, text)

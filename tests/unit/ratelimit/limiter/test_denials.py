@@ -20,10 +20,21 @@ class Clock:
 
 
 def denial(denied: Dimension, retry_after_ms: int) -> Decision:
-    return Decision(allowed=False, retry_after_ms=retry_after_ms, denied=denied,
-                    reservation=None, requests_remaining=0, tokens_remaining=-1,
-                    concurrent_in_use=0, source="redis", shadow_denied=False,
-                    server_time_ms=0.0, tenant_id="t", num_tokens=10, policy=POLICY)
+    return Decision(
+        allowed=False,
+        retry_after_ms=retry_after_ms,
+        denied=denied,
+        reservation=None,
+        requests_remaining=0,
+        tokens_remaining=-1,
+        concurrent_in_use=0,
+        source="redis",
+        shadow_denied=False,
+        server_time_ms=0.0,
+        tenant_id="t",
+        num_tokens=10,
+        policy=POLICY,
+    )
 
 
 def test_request_rate_denial_is_answered_locally_until_the_bucket_refills() -> None:

@@ -114,8 +114,9 @@ async def test_reserve_then_take_then_settle_charges_exactly_the_usage() -> None
     assert t.allowed
     assert t.reservation is d.reservation
     assert t.tokens_remaining == 5000
-    denied = await limiter.take(TENANT, (await limiter.reserve(TENANT, 0)).reservation
-                                or d.reservation, 5500)
+    denied = await limiter.take(
+        TENANT, (await limiter.reserve(TENANT, 0)).reservation or d.reservation, 5500
+    )
     assert not denied.allowed
     assert denied.reservation is None
     assert denied.denied == Dimension.TOKENS
@@ -152,8 +153,9 @@ async def test_a_take_the_store_failed_on_settles_exactly_either_way() -> None:
         d = await limiter.reserve(TENANT, 0)
         assert d.reservation is not None
         if ran:
-            await inner.take("acme", TENANT.limits, num_tokens=700, lease_id=d.lease_id or "",
-                             shadow=False)  # the script ran, the answer was lost
+            await inner.take(
+                "acme", TENANT.limits, num_tokens=700, lease_id=d.lease_id or "", shadow=False
+            )  # the script ran, the answer was lost
         store.mode = "error"
         t = await limiter.take(TENANT, d.reservation, 700)
         assert t.allowed

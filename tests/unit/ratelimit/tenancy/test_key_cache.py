@@ -18,8 +18,10 @@ class FakeStore:
     """Key records by hash, counting every lookup (each one a Redis round trip)."""
 
     def __init__(self, valid: list[str]) -> None:
-        self.keys = {hash_key(k): ApiKey(f"key_{i}", "team", "k", k[:12], KeyRole.TENANT,
-                                         hash_key(k)) for i, k in enumerate(valid)}
+        self.keys = {
+            hash_key(k): ApiKey(f"key_{i}", "team", "k", k[:12], KeyRole.TENANT, hash_key(k))
+            for i, k in enumerate(valid)
+        }
         self.lookups: Counter[str] = Counter()
 
     async def lookup_hash(self, digest: str) -> ApiKey | None:
