@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.breaker import BreakerPolicy
 from common.config import default_model_dir
 from common.log import get_logger
 from common.service_auth import read_service_token
 from gateway.config import GatewayConfig
-from gateway.fleet.breaker import BreakerPolicy
 from gateway.fleet.discovery import Discovery, has_names
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.replica_pool import ReplicaPool

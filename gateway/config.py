@@ -47,7 +47,7 @@ class GatewayConfig(ServiceConfig):
         retry_budget_window_s: Window the retry budget is counted over.
         failover: Resume a stream on another replica when its engine fails mid-stream.
         max_failovers: Mid-stream failovers per request.
-        breaker_*: Per-replica circuit breaker (see ``gateway.fleet.breaker``).
+        breaker_*: Per-replica circuit breaker (see ``common.breaker``).
         max_ejected_fraction: At most this share of replicas (at least one) open at once.
         stats_interval_s: How often each replica's GetStats is polled.
         queue_weight / kv_weight: Routing score weights (see ``gateway.fleet.replica_pool``).

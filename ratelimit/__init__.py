@@ -20,13 +20,14 @@ What the gateway uses (one ``RateLimitStack`` per process)::
     # or, when nothing is known about usage: await stack.limiter.release(...)
     stack.servicer()                                      # RateLimitAdmin to mount
 
-Module map: ``config`` (policies, settings), ``algorithm`` (pure bucket math),
-``lua`` (the Redis script), ``storage`` (``Store`` protocol, Redis and memory
-stores), ``guard``/``breaker`` (time budget, circuit breaker), ``limiter``
-(reserve/settle/leases, fail modes), ``decision``, ``records``/``registry``/
-``auth`` (tenants, keys, cached authentication), ``audit``, ``service``/
-``convert``/``status`` (gRPC), ``factory``, ``testing`` (a real Redis server
-for tests), ``loadgen`` (multi-process load for tests and the benchmark).
+Module map: ``config`` (policies, settings), ``limiter/`` (``algorithm``: pure
+bucket math; ``lua``: the Redis script; ``storage/``: the ``Store`` protocol, Redis
+and memory stores; ``store_guard``: time budget and circuit breaker; ``rate_limiter``:
+reserve/settle/leases, fail modes; ``decision``, ``denials``, ``membership``),
+``tenancy/`` (``records``, ``registry``, ``key_cache``: cached authentication,
+``audit``), ``admin/`` (the RateLimitAdmin servicer and its converters), ``errors``,
+``status`` (gRPC statuses), ``factory``, ``loadgen`` (multi-process load for tests
+and the benchmark). The Redis server launcher is ``common.redis_server``.
 """
 
 from typing import TYPE_CHECKING, Any

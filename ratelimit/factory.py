@@ -28,12 +28,11 @@ from common.service_auth import read_secret_file
 from ratelimit.admin.servicer import RateLimitAdminServicer
 from ratelimit.config import RateLimitConfig
 from ratelimit.errors import StoreError
-from ratelimit.limiter.breaker import CircuitBreaker
 from ratelimit.limiter.membership import ReplicaMembership
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage.memory import MemoryStore
 from ratelimit.limiter.storage.redis import RedisStore
-from ratelimit.limiter.store_guard import log_breaker_change
+from ratelimit.limiter.store_guard import store_breaker
 from ratelimit.tenancy.audit import AuditLog
 from ratelimit.tenancy.registry import Registry
 
@@ -99,9 +98,7 @@ class RateLimitStack:
             fail_mode=config.fail_mode,
             timeout_ms=config.timeout_ms,
             num_replicas=config.num_replicas,
-            breaker=CircuitBreaker(
-                config.breaker_failures, config.breaker_open_ms, on_change=log_breaker_change
-            ),
+            breaker=store_breaker(config.breaker_failures, config.breaker_open_ms),
             fallback=MemoryStore(
                 lease_ttl_ms=config.lease_ttl_ms,
                 concurrency_retry_ms=config.concurrency_retry_ms,

@@ -24,10 +24,10 @@ from typing import Any, cast
 import grpc
 from google.protobuf import timestamp_pb2
 
+from common.breaker import Ticket
 from common.log import get_logger
 from gateway import metrics
 from gateway.domain import Chunk, Deadline, GatewayError
-from gateway.fleet.breaker import Ticket
 from gateway.fleet.replica import Replica
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy, breaker_verdict, is_retryable

@@ -9,7 +9,7 @@ Two background tasks per replica keep its view fresh:
                    usage, draining. GetModelInfo whenever it turns healthy.
 
 ``outstanding`` counts this gateway's calls in flight on the replica; the
-breaker judges it from call outcomes (``gateway.fleet.breaker``).
+breaker judges it from call outcomes (``common.breaker``).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.breaker import ORDINARY, CircuitBreaker, Ticket
 from common.log import get_logger
 from common.service_auth import token_metadata
 from gateway import metrics
-from gateway.fleet.breaker import ORDINARY, CircuitBreaker, Ticket
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
 log = get_logger(__name__)

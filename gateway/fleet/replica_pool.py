@@ -24,9 +24,9 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from common.breaker import BreakerGroup, BreakerPolicy, BreakerState, Ticket
 from common.log import get_logger
 from gateway import metrics
-from gateway.fleet.breaker import BreakerGroup, BreakerPolicy, BreakerState, Ticket
 from gateway.fleet.replica import Replica
 from llm.v1 import engine_pb2
 

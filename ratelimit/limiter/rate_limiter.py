@@ -24,12 +24,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 
+from common.breaker import CircuitBreaker
 from common.log import get_logger
 from ratelimit import metrics
 from ratelimit.config import FAIL_MODES, Dimension, LimitPolicy, Tenant
 from ratelimit.errors import LimiterUnavailableError, StoreError
 from ratelimit.limiter.algorithm import UNLIMITED, Outcome
-from ratelimit.limiter.breaker import CircuitBreaker
 from ratelimit.limiter.decision import Decision, Reservation
 from ratelimit.limiter.denials import DenialMemo
 from ratelimit.limiter.storage import Store, UsageSnapshot

@@ -19,11 +19,11 @@ from common.config import ROOT
 from common.redis_server import RedisServer
 from ratelimit.config import Dimension, LimitPolicy, Tenant
 from ratelimit.errors import LimiterUnavailableError
-from ratelimit.limiter.breaker import CircuitBreaker
 from ratelimit.limiter.lua import LuaScript
 from ratelimit.limiter.membership import ReplicaMembership
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage.redis import SCRIPTS, RedisStore
+from ratelimit.limiter.store_guard import store_breaker
 
 pytestmark = pytest.mark.integration
 
@@ -127,7 +127,7 @@ async def limiter_factory(
             fail_mode=fail_mode,
             timeout_ms=200,
             num_replicas=2,
-            breaker=CircuitBreaker(2, 300),
+            breaker=store_breaker(2, 300),
         )
         made.append(limiter)
         return limiter
@@ -229,7 +229,7 @@ async def test_stalled_redis_costs_the_budget_not_the_stall(
         d = await limiter.reserve(TENANT, 1)
         assert d.source == "local"  # timed out after 200 ms, not 1 s
         assert d.allowed
-        assert limiter.breaker.num_failures == 1
+        assert limiter.breaker.consecutive_failures == 1
     finally:
         await admin.aclose()
 

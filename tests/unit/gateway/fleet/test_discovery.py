@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.fleet.breaker import BreakerPolicy
+from common.breaker import BreakerPolicy
 from gateway.fleet.discovery import Discovery, expand, has_names, resolve
 from gateway.fleet.replica_pool import ReplicaPool
 

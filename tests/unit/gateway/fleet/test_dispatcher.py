@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from common.breaker import BreakerPolicy
 from common.config import default_model_dir
 from gateway.domain import Deadline, GatewayError
-from gateway.fleet.breaker import BreakerPolicy
 from gateway.fleet.dispatcher import Dispatcher, EngineJob
 from gateway.fleet.replica_pool import ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy

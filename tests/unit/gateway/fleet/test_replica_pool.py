@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.fleet.breaker import BreakerPolicy
+from common.breaker import BreakerPolicy
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
 from llm.v1 import engine_pb2
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.fleet.breaker import BreakerPolicy
+from common.breaker import BreakerPolicy
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
 from gateway.fronts.grpc_servicer import models_to_proto
 from gateway.release.policy import RoutingPolicy

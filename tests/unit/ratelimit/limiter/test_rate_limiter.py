@@ -7,13 +7,14 @@ from typing import Any
 
 import pytest
 
+from common.breaker import BreakerState, CircuitBreaker
 from ratelimit.config import Dimension, LimitPolicy, Tenant
 from ratelimit.errors import LimiterUnavailableError, StoreError
 from ratelimit.limiter.algorithm import Outcome
-from ratelimit.limiter.breaker import BreakerState, CircuitBreaker
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage import UsageSnapshot
 from ratelimit.limiter.storage.memory import MemoryStore
+from ratelimit.limiter.store_guard import store_breaker
 
 
 class Clock:
@@ -212,7 +213,7 @@ async def test_shadow_mode_admits_and_counts() -> None:
 async def test_fail_open_uses_the_replica_share_then_recovers() -> None:
     clock = Clock()
     store = BrokenStore(memory(clock))
-    breaker = CircuitBreaker(2, 1000, clock=clock)
+    breaker = store_breaker(2, 1000, clock_ms=clock)
     tenant = Tenant("t", LimitPolicy(requests_per_minute=8, request_burst=8))
     limiter = RateLimiter(store, num_replicas=4, breaker=breaker, fallback=memory(clock))
     store.mode = "error"
@@ -242,7 +243,7 @@ async def test_fail_closed_raises_unavailable() -> None:
 
 async def test_slow_store_costs_only_the_timeout_budget() -> None:
     store = BrokenStore(memory(Clock()))
-    limiter = RateLimiter(store, timeout_ms=20, breaker=CircuitBreaker(1, 60_000))
+    limiter = RateLimiter(store, timeout_ms=20, breaker=store_breaker(1, 60_000))
     store.mode = "hang"
     d = await limiter.reserve(TENANT, 1)
     assert d.allowed

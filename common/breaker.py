@@ -1,4 +1,6 @@
-"""Per-replica circuit breakers: closed -> open -> half-open -> closed.
+"""Circuit breakers: closed -> open -> half-open -> closed. The gateway keeps one per
+engine replica (``BreakerGroup``, with an ejection cap); the rate limiter one around
+Redis (``BreakerPolicy.consecutive``: N failures in a row, a fixed open time).
 
     CLOSED ──(consecutive failures >= N, or error ratio >= R over >= M calls
     │         in the rolling window; and the ejection cap allows it)──► OPEN
@@ -45,6 +47,18 @@ class BreakerPolicy:
     open_s: float = 5.0
     max_open_s: float = 60.0
     half_open_probes: int = 1
+
+    @classmethod
+    def consecutive(cls, failures: int, open_s: float) -> BreakerPolicy:
+        """Open after ``failures`` failures in a row (no error-ratio rule), for ``open_s``
+        every time (no doubling), then let one probe through."""
+        return cls(
+            consecutive_failures=failures,
+            error_ratio=math.inf,
+            open_s=open_s,
+            max_open_s=open_s,
+            half_open_probes=1,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +114,11 @@ class CircuitBreaker:
         self._half_open_period = 0  # numbers the half-open periods (probe tickets)
 
     @property
+    def consecutive_failures(self) -> int:
+        """Failures since the last success."""
+        return self._consecutive
+
+    @property
     def state(self) -> BreakerState:
         """The current state; an OPEN breaker whose time is up reads HALF_OPEN."""
         if self._state == BreakerState.OPEN and self._clock() >= self._open_until:
@@ -141,7 +160,9 @@ class CircuitBreaker:
         if ok is None or (half_open and not probe):
             return
         now = self._clock()
-        self._calls.append((now, ok))
+        if self.policy.error_ratio <= 1.0:  # the window serves the ratio rule only
+            self._calls.append((now, ok))
+            self._forget_before(now - self.policy.window_s)
         self._consecutive = 0 if ok else self._consecutive + 1
         if probe:
             self._record_probe(ok)
@@ -158,9 +179,13 @@ class CircuitBreaker:
             self._consecutive = self._num_trips = 0
             self._set(BreakerState.CLOSED)
 
-    def _should_trip(self, now: float) -> bool:
-        while self._calls and self._calls[0][0] < now - self.policy.window_s:
+    def _forget_before(self, t: float) -> None:
+        """Drop calls older than the window, as they are recorded: a replica that never
+        fails must not keep every call it ever served."""
+        while self._calls and self._calls[0][0] < t:
             self._calls.popleft()
+
+    def _should_trip(self, now: float) -> bool:
         if self._consecutive >= self.policy.consecutive_failures:
             return True
         total = len(self._calls)

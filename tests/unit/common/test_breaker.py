@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.fleet.breaker import BreakerGroup, BreakerPolicy, BreakerState, CircuitBreaker
+from common.breaker import BreakerGroup, BreakerPolicy, BreakerState, CircuitBreaker
 
 
 class Clock:
@@ -180,3 +180,15 @@ def test_a_probe_of_an_earlier_half_open_period_does_not_count() -> None:
     b.record(True, q1)
     b.record(True, q2)
     assert state(b) == BreakerState.CLOSED
+
+
+def test_a_replica_that_never_fails_keeps_only_its_window_of_calls() -> None:
+    """The error-ratio window forgets calls as they age out, not only when a failure
+    is judged: a healthy replica must not keep every call it ever served."""
+    clock = Clock()
+    b = breaker(clock)
+    for _ in range(5000):
+        clock.now += 0.01
+        call(b, True)
+    # 10 s window at one call per 10 ms
+    assert len(b._calls) <= 1001  # the memory bound is the point
