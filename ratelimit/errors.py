@@ -6,6 +6,7 @@ NotFoundError            -> NOT_FOUND          unknown tenant or key id
 ValueError               -> INVALID_ARGUMENT   bad policy or id
 StoreError               -> UNAVAILABLE        Redis down or too slow
 LimiterUnavailableError  -> UNAVAILABLE        Redis down and failing closed
+ConflictError            -> ABORTED            a compare-and-set lost (re-read, retry)
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ class PermissionDeniedError(AuthError):
     """A known key that may not do this (revoked, wrong role, model not allowed)."""
 
 
+class ConflictError(Exception):
+    """What a write expected (a revision) is no longer what is stored."""
+
+
 class NotFoundError(LookupError):
     """A tenant or key id that does not exist."""
 
 
 __all__ = [
     "AuthError",
+    "ConflictError",
     "LimiterUnavailableError",
     "NotFoundError",
     "PermissionDeniedError",

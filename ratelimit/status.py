@@ -18,6 +18,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
 from ratelimit.errors import (
+    ConflictError,
     LimiterUnavailableError,
     NotFoundError,
     PermissionDeniedError,
@@ -37,6 +38,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (StoreError, grpc.StatusCode.UNAVAILABLE),
     (LimiterUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (ConflictError, grpc.StatusCode.ABORTED),
 )
 
 

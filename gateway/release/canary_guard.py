@@ -24,8 +24,9 @@ from collections.abc import Awaitable, Callable
 
 from common.log import get_logger
 from gateway.release.policy import RoutingPolicy
-from gateway.release.policy_store import ConflictError, PolicyCache
+from gateway.release.policy_store import PolicyCache
 from gateway.release.version_stats import VersionStats, VersionSummary
+from ratelimit.errors import ConflictError
 
 log = get_logger(__name__)
 TTFT_SLACK_S = 0.05  # p95 differences below this are noise on any hardware

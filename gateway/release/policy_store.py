@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 
 from common.log import get_logger
 from gateway.release.policy import RoutingPolicy, from_dict
-from ratelimit.errors import StoreError
+from ratelimit.errors import ConflictError, StoreError
 from ratelimit.tenancy.registry import redis_errors
 
 log = get_logger(__name__)
@@ -35,10 +35,6 @@ if ARGV[3] == '' then redis.call('HDEL', KEYS[1], ARGV[1]) else
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
 return -1
 """
-
-
-class ConflictError(Exception):
-    """The policy changed since the revision the writer saw."""
 
 
 class PolicyStore(Protocol):

@@ -21,8 +21,8 @@ from typing import Any
 from common.log import get_logger
 from gateway import metrics
 from gateway.release.policy import RoutingPolicy
-from gateway.release.policy_store import ConflictError, PolicyCache
-from ratelimit.errors import NotFoundError
+from gateway.release.policy_store import PolicyCache
+from ratelimit.errors import ConflictError, NotFoundError
 from ratelimit.tenancy.audit import AuditLog
 
 log = get_logger(__name__)

@@ -17,13 +17,10 @@ import grpc
 from common.log import get_logger
 from gateway.fleet.replica_pool import ReplicaPool
 from gateway.release.policy import GuardPolicy, RoutingPolicy
-from gateway.release.policy_store import ConflictError
 from gateway.release.rollout import RolloutManager
 from gateway.release.version_stats import VersionStats
 from llm.v1 import admin_pb2, admin_pb2_grpc
-from ratelimit.admin.servicer import bearer_token
-from ratelimit.status import status_for
-from ratelimit.tenancy.records import KeyRole
+from ratelimit.admin.calls import run_admin_call
 from ratelimit.tenancy.registry import Registry
 
 log = get_logger(__name__)
@@ -147,18 +144,9 @@ class RoutingAdminServicer(admin_pb2_grpc.RoutingAdminServicer):
         self.judge = judge
 
     async def _run(self, context: Context, method: str, fn: Callable[[str], Awaitable[R]]) -> R:
-        """Authenticate the admin, run ``fn(actor_key_id)``, map errors to a status."""
-        try:
-            principal = await self.registry.authenticate(bearer_token(context), KeyRole.ADMIN)
-            return await fn(principal.key.key_id)
-        except ConflictError as e:
-            code, message = grpc.StatusCode.ABORTED, str(e)
-        except Exception as e:
-            code, message = status_for(e)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("routing admin call failed", method=method)
-        await context.abort(code, message)
-        raise AssertionError("unreachable")  # abort() always raises
+        """Authenticate the admin, run ``fn(actor_key_id)``, map errors to a status
+        (a lost compare-and-set is ABORTED)."""
+        return await run_admin_call(self.registry, context, method, fn)
 
     async def ListRoutingPolicies(
         self, request: admin_pb2.ListRoutingPoliciesRequest, context: Context

@@ -18,10 +18,9 @@ from gateway.domain import CallContext, GatewayError
 from ratelimit.config import Tenant
 from ratelimit.errors import PermissionDeniedError, StoreError, UnauthenticatedError
 from ratelimit.limiter.algorithm import refill, wait_ms
+from ratelimit.tenancy.bearer import bearer_credential
 from ratelimit.tenancy.records import KeyRole
 from ratelimit.tenancy.registry import Registry
-
-SCHEME = "bearer"
 
 
 class ReflectionAuthInterceptor(GateInterceptor):
@@ -57,17 +56,10 @@ def bearer_key(authorization: str) -> str:
     Raises:
         GatewayError: UNAUTHENTICATED when the value is missing or not a bearer token.
     """
-    if not authorization:
-        raise GatewayError(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "missing API key: send metadata 'authorization: Bearer sk-llm-...'",
-        )
-    scheme, _, token = authorization.strip().partition(" ")
-    if scheme.lower() != SCHEME or not token.strip():
-        raise GatewayError(
-            grpc.StatusCode.UNAUTHENTICATED, "the authorization metadata must be 'Bearer <API key>'"
-        )
-    return token.strip()
+    try:
+        return bearer_credential(authorization)
+    except UnauthenticatedError as e:
+        raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
 
 
 class FailedAuthThrottle:

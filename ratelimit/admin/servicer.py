@@ -18,11 +18,10 @@ from common.log import get_logger
 from llm.v1 import admin_pb2, admin_pb2_grpc
 from ratelimit import metrics
 from ratelimit.admin import convert
-from ratelimit.errors import UnauthenticatedError
+from ratelimit.admin.calls import run_admin_call
 from ratelimit.limiter.rate_limiter import RateLimiter
-from ratelimit.status import status_for
 from ratelimit.tenancy.audit import AuditLog
-from ratelimit.tenancy.records import KeyRole, tenant_to_json
+from ratelimit.tenancy.records import tenant_to_json
 from ratelimit.tenancy.registry import Registry
 
 log = get_logger(__name__)
@@ -30,18 +29,6 @@ R = TypeVar("R")
 Context = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["RateLimitAdmin"].full_name
 MAX_AUDIT_EVENTS = 1000
-
-
-def bearer_token(context: Context) -> str:
-    """The key from ``authorization: Bearer <key>`` metadata."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            text = value.decode() if isinstance(value, bytes) else value
-            scheme, _, token = text.partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-            raise UnauthenticatedError("authorization metadata must be 'Bearer <admin key>'")
-    raise UnauthenticatedError("missing 'authorization: Bearer <admin key>' metadata")
 
 
 class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
@@ -60,17 +47,9 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
 
     async def _run(self, context: Context, method: str, fn: Callable[[str], Awaitable[R]]) -> R:
         """Authenticate the admin, run ``fn(actor_key_id)``, map errors to a status."""
-        try:
-            principal = await self.registry.authenticate(bearer_token(context), KeyRole.ADMIN)
-            result = await fn(principal.key.key_id)
-        except Exception as exc:
-            code, message = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("admin call failed", method=method)
-            metrics.ADMIN_REQUESTS.labels(method, code.name).inc()
-            await context.abort(code, message)
-        metrics.ADMIN_REQUESTS.labels(method, "OK").inc()
-        return result
+        return await run_admin_call(
+            self.registry, context, method, fn, counter=metrics.ADMIN_REQUESTS
+        )
 
     async def UpsertTenant(self, request: admin_pb2.Tenant, context: Context) -> admin_pb2.Tenant:
         """Create or replace a tenant (limits, priority, models, shadow mode)."""

@@ -6,11 +6,11 @@ import pytest
 
 from gateway.release.canary_guard import CanaryGuard, judge
 from gateway.release.policy import GuardPolicy, RoutingPolicy
-from gateway.release.policy_store import ConflictError, MemoryPolicyStore, PolicyCache
+from gateway.release.policy_store import MemoryPolicyStore, PolicyCache
 from gateway.release.rollout import GUARD_ACTOR, RolloutManager
 from gateway.release.routing_admin import policy_from_proto, policy_to_proto
 from gateway.release.version_stats import VersionStats
-from ratelimit.errors import NotFoundError
+from ratelimit.errors import ConflictError, NotFoundError
 
 MODEL = "m"
 GUARD = GuardPolicy(
