@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -22,10 +21,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import ROOT
-from common.pgroup import LoggedChild, tail
+from common.pgroup import ChildStartError, LoggedChild
 
 
-class ServiceStartError(RuntimeError):
+class ServiceStartError(ChildStartError):
     """The service exited or did not become healthy in time; carries its log tail."""
 
 
@@ -45,6 +44,7 @@ class ManagedProcess(LoggedChild):
     """One service subprocess: ``python -m <module> <args>`` with a port file."""
 
     stop_timeout = 15.0  # services drain in-flight work on SIGTERM
+    start_error = ServiceStartError
 
     name: str
     module: str
@@ -74,45 +74,17 @@ class ManagedProcess(LoggedChild):
         self._port_file.unlink(missing_ok=True)
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         env.setdefault("PYTHONPATH", str(ROOT))
-        self._log = self.log_path.open("ab")
         cmd = [sys.executable, "-m", self.module, *self.args, "--port-file", str(self._port_file)]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self._close_log()
-                raise ServiceStartError(
-                    f"{self.name} exited with code {self.proc.returncode} during start-up; "
-                    f"log {self.log_path}:\n{tail(self.log_path)}"
-                )
-            if self._port_file.exists():
-                ports = json.loads(self._port_file.read_text())
-                self.port, self.metrics_port = int(ports["grpc"]), ports.get("metrics")
-                if check_health(self.address):
-                    return self
-            time.sleep(0.1)
-        self.stop()
-        raise ServiceStartError(
-            f"{self.name} was not healthy after {timeout:.0f}s; log {self.log_path}:\n"
-            f"{tail(self.log_path)}"
-        )
+        self.spawn(cmd, cwd=ROOT, env=env)
+        self.wait_ready(self._healthy, timeout, poll_s=0.1)
+        return self
 
-    def signal(self, sig: int, group: bool = True) -> None:
-        """Send ``sig`` to the process group, or with ``group=False`` to the main process
-        alone (as Kubernetes and ``docker stop`` deliver SIGTERM: to PID 1 only)."""
-        if self.proc is not None and self.proc.poll() is None:
-            if group:
-                os.killpg(self.proc.pid, sig)
-            else:
-                self.proc.send_signal(sig)
+    def _healthy(self) -> bool:
+        if not self._port_file.exists():
+            return False
+        ports = json.loads(self._port_file.read_text())
+        self.port, self.metrics_port = int(ports["grpc"]), ports.get("metrics")
+        return check_health(self.address)
 
     def __enter__(self) -> ManagedProcess:
         return self.start()

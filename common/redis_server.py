@@ -16,7 +16,6 @@ persistence, and is stopped by pid (SIGTERM, then SIGKILL). ``kill()`` and
 from __future__ import annotations
 
 import importlib
-import os
 import shutil
 import signal
 import socket
@@ -26,7 +25,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from common.pgroup import stop_process_group, tail
+from common.pgroup import LoggedChild
 from ratelimit.redis_acl import SERVICE_USER, acl_file
 
 
@@ -61,7 +60,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-class RedisServer:
+class RedisServer(LoggedChild):
     """One Redis-protocol server subprocess on a free port (no persistence).
 
     With ``password`` the server runs the stack's ACL (``ratelimit.redis_acl``):
@@ -79,6 +78,7 @@ class RedisServer:
         username: str = SERVICE_USER,
         key_prefix: str = "rl:",
     ) -> None:
+        self.name = "redis"
         self.host = host
         self.port = port or free_port(host)
         self.binary = binary or find_server_binary()
@@ -115,36 +115,15 @@ class RedisServer:
             "--dir",
             str(self.workdir),
             "--logfile",
-            str(self.log_path),
+            "",  # stdout, which spawn() sends to log_path
             "--daemonize",
             "no",
         ]
         if self.acl_path is not None:
             cmd += ["--aclfile", str(self.acl_path)]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"redis server exited with code {self.proc.returncode}; "
-                    f"log {self.log_path}:\n{self._log_tail()}"
-                )
-            if self.ping():
-                return self
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(f"redis server not answering on {self.url} after {timeout}s")
-
-    @property
-    def running(self) -> bool:
-        """True while the process is alive."""
-        return self.proc is not None and self.proc.poll() is None
+        self.spawn(cmd)
+        self.wait_ready(self.ping, timeout, poll_s=0.02)
+        return self
 
     def ping(self) -> bool:
         """True when the server answers ``PING`` (raw RESP, no client library),
@@ -165,31 +144,10 @@ class RedisServer:
         except OSError:
             return False
 
-    def kill(self) -> None:
-        """SIGKILL the server (a crash: no shutdown, clients see resets)."""
-        self._signal_and_wait(signal.SIGKILL, 10.0)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout``."""
-        if self.proc is not None:
-            stop_process_group(self.proc, timeout)
-
-    def _signal_and_wait(self, sig: int, timeout: float) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            return
-        self.proc.wait(timeout)
-
     def close(self) -> None:
         """Stop the server and delete its working directory."""
         self.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def _log_tail(self, num_lines: int = 30) -> str:
-        return tail(self.log_path, num_lines)
 
     def __enter__(self) -> RedisServer:
         return self.start()

