@@ -24,7 +24,6 @@ import grpc
 
 from common.config import (
     ROOT,
-    ServiceConfig,
     add_service_args,
     default_model_dir,
     load_config,
@@ -34,6 +33,7 @@ from common.log import configure_logging, get_logger
 from common.server import ServiceHooks, run, run_service
 from engine_svc import metrics
 from engine_svc.backends.base import Backend, GenerateInput
+from engine_svc.config import EngineServiceConfig
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.sampling_params import SamplingParams
@@ -41,17 +41,6 @@ from engine_svc.service import EngineServicer
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
 log = get_logger("engine_svc")
-
-
-@dataclasses.dataclass(slots=True)
-class EngineServiceConfig(ServiceConfig):
-    port: int = 50071
-    grace_seconds: float = 30.0
-    backend: str = "native"  # native | trtllm | vllm
-    model_name: str = "SmolLM2-135M-Instruct"
-    model_version: str = ""  # empty = derived from the checkpoint's checksum
-    warmup: bool = True
-    vllm_enforce_eager: bool = False  # backend vllm: no graph compile at start (faster start)
 
 
 def model_version(model_dir: Path) -> str:

@@ -12,8 +12,11 @@ from typing import Any
 
 import yaml
 
+from common.breaker import BreakerPolicy
 from common.config import ServiceConfig
 from gateway.release.policy import policies_from_config
+
+_BREAKER = BreakerPolicy()  # the breaker's defaults are written once, there
 
 
 @dataclass(slots=True)
@@ -88,13 +91,13 @@ class GatewayConfig(ServiceConfig):
     retry_budget_window_s: float = 10.0
     failover: bool = True
     max_failovers: int = 2
-    breaker_window_s: float = 10.0
-    breaker_min_calls: int = 10
-    breaker_error_ratio: float = 0.5
-    breaker_consecutive_failures: int = 5
-    breaker_open_s: float = 5.0
-    breaker_max_open_s: float = 60.0
-    breaker_half_open_probes: int = 1
+    breaker_window_s: float = _BREAKER.window_s
+    breaker_min_calls: int = _BREAKER.min_calls
+    breaker_error_ratio: float = _BREAKER.error_ratio
+    breaker_consecutive_failures: int = _BREAKER.consecutive_failures
+    breaker_open_s: float = _BREAKER.open_s
+    breaker_max_open_s: float = _BREAKER.max_open_s
+    breaker_half_open_probes: int = _BREAKER.half_open_probes
     max_ejected_fraction: float = 0.5
     stats_interval_s: float = 0.5
     queue_weight: float = 1.0

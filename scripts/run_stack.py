@@ -32,13 +32,14 @@ from common.procs import ManagedProcess, ServiceStartError
 from common.redis_server import RedisServer
 from common.service_auth import read_secret_file
 from deploy.envoy import EnvoyProcess, render_config_file
-from engine_svc.__main__ import EngineServiceConfig
+from deploy.envoy.config import EnvoyConfig
+from engine_svc.config import EngineServiceConfig
 from gateway.config import GatewayConfig
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from ratelimit.config import RateLimitConfig
 from ratelimit.redis_acl import SERVICE_USER
 from ratelimit.tenancy.records import generate_key
-from tokenizer_svc.__main__ import TokenizerConfig
+from tokenizer_svc.config import TokenizerConfig
 
 RUN_DIR = Path(os.environ.get("LLM_RUN_DIR", ROOT / ".run")).resolve()
 DEMO_TENANT = "demo"
@@ -52,15 +53,6 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-@dataclass(slots=True)
-class EnvoyConfig:
-    """The `envoy` section: where `make run`'s Envoy listens (config: deploy/envoy/)."""
-
-    host: str = "0.0.0.0"
-    port: int = 8080  # public listener: gRPC and /v1/admin/ HTTP/JSON
-    admin_port: int = 9901  # Envoy's admin interface, loopback only; 0 = ephemeral
 
 
 @dataclass

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Sequence
 
 import grpc
 
 from common.config import (
-    ServiceConfig,
     add_service_args,
     default_model_dir,
     load_config,
@@ -18,18 +16,9 @@ from common.config import (
 from common.log import configure_logging, get_logger
 from common.server import ServiceHooks, run, run_service
 from llm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.config import TokenizerConfig
 from tokenizer_svc.service import TokenizerServicer
 from tokenizer_svc.tokenizer import TextTokenizer
-
-
-@dataclasses.dataclass(slots=True)
-class TokenizerConfig(ServiceConfig):
-    port: int = 50061
-    model_dir: str = ""  # empty = $LLM_MODEL_DIR or the prepared default
-    model_name: str = "SmolLM2-135M-Instruct"
-    max_input_chars: int = 1_000_000
-    max_batch_size: int = 256
-    max_message_bytes: int = 64 * 1024 * 1024  # batches of long texts (max_input_chars each)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

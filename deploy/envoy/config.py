@@ -54,6 +54,15 @@ HCM = "envoy.filters.network.http_connection_manager"
 Config = dict[str, Any]
 
 
+@dataclass(slots=True)
+class EnvoyConfig:
+    """The ``envoy`` section of the stack config: where ``make run``'s Envoy listens."""
+
+    host: str = "0.0.0.0"
+    port: int = 8080  # public listener: gRPC and /v1/admin/ HTTP/JSON
+    admin_port: int = 9901  # Envoy's admin interface, loopback only; 0 = ephemeral
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """One upstream address."""

@@ -41,6 +41,10 @@ class SchedulerConfig:
             raise ValueError("priority_aging_seconds must be > 0")
 
 
+# the scheduler's limits are defaulted once, in SchedulerConfig
+_SCHED = SchedulerConfig()
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an ``LLMEngine`` is built from; flat, so a YAML section maps onto it.
@@ -85,12 +89,12 @@ class EngineConfig:
     num_kv_blocks: int = 0
     kv_cache_memory_bytes: int = 0
     kv_cache_memory_fraction: float = 0.2
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = _SCHED.max_num_seqs
+    max_num_batched_tokens: int = _SCHED.max_num_batched_tokens
     max_model_len: int = 0
-    max_waiting: int = 1024
-    long_prefill_token_threshold: int = 0
-    priority_aging_seconds: float = 10.0
+    max_waiting: int = _SCHED.max_waiting
+    long_prefill_token_threshold: int = _SCHED.long_prefill_token_threshold
+    priority_aging_seconds: float = _SCHED.priority_aging_seconds
     enable_prefix_caching: bool = True
     enable_speculative_decoding: bool = False
     num_speculative_tokens: int = 4

@@ -53,7 +53,7 @@ def breaker_verdict(code: grpc.StatusCode | None) -> bool | None:
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    """Attempts cap and backoff.
+    """Attempts cap and backoff (the defaults are ``GatewayConfig``'s).
 
     Attributes:
         max_attempts: Engine attempts per request before the first token (1 = no retry).
@@ -61,9 +61,9 @@ class RetryPolicy:
         backoff_max_s: Cap of one backoff.
     """
 
-    max_attempts: int = 3
-    backoff_base_s: float = 0.025
-    backoff_max_s: float = 0.25
+    max_attempts: int
+    backoff_base_s: float
+    backoff_max_s: float
 
     def backoff(self, retry_index: int, rng: Callable[[], float] = random.random) -> float:
         """Full-jitter delay before retry ``retry_index`` (0 = the first retry)."""
@@ -72,7 +72,8 @@ class RetryPolicy:
 
 
 class RetryBudget:
-    """Retries allowed: ``min_retries + ratio * requests`` in a rolling window.
+    """Retries allowed: ``min_retries + ratio * requests`` in a rolling window (the
+    defaults are ``GatewayConfig``'s).
 
     Args:
         ratio: Share of requests that may be retried (0.2 = at most 20% extra load).
@@ -83,9 +84,9 @@ class RetryBudget:
 
     def __init__(
         self,
-        ratio: float = 0.2,
-        min_retries: int = 3,
-        window_s: float = 10.0,
+        ratio: float,
+        min_retries: int,
+        window_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ratio = ratio

@@ -76,7 +76,7 @@ def test_explicit_missing_file_is_an_error(tmp_path: Path) -> None:
 
 
 def test_repository_config_loads() -> None:
-    from tokenizer_svc.__main__ import TokenizerConfig
+    from tokenizer_svc.config import TokenizerConfig
 
     cfg = load_config(TokenizerConfig, "tokenizer", env={})
     assert cfg.port == 50061

@@ -100,9 +100,9 @@ def test_configmap_loads_with_the_real_config_classes(docs: list[Doc], tmp_path:
     rl = load_config(RateLimitConfig, "ratelimit", path=stack, env={})
     assert rl.redis_url == "redis://redis:6379/0"
     # imported, never skipped: a config class that cannot load is a failure here
-    from engine_svc.__main__ import EngineServiceConfig
+    from engine_svc.config import EngineServiceConfig
     from engine_svc.core.config import EngineConfig
-    from tokenizer_svc.__main__ import TokenizerConfig
+    from tokenizer_svc.config import TokenizerConfig
 
     tok = load_config(TokenizerConfig, "tokenizer", path=stack, env={})
     assert (tok.port, tok.metrics_port) == tuple(service_ports("tokenizer").values())
