@@ -92,7 +92,7 @@ step contract-native env LLM_TEST_ENGINE_DEVICE=cuda \
 step grpc-native env LLM_TEST_ENGINE_DEVICE=cuda \
   $PY "${PYTEST[@]}" tests/integration/engine/test_engine_service.py -k native
 step contract-trtllm-bf16 "$TRT" "${PYTEST[@]}" tests/unit/engine_svc/backends/test_backend_contract.py \
-  tests/unit/engine_svc/backends/test_trtllm_mapping.py -k "trtllm and not fake"
+  tests/unit/engine_svc/backends/test_trtllm_adapter.py -k "trtllm and not fake"
 step contract-trtllm-fp8 env LLM_TEST_TRTLLM_MODEL_DIR="$ROOT/$FP8" \
   "$TRT" "${PYTEST[@]}" tests/unit/engine_svc/backends/test_backend_contract.py -k "trtllm and not fake"
 

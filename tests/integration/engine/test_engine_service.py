@@ -429,7 +429,10 @@ def test_sigterm_drains_in_flight_then_exits(small_engine: ManagedProcess) -> No
         # to the main process, as Kubernetes sends it; vLLM's worker processes die at
         # once on a SIGTERM of their own, so a supervisor must not signal the group
         small_engine.signal(signal.SIGTERM, group=False)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30  # until the engine says it handled the signal
+        while '"draining"' not in small_engine.log_path.read_text():
+            assert time.monotonic() < deadline, "SIGTERM never started the drain"
+            time.sleep(0.02)
         with pytest.raises(grpc.RpcError) as err:
             collect(stub, request("late", [1, 2], 2), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
