@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from common.config import default_model_dir
 from engine_svc.core import EngineConfig, LLMEngine
 
 TINY_CONFIG: dict[str, Any] = {
@@ -100,19 +99,11 @@ def make_tiny_engine(tiny_model_dir: Path) -> EngineFactory:
 
 
 @pytest.fixture(scope="session")
-def real_model_dir() -> Path:
-    path = default_model_dir()
-    if not (path / "model.safetensors").is_file():
-        pytest.skip(f"real model not prepared at {path}; run `make model`")
-    return path
-
-
-@pytest.fixture(scope="session")
-def real_engine(real_model_dir: Path) -> Iterator[LLMEngine]:
+def real_engine(model_dir: Path) -> Iterator[LLMEngine]:
     """The real model in fp32, loaded once per session (tests must leave it idle)."""
     engine = LLMEngine(
         EngineConfig(
-            model_dir=str(real_model_dir),
+            model_dir=str(model_dir),
             dtype="float32",
             device="cpu",
             num_kv_blocks=256,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,9 +63,10 @@ def test_tampering_is_detected(model_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_converted_model_answers_coherently(model_dir: Path) -> None:
     """Greedy output of the converted checkpoint (through the transformers reference)."""
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
-    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    import torch
+    import transformers
+
+    tok: Any = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tok.apply_chat_template(

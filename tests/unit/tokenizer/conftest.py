@@ -18,7 +18,8 @@ def tok(model_dir: Path) -> TextTokenizer:
 @pytest.fixture(scope="session")
 def hf_tok(model_dir: Path) -> Any:
     """transformers' tokenizer: the reference (a test dependency only)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 

@@ -32,16 +32,14 @@ NOISE_MARGIN = 1e-3
 
 
 @pytest.fixture(scope="module")
-def hf_model(real_model_dir: Path) -> torch.nn.Module:
-    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-        real_model_dir, dtype=torch.float32
-    )
+def hf_model(model_dir: Path) -> torch.nn.Module:
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model
 
 
 @pytest.fixture(scope="module")
-def prompts(real_model_dir: Path) -> list[list[int]]:
-    tok = Tokenizer.from_file(str(real_model_dir / "tokenizer.json"))
+def prompts(model_dir: Path) -> list[list[int]]:
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     return [tok.encode(t).ids for t in TEXTS]
 
 
@@ -150,13 +148,13 @@ DEFAULT_NOISE_MARGIN = 0.5
 
 
 def test_default_config_greedy_matches_hf_fp32(
-    real_model_dir: Path,
+    model_dir: Path,
     prompts: list[list[int]],
     hf_greedy: list[tuple[list[int], list[float]]],
 ) -> None:
     """The stack's default engine (dtype and KV chosen for this CPU) keeps HF fp32's greedy
     output wherever the choice is not a numeric coin toss, alone and batched."""
-    engine = LLMEngine(EngineConfig(model_dir=str(real_model_dir), num_kv_blocks=256))
+    engine = LLMEngine(EngineConfig(model_dir=str(model_dir), num_kv_blocks=256))
     for i, p in enumerate(prompts):
         engine.add_request(f"d{i}", p, _params())
     outs = run_to_completion(engine)

@@ -8,12 +8,12 @@ exactly: which codes retry, on which replica, with what resumed tokens.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
 
 from common.breaker import BreakerPolicy
-from common.config import default_model_dir
 from gateway.domain import Deadline, GatewayError
 from gateway.fleet.dispatcher import Dispatcher, EngineJob
 from gateway.fleet.replica_pool import ReplicaPool
@@ -56,8 +56,8 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> TextTokenizer:
-    return TextTokenizer(default_model_dir())
+def tokenizer(model_dir: Path) -> TextTokenizer:
+    return TextTokenizer(model_dir)
 
 
 async def setup(
