@@ -26,6 +26,12 @@ streaming user sees and the only thing an SSE client can count (the
 incremental detokenizer sends no event for a token that completes no
 character). HTTP-vs-gRPC comparisons use the per-event figures of both.
 
+Beside the client-side figures, the gateway's own view per concurrency: its stage
+histograms (``gateway_stage_seconds``: auth, reserve, encode, route, take; the
+overhead before the engine attempt; its TTFT and time per output token), scraped
+from its /metrics before and after each run, as count, mean and interpolated p50 /
+p99 of what that run added.
+
 Writes bench/reports/gateway_bench.json and .png.
 """
 
@@ -311,6 +317,80 @@ def paired_differences(
     return out
 
 
+# the gateway's histograms of its own time, by what the report calls them
+STAGE_SERIES = {
+    **{
+        stage: ("gateway_stage_seconds", {"stage": stage})
+        for stage in ("auth", "reserve", "encode", "route", "take")
+    },
+    "overhead (to the engine attempt)": ("gateway_overhead_seconds", {}),
+    "ttft (gateway's view)": ("gateway_time_to_first_token_seconds", {}),
+    "time per output token": ("gateway_time_per_output_token_seconds", {}),
+}
+Histo = tuple[float, float, dict[float, float]]  # count, sum, cumulative bucket counts
+
+
+def scrape_histograms(metrics_url: str) -> dict[str, Histo]:
+    """The STAGE_SERIES histograms on a /metrics page, summed over their other labels."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, Histo] = {}
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for label, (name, match) in STAGE_SERIES.items():
+        count = total = 0.0
+        buckets: dict[float, float] = {}
+        fam = families.get(name)
+        for smp in fam.samples if fam is not None else ():
+            if any(smp.labels.get(k) != v for k, v in match.items()):
+                continue
+            if smp.name.endswith("_count"):
+                count += smp.value
+            elif smp.name.endswith("_sum"):
+                total += smp.value
+            elif smp.name.endswith("_bucket"):
+                le = float(smp.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + smp.value
+        out[label] = (count, total, buckets)
+    return out
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
+    """Prometheus' histogram_quantile over cumulative buckets (linear in a bucket)."""
+    edges = sorted(buckets)
+    if not edges or buckets[edges[-1]] <= 0:
+        return math.nan
+    rank = q * buckets[edges[-1]]
+    lower, below = 0.0, 0.0
+    for le in edges:
+        if buckets[le] >= rank:
+            if math.isinf(le):
+                return lower
+            width = buckets[le] - below
+            return lower + (le - lower) * ((rank - below) / width if width else 0.0)
+        lower, below = le, buckets[le]
+    return lower
+
+
+def stage_delta(before: dict[str, Histo], after: dict[str, Histo]) -> dict[str, dict[str, float]]:
+    """What a run added to each histogram: count, mean, p50 and p99 in ms."""
+    out = {}
+    for label, (count, total, buckets) in after.items():
+        c0, t0, b0 = before.get(label, (0.0, 0.0, {}))
+        n = count - c0
+        delta = {le: v - b0.get(le, 0.0) for le, v in buckets.items()}
+        out[label] = {
+            "count": n,
+            "mean_ms": (total - t0) / n * 1000 if n else math.nan,
+            "p50_ms": histogram_quantile(0.5, delta) * 1000,
+            "p99_ms": histogram_quantile(0.99, delta) * 1000,
+        }
+    return out
+
+
 def summarize(samples: list[Sample]) -> dict[str, float]:
     ttft = [s[0] * 1000 for s in samples]
     itl = [s[1] * 1000 for s in samples]
@@ -372,6 +452,7 @@ def start_stack(
         "engine": eng.address,
         "gateway": gw.address,
         "http": f"http://127.0.0.1:{http_port}",
+        "gateway_metrics": f"http://127.0.0.1:{gw.metrics_port}/metrics",
     }
 
 
@@ -456,17 +537,33 @@ def measure(
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
         c: {name: [] for name in SIDES} for c in runs
     }
+    metrics_url = addresses["gateway_metrics"]
+    stages: dict[str, dict[str, Histo]] = {}  # per concurrency: what its runs added
     with tqdm(total=args.rounds * len(runs) * len(SIDES), desc="gateway bench", unit="run") as bar:
         for r in range(args.rounds):
             for conc, (n_conc, n_req) in runs.items():
                 k = r % len(SIDES)
                 sides = SIDES[k:] + SIDES[:k]  # rotate so drift hits every side
+                before = scrape_histograms(metrics_url)
                 for name in sides:
                     samples = asyncio.run(
                         run_side(name, addresses, key, ids, n_req, n_conc, args.max_tokens)
                     )
                     per_round[conc][name].append(summarize(samples))
                     bar.update(1)
+                after = scrape_histograms(metrics_url)
+                acc = stages.setdefault(conc, {})
+                for label, (count, total, buckets) in after.items():  # add this block's delta
+                    c0, t0, b0 = before[label]
+                    a_count, a_total, a_buckets = acc.get(label, (0.0, 0.0, {}))
+                    acc[label] = (
+                        a_count + count - c0,
+                        a_total + total - t0,
+                        {
+                            le: a_buckets.get(le, 0.0) + v - b0.get(le, 0.0)
+                            for le, v in buckets.items()
+                        },
+                    )
     results: dict[str, Any] = {}
     for conc, by_side in per_round.items():
         med = {
@@ -485,7 +582,7 @@ def measure(
                     "event_gap_p99_ms",
                 )
             }
-        results[conc] = med
+        results[conc] = {**med, "gateway_stages": stage_delta({}, stages.get(conc, {}))}
     if args.pairs:
         paired = asyncio.run(run_paired(SIDES, addresses, key, ids, args.pairs, args.max_tokens))
         fronts = {s: paired[s] for s in SIDES if s != "engine"}
@@ -550,12 +647,14 @@ def main() -> None:
     }
     save_report("gateway_bench", report, lambda path: plot(report, path))
     for conc in ("c1", "c32"):
-        print(
-            conc,
-            json.dumps(
-                {k: {m: round(v, 2) for m, v in d.items()} for k, d in results[conc].items()}
-            ),
-        )
+        res = {k: d for k, d in results[conc].items() if k != "gateway_stages"}
+        print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()} for k, d in res.items()}))
+        print(f"  {conc} gateway stages (its own histograms; ms):")
+        for label, d in results[conc]["gateway_stages"].items():
+            print(
+                f"    {label:<34} n={d['count']:<5.0f} mean {d['mean_ms']:7.2f}  "
+                f"p50 {d['p50_ms']:7.2f}  p99 {d['p99_ms']:7.2f}"
+            )
     if "c1_paired" in results:
         p = results["c1_paired"]
         print(f"c1 paired ({p['pairs']} pairs), per-pair differences in ms:")
