@@ -101,6 +101,12 @@ STAGE = Histogram(
 STAGE_AUTH, STAGE_RESERVE, STAGE_ENCODE, STAGE_ROUTE, STAGE_TAKE = (
     STAGE.labels(s) for s in ("auth", "reserve", "encode", "route", "take")
 )
+LIMIT_CALLS = Counter(
+    "gateway_ratelimit_admissions_total",
+    "Admissions by path: 'one' Redis call after the tokenizer (the tenant had headroom), "
+    "'two' (request unit and lease before the tokenizer, tokens after)",
+    ["path"],
+)
 RETRIES = Counter("gateway_retries_total", "Engine attempts retried on another replica")
 FAILOVERS = Counter(
     "gateway_failovers_total",

@@ -206,12 +206,19 @@ class Pipeline:
             raise self._denied(tenant, memo)
         # a prompt no context could hold is refused before it spends a request unit
         check_prompt_size(request, info.max_context_length)
-        # the request unit and a lease before the tokenizer: a caller over its request
-        # rate or concurrency never costs a tokenizer call; tokens once the prompt is counted
+        # Near its limits (or unknown here), a caller gets the request unit and a lease
+        # before the tokenizer: one over its request rate or concurrency never costs a
+        # tokenizer call, and tokens are taken once the prompt is counted (two Redis
+        # calls). With headroom at its last admission, one call takes all three after
+        # the tokenizer (a wrong guess costs an encode; Redis still decides).
+        one_call = self.limiter.has_headroom(tenant)
+        reservation: Reservation | None = None
+        one_call_sent = False
         t0 = time.perf_counter()
-        reservation = await self._reserve(tenant, 0)
+        if not one_call:
+            reservation = await self._reserve(tenant, 0)
+            metrics.STAGE_RESERVE.observe(time.perf_counter() - t0)
         t1 = time.perf_counter()
-        metrics.STAGE_RESERVE.observe(t1 - t0)
         try:
             prompt_ids = await self.encoder.encode(request, call, deadline)
             t2 = time.perf_counter()
@@ -245,9 +252,16 @@ class Pipeline:
                 stop_strings=list(request.sampling.stop),
                 fallback_versions=route.fallbacks,
             )
-            if reservation is not None:
-                await self._take(tenant, reservation, len(prompt_ids) + max_tokens)
-                metrics.STAGE_TAKE.observe(time.perf_counter() - t3)
+            if one_call:
+                one_call_sent = True
+                reservation = await self._reserve(tenant, len(prompt_ids) + max_tokens)
+                metrics.STAGE_RESERVE.observe(time.perf_counter() - t3)
+                metrics.LIMIT_CALLS.labels("one").inc()
+            else:
+                if reservation is not None:
+                    await self._take(tenant, reservation, len(prompt_ids) + max_tokens)
+                    metrics.STAGE_TAKE.observe(time.perf_counter() - t3)
+                metrics.LIMIT_CALLS.labels("two").inc()
         except BaseException:
             # nothing was served: the lease and any tokens go back, the request unit stays
             # spent; from a successful take on, _serve's finally settles on every path
@@ -255,6 +269,11 @@ class Pipeline:
                 await asyncio.shield(
                     self.limiter.settle(reservation, prompt_tokens=0, completion_tokens=0)
                 )
+            elif one_call and not one_call_sent:
+                # refused (a bad prompt, the client gone) before the one call: spend the
+                # request unit as the two-call path does, or invalid prompts would be
+                # tokenized for free, past the request rate
+                await asyncio.shield(self._spend_request_unit(tenant))
             raise
         return _Admitted(tenant, job, reservation, route.shadow_version)
 
@@ -294,6 +313,14 @@ class Pipeline:
         if not decision.allowed:
             raise self._denied(tenant, decision)
         return decision.reservation
+
+    async def _spend_request_unit(self, tenant: Tenant) -> None:
+        try:
+            decision = await self.limiter.reserve(tenant, 0)
+        except LimiterUnavailableError:
+            return
+        if decision.reservation is not None:
+            await self.limiter.settle(decision.reservation, prompt_tokens=0, completion_tokens=0)
 
     async def _take(self, tenant: Tenant, reservation: Reservation, num_tokens: int) -> None:
         try:

@@ -89,3 +89,63 @@ class DenialMemo:
         if len(self._memos) >= self._max:  # still full: forget the oldest half
             for tid in sorted(self._memos, key=lambda t: self._memos[t].until)[: self._max // 2]:
                 del self._memos[tid]
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class _Seen:
+    at: float  # clock seconds
+    requests_left: float  # -1 = unlimited
+    leases: int
+    policy: LimitPolicy
+
+
+class HeadroomMemo:
+    """Per-tenant request and concurrency headroom as of the last admission this
+    process saw, so a caller can tell when one combined store call (request unit,
+    lease and tokens, after the tokenizer) is all but sure not to be refused for the
+    request rate or concurrency, and a caller near its limits still gets the
+    two-call path that refuses it before the tokenizer.
+
+    The estimate is this process's view: the request bucket refills at its rate
+    from the level last seen, leases as last seen. Other gateway replicas take from
+    the same buckets, so it can be optimistic; ``margin`` requests (and leases) of
+    headroom are required, and a wrong guess costs one tokenizer call for a request
+    that is then refused exactly as before (the store decides, never this memo).
+    """
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        max_tenants: int = 10_000,
+        margin: float = 2.0,
+    ) -> None:
+        self._clock = clock
+        self._max = max_tenants
+        self.margin = margin
+        self._seen: dict[str, _Seen] = {}
+
+    def record(self, tenant_id: str, policy: LimitPolicy, decision: Decision) -> None:
+        """Note an admission's levels (denials are the DenialMemo's; they clear this)."""
+        if not decision.allowed:
+            self._seen.pop(tenant_id, None)
+            return
+        if len(self._seen) >= self._max and tenant_id not in self._seen:
+            oldest = sorted(self._seen, key=lambda t: self._seen[t].at)[: self._max // 2]
+            for tid in oldest:
+                del self._seen[tid]
+        self._seen[tenant_id] = _Seen(
+            self._clock(), decision.requests_remaining, decision.concurrent_in_use, policy
+        )
+
+    def has_headroom(self, tenant_id: str, policy: LimitPolicy) -> bool:
+        """True when the last admission left at least ``margin`` requests (refilled
+        since at the policy's rate) and ``margin`` free leases, under this policy."""
+        seen = self._seen.get(tenant_id)
+        if seen is None or seen.policy != policy:
+            return False
+        rpm = policy.requests_per_minute
+        if rpm > 0 and seen.requests_left >= 0:
+            refilled = seen.requests_left + (self._clock() - seen.at) * rpm / 60.0
+            if min(float(policy.request_capacity), refilled) < self.margin:
+                return False
+        return not (policy.max_concurrent > 0 and policy.max_concurrent - seen.leases < self.margin)

@@ -31,7 +31,7 @@ from ratelimit.config import FAIL_MODES, Dimension, LimitPolicy, Tenant
 from ratelimit.errors import LimiterUnavailableError, StoreError
 from ratelimit.limiter.algorithm import UNLIMITED, Outcome
 from ratelimit.limiter.decision import Decision, Reservation
-from ratelimit.limiter.denials import DenialMemo
+from ratelimit.limiter.denials import DenialMemo, HeadroomMemo
 from ratelimit.limiter.storage import Store, UsageSnapshot
 from ratelimit.limiter.storage.memory import MemoryStore
 from ratelimit.limiter.store_guard import StoreGuard
@@ -84,6 +84,7 @@ class RateLimiter:
             lease_ttl_ms=store.lease_ttl_ms, concurrency_retry_ms=1000
         )
         self.denials = DenialMemo()
+        self.headroom = HeadroomMemo()
         self._background: set[asyncio.Task[None]] = set()
 
     def known_denial(self, tenant: Tenant) -> Decision | None:
@@ -93,6 +94,13 @@ class RateLimiter:
         remaining wait, without a store call. None: ask ``reserve``.
         """
         return self.denials.check(tenant.tenant_id, tenant.limits)
+
+    def has_headroom(self, tenant: Tenant) -> bool:
+        """Whether ``tenant`` had, at its last admission here, room for at least a couple
+        more requests and leases (``HeadroomMemo``): then one ``reserve`` with the
+        tokens, after counting the prompt, is all but sure to pass; otherwise reserve
+        the request unit first (a refusal then costs no tokenizer call)."""
+        return self.headroom.has_headroom(tenant.tenant_id, tenant.limits)
 
     def set_live_replicas(self, count: int) -> None:
         """The live number of gateway replicas (``ReplicaMembership``): the divisor of
@@ -140,7 +148,10 @@ class RateLimiter:
                 shadow=tenant.shadow_mode,
             )
         metrics.DECISION_SECONDS.labels(source).observe(time.perf_counter() - start)
-        return self._decision(tenant, policy, outcome, lease_id, num_tokens, source)
+        decision = self._decision(tenant, policy, outcome, lease_id, num_tokens, source)
+        # request and lease levels come with a reserve (a take reports tokens only)
+        self.headroom.record(tenant.tenant_id, tenant.limits, decision)
+        return decision
 
     def _fail_closed(self, exc: StoreError, source: str) -> None:
         """Raise LimiterUnavailableError when this deployment fails closed; else return

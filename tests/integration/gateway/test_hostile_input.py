@@ -402,3 +402,43 @@ def test_a_spray_of_bad_keys_from_one_address_is_throttled(gateway: GatewayProce
     with pytest.raises(grpc.RpcError) as err:
         gateway.generate("sk-llm-another-made-up-key-" + "y" * 24, chat("Hi", 2), metadata=other)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_tenant_with_headroom_is_admitted_in_one_redis_call_and_charged_exactly(
+    gateway: GatewayProcess, engines: EnginePair
+) -> None:
+    """Unknown here, a tenant's first request takes the request unit before the
+    tokenizer (two calls); with headroom seen, later ones take unit, lease and tokens
+    in one call after it. Either way the usage settles to exactly what was used."""
+    tid, key = gateway.tenant(requests_per_minute=600, request_burst=50, tokens_per_minute=100_000)
+    one, two = (
+        gateway.metric("gateway_ratelimit_admissions_total", path=p) for p in ("one", "two")
+    )
+    used = 0
+    for _ in range(4):
+        chunks = gateway.generate(key, chat("Hi", 2))
+        used += chunks[-1].usage.prompt_tokens + chunks[-1].usage.completion_tokens
+    assert gateway.metric("gateway_ratelimit_admissions_total", path="two") == two + 1
+    assert gateway.metric("gateway_ratelimit_admissions_total", path="one") == one + 3
+    usage = gateway.usage(tid)
+    assert usage.requests_total == 4
+    assert usage.prompt_tokens_total + usage.completion_tokens_total == used
+    assert_idle(gateway, tid, engines)
+
+
+def test_refused_prompts_spend_request_units_on_the_one_call_path_too(
+    gateway: GatewayProcess, engines: EnginePair
+) -> None:
+    """A prompt refused after tokenizing (here: no room for max_tokens) spends its
+    request unit on either path, so bad prompts cannot be tokenized past the rate."""
+    tid, key = gateway.tenant(requests_per_minute=1, request_burst=5)
+    assert gateway.generate(key, chat("Hi", 1))  # two calls; 4 units left
+    for _ in range(3):  # the first ones with headroom: one call, after the tokenizer
+        with pytest.raises(grpc.RpcError) as err:
+            gateway.generate(key, chat("Hi", 2040))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert gateway.generate(key, chat("Hi", 1))  # the fifth unit
+    with pytest.raises(grpc.RpcError) as err:
+        gateway.generate(key, chat("Hi", 1))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert_idle(gateway, tid, engines)

@@ -6,7 +6,7 @@ import dataclasses
 
 from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.limiter.decision import Decision
-from ratelimit.limiter.denials import DenialMemo
+from ratelimit.limiter.denials import DenialMemo, HeadroomMemo
 
 POLICY = LimitPolicy(requests_per_minute=60)
 
@@ -89,3 +89,51 @@ def test_memory_is_bounded() -> None:
         memo.record(f"t{i}", POLICY, denial(Dimension.REQUESTS, 1000 + i))
     assert len(memo._memos) <= 10
     assert memo.check("t24", POLICY) is not None  # the newest survive
+
+
+def admitted(requests_left: float, leases: int, policy: LimitPolicy = POLICY) -> Decision:
+    return dataclasses.replace(
+        denial(Dimension.NONE, 0),
+        allowed=True,
+        requests_remaining=requests_left,
+        concurrent_in_use=leases,
+        policy=policy,
+    )
+
+
+def test_headroom_needs_an_admission_seen_here_under_the_same_policy() -> None:
+    clock = Clock()
+    memo = HeadroomMemo(clock, margin=2)
+    assert not memo.has_headroom("t", POLICY)  # nothing seen: the two-call path
+    memo.record("t", POLICY, admitted(5, 0))
+    assert memo.has_headroom("t", POLICY)
+    assert not memo.has_headroom("t", LimitPolicy(requests_per_minute=30))  # policy changed
+    memo.record("t", POLICY, denial(Dimension.TOKENS, 100))  # a refusal clears it
+    assert not memo.has_headroom("t", POLICY)
+
+
+def test_request_headroom_refills_at_the_policy_rate_up_to_the_burst() -> None:
+    clock = Clock()
+    memo = HeadroomMemo(clock, margin=2)
+    memo.record("t", POLICY, admitted(0.5, 0))  # 60/min: one request per second
+    assert not memo.has_headroom("t", POLICY)
+    clock.now += 1.0  # 1.5 requests
+    assert not memo.has_headroom("t", POLICY)
+    clock.now += 0.5  # 2.0
+    assert memo.has_headroom("t", POLICY)
+    tiny = LimitPolicy(requests_per_minute=60, request_burst=1)  # never 2 in the bucket
+    memo.record("u", tiny, admitted(1, 0, tiny))
+    clock.now += 100
+    assert not memo.has_headroom("u", tiny)
+
+
+def test_lease_headroom_and_unlimited_dimensions() -> None:
+    memo = HeadroomMemo(Clock(), margin=2)
+    conc = LimitPolicy(max_concurrent=4)
+    memo.record("t", conc, admitted(-1, 3, conc))  # one lease free
+    assert not memo.has_headroom("t", conc)
+    memo.record("t", conc, admitted(-1, 2, conc))
+    assert memo.has_headroom("t", conc)
+    free = LimitPolicy()
+    memo.record("u", free, admitted(-1, 100, free))  # no limits at all
+    assert memo.has_headroom("u", free)
