@@ -108,6 +108,8 @@ class CallContext:
         source: The client's address (the last ``x-forwarded-for`` hop, which Envoy
             appends, else the connection's peer); "" = unknown. Failed
             authentications are counted per source.
+        ratelimit: Set by the pipeline: the ``x-ratelimit-*`` headers of its
+            admission decisions.
     """
 
     authorization: str = ""
@@ -119,6 +121,9 @@ class CallContext:
     source: str = ""
     trace_id: str = field(default="", init=False)
     request_id_error: str = field(default="", init=False)
+    # OpenAI's x-ratelimit-* headers of the admission decisions so far (the fronts send
+    # them as response headers / gRPC metadata, on answers and refusals alike)
+    ratelimit: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.request_id and not _REQUEST_ID_RE.match(self.request_id):

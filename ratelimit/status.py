@@ -11,6 +11,7 @@ here by hand so no extra dependency is needed.
 
 from __future__ import annotations
 
+import math
 from typing import NoReturn
 
 import grpc
@@ -48,6 +49,44 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         if isinstance(exc, cls):
             return code, str(exc)
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see server logs"
+
+
+def duration_text(seconds: float) -> str:
+    """A wait as OpenAI's rate-limit headers write it: ``20ms``, ``1.5s``, ``6m0s``, ``1h2m5s``."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{math.ceil(round(seconds * 10, 6)) / 10:g}s"
+    total = math.ceil(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return (f"{hours}h" if hours else "") + f"{minutes}m{secs}s"
+
+
+def ratelimit_headers(decision: Decision, *, requests: bool, tokens: bool) -> dict[str, str]:
+    """OpenAI's rate-limit headers for what ``decision`` saw of the tenant's buckets:
+    ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` (limit per minute, whole
+    units left, time until the bucket is full again). A dimension without a limit, or
+    one this decision did not check, gets none."""
+    p, out = decision.policy, {}
+    dims = (
+        (
+            "requests",
+            requests,
+            p.requests_per_minute,
+            p.request_capacity,
+            decision.requests_remaining,
+        ),
+        ("tokens", tokens, p.tokens_per_minute, p.token_capacity, decision.tokens_remaining),
+    )
+    for name, wanted, per_minute, capacity, left in dims:
+        if not wanted or per_minute <= 0 or left < 0:
+            continue
+        level = min(float(capacity), left)
+        out[f"x-ratelimit-limit-{name}"] = str(per_minute)
+        out[f"x-ratelimit-remaining-{name}"] = str(max(0, math.floor(level)))
+        out[f"x-ratelimit-reset-{name}"] = duration_text((capacity - level) * 60.0 / per_minute)
+    return out
 
 
 def denial_metadata(decision: Decision) -> Metadata:

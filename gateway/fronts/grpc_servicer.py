@@ -3,7 +3,8 @@
 It only converts: metadata -> ``CallContext``, ``Chunk`` -> GenerateResponse,
 ``GatewayError`` -> status + trailing metadata. Headers are sent with the
 first chunk, never earlier, so a failure before the first token is a
-trailers-only status that Envoy may retry on another gateway replica.
+trailers-only status that Envoy may retry on another gateway replica. The
+tenant's ``x-ratelimit-*`` figures go with them (in the trailers of a refusal).
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             async with contextlib.aclosing(self.pipeline.generate(request, call)) as chunks:
                 async for chunk in chunks:
                     if not sent_headers:
-                        await context.send_initial_metadata((("x-request-id", call.request_id),))
+                        await context.send_initial_metadata(
+                            (("x-request-id", call.request_id), *call.ratelimit.items())
+                        )
                         sent_headers = True
                     await context.write(chunk_to_proto(chunk))
         except GatewayError as e:
@@ -125,7 +128,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     @staticmethod
     async def _abort(context: Context, call: CallContext, e: GatewayError) -> None:
-        md = (*e.metadata(), ("x-request-id", call.request_id))
+        md = (*e.metadata(), ("x-request-id", call.request_id), *call.ratelimit.items())
         await context.abort(e.code, e.message, trailing_metadata=md)
 
 

@@ -55,7 +55,7 @@ from ratelimit.config import Tenant
 from ratelimit.errors import LimiterUnavailableError
 from ratelimit.limiter.decision import Decision, Reservation
 from ratelimit.limiter.rate_limiter import RateLimiter
-from ratelimit.status import denial_metadata
+from ratelimit.status import denial_metadata, ratelimit_headers
 from tokenizer_svc.tokenizer import TextTokenizer
 
 log = get_logger(__name__)
@@ -203,6 +203,7 @@ class Pipeline:
         memo = self.limiter.known_denial(tenant)
         if memo is not None:  # refused before any tokenizer or Redis call
             metrics.LOCAL_DENIALS.labels(tenant.tenant_id).inc()
+            call.ratelimit.update(ratelimit_headers(memo, requests=True, tokens=False))
             raise self._denied(tenant, memo)
         # a prompt no context could hold is refused before it spends a request unit
         check_prompt_size(request, info.max_context_length)
@@ -216,7 +217,7 @@ class Pipeline:
         one_call_sent = False
         t0 = time.perf_counter()
         if not one_call:
-            reservation = await self._reserve(tenant, 0)
+            reservation = await self._reserve(tenant, 0, call, tokens=False)
             metrics.STAGE_RESERVE.observe(time.perf_counter() - t0)
         t1 = time.perf_counter()
         try:
@@ -254,12 +255,14 @@ class Pipeline:
             )
             if one_call:
                 one_call_sent = True
-                reservation = await self._reserve(tenant, len(prompt_ids) + max_tokens)
+                reservation = await self._reserve(
+                    tenant, len(prompt_ids) + max_tokens, call, tokens=True
+                )
                 metrics.STAGE_RESERVE.observe(time.perf_counter() - t3)
                 metrics.LIMIT_CALLS.labels("one").inc()
             else:
                 if reservation is not None:
-                    await self._take(tenant, reservation, len(prompt_ids) + max_tokens)
+                    await self._take(tenant, reservation, len(prompt_ids) + max_tokens, call)
                     metrics.STAGE_TAKE.observe(time.perf_counter() - t3)
                 metrics.LIMIT_CALLS.labels("two").inc()
         except BaseException:
@@ -305,11 +308,14 @@ class Pipeline:
             f"{', '.join(e.model for e in known)} (empty = the default)",
         )
 
-    async def _reserve(self, tenant: Tenant, num_tokens: int) -> Reservation | None:
+    async def _reserve(
+        self, tenant: Tenant, num_tokens: int, call: CallContext, *, tokens: bool
+    ) -> Reservation | None:
         try:
             decision = await self.limiter.reserve(tenant, num_tokens)
         except LimiterUnavailableError as e:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        call.ratelimit.update(ratelimit_headers(decision, requests=True, tokens=tokens))
         if not decision.allowed:
             raise self._denied(tenant, decision)
         return decision.reservation
@@ -322,11 +328,14 @@ class Pipeline:
         if decision.reservation is not None:
             await self.limiter.settle(decision.reservation, prompt_tokens=0, completion_tokens=0)
 
-    async def _take(self, tenant: Tenant, reservation: Reservation, num_tokens: int) -> None:
+    async def _take(
+        self, tenant: Tenant, reservation: Reservation, num_tokens: int, call: CallContext
+    ) -> None:
         try:
             decision = await self.limiter.take(tenant, reservation, num_tokens)
         except LimiterUnavailableError as e:
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+        call.ratelimit.update(ratelimit_headers(decision, requests=False, tokens=True))
         if not decision.allowed:
             raise self._denied(tenant, decision)
 

@@ -95,9 +95,12 @@ def _error_response(e: ApiError) -> web.Response:
 
 
 async def _request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    """x-request-id and the tenant's x-ratelimit-* headers on every response (streamed,
+    JSON or an error) of a request the pipeline got to."""
     call = request.get(CALL_KEY)
     if call is not None:
         response.headers["x-request-id"] = call.request_id
+        response.headers.update(call.ratelimit)
 
 
 class HttpFront:

@@ -146,3 +146,32 @@ def test_cancel_releases_lease_and_settles(gateway: GatewayProcess, engines: Eng
 
     wait_for(engines_idle)  # the engine call was cancelled and its request aborted
     assert gateway.generate(key, chat("hi", max_tokens=1))[-1].finish_reason
+
+
+def test_answers_and_refusals_carry_openai_s_ratelimit_metadata(gateway: GatewayProcess) -> None:
+    """x-ratelimit-{limit,remaining,reset}-{requests,tokens} in the initial metadata of a
+    stream and in the trailers of a refusal; a tenant without limits gets none."""
+    # one request a minute: nothing refills while the test runs, however slow the machine
+    _, key = gateway.tenant(requests_per_minute=1, request_burst=2, tokens_per_minute=100_000)
+    md = (("authorization", f"Bearer {key}"),)
+    call = gateway.stub.Generate(chat("Hi", 2), metadata=md, timeout=60)
+    assert list(call)
+    head = {k: str(v) for k, v in call.initial_metadata() or ()}
+    assert head["x-ratelimit-limit-requests"] == "1"
+    assert head["x-ratelimit-remaining-requests"] == "1"
+    assert head["x-ratelimit-reset-requests"].endswith("s")
+    assert head["x-ratelimit-limit-tokens"] == "100000"
+    assert 0 < int(head["x-ratelimit-remaining-tokens"]) < 100_000  # prompt + 2 taken
+    assert gateway.generate(key, chat("Hi", 1))
+    with pytest.raises(grpc.RpcError) as err:
+        gateway.generate(key, chat("Hi", 1))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    tail = trailers(err.value)
+    assert tail["x-ratelimit-remaining-requests"] == "0"
+    assert tail["x-ratelimit-limit-requests"] == "1"
+    _, free_key = gateway.tenant()
+    call = gateway.stub.Generate(
+        chat("Hi", 1), metadata=(("authorization", f"Bearer {free_key}"),), timeout=60
+    )
+    assert list(call)
+    assert not any(k.startswith("x-ratelimit-") for k, _ in call.initial_metadata() or ())

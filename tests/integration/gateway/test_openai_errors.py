@@ -203,3 +203,27 @@ def test_disconnect_mid_stream_frees_the_engine(
 
     wait_for(engines_idle)
     assert gw.metric("gateway_requests_total", tenant=tid, code="CANCELLED") == 1
+
+
+def test_every_http_response_carries_openai_s_ratelimit_headers(http_gateway: HttpGateway) -> None:
+    """On a JSON answer, a streamed one and a 429 alike (read with the openai SDK)."""
+    _, key = http_gateway.gw.tenant(  # one a minute: nothing refills during the test
+        requests_per_minute=1, request_burst=3, tokens_per_minute=100_000
+    )
+    client = sdk(http_gateway, key)
+    plain = client.completions.with_raw_response.create(model="", prompt="Hi", max_tokens=1)
+    assert plain.headers["x-ratelimit-limit-requests"] == "1"
+    assert plain.headers["x-ratelimit-remaining-requests"] == "2"
+    assert plain.headers["x-ratelimit-limit-tokens"] == "100000"
+    with client.completions.with_streaming_response.create(
+        model="", prompt="Hi", max_tokens=1, stream=True
+    ) as streamed:
+        assert streamed.headers["x-ratelimit-remaining-requests"] == "1"
+        assert "x-ratelimit-reset-tokens" in streamed.headers
+        streamed.read()
+    client.completions.create(model="", prompt="Hi", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as info:
+        client.completions.create(model="", prompt="Hi", max_tokens=1)
+    headers = info.value.response.headers
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"].endswith("s")

@@ -8,7 +8,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 
-from ratelimit.config import LimitPolicy, Tenant
+from ratelimit.config import Dimension, LimitPolicy, Tenant
 from ratelimit.errors import (
     LimiterUnavailableError,
     NotFoundError,
@@ -16,6 +16,7 @@ from ratelimit.errors import (
     StoreError,
     UnauthenticatedError,
 )
+from ratelimit.limiter.algorithm import Outcome
 from ratelimit.limiter.decision import Decision
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage.memory import MemoryStore
@@ -94,3 +95,48 @@ async def test_never_fitting_request_has_no_retry_after() -> None:
     assert decision.retry_after_ms == -1
     assert "can never fit" in decision.message()
     assert "lower max_tokens" in decision.message()
+
+
+def test_duration_text_is_openai_s_format() -> None:
+    from ratelimit.status import duration_text
+
+    assert [duration_text(s) for s in (0, 0.0201, 1.0, 1.25, 59.95, 360, 3725)] == [
+        "0ms",
+        "21ms",
+        "1s",
+        "1.3s",
+        "60s",
+        "6m0s",
+        "1h2m5s",
+    ]
+
+
+def test_ratelimit_headers_say_limit_remaining_and_time_to_full() -> None:
+    from dataclasses import replace
+
+    from ratelimit.status import ratelimit_headers
+
+    policy = LimitPolicy(requests_per_minute=60, request_burst=10, tokens_per_minute=6000)
+    base = Decision.from_outcome(
+        "t", policy, _outcome(requests_left=7.6, tokens_left=5400.0), "lease", 10, "redis"
+    )
+    h = ratelimit_headers(base, requests=True, tokens=True)
+    assert h == {
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "7",  # whole requests
+        "x-ratelimit-reset-requests": "2.4s",  # 2.4 requests at 1/s to a full burst of 10
+        "x-ratelimit-limit-tokens": "6000",
+        "x-ratelimit-remaining-tokens": "5400",
+        "x-ratelimit-reset-tokens": "6s",  # 600 tokens at 100/s
+    }
+    assert set(ratelimit_headers(base, requests=True, tokens=False)) == {
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+    }
+    unlimited = replace(base, policy=LimitPolicy(), requests_remaining=-1, tokens_remaining=-1)
+    assert ratelimit_headers(unlimited, requests=True, tokens=True) == {}
+
+
+def _outcome(requests_left: float, tokens_left: float) -> Outcome:
+    return Outcome(True, Dimension.NONE, 0, requests_left, tokens_left, 1, 0.0)
