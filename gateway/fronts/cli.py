@@ -5,7 +5,8 @@
     llm-client --json chat "Hi"              # one JSON object per chunk
     llm-client admin tenants                 # list
     llm-client admin tenant team-a --rpm 60 --tpm 50000 --concurrent 4 \\
-        --priority CRITICAL                                # create or update
+        --priority CRITICAL                                # create
+    llm-client admin tenant team-a --priority LOW     # change only the priority
     llm-client admin key team-a              # new key (shown once)
     llm-client admin keys team-a | revoke KEY_ID | usage team-a | reset team-a
     llm-client admin delete team-a | audit
@@ -91,19 +92,41 @@ def generate(channel: grpc.Channel, args: argparse.Namespace) -> int:
     return 0
 
 
+def update_tenant(t: admin_pb2.Tenant, a: argparse.Namespace) -> None:
+    """Apply the flags that were given (None = not given) to ``t``."""
+    limits = t.limits
+    for flag, field in (
+        ("rpm", "requests_per_minute"),
+        ("tpm", "tokens_per_minute"),
+        ("concurrent", "max_concurrent"),
+        ("request_burst", "request_burst"),
+        ("token_burst", "token_burst"),
+    ):
+        value = getattr(a, flag)
+        if value is not None:
+            setattr(limits, field, value)
+    if a.priority is not None:
+        t.priority = common_pb2.Priority.Value(a.priority)
+    if a.all_models:
+        del t.allowed_models[:]
+    elif a.model:
+        t.allowed_models[:] = a.model
+    if a.shadow is not None:
+        t.shadow_mode = a.shadow
+
+
 def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
     def tenant(stub: Any) -> Message:
-        resp: Message = stub.UpsertTenant(
-            admin_pb2.Tenant(
-                id=a.tenant,
-                priority=common_pb2.Priority.Value(a.priority),
-                allowed_models=a.model or [],
-                shadow_mode=a.shadow,
-                limits=admin_pb2.LimitPolicy(
-                    requests_per_minute=a.rpm, tokens_per_minute=a.tpm, max_concurrent=a.concurrent
-                ),
-            )
-        )
+        """Create, or change only what the flags say: the rest of an existing tenant
+        (limits, priority, models, shadow mode) is kept, not reset."""
+        try:
+            t = stub.GetTenant(admin_pb2.GetTenantRequest(tenant_id=a.tenant))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            t = admin_pb2.Tenant(id=a.tenant, priority=common_pb2.Priority.Value("NORMAL"))
+        update_tenant(t, a)
+        resp: Message = stub.UpsertTenant(t)
         return resp
 
     return {
@@ -160,14 +183,23 @@ def parser() -> argparse.ArgumentParser:
             g.add_argument("--system")
     a = sub.add_parser("admin").add_subparsers(dest="admin_cmd", required=True)
     a.add_parser("tenants")
-    t = a.add_parser("tenant", help="create or update a tenant")
+    t = a.add_parser(
+        "tenant", help="create a tenant, or change only the given settings of an existing one"
+    )
     t.add_argument("tenant")
-    t.add_argument("--rpm", type=int, default=0, help="requests per minute, 0 = unlimited")
-    t.add_argument("--tpm", type=int, default=0, help="tokens per minute, 0 = unlimited")
-    t.add_argument("--concurrent", type=int, default=0, help="concurrent streams")
-    t.add_argument("--priority", default="NORMAL", choices=["LOW", "NORMAL", "CRITICAL"])
-    t.add_argument("--model", action="append", help="allowed model (repeat); none = all")
-    t.add_argument("--shadow", action="store_true", help="decide and record, never deny")
+    t.add_argument("--rpm", type=int, help="requests per minute, 0 = unlimited")
+    t.add_argument("--tpm", type=int, help="tokens per minute, 0 = unlimited")
+    t.add_argument("--concurrent", type=int, help="concurrent streams, 0 = unlimited")
+    t.add_argument("--request-burst", type=int, help="request bucket size, 0 = a minute's")
+    t.add_argument("--token-burst", type=int, help="token bucket size, 0 = a minute's")
+    t.add_argument("--priority", choices=["LOW", "NORMAL", "CRITICAL"])
+    t.add_argument("--model", action="append", help="allowed model (repeat; replaces the list)")
+    t.add_argument("--all-models", action="store_true", help="allow every model again")
+    t.add_argument(
+        "--shadow",
+        action=argparse.BooleanOptionalAction,
+        help="decide and record, never deny (--no-shadow: enforce)",
+    )
     for name in ("get", "delete", "keys", "usage", "reset"):
         a.add_parser(name).add_argument("tenant")
     k = a.add_parser("key", help="create an API key (printed once)")

@@ -1,0 +1,66 @@
+"""llm-client's admin tenant: creates, or changes only the given settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from gateway.fronts.cli import _admin_calls, parser
+from llm.v1 import admin_pb2, common_pb2
+
+
+class NotFound(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.NOT_FOUND
+
+
+class FakeAdmin:
+    """The two RateLimitAdmin calls the command makes, over a dict."""
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, admin_pb2.Tenant] = {}
+
+    def GetTenant(self, req: admin_pb2.GetTenantRequest) -> admin_pb2.Tenant:
+        if req.tenant_id not in self.tenants:
+            raise NotFound()
+        out = admin_pb2.Tenant()
+        out.CopyFrom(self.tenants[req.tenant_id])
+        return out
+
+    def UpsertTenant(self, t: admin_pb2.Tenant) -> admin_pb2.Tenant:
+        self.tenants[t.id] = t
+        return t
+
+
+def run(stub: Any, *argv: str) -> admin_pb2.Tenant:
+    args = parser().parse_args(["admin", "tenant", *argv])
+    out = _admin_calls(args)["tenant"](stub)
+    assert isinstance(out, admin_pb2.Tenant)
+    return out
+
+
+def test_a_new_tenant_gets_the_flags_and_defaults() -> None:
+    stub = FakeAdmin()
+    t = run(stub, "team-a", "--rpm", "60", "--tpm", "50000", "--model", "m1")
+    assert (t.limits.requests_per_minute, t.limits.tokens_per_minute) == (60, 50000)
+    assert t.priority == common_pb2.Priority.Value("NORMAL")
+    assert list(t.allowed_models) == ["m1"]
+    assert not t.shadow_mode
+
+
+def test_changing_one_setting_keeps_the_others() -> None:
+    stub = FakeAdmin()
+    run(stub, "team-a", "--rpm", "60", "--tpm", "50000", "--concurrent", "4", "--model", "m1")
+    t = run(stub, "team-a", "--priority", "CRITICAL")
+    assert t.priority == common_pb2.Priority.Value("CRITICAL")
+    assert (t.limits.requests_per_minute, t.limits.tokens_per_minute) == (60, 50000)
+    assert t.limits.max_concurrent == 4
+    assert list(t.allowed_models) == ["m1"]
+    t = run(stub, "team-a", "--shadow", "--rpm", "0")  # 0 = unlimited, said explicitly
+    assert t.shadow_mode
+    assert (t.limits.requests_per_minute, t.limits.tokens_per_minute) == (0, 50000)
+    t = run(stub, "team-a", "--no-shadow", "--all-models")
+    assert not t.shadow_mode
+    assert list(t.allowed_models) == []
+    assert t.priority == common_pb2.Priority.Value("CRITICAL")
