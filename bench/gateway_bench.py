@@ -375,20 +375,33 @@ def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
     return lower
 
 
-def stage_delta(before: dict[str, Histo], after: dict[str, Histo]) -> dict[str, dict[str, float]]:
-    """What a run added to each histogram: count, mean, p50 and p99 in ms."""
+def add_delta(
+    acc: dict[str, Histo], before: dict[str, Histo], after: dict[str, Histo]
+) -> dict[str, Histo]:
+    """``acc`` plus what the histograms gained between two scrapes."""
     out = {}
     for label, (count, total, buckets) in after.items():
         c0, t0, b0 = before.get(label, (0.0, 0.0, {}))
-        n = count - c0
-        delta = {le: v - b0.get(le, 0.0) for le, v in buckets.items()}
-        out[label] = {
-            "count": n,
-            "mean_ms": (total - t0) / n * 1000 if n else math.nan,
-            "p50_ms": histogram_quantile(0.5, delta) * 1000,
-            "p99_ms": histogram_quantile(0.99, delta) * 1000,
-        }
+        a_count, a_total, a_buckets = acc.get(label, (0.0, 0.0, {}))
+        out[label] = (
+            a_count + count - c0,
+            a_total + total - t0,
+            {le: a_buckets.get(le, 0.0) + v - b0.get(le, 0.0) for le, v in buckets.items()},
+        )
     return out
+
+
+def stage_figures(histos: dict[str, Histo]) -> dict[str, dict[str, float]]:
+    """Count, mean, p50 and p99 (ms) of each histogram."""
+    return {
+        label: {
+            "count": n,
+            "mean_ms": total / n * 1000 if n else math.nan,
+            "p50_ms": histogram_quantile(0.5, buckets) * 1000,
+            "p99_ms": histogram_quantile(0.99, buckets) * 1000,
+        }
+        for label, (n, total, buckets) in histos.items()
+    }
 
 
 def summarize(samples: list[Sample]) -> dict[str, float]:
@@ -552,18 +565,7 @@ def measure(
                     per_round[conc][name].append(summarize(samples))
                     bar.update(1)
                 after = scrape_histograms(metrics_url)
-                acc = stages.setdefault(conc, {})
-                for label, (count, total, buckets) in after.items():  # add this block's delta
-                    c0, t0, b0 = before[label]
-                    a_count, a_total, a_buckets = acc.get(label, (0.0, 0.0, {}))
-                    acc[label] = (
-                        a_count + count - c0,
-                        a_total + total - t0,
-                        {
-                            le: a_buckets.get(le, 0.0) + v - b0.get(le, 0.0)
-                            for le, v in buckets.items()
-                        },
-                    )
+                stages[conc] = add_delta(stages.get(conc, {}), before, after)
     results: dict[str, Any] = {}
     for conc, by_side in per_round.items():
         med = {
@@ -582,7 +584,7 @@ def measure(
                     "event_gap_p99_ms",
                 )
             }
-        results[conc] = {**med, "gateway_stages": stage_delta({}, stages.get(conc, {}))}
+        results[conc] = {**med, "gateway_stages": stage_figures(stages.get(conc, {}))}
     if args.pairs:
         paired = asyncio.run(run_paired(SIDES, addresses, key, ids, args.pairs, args.max_tokens))
         fronts = {s: paired[s] for s in SIDES if s != "engine"}

@@ -31,13 +31,13 @@ def test_pct_is_nearest_rank() -> None:
 
 
 def test_stage_figures_are_what_a_run_added_to_the_gateway_histograms() -> None:
-    from bench.gateway_bench import histogram_quantile, stage_delta
+    from bench.gateway_bench import add_delta, histogram_quantile, stage_figures
 
     # cumulative buckets: before, 10 observations in (0, 1 ms]; the run adds 10 more,
     # all in (1, 2 ms] (1.5 ms each)
     before = {"auth": (10.0, 0.005, {0.001: 10.0, 0.002: 10.0, float("inf"): 10.0})}
     after = {"auth": (20.0, 0.02, {0.001: 10.0, 0.002: 20.0, float("inf"): 20.0})}
-    d = stage_delta(before, after)["auth"]
+    d = stage_figures(add_delta({}, before, after))["auth"]
     assert d["count"] == 10
     assert abs(d["mean_ms"] - 1.5) < 1e-9
     assert 1.0 < d["p50_ms"] <= 2.0  # inside the bucket the run filled, not the old one
