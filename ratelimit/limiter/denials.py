@@ -25,13 +25,22 @@ early.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.limiter.algorithm import wait_ms
 from ratelimit.limiter.decision import Decision
+
+
+def _keep_newest(entries: dict[str, Any], keep: int) -> None:
+    """Forget all but the ``keep`` newest entries (callers re-insert a key when they
+    update it, so insertion order is age); no sort, no scan beyond what goes."""
+    for key in list(itertools.islice(entries, max(0, len(entries) - keep))):
+        del entries[key]
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -62,6 +71,7 @@ class DenialMemo:
         if decision.allowed or not decision.denied & Dimension.REQUESTS or rpm <= 0:
             return
         wait = wait_ms(1 - max(0.0, decision.requests_remaining), rpm)
+        self._memos.pop(tenant_id, None)  # re-inserted below: insertion order is age
         if len(self._memos) >= self._max:
             self._prune()
         until = self._clock() + wait / 1000
@@ -83,12 +93,12 @@ class DenialMemo:
         return dataclasses.replace(memo.decision, retry_after_ms=left_ms)
 
     def _prune(self) -> None:
+        """Drop expired memos, then the oldest until half full: the next full scan is
+        ``max_tenants / 2`` denials away."""
         now = self._clock()
         for tid in [t for t, m in self._memos.items() if m.until <= now]:
             del self._memos[tid]
-        if len(self._memos) >= self._max:  # still full: forget the oldest half
-            for tid in sorted(self._memos, key=lambda t: self._memos[t].until)[: self._max // 2]:
-                del self._memos[tid]
+        _keep_newest(self._memos, self._max // 2)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -129,10 +139,9 @@ class HeadroomMemo:
         if not decision.allowed:
             self._seen.pop(tenant_id, None)
             return
-        if len(self._seen) >= self._max and tenant_id not in self._seen:
-            oldest = sorted(self._seen, key=lambda t: self._seen[t].at)[: self._max // 2]
-            for tid in oldest:
-                del self._seen[tid]
+        self._seen.pop(tenant_id, None)  # re-inserted below: insertion order is age
+        if len(self._seen) >= self._max:
+            _keep_newest(self._seen, self._max // 2)
         self._seen[tenant_id] = _Seen(
             self._clock(), decision.requests_remaining, decision.concurrent_in_use, policy
         )

@@ -137,3 +137,14 @@ def test_lease_headroom_and_unlimited_dimensions() -> None:
     free = LimitPolicy()
     memo.record("u", free, admitted(-1, 100, free))  # no limits at all
     assert memo.has_headroom("u", free)
+
+
+def test_headroom_memory_is_bounded_and_keeps_the_newest() -> None:
+    memo = HeadroomMemo(Clock(), max_tenants=10, margin=2)
+    for i in range(25):
+        memo.record(f"t{i}", POLICY, admitted(5, 0))
+    memo.record("t0", POLICY, admitted(5, 0))  # seen again: newest now
+    assert len(memo._seen) <= 10
+    assert memo.has_headroom("t24", POLICY)
+    assert memo.has_headroom("t0", POLICY)
+    assert not memo.has_headroom("t5", POLICY)  # forgotten: the two-call path again
