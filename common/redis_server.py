@@ -19,7 +19,6 @@ import importlib
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -68,6 +67,8 @@ class RedisServer(LoggedChild):
     ``key_prefix`` and to non-dangerous commands.
     """
 
+    name = "redis"
+
     def __init__(
         self,
         port: int = 0,
@@ -78,13 +79,11 @@ class RedisServer(LoggedChild):
         username: str = SERVICE_USER,
         key_prefix: str = "rl:",
     ) -> None:
-        self.name = "redis"
         self.host = host
         self.port = port or free_port(host)
         self.binary = binary or find_server_binary()
         self.workdir = Path(tempfile.mkdtemp(prefix="redis-test-"))
         self.log_path = self.workdir / "server.log"
-        self.proc: subprocess.Popen[bytes] | None = None
         self.username = username if password else ""
         self.password = password
         self.acl_path: Path | None = None

@@ -18,7 +18,6 @@ import importlib
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 import urllib.error
 import urllib.parse
@@ -27,14 +26,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from common.pgroup import LoggedChild
+from common.pgroup import ChildStartError, LoggedChild
 from deploy.envoy.config import ROOT
 
 # Loopback only: never through an HTTP proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-class EnvoyStartError(RuntimeError):
+class EnvoyStartError(ChildStartError):
     """Envoy exited or was not ready in time; carries the tail of its log."""
 
 
@@ -84,7 +83,6 @@ class EnvoyProcess(LoggedChild):
         self.log_path = self.workdir / "envoy.log"
         self.admin_address_path = self.workdir / "admin-address.txt"
         self.base_id_path = self.workdir / "base-id.txt"
-        self.proc: subprocess.Popen[bytes] | None = None
         self.admin_address = ""
         self.listener_ports: dict[str, int] = {}
         self._log: IO[bytes] | None = None

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import grpc
 
-from common.log import get_logger
 from llm.v1 import admin_pb2, admin_pb2_grpc
 from ratelimit import metrics
 from ratelimit.admin import convert
@@ -24,7 +23,6 @@ from ratelimit.tenancy.audit import AuditLog
 from ratelimit.tenancy.records import tenant_to_json
 from ratelimit.tenancy.registry import Registry
 
-log = get_logger(__name__)
 R = TypeVar("R")
 Context = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["RateLimitAdmin"].full_name
