@@ -2,32 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from engine_svc.core.request import Request, RequestStatus
 
 
-def stop_match(
-    out: Sequence[int], stop_sequences: Sequence[Sequence[int]], end: int | None = None
-) -> int:
+def stop_match(out: list[int], stop_sequences: list[list[int]], end: int | None = None) -> int:
     """Length of the stop sequence ``out[:end]`` ends with (the first listed that
-    matches), 0 if none; compares only the window, copies nothing of ``out``. Shared by
-    every backend that matches stop sequences itself."""
+    matches), 0 if none; compares only the window (a slice of the sequence's length).
+    Shared by every backend that matches stop sequences itself."""
     end = len(out) if end is None else end
     for seq in stop_sequences:
         n = len(seq)
-        if n and end >= n and all(out[end - n + i] == seq[i] for i in range(n)):
+        if n and end >= n and out[end - n : end] == seq:
             return n
     return 0
 
 
-def stop_holdback(out: Sequence[int], stop_sequences: Sequence[Sequence[int]]) -> int:
+def stop_holdback(out: list[int], stop_sequences: list[list[int]]) -> int:
     """Longest suffix of ``out`` that is a proper prefix of some stop sequence: tokens
     that must not be streamed yet, since the next ones may complete the stop."""
     best = 0
     for seq in stop_sequences:
         for n in range(min(len(seq) - 1, len(out)), best, -1):
-            if list(out[-n:]) == list(seq[:n]):
+            if out[-n:] == seq[:n]:
                 best = n
                 break
     return best

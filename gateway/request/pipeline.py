@@ -214,7 +214,6 @@ class Pipeline:
         # the tokenizer (a wrong guess costs an encode; Redis still decides).
         one_call = self.limiter.has_headroom(tenant)
         reservation: Reservation | None = None
-        one_call_sent = False
         t0 = time.perf_counter()
         if not one_call:
             reservation = await self._reserve(tenant, 0, call, tokens=False)
@@ -253,18 +252,10 @@ class Pipeline:
                 stop_strings=list(request.sampling.stop),
                 fallback_versions=route.fallbacks,
             )
-            if one_call:
-                one_call_sent = True
-                reservation = await self._reserve(
-                    tenant, len(prompt_ids) + max_tokens, call, tokens=True
-                )
-                metrics.STAGE_RESERVE.observe(time.perf_counter() - t3)
-                metrics.LIMIT_CALLS.labels("one").inc()
-            else:
-                if reservation is not None:
-                    await self._take(tenant, reservation, len(prompt_ids) + max_tokens, call)
-                    metrics.STAGE_TAKE.observe(time.perf_counter() - t3)
-                metrics.LIMIT_CALLS.labels("two").inc()
+            num_tokens = len(prompt_ids) + max_tokens
+            if reservation is not None:
+                await self._take(tenant, reservation, num_tokens, call)
+                metrics.STAGE_TAKE.observe(time.perf_counter() - t3)
         except BaseException:
             # nothing was served: the lease and any tokens go back, the request unit stays
             # spent; from a successful take on, _serve's finally settles on every path
@@ -272,12 +263,17 @@ class Pipeline:
                 await asyncio.shield(
                     self.limiter.settle(reservation, prompt_tokens=0, completion_tokens=0)
                 )
-            elif one_call and not one_call_sent:
+            elif one_call:
                 # refused (a bad prompt, the client gone) before the one call: spend the
                 # request unit as the two-call path does, or invalid prompts would be
                 # tokenized for free, past the request rate
-                await asyncio.shield(self._spend_request_unit(tenant))
+                await asyncio.shield(self._spend_request_unit(tenant, call))
             raise
+        if one_call:
+            t4 = time.perf_counter()
+            reservation = await self._reserve(tenant, num_tokens, call, tokens=True)
+            metrics.STAGE_RESERVE.observe(time.perf_counter() - t4)
+        metrics.LIMIT_CALLS.labels("one" if one_call else "two").inc()
         return _Admitted(tenant, job, reservation, route.shadow_version)
 
     async def _route(
@@ -320,13 +316,11 @@ class Pipeline:
             raise self._denied(tenant, decision)
         return decision.reservation
 
-    async def _spend_request_unit(self, tenant: Tenant) -> None:
-        try:
-            decision = await self.limiter.reserve(tenant, 0)
-        except LimiterUnavailableError:
-            return
-        if decision.reservation is not None:
-            await self.limiter.settle(decision.reservation, prompt_tokens=0, completion_tokens=0)
+    async def _spend_request_unit(self, tenant: Tenant, call: CallContext) -> None:
+        with contextlib.suppress(GatewayError):  # refused or unavailable: nothing to spend
+            reservation = await self._reserve(tenant, 0, call, tokens=False)
+            if reservation is not None:
+                await self.limiter.settle(reservation, prompt_tokens=0, completion_tokens=0)
 
     async def _take(
         self, tenant: Tenant, reservation: Reservation, num_tokens: int, call: CallContext
