@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,9 @@ class _Snapshot:
         return round(self.kv_usage * self.kv_blocks_total)
 
 
-def _logger_factory(snapshot: _Snapshot) -> Any:
+def _logger_factory(snapshot: _Snapshot, on_step: Callable[[], None]) -> Any:
+    """A stat logger class that leaves vLLM's scheduler stats in ``snapshot`` and calls
+    ``on_step`` once per engine iteration (on the event loop, with the streams)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class SnapshotLogger(StatLoggerBase):  # type: ignore[misc]
@@ -120,6 +122,7 @@ def _logger_factory(snapshot: _Snapshot) -> Any:
         ) -> None:
             if iteration_stats is not None:
                 snapshot.preemptions += int(getattr(iteration_stats, "num_preempted_reqs", 0))
+            on_step()
             if scheduler_stats is None:
                 return
             # the block count reaches the front-end's config after the engine core's
@@ -176,7 +179,8 @@ class VllmBackend:
 
         args = AsyncEngineArgs(**{**vllm_engine_args(self._cfg), **self._extra})
         self._vllm = vllm
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[_logger_factory(self._snapshot)])
+        logger = _logger_factory(self._snapshot, self._sample_rates)
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[logger])
         info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg)
         device = (
             "cuda"
@@ -255,10 +259,13 @@ class VllmBackend:
         if self._llm is not None and request_id in self._live:
             await self._llm.abort(request_id)
 
-    def stats(self) -> BackendStats:
-        """vLLM's latest scheduler snapshot (from the stat logger) and recent rates
-        (sampled here, at the readers' pace, not on the per-token path)."""
+    def _sample_rates(self) -> None:
+        """Once per engine iteration (the stat logger): a token-rate sample, kept every
+        quarter second, whatever the pace of the stats readers."""
         self._rates.record(self._totals["prompt"], self._totals["generation"])
+
+    def stats(self) -> BackendStats:
+        """vLLM's latest scheduler snapshot and recent rates (both from the stat logger)."""
         s = self._snapshot
         stats = EngineStats(
             num_waiting=s.waiting,
