@@ -114,7 +114,7 @@ class StreamState:
                 if stop_len:
                     del out[n:]  # anything generated past the stop is dropped
                     break
-        reason = _FINISH.get(finish_reason or "", FinishReason.ERROR) if finish_reason else None
+        reason = _FINISH.get(finish_reason, FinishReason.ERROR) if finish_reason else None
         if stop_len:
             reason = FinishReason.STOP
         if reason is None:

@@ -109,7 +109,7 @@ def sampling_kwargs(
 
     Multi-token stop sequences are not passed down (TensorRT-LLM takes stop
     *strings* through its tokenizer, which is off here); the adapter matches
-    them on the streamed ids with ``match_stop_sequence`` and aborts.
+    them on the streamed ids (``StreamState``, by ``stop_match``) and aborts.
     """
     kw: dict[str, Any] = {
         "max_tokens": p.max_tokens - num_resumed,

@@ -10,6 +10,7 @@ pool) stays with that engine.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from engine_svc.core.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ def validate_request(
         raise ValueError("request_id must not be empty")
     if not prompt:
         raise ValueError("prompt_token_ids must not be empty")
-    bad = next((t for t in [*prompt, *resumed] if not 0 <= t < vocab_size), None)
+    bad = next((t for t in itertools.chain(prompt, resumed) if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if not 0 <= priority <= MAX_PRIORITY:

@@ -10,6 +10,7 @@ from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-unty
 
 from ratelimit.config import Dimension, LimitPolicy, Tenant
 from ratelimit.errors import (
+    ConflictError,
     LimiterUnavailableError,
     NotFoundError,
     PermissionDeniedError,
@@ -82,6 +83,7 @@ async def test_denial_carries_retry_after_and_quota_failure() -> None:
         (ValueError("x"), grpc.StatusCode.INVALID_ARGUMENT),
         (StoreError("x"), grpc.StatusCode.UNAVAILABLE),
         (LimiterUnavailableError("x"), grpc.StatusCode.UNAVAILABLE),
+        (ConflictError("x"), grpc.StatusCode.ABORTED),
         (KeyError("x"), grpc.StatusCode.INTERNAL),
     ],
 )
