@@ -1,0 +1,1 @@
+"""Spending budgets per tenant: policy, prices and the Redis ledger."""
