@@ -22,6 +22,7 @@ from gateway.fleet.replica_pool import ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy
 from gateway.release.wiring import ReleaseControl
 from gateway.request.authenticate import Authenticator, FailedAuthThrottle
+from gateway.request.budgets import BudgetGate
 from gateway.request.encode import Encoder
 from gateway.request.pipeline import Pipeline
 from ratelimit.config import RateLimitConfig
@@ -105,6 +106,7 @@ class GatewayApp:
             dispatcher,
             router=release.router,
             shadow=release.shadow,
+            budgets=BudgetGate(stack.budgets, config.price_table(), rl_config.fail_mode),
         )
         discovery = Discovery(config.engines, pool.sync, config.discovery_interval_s)
         return cls(config, stack, pool, encoder, pipeline, release, discovery)

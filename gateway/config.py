@@ -15,6 +15,7 @@ import yaml
 from common.breaker import BreakerPolicy
 from common.config import ServiceConfig
 from gateway.release.policy import policies_from_config
+from ratelimit.budget.policy import PriceTable
 
 _BREAKER = BreakerPolicy()  # the breaker's defaults are written once, there
 
@@ -67,6 +68,9 @@ class GatewayConfig(ServiceConfig):
         shadow_max_in_flight: Shadow copies allowed at once per gateway replica.
         http_port: The OpenAI-compatible HTTP front (``gateway.fronts.http``) on ``host``
             (0 = an ephemeral port, -1 = no HTTP front).
+        prices: USD per million tokens per model, for cost budgets (model ->
+            ``{prompt_per_million, completion_per_million}``; ``"*"`` = every other
+            model; a YAML/JSON string from the environment). Unpriced models cost 0.
     """
 
     port: int = 50051
@@ -109,6 +113,7 @@ class GatewayConfig(ServiceConfig):
     guard_interval_s: float = 2.0
     shadow_max_in_flight: int = 8
     http_port: int = 8000
+    prices: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -159,6 +164,21 @@ class GatewayConfig(ServiceConfig):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"[gateway] {name} must be in [0, 1], got {getattr(self, name)}")
         self._parse_routing_policies()
+        self._parse_prices()
+
+    def _parse_prices(self) -> None:
+        if isinstance(self.prices, str):
+            self.prices = yaml.safe_load(self.prices) or {}
+        if not isinstance(self.prices, dict):
+            raise ValueError("[gateway] prices must map model names to prices")
+        try:
+            PriceTable.parse(self.prices)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"[gateway] prices: {e}") from None
+
+    def price_table(self) -> PriceTable:
+        """The parsed ``prices``."""
+        return PriceTable.parse(self.prices)
 
     def _parse_routing_policies(self) -> None:
         raw: Any = self.routing_policies

@@ -93,13 +93,13 @@ OVERHEAD = Histogram(
 STAGE = Histogram(
     "gateway_stage_seconds",
     "Time of each step before the engine call: auth, reserve (request unit + "
-    "lease), encode (tokenize), take (tokens), route",
+    "lease), encode (tokenize), take (tokens), route, budget (tenant budgets)",
     ["stage"],
     buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5),
 )
 # bound once: the per-request path does no label lookup
-STAGE_AUTH, STAGE_RESERVE, STAGE_ENCODE, STAGE_ROUTE, STAGE_TAKE = (
-    STAGE.labels(s) for s in ("auth", "reserve", "encode", "route", "take")
+STAGE_AUTH, STAGE_RESERVE, STAGE_ENCODE, STAGE_ROUTE, STAGE_TAKE, STAGE_BUDGET = (
+    STAGE.labels(s) for s in ("auth", "reserve", "encode", "route", "take", "budget")
 )
 LIMIT_CALLS = Counter(
     "gateway_ratelimit_admissions_total",

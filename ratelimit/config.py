@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from common.config import ServiceConfig
+from ratelimit.budget.policy import MAX_BUDGETS, Budget
 
 # Levels are doubles in Lua and Python; integers up to 2**53 stay exact.
 MAX_LIMIT = 2**53
@@ -129,7 +130,7 @@ def validate_tenant_id(tenant_id: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """A team calling the gateway: its limits, priority and allowed models."""
+    """A team calling the gateway: its limits, budgets, priority and allowed models."""
 
     tenant_id: str
     limits: LimitPolicy = LimitPolicy()
@@ -139,9 +140,18 @@ class Tenant:
     display_name: str = ""
     created_at: float = 0.0  # unix seconds
     updated_at: float = 0.0
+    budgets: tuple[Budget, ...] = ()
 
     def __post_init__(self) -> None:
         validate_tenant_id(self.tenant_id)
+        if len(self.budgets) > MAX_BUDGETS:
+            raise ValueError(
+                f"tenant {self.tenant_id!r} has {len(self.budgets)} budgets; at most "
+                f"{MAX_BUDGETS} are allowed"
+            )
+        names = [b.name for b in self.budgets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tenant {self.tenant_id!r}: budget names must be unique: {names}")
 
     def allows_model(self, model: str) -> bool:
         """True when the tenant may call ``model`` (an empty list allows every model)."""

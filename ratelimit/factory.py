@@ -26,6 +26,7 @@ from redis.exceptions import RedisError
 from common.log import get_logger
 from common.service_auth import read_secret_file
 from ratelimit.admin.servicer import RateLimitAdminServicer
+from ratelimit.budget.ledger import BudgetLedger
 from ratelimit.config import RateLimitConfig
 from ratelimit.errors import StoreError
 from ratelimit.limiter.membership import ReplicaMembership
@@ -82,6 +83,7 @@ class RateLimitStack:
     registry: Registry
     audit: AuditLog
     membership: ReplicaMembership
+    budgets: BudgetLedger
 
     @classmethod
     def from_config(cls, config: RateLimitConfig) -> RateLimitStack:
@@ -120,11 +122,12 @@ class RateLimitStack:
                 on_count=limiter.set_live_replicas,
                 timeout_s=backstop_s(config),
             ),
+            budgets=BudgetLedger(client, limiter.guard, prefix=config.key_prefix),
         )
 
     def servicer(self) -> RateLimitAdminServicer:
         """The RateLimitAdmin servicer over these components."""
-        return RateLimitAdminServicer(self.registry, self.limiter, self.audit)
+        return RateLimitAdminServicer(self.registry, self.limiter, self.audit, self.budgets)
 
     async def start(self, wait_s: float = 60.0) -> None:
         """Wait for Redis (up to ``wait_s``), load the scripts, register the admin key."""
@@ -132,6 +135,7 @@ class RateLimitStack:
         while True:
             try:
                 await self.store.load_scripts()
+                await self.budgets.load_scripts()
                 break
             except StoreError as exc:
                 if asyncio.get_running_loop().time() > deadline:

@@ -62,3 +62,22 @@ ADMIN_REQUESTS = Counter(
     "RateLimitAdmin calls by method and status code.",
     ["method", "code"],
 )
+BUDGET_EVENTS = Counter(
+    "ratelimit_budget_events_total",
+    "Budget checks that crossed a threshold, per tenant and budget: warned (past the soft "
+    "threshold), refused (hard limit), shadow_refused (over the limit, admitted in shadow "
+    "mode).",
+    ["tenant", "budget", "event"],
+)
+BUDGET_USED_RATIO = Gauge(
+    "ratelimit_budget_used_ratio",
+    "Share of each budget counted in its current period after the last admission on this "
+    "replica (reservations included; 1 = exhausted).",
+    ["tenant", "budget"],
+)
+BUDGET_UNCHECKED = Counter(
+    "ratelimit_budget_unchecked_total",
+    "Budget calls that could not reach Redis: charge (admitted unchecked when failing "
+    "open) and settle (the reservation stays charged).",
+    ["op"],
+)

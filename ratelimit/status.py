@@ -91,27 +91,32 @@ def ratelimit_headers(decision: Decision, *, requests: bool, tokens: bool) -> di
 
 def denial_metadata(decision: Decision) -> Metadata:
     """Trailing metadata of a RESOURCE_EXHAUSTED denial: retry-after-ms and rich details."""
+    violations = [(f"tenant:{decision.tenant_id}/{s}", t) for s, t in decision.violations()]
+    return quota_metadata(violations, decision.retry_after_ms, decision.message())
+
+
+def quota_metadata(
+    violations: list[tuple[str, str]], retry_after_ms: int, message: str
+) -> Metadata:
+    """``retry-after-ms`` (when >= 0) and a ``grpc-status-details-bin`` holding a
+    ``QuotaFailure`` of (subject, description) violations and a ``RetryInfo``."""
     quota = error_details_pb2.QuotaFailure(
         violations=[
-            error_details_pb2.QuotaFailure.Violation(
-                subject=f"tenant:{decision.tenant_id}/{subject}", description=text
-            )
-            for subject, text in decision.violations()
+            error_details_pb2.QuotaFailure.Violation(subject=subject, description=text)
+            for subject, text in violations
         ]
     )
     details = [_pack(quota)]
     md: list[tuple[str, str | bytes]] = []
-    if decision.retry_after_ms >= 0:
-        ms = decision.retry_after_ms
+    if retry_after_ms >= 0:
+        ms = retry_after_ms
         retry = error_details_pb2.RetryInfo(
             retry_delay=duration_pb2.Duration(seconds=ms // 1000, nanos=(ms % 1000) * 1_000_000)
         )
         details.append(_pack(retry))
         md.append((RETRY_AFTER_KEY, str(ms)))
     status = status_pb2.Status(
-        code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-        message=decision.message(),
-        details=details,
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message=message, details=details
     )
     md.append((DETAILS_KEY, status.SerializeToString()))
     return tuple(md)

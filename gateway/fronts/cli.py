@@ -7,6 +7,10 @@
     llm-client admin tenant team-a --rpm 60 --tpm 50000 --concurrent 4 \\
         --priority CRITICAL                                # create
     llm-client admin tenant team-a --priority LOW     # change only the priority
+    llm-client admin tenant team-a --budget daily=200000/day,tz=Europe/Berlin \
+        --budget spend=25usd/month,warn=90 --budget hourly=20000/hour,rolling
+    llm-client admin tenant team-a --drop-budget hourly
+    llm-client admin reset team-a --budgets  # refill buckets and zero budget spending
     llm-client admin key team-a              # new key (shown once)
     llm-client admin keys team-a | revoke KEY_ID | usage team-a | reset team-a
     llm-client admin delete team-a | audit
@@ -113,6 +117,60 @@ def update_tenant(t: admin_pb2.Tenant, a: argparse.Namespace) -> None:
         t.allowed_models[:] = a.model
     if a.shadow is not None:
         t.shadow_mode = a.shadow
+    update_budgets(t, a)
+
+
+BUDGET_HELP = (
+    "NAME=LIMIT/PERIOD[,rolling][,tz=ZONE][,warn=PERCENT]: LIMIT in tokens, or USD with a "
+    "'usd' suffix (priced by the gateway's price table); PERIOD hour, day or month (the "
+    "calendar period in ZONE, default UTC, or the last hour/24 h/30 days with 'rolling'); "
+    "warn: soft threshold in percent (default 80, 0 = none). Repeat for several; a name "
+    "that exists is replaced"
+)
+_PERIODS = {"hour": "BUDGET_HOUR", "day": "BUDGET_DAY", "month": "BUDGET_MONTH"}
+
+
+def parse_budget(text: str) -> admin_pb2.Budget:
+    """``daily=200000/day,tz=Europe/Berlin`` -> a ``Budget`` message (see BUDGET_HELP)."""
+    head, *options = text.split(",")
+    name, eq, spec = head.partition("=")
+    amount, slash, period = spec.partition("/")
+    if not (eq and slash and name and period in _PERIODS):
+        raise argparse.ArgumentTypeError(f"budget {text!r}: expected {BUDGET_HELP}")
+    cost = amount.lower().endswith("usd")
+    try:
+        limit = float(amount[:-3] if cost else amount)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget {text!r}: {amount!r} is not a number") from None
+    b = admin_pb2.Budget(
+        name=name,
+        metric=admin_pb2.BudgetMetric.Value("BUDGET_COST_USD" if cost else "BUDGET_TOKENS"),
+        period=admin_pb2.BudgetPeriod.Value(_PERIODS[period]),
+        limit=limit,
+        warn_percent=80,
+    )
+    for option in options:
+        key, _, value = option.partition("=")
+        if key == "rolling" and not value:
+            b.rolling = True
+        elif key == "tz" and value:
+            b.timezone = value
+        elif key == "warn" and value.isdigit():
+            b.warn_percent = int(value)
+        else:
+            raise argparse.ArgumentTypeError(
+                f"budget {text!r}: unknown option {option!r} (rolling, tz=ZONE, warn=PERCENT)"
+            )
+    return b
+
+
+def update_budgets(t: admin_pb2.Tenant, a: argparse.Namespace) -> None:
+    """Replace or add the ``--budget`` budgets by name; drop the ``--drop-budget`` ones."""
+    given = {b.name: b for b in a.budget or ()}
+    drop = set(a.drop_budget or ())
+    kept = [b for b in t.budgets if b.name not in given and b.name not in drop]
+    del t.budgets[:]
+    t.budgets.extend([*kept, *given.values()])
 
 
 def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
@@ -140,7 +198,9 @@ def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
         "keys": lambda s: s.ListApiKeys(admin_pb2.ListApiKeysRequest(tenant_id=a.tenant)),
         "revoke": lambda s: s.RevokeApiKey(admin_pb2.RevokeApiKeyRequest(key_id=a.key_id)),
         "usage": lambda s: s.GetUsage(admin_pb2.GetUsageRequest(tenant_id=a.tenant)),
-        "reset": lambda s: s.ResetLimits(admin_pb2.ResetLimitsRequest(tenant_id=a.tenant)),
+        "reset": lambda s: s.ResetLimits(
+            admin_pb2.ResetLimitsRequest(tenant_id=a.tenant, budgets=a.budgets)
+        ),
         "audit": lambda s: s.ListAuditEvents(admin_pb2.ListAuditEventsRequest(limit=a.limit)),
     }
 
@@ -200,8 +260,15 @@ def parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         help="decide and record, never deny (--no-shadow: enforce)",
     )
-    for name in ("get", "delete", "keys", "usage", "reset"):
+    t.add_argument("--budget", action="append", type=parse_budget, help=BUDGET_HELP)
+    t.add_argument("--drop-budget", action="append", metavar="NAME", help="remove a budget")
+    for name in ("get", "delete", "keys", "usage"):
         a.add_parser(name).add_argument("tenant")
+    r = a.add_parser("reset", help="refill the tenant's buckets (leases are kept)")
+    r.add_argument("tenant")
+    r.add_argument(
+        "--budgets", action="store_true", help="also zero what its budgets counted this period"
+    )
     k = a.add_parser("key", help="create an API key (printed once)")
     k.add_argument("tenant")
     k.add_argument("--name", default="cli")

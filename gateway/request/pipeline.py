@@ -1,9 +1,10 @@
 """The request pipeline: one object every front calls (docs/architecture.md).
 
-    auth ─► model, params ─► reserve ─► encode ─► context ─► version ─► take ─► engine attempts
-    (bearer) (ModelInfo)     (Redis: 1   (tokenizer) (length)  (routing   (Redis:  (route, retry,
-                             request,                          policy,    tokens)  failover, detok,
-                             1 lease)                          shadow)             stop strings)
+    auth ─► model, params ─► reserve ─► encode ─► context ─► version ─► take ─► budget ─► engine
+    (bearer) (ModelInfo)     (Redis: 1   (tokenizer) (length)  (routing   (Redis:  (Redis,   (route,
+                             request,                          policy,    tokens)  if the    retry,
+                             1 lease)                          shadow)             tenant    fail-
+                                                                                   has any)  over)
                              └── settle exactly once on every ending: done, error, cancel ──┘
 
 Usage from any front (the gRPC servicer today, the OpenAI-compatible HTTP
@@ -42,6 +43,7 @@ from gateway.fleet.replica_pool import ModelEntry, ReplicaPool
 from gateway.release.shadow import ShadowMirror
 from gateway.release.version_router import RouteDecision, VersionRouter
 from gateway.request.authenticate import Authenticator
+from gateway.request.budgets import BudgetGate
 from gateway.request.detokenize import TextStream
 from gateway.request.encode import Encoder, check_prompt_size
 from gateway.request.params import (
@@ -51,6 +53,7 @@ from gateway.request.params import (
     validate_stop_token_ids,
 )
 from llm.v1 import common_pb2, gateway_pb2
+from ratelimit.budget.ledger import BudgetHold
 from ratelimit.config import Tenant
 from ratelimit.errors import LimiterUnavailableError
 from ratelimit.limiter.decision import Decision, Reservation
@@ -67,6 +70,7 @@ class _Admitted:
     job: EngineJob
     reservation: Reservation | None
     shadow_version: str = ""
+    budget_hold: BudgetHold | None = None
 
 
 @dataclass(slots=True)
@@ -88,6 +92,7 @@ class Pipeline:
         dispatcher: Engine attempts (retries, failover).
         router: Model version by routing policy (None = any version, by load).
         shadow: Shadow copies to candidate versions (None = off).
+        budgets: Tenant budgets (None = not enforced).
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class Pipeline:
         dispatcher: Dispatcher,
         router: VersionRouter | None = None,
         shadow: ShadowMirror | None = None,
+        budgets: BudgetGate | None = None,
     ) -> None:
         self.config = config
         self.auth = auth
@@ -111,6 +117,7 @@ class Pipeline:
         self.dispatcher = dispatcher
         self.router = router
         self.shadow = shadow
+        self.budgets = budgets
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()
@@ -274,7 +281,30 @@ class Pipeline:
             reservation = await self._reserve(tenant, num_tokens, call, tokens=True)
             metrics.STAGE_RESERVE.observe(time.perf_counter() - t4)
         metrics.LIMIT_CALLS.labels("one" if one_call else "two").inc()
-        return _Admitted(tenant, job, reservation, route.shadow_version)
+        hold = await self._charge_budgets(tenant, job, max_tokens, reservation, call)
+        return _Admitted(tenant, job, reservation, route.shadow_version, hold)
+
+    async def _charge_budgets(
+        self,
+        tenant: Tenant,
+        job: EngineJob,
+        max_tokens: int,
+        reservation: Reservation | None,
+        call: CallContext,
+    ) -> BudgetHold | None:
+        if self.budgets is None or not tenant.budgets:
+            return None
+        try:
+            prompt = len(job.prompt_token_ids)
+            return await self.budgets.charge(tenant, job.model, prompt, max_tokens, call)
+        except BaseException:
+            # over budget (or the client left): the tokens go back, the request unit
+            # stays spent, as for a token refusal
+            if reservation is not None:
+                await asyncio.shield(
+                    self.limiter.settle(reservation, prompt_tokens=0, completion_tokens=0)
+                )
+            raise
 
     async def _route(
         self, model: str, version: str, tenant: Tenant, call: CallContext
@@ -401,6 +431,8 @@ class Pipeline:
             await self.limiter.settle(
                 admitted.reservation, prompt_tokens=prompt, completion_tokens=completion
             )
+        if admitted.budget_hold is not None and self.budgets is not None:
+            await self.budgets.settle(admitted.budget_hold, prompt, completion)
         log.info(
             "request settled",
             prompt_tokens=prompt,

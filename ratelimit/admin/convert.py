@@ -9,6 +9,8 @@ from __future__ import annotations
 from google.protobuf import timestamp_pb2
 
 from llm.v1 import admin_pb2
+from ratelimit.budget.ledger import BudgetLevel
+from ratelimit.budget.policy import Budget, Metric, Period
 from ratelimit.config import LimitPolicy, Priority, Tenant
 from ratelimit.limiter.storage import UsageSnapshot
 from ratelimit.tenancy.audit import AuditEvent
@@ -45,6 +47,48 @@ def policy_to_proto(policy: LimitPolicy) -> admin_pb2.LimitPolicy:
     )
 
 
+def budget_from_proto(msg: admin_pb2.Budget) -> Budget:
+    """Domain budget (ValueError names what is wrong)."""
+    if msg.period not in (p.value for p in Period):
+        raise ValueError(
+            f"budget {msg.name!r}: set period to BUDGET_HOUR, BUDGET_DAY or BUDGET_MONTH"
+        )
+    if msg.metric not in (0, *(m.value for m in Metric)):
+        raise ValueError(f"budget {msg.name!r}: unknown metric {msg.metric}")
+    return Budget(
+        name=msg.name,
+        metric=Metric(msg.metric or Metric.TOKENS),
+        period=Period(msg.period),
+        limit=msg.limit,
+        rolling=msg.rolling,
+        timezone=msg.timezone or "UTC",
+        warn_percent=msg.warn_percent,
+    )
+
+
+def budget_to_proto(budget: Budget) -> admin_pb2.Budget:
+    """Message from a domain budget."""
+    return admin_pb2.Budget(
+        name=budget.name,
+        metric=int(budget.metric),  # type: ignore[arg-type]
+        period=int(budget.period),  # type: ignore[arg-type]
+        limit=float(budget.limit),
+        rolling=budget.rolling,
+        timezone=budget.timezone,
+        warn_percent=budget.warn_percent,
+    )
+
+
+def budget_status_to_proto(level: BudgetLevel) -> admin_pb2.BudgetStatus:
+    """A budget's spending in its current window."""
+    return admin_pb2.BudgetStatus(
+        budget=budget_to_proto(level.budget),
+        used=level.used,
+        remaining=max(0.0, level.budget.limit - level.used),
+        resets_at=_ts(level.window.resets_at_ms / 1000),
+    )
+
+
 def tenant_from_proto(msg: admin_pb2.Tenant) -> Tenant:
     """Domain tenant from an UpsertTenant request (timestamps are ignored)."""
     priority = Priority(int(msg.priority))
@@ -55,6 +99,7 @@ def tenant_from_proto(msg: admin_pb2.Tenant) -> Tenant:
         allowed_models=tuple(msg.allowed_models),
         shadow_mode=msg.shadow_mode,
         display_name=msg.display_name,
+        budgets=tuple(budget_from_proto(b) for b in msg.budgets),
     )
 
 
@@ -69,6 +114,7 @@ def tenant_to_proto(tenant: Tenant) -> admin_pb2.Tenant:
         display_name=tenant.display_name,
         created_at=_ts(tenant.created_at),
         updated_at=_ts(tenant.updated_at),
+        budgets=[budget_to_proto(b) for b in tenant.budgets],
     )
 
 
@@ -94,8 +140,10 @@ def key_to_proto(key: ApiKey) -> admin_pb2.ApiKey:
     )
 
 
-def usage_to_proto(tenant: Tenant, usage: UsageSnapshot) -> admin_pb2.TenantUsage:
-    """Live levels (-1 = unlimited) and running totals."""
+def usage_to_proto(
+    tenant: Tenant, usage: UsageSnapshot, budgets: list[BudgetLevel] | None = None
+) -> admin_pb2.TenantUsage:
+    """Live levels (-1 = unlimited), running totals and budget spending."""
     return admin_pb2.TenantUsage(
         tenant_id=tenant.tenant_id,
         requests_available=usage.requests_available,
@@ -107,6 +155,7 @@ def usage_to_proto(tenant: Tenant, usage: UsageSnapshot) -> admin_pb2.TenantUsag
         completion_tokens_total=usage.completion_tokens_total,
         requests_denied_total=usage.requests_denied_total,
         shadow_denials_total=usage.shadow_denials_total,
+        budgets=[budget_status_to_proto(level) for level in budgets or ()],
     )
 
 

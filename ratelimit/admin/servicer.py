@@ -18,6 +18,7 @@ from llm.v1 import admin_pb2, admin_pb2_grpc
 from ratelimit import metrics
 from ratelimit.admin import convert
 from ratelimit.admin.calls import run_admin_call
+from ratelimit.budget.ledger import BudgetLedger
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.tenancy.audit import AuditLog
 from ratelimit.tenancy.records import tenant_to_json
@@ -36,12 +37,20 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
         registry: Tenants and keys.
         limiter: For live usage and resets.
         audit: Where mutations are recorded.
+        budgets: The budget ledger (budget spending in usage, resets, deletes).
     """
 
-    def __init__(self, registry: Registry, limiter: RateLimiter, audit: AuditLog) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        limiter: RateLimiter,
+        audit: AuditLog,
+        budgets: BudgetLedger | None = None,
+    ) -> None:
         self.registry = registry
         self.limiter = limiter
         self.audit = audit
+        self.budgets = budgets
 
     async def _run(self, context: Context, method: str, fn: Callable[[str], Awaitable[R]]) -> R:
         """Authenticate the admin, run ``fn(actor_key_id)``, map errors to a status."""
@@ -86,11 +95,15 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
     async def DeleteTenant(
         self, request: admin_pb2.DeleteTenantRequest, context: Context
     ) -> admin_pb2.DeleteTenantResponse:
-        """Delete a tenant, revoke its keys, drop its buckets, leases and totals."""
+        """Delete a tenant, revoke its keys, drop its buckets, leases, totals and budget
+        spending."""
 
         async def run(actor: str) -> admin_pb2.DeleteTenantResponse:
+            tenant = await self.registry.get_tenant(request.tenant_id)
             num_revoked = await self.registry.delete_tenant(request.tenant_id)
             await self.limiter.forget(request.tenant_id)
+            if self.budgets is not None:
+                await self.budgets.forget(tenant.tenant_id, tenant.budgets)
             detail = {"num_keys_revoked": num_revoked}
             await self.audit.record(actor, "DeleteTenant", request.tenant_id, detail)
             return admin_pb2.DeleteTenantResponse(num_keys_revoked=num_revoked)
@@ -142,23 +155,31 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
     async def GetUsage(
         self, request: admin_pb2.GetUsageRequest, context: Context
     ) -> admin_pb2.TenantUsage:
-        """Live bucket levels (-1 = unlimited), leases in use and running totals."""
+        """Live bucket levels (-1 = unlimited), leases in use, running totals and what
+        each budget has counted in its current period."""
 
         async def run(actor: str) -> admin_pb2.TenantUsage:
             tenant = await self.registry.get_tenant(request.tenant_id)
-            return convert.usage_to_proto(tenant, await self.limiter.usage(tenant))
+            levels = None
+            if self.budgets is not None and tenant.budgets:
+                levels = await self.budgets.levels(tenant.tenant_id, tenant.budgets)
+            return convert.usage_to_proto(tenant, await self.limiter.usage(tenant), levels)
 
         return await self._run(context, "GetUsage", run)
 
     async def ResetLimits(
         self, request: admin_pb2.ResetLimitsRequest, context: Context
     ) -> admin_pb2.ResetLimitsResponse:
-        """Refill every bucket of the tenant; leases are kept."""
+        """Refill every bucket of the tenant (leases are kept); with ``budgets``, also zero
+        what its budgets counted in their current periods."""
 
         async def run(actor: str) -> admin_pb2.ResetLimitsResponse:
             tenant = await self.registry.get_tenant(request.tenant_id)
             await self.limiter.reset(tenant.tenant_id)
-            await self.audit.record(actor, "ResetLimits", tenant.tenant_id, {})
+            if request.budgets and self.budgets is not None:
+                await self.budgets.reset(tenant.tenant_id, tenant.budgets)
+            detail = {"budgets": request.budgets}
+            await self.audit.record(actor, "ResetLimits", tenant.tenant_id, detail)
             return admin_pb2.ResetLimitsResponse()
 
         return await self._run(context, "ResetLimits", run)

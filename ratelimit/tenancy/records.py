@@ -16,6 +16,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from ratelimit.budget.policy import Budget, Metric, Period
 from ratelimit.config import LimitPolicy, Priority, Tenant
 
 KEY_PREFIX = "sk-llm-"
@@ -126,7 +127,34 @@ def tenant_to_json(tenant: Tenant) -> str:
             "display_name": tenant.display_name,
             "created_at": tenant.created_at,
             "updated_at": tenant.updated_at,
+            "budgets": [budget_to_dict(b) for b in tenant.budgets],
         }
+    )
+
+
+def budget_to_dict(budget: Budget) -> dict[str, Any]:
+    """A budget as plain JSON values."""
+    return {
+        "name": budget.name,
+        "metric": budget.metric.name.lower(),
+        "period": budget.period.name.lower(),
+        "limit": budget.limit,
+        "rolling": budget.rolling,
+        "timezone": budget.timezone,
+        "warn_percent": budget.warn_percent,
+    }
+
+
+def budget_from_dict(d: dict[str, Any]) -> Budget:
+    """The inverse of ``budget_to_dict``."""
+    return Budget(
+        name=str(d["name"]),
+        metric=Metric[str(d["metric"]).upper()],
+        period=Period[str(d["period"]).upper()],
+        limit=d["limit"],
+        rolling=bool(d.get("rolling", False)),
+        timezone=str(d.get("timezone", "UTC")),
+        warn_percent=int(d.get("warn_percent", 0)),
     )
 
 
@@ -142,4 +170,5 @@ def tenant_from_json(raw: str) -> Tenant:
         display_name=str(d["display_name"]),
         created_at=float(d["created_at"]),
         updated_at=float(d["updated_at"]),
+        budgets=tuple(budget_from_dict(b) for b in d.get("budgets", ())),
     )

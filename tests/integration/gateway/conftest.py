@@ -34,6 +34,8 @@ TEST_ENV = {
     "LLM_RATELIMIT_CONCURRENCY_RETRY_MS": "500",
     "LLM_GATEWAY_HTTP_PORT": "0",  # the OpenAI front on an ephemeral port, never 8000
     "LLM_GATEWAY_AUTH_FAILURE_BURST": "60",  # the suite's own bad keys all come from 127.0.0.1
+    # cost budgets: 1 milli-USD per prompt token, 2 per completion token, every model
+    "LLM_GATEWAY_PRICES": '{"*": {"prompt_per_million": 1000, "completion_per_million": 2000}}',
 }
 
 

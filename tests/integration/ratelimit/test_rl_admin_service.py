@@ -168,3 +168,50 @@ async def test_bad_requests_have_actionable_statuses(stub: Stub) -> None:
         stub.CreateApiKey(admin_pb2.CreateApiKeyRequest(tenant_id="x", role=7), metadata=AUTH),  # type: ignore[arg-type]
         "unknown key role",
     )
+
+
+async def test_budgets_round_trip_show_in_usage_and_are_validated(
+    stub: Stub, stack: RateLimitStack
+) -> None:
+    day = admin_pb2.Budget(
+        name="daily",
+        metric=admin_pb2.BudgetMetric.Value("BUDGET_TOKENS"),
+        period=admin_pb2.BudgetPeriod.Value("BUDGET_DAY"),
+        limit=5000,
+        timezone="Europe/Berlin",
+        warn_percent=80,
+    )
+    spend = admin_pb2.Budget(
+        name="spend",
+        metric=admin_pb2.BudgetMetric.Value("BUDGET_COST_USD"),
+        period=admin_pb2.BudgetPeriod.Value("BUDGET_MONTH"),
+        limit=12.5,
+        rolling=True,
+    )
+    out = await stub.UpsertTenant(admin_pb2.Tenant(id="b", budgets=[day, spend]), metadata=AUTH)
+    utc_spend = admin_pb2.Budget()
+    utc_spend.CopyFrom(spend)
+    utc_spend.timezone = "UTC"  # "" = UTC, said explicitly in what is stored
+    assert list(out.budgets) == [day, utc_spend]
+    got = await stub.GetTenant(admin_pb2.GetTenantRequest(tenant_id="b"), metadata=AUTH)
+    assert got.budgets == out.budgets
+    usage = await stub.GetUsage(admin_pb2.GetUsageRequest(tenant_id="b"), metadata=AUTH)
+    assert [(s.budget.name, s.used, s.remaining) for s in usage.budgets] == [
+        ("daily", 0.0, 5000.0),
+        ("spend", 0.0, 12.5),
+    ]
+    hour = admin_pb2.BudgetPeriod.Value("BUDGET_HOUR")
+    bad = [
+        (admin_pb2.Budget(name="x", period=hour, limit=0), "limit must be > 0"),
+        (admin_pb2.Budget(name="x", limit=10), "set period"),
+        (admin_pb2.Budget(name="x", period=hour, limit=10, timezone="Nowhere/City"), "time zone"),
+        (admin_pb2.Budget(name="X Y", period=hour, limit=10), "invalid budget name"),
+    ]
+    for budget, match in bad:
+        call = stub.UpsertTenant(admin_pb2.Tenant(id="b", budgets=[budget]), metadata=AUTH)
+        await expect(grpc.StatusCode.INVALID_ARGUMENT, call, match)
+    dup = stub.UpsertTenant(admin_pb2.Tenant(id="b", budgets=[day, day]), metadata=AUTH)
+    await expect(grpc.StatusCode.INVALID_ARGUMENT, dup, "unique")
+    # a refused change leaves the tenant as it was
+    got = await stub.GetTenant(admin_pb2.GetTenantRequest(tenant_id="b"), metadata=AUTH)
+    assert [b.name for b in got.budgets] == ["daily", "spend"]

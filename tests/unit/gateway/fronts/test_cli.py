@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+import pytest
 
 from gateway.fronts.cli import _admin_calls, parser
 from llm.v1 import admin_pb2, common_pb2
@@ -64,3 +65,42 @@ def test_changing_one_setting_keeps_the_others() -> None:
     assert not t.shadow_mode
     assert list(t.allowed_models) == []
     assert t.priority == common_pb2.Priority.Value("CRITICAL")
+
+
+def test_budgets_are_added_replaced_by_name_and_dropped() -> None:
+    stub = FakeAdmin()
+    t = run(
+        stub,
+        "team-a",
+        "--budget",
+        "daily=200000/day,tz=Europe/Berlin",
+        "--budget",
+        "spend=25usd/month,warn=90",
+    )
+    daily, spend = t.budgets
+    assert (daily.name, daily.limit, daily.timezone, daily.warn_percent) == (
+        "daily",
+        200000,
+        "Europe/Berlin",
+        80,
+    )
+    assert daily.period == admin_pb2.BudgetPeriod.Value("BUDGET_DAY")
+    assert daily.metric == admin_pb2.BudgetMetric.Value("BUDGET_TOKENS")
+    assert spend.metric == admin_pb2.BudgetMetric.Value("BUDGET_COST_USD")
+    assert (spend.limit, spend.warn_percent, spend.rolling) == (25.0, 90, False)
+    t = run(stub, "team-a", "--budget", "daily=5000/hour,rolling", "--rpm", "10")
+    assert [b.name for b in t.budgets] == ["spend", "daily"]
+    assert t.budgets[1].rolling
+    assert t.budgets[1].period == admin_pb2.BudgetPeriod.Value("BUDGET_HOUR")
+    t = run(stub, "team-a", "--drop-budget", "spend")
+    assert [b.name for b in t.budgets] == ["daily"]
+    assert t.limits.requests_per_minute == 10
+
+
+def test_a_malformed_budget_is_refused_with_the_expected_form(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for bad in ("daily", "daily=100/week", "daily=lots/day", "daily=1/day,sometimes"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["admin", "tenant", "t", "--budget", bad])
+        assert "budget" in capsys.readouterr().err

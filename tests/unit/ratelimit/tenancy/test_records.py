@@ -1,0 +1,34 @@
+"""Tenant records in Redis: budgets survive the JSON round trip; older records load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ratelimit.budget.policy import Budget, Metric, Period
+from ratelimit.config import Tenant
+from ratelimit.tenancy.records import tenant_from_json, tenant_to_json
+
+
+def test_budgets_round_trip() -> None:
+    t = Tenant(
+        "acme",
+        budgets=(
+            Budget("daily", Metric.TOKENS, Period.DAY, 1000, timezone="Asia/Tokyo"),
+            Budget("usd", Metric.COST, Period.MONTH, 2.5, rolling=True, warn_percent=0),
+        ),
+    )
+    assert tenant_from_json(tenant_to_json(t)) == t
+
+
+def test_a_record_written_before_budgets_loads_without_any() -> None:
+    raw = json.loads(tenant_to_json(Tenant("old")))
+    del raw["budgets"]
+    assert tenant_from_json(json.dumps(raw)).budgets == ()
+
+
+def test_too_many_budgets_are_refused() -> None:
+    many = tuple(Budget(f"b{i}", Metric.TOKENS, Period.DAY, 10) for i in range(9))
+    with pytest.raises(ValueError, match="at most 8"):
+        Tenant("t", budgets=many)
