@@ -54,7 +54,7 @@ LEASES_LOST = Counter(
 )
 AUTH_RESULTS = Counter(
     "ratelimit_auth_total",
-    "API key checks by result (ok, unknown, revoked, wrong_role, malformed).",
+    "API key checks by result (ok, unknown, revoked, expired, wrong_role, malformed).",
     ["result"],
 )
 ADMIN_REQUESTS = Counter(

@@ -12,6 +12,9 @@
     llm-client admin tenant team-a --drop-budget hourly
     llm-client admin reset team-a --budgets  # refill buckets and zero budget spending
     llm-client admin key team-a              # new key (shown once)
+    llm-client admin key team-a --owner alice --expires-in 90d
+    llm-client admin rotate KEY_ID --grace 1d     # new key; the old one works one more day
+    llm-client admin key-update KEY_ID --owner bob --no-expiry
     llm-client admin keys team-a | revoke KEY_ID | usage team-a | reset team-a
     llm-client admin delete team-a | audit
 
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from common.config import ROOT
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -173,6 +178,46 @@ def update_budgets(t: admin_pb2.Tenant, a: argparse.Namespace) -> None:
     t.budgets.extend([*kept, *given.values()])
 
 
+def duration_s(text: str) -> int:
+    """``90``, ``90s``, ``15m``, ``12h`` or ``30d`` -> seconds (> 0)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    if not number.isdigit() or int(number) <= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: use e.g. 3600, 90s, 15m, 12h or 30d"
+        )
+    return int(number) * units[unit]
+
+
+def _expiry(seconds_from_now: int | None) -> Timestamp | None:
+    if seconds_from_now is None:
+        return None
+    ts = Timestamp()
+    ts.FromSeconds(int(time.time()) + seconds_from_now)
+    return ts
+
+
+def key_update(a: argparse.Namespace) -> admin_pb2.UpdateApiKeyRequest:
+    """UpdateApiKey for the flags given (others unchanged)."""
+    req = admin_pb2.UpdateApiKeyRequest(api_key=admin_pb2.ApiKey(key_id=a.key_id))
+    for name in ("name", "owner", "description"):
+        value = getattr(a, name)
+        if value is not None:
+            setattr(req.api_key, name, value)
+            req.update_mask.paths.append(name)
+    if a.expires_in is not None or a.no_expiry:
+        expiry = _expiry(a.expires_in)
+        if expiry is not None:
+            req.api_key.expires_at.CopyFrom(expiry)
+        req.update_mask.paths.append("expires_at")
+    if not req.update_mask.paths:
+        raise SystemExit(
+            "key-update: give at least one of --name, --owner, --description, "
+            "--expires-in, --no-expiry"
+        )
+    return req
+
+
 def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
     def tenant(stub: Any) -> Message:
         """Create, or change only what the flags say: the rest of an existing tenant
@@ -193,7 +238,17 @@ def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
         "get": lambda s: s.GetTenant(admin_pb2.GetTenantRequest(tenant_id=a.tenant)),
         "delete": lambda s: s.DeleteTenant(admin_pb2.DeleteTenantRequest(tenant_id=a.tenant)),
         "key": lambda s: s.CreateApiKey(
-            admin_pb2.CreateApiKeyRequest(tenant_id=a.tenant, name=a.name)
+            admin_pb2.CreateApiKeyRequest(
+                tenant_id=a.tenant,
+                name=a.name,
+                owner=a.owner or "",
+                description=a.description or "",
+                expires_at=_expiry(a.expires_in),
+            )
+        ),
+        "key-update": lambda s: s.UpdateApiKey(key_update(a)),
+        "rotate": lambda s: s.RotateApiKey(
+            admin_pb2.RotateApiKeyRequest(key_id=a.key_id, grace_seconds=a.grace)
         ),
         "keys": lambda s: s.ListApiKeys(admin_pb2.ListApiKeysRequest(tenant_id=a.tenant)),
         "revoke": lambda s: s.RevokeApiKey(admin_pb2.RevokeApiKeyRequest(key_id=a.key_id)),
@@ -272,6 +327,20 @@ def parser() -> argparse.ArgumentParser:
     k = a.add_parser("key", help="create an API key (printed once)")
     k.add_argument("tenant")
     k.add_argument("--name", default="cli")
+    k.add_argument("--owner", help="who holds the key (for audits)")
+    k.add_argument("--description")
+    k.add_argument("--expires-in", type=duration_s, help="e.g. 90d, 12h (default: never)")
+    u = a.add_parser("key-update", help="change a key's name, owner, description or expiry")
+    u.add_argument("key_id")
+    u.add_argument("--name")
+    u.add_argument("--owner")
+    u.add_argument("--description")
+    exp = u.add_mutually_exclusive_group()
+    exp.add_argument("--expires-in", type=duration_s, help="expire this long from now")
+    exp.add_argument("--no-expiry", action="store_true", help="never expire")
+    r = a.add_parser("rotate", help="issue a replacement key; the old one works for --grace")
+    r.add_argument("key_id")
+    r.add_argument("--grace", type=duration_s, default=3600, help="e.g. 1h (default), 7d")
     a.add_parser("revoke").add_argument("key_id")
     a.add_parser("audit").add_argument("--limit", type=int, default=20)
     return p

@@ -6,7 +6,10 @@ INVALID_ARGUMENT); nothing here touches Redis.
 
 from __future__ import annotations
 
-from google.protobuf import timestamp_pb2
+from typing import Any
+
+from google.protobuf import field_mask_pb2, timestamp_pb2
+from google.protobuf.message import Message
 
 from llm.v1 import admin_pb2
 from ratelimit.budget.ledger import BudgetLevel
@@ -126,7 +129,7 @@ def key_role_from_proto(role: int) -> KeyRole:
         raise ValueError(f"unknown key role {role}; use TENANT or ADMIN") from None
 
 
-def key_to_proto(key: ApiKey) -> admin_pb2.ApiKey:
+def key_to_proto(key: ApiKey, last_used_at: float = 0.0) -> admin_pb2.ApiKey:
     """Message from a key record (never the plaintext, never the hash)."""
     return admin_pb2.ApiKey(
         key_id=key.key_id,
@@ -137,7 +140,76 @@ def key_to_proto(key: ApiKey) -> admin_pb2.ApiKey:
         revoked=key.revoked,
         created_at=_ts(key.created_at),
         revoked_at=_ts(key.revoked_at),
+        expires_at=_ts(key.expires_at),
+        owner=key.owner,
+        description=key.description,
+        last_used_at=_ts(last_used_at),
+        rotated_to=key.rotated_to,
     )
+
+
+def seconds(ts: timestamp_pb2.Timestamp) -> float:
+    """Unix seconds of a timestamp (0 when unset)."""
+    return ts.ToNanoseconds() / 1e9
+
+
+def mask_paths(
+    patch: Message, mask: field_mask_pb2.FieldMask, mutable: tuple[str, ...]
+) -> list[str]:
+    """The paths an update changes: the mask's, or (empty mask) every field set in
+    ``patch`` (message fields by their set subfields). ValueError names a path that is
+    unknown or may not change (``mutable``: top-level fields that may)."""
+    paths = list(mask.paths)
+    if not paths:
+        for field, value in patch.ListFields():
+            if isinstance(value, Message) and not isinstance(value, timestamp_pb2.Timestamp):
+                paths.extend(f"{field.name}.{f.name}" for f, _ in value.ListFields())
+            else:
+                paths.append(field.name)
+        paths = [p for p in paths if p.split(".")[0] in mutable]
+    check = field_mask_pb2.FieldMask(paths=paths)
+    if not check.IsValidForDescriptor(patch.DESCRIPTOR):  # type: ignore[arg-type]
+        raise ValueError(f"update_mask {paths} names a field that {patch.DESCRIPTOR.name} lacks")
+    fixed = sorted({p.split(".")[0] for p in paths} - set(mutable))
+    if fixed:
+        raise ValueError(f"update_mask: {fixed} cannot change; changeable: {list(mutable)}")
+    if not paths:
+        raise ValueError("nothing to change: set update_mask or some fields")
+    return paths
+
+
+TENANT_MUTABLE = (
+    "limits",
+    "priority",
+    "allowed_models",
+    "shadow_mode",
+    "display_name",
+    "budgets",
+)
+
+
+def merge_tenant(current: Tenant, patch: admin_pb2.Tenant, paths: list[str]) -> Tenant:
+    """``current`` with the ``paths`` of ``patch`` (lists and messages replaced whole
+    when named whole)."""
+    merged = tenant_to_proto(current)
+    field_mask_pb2.FieldMask(paths=paths).MergeMessage(
+        patch, merged, replace_message_field=True, replace_repeated_field=True
+    )
+    return tenant_from_proto(merged)
+
+
+KEY_MUTABLE = ("name", "owner", "description", "expires_at")
+
+
+def key_changes(patch: admin_pb2.ApiKey, paths: list[str]) -> dict[str, Any]:
+    """The registry's ``update_key`` changes for the masked fields of ``patch``."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        if path == "expires_at":
+            out["expires_at"] = seconds(patch.expires_at)
+        else:
+            out[path] = getattr(patch, path)
+    return out
 
 
 def usage_to_proto(

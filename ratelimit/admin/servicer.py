@@ -28,6 +28,7 @@ R = TypeVar("R")
 Context = grpc.aio.ServicerContext[Any, Any]
 SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["RateLimitAdmin"].full_name
 MAX_AUDIT_EVENTS = 1000
+DEFAULT_ROTATION_GRACE_S = 3600
 
 
 class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
@@ -68,6 +69,22 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
             return convert.tenant_to_proto(tenant)
 
         return await self._run(context, "UpsertTenant", run)
+
+    async def UpdateTenant(
+        self, request: admin_pb2.UpdateTenantRequest, context: Context
+    ) -> admin_pb2.Tenant:
+        """Change only the masked fields of an existing tenant (read, merge, write)."""
+
+        async def run(actor: str) -> admin_pb2.Tenant:
+            paths = convert.mask_paths(request.tenant, request.update_mask, convert.TENANT_MUTABLE)
+            current = await self.registry.get_tenant(request.tenant.id)
+            merged = convert.merge_tenant(current, request.tenant, paths)
+            tenant = await self.registry.upsert_tenant(merged)
+            detail = {"paths": paths, "tenant": json.loads(tenant_to_json(tenant))}
+            await self.audit.record(actor, "UpdateTenant", tenant.tenant_id, detail)
+            return convert.tenant_to_proto(tenant)
+
+        return await self._run(context, "UpdateTenant", run)
 
     async def GetTenant(
         self, request: admin_pb2.GetTenantRequest, context: Context
@@ -117,12 +134,21 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
 
         async def run(actor: str) -> admin_pb2.CreateApiKeyResponse:
             role = convert.key_role_from_proto(request.role)
-            plaintext, key = await self.registry.create_key(request.tenant_id, request.name, role)
+            plaintext, key = await self.registry.create_key(
+                request.tenant_id,
+                request.name,
+                role,
+                owner=request.owner,
+                description=request.description,
+                expires_at=convert.seconds(request.expires_at),
+            )
             detail = {
                 "tenant_id": key.tenant_id,
                 "name": key.name,
                 "role": key.role.name,
                 "display_prefix": key.display_prefix,
+                "owner": key.owner,
+                "expires_at": key.expires_at,
             }
             await self.audit.record(actor, "CreateApiKey", key.key_id, detail)
             return admin_pb2.CreateApiKeyResponse(key=plaintext, api_key=convert.key_to_proto(key))
@@ -148,9 +174,42 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
 
         async def run(actor: str) -> admin_pb2.ListApiKeysResponse:
             keys = await self.registry.list_keys(request.tenant_id)
-            return admin_pb2.ListApiKeysResponse(api_keys=[convert.key_to_proto(k) for k in keys])
+            used = await self.registry.last_used([k.key_id for k in keys])
+            return admin_pb2.ListApiKeysResponse(
+                api_keys=[convert.key_to_proto(k, used.get(k.key_id, 0.0)) for k in keys]
+            )
 
         return await self._run(context, "ListApiKeys", run)
+
+    async def UpdateApiKey(
+        self, request: admin_pb2.UpdateApiKeyRequest, context: Context
+    ) -> admin_pb2.ApiKey:
+        """Change a key's name, owner, description or expiry."""
+
+        async def run(actor: str) -> admin_pb2.ApiKey:
+            paths = convert.mask_paths(request.api_key, request.update_mask, convert.KEY_MUTABLE)
+            changes = convert.key_changes(request.api_key, paths)
+            key = await self.registry.update_key(request.api_key.key_id, changes)
+            await self.audit.record(actor, "UpdateApiKey", key.key_id, changes)
+            return convert.key_to_proto(key)
+
+        return await self._run(context, "UpdateApiKey", run)
+
+    async def RotateApiKey(
+        self, request: admin_pb2.RotateApiKeyRequest, context: Context
+    ) -> admin_pb2.RotateApiKeyResponse:
+        """Issue a replacement key; the old one expires after the grace period."""
+
+        async def run(actor: str) -> admin_pb2.RotateApiKeyResponse:
+            grace = request.grace_seconds or DEFAULT_ROTATION_GRACE_S
+            plaintext, new, old = await self.registry.rotate_key(request.key_id, grace)
+            detail = {"new_key_id": new.key_id, "old_expires_at": old.expires_at}
+            await self.audit.record(actor, "RotateApiKey", old.key_id, detail)
+            return admin_pb2.RotateApiKeyResponse(
+                key=plaintext, api_key=convert.key_to_proto(new), previous=convert.key_to_proto(old)
+            )
+
+        return await self._run(context, "RotateApiKey", run)
 
     async def GetUsage(
         self, request: admin_pb2.GetUsageRequest, context: Context

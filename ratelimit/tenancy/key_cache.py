@@ -50,6 +50,8 @@ class KeyCache:
         get_tenant: Tenant by id, raising ``NotFoundError``.
         ttl_ms: How long a positive answer is reused.
         clock: Monotonic milliseconds.
+        wall: Unix seconds (key expiry is checked on every use, cached or not).
+        on_use: Called with each key that authenticated (last-used bookkeeping).
     """
 
     def __init__(
@@ -58,11 +60,15 @@ class KeyCache:
         get_tenant: Callable[[str], Awaitable[Tenant]],
         ttl_ms: float,
         clock: Callable[[], float] | None = None,
+        wall: Callable[[], float] = time.time,
+        on_use: Callable[[ApiKey], None] | None = None,
     ) -> None:
         self.lookup_hash = lookup_hash
         self.get_tenant = get_tenant
         self.ttl_ms = ttl_ms
         self.clock = clock or (lambda: time.monotonic() * 1000.0)
+        self.wall = wall
+        self.on_use = on_use
         self._good: OrderedDict[str, tuple[float, Principal]] = OrderedDict()
         self._bad: OrderedDict[str, tuple[float, AuthFailure]] = OrderedDict()
 
@@ -80,7 +86,7 @@ class KeyCache:
         if not plaintext or not looks_like_key(plaintext):
             return False
         hit = self._good.get(hash_key(plaintext))
-        return hit is not None and hit[0] > self.clock()
+        return hit is not None and hit[0] > self.clock() and not hit[1].key.expired(self.wall())
 
     def _cached(self, digest: str, now: float) -> Principal | AuthFailure | None:
         for cache in (self._good, self._bad):
@@ -118,7 +124,18 @@ class KeyCache:
         if isinstance(answer, AuthFailure):
             metrics.AUTH_RESULTS.labels(answer.result).inc()
             raise answer.error()
-        return _check_role(answer, role)
+        key = answer.key
+        if key.expired(self.wall()):  # checked on every use: a cached key expires on time
+            metrics.AUTH_RESULTS.labels("expired").inc()
+            when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(key.expires_at))
+            hint = f"; use its replacement {key.rotated_to}" if key.rotated_to else ""
+            raise PermissionDeniedError(
+                f"API key {key.key_id} ({key.display_prefix}...) expired at {when}{hint}"
+            )
+        principal = _check_role(answer, role)
+        if self.on_use is not None:
+            self.on_use(key)
+        return principal
 
     async def _resolve(self, digest: str) -> Principal | AuthFailure:
         key = await self.lookup_hash(digest)

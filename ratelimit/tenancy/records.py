@@ -45,6 +45,14 @@ class ApiKey:
     revoked: bool = False
     created_at: float = 0.0  # unix seconds
     revoked_at: float = 0.0
+    expires_at: float = 0.0  # 0 = never
+    owner: str = ""  # who holds it (a person or a service), for audits
+    description: str = ""
+    rotated_to: str = ""  # key id of the key that replaced this one (RotateApiKey)
+
+    def expired(self, now: float) -> bool:
+        """True once ``expires_at`` (if set) has passed."""
+        return bool(self.expires_at) and now >= self.expires_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +61,18 @@ class Principal:
 
     key: ApiKey
     tenant: Tenant | None
+
+
+MAX_KEY_TEXT = 256  # name, owner and description, each
+
+
+def validate_key_text(**fields: str) -> None:
+    """ValueError unless each field is at most ``MAX_KEY_TEXT`` printable characters."""
+    for name, value in fields.items():
+        if len(value) > MAX_KEY_TEXT or not value.isprintable():
+            raise ValueError(
+                f"key {name} must be at most {MAX_KEY_TEXT} printable characters (got {len(value)})"
+            )
 
 
 def generate_key() -> str:
@@ -88,6 +108,10 @@ def key_to_json(key: ApiKey) -> str:
             "revoked": key.revoked,
             "created_at": key.created_at,
             "revoked_at": key.revoked_at,
+            "expires_at": key.expires_at,
+            "owner": key.owner,
+            "description": key.description,
+            "rotated_to": key.rotated_to,
         }
     )
 
@@ -105,6 +129,10 @@ def key_from_json(raw: str) -> ApiKey:
         revoked=bool(d["revoked"]),
         created_at=float(d["created_at"]),
         revoked_at=float(d["revoked_at"]),
+        expires_at=float(d.get("expires_at", 0.0)),
+        owner=str(d.get("owner", "")),
+        description=str(d.get("description", "")),
+        rotated_to=str(d.get("rotated_to", "")),
     )
 
 

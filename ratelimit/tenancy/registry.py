@@ -8,6 +8,7 @@ Keys (``<p>`` is the configured prefix; tenant data is hash-tagged by tenant)::
     <p>admin_keys            set     key ids of ADMIN keys
     <p>key:<sha256>          string  ApiKey JSON (looked up by the key's hash)
     <p>keyid:<key_id>        string  sha256 of that key
+    <p>key_last_used         hash    key_id -> unix seconds of its last use (to the minute)
 
 ``authenticate`` goes through ``ratelimit.tenancy.key_cache.KeyCache``: answers are
 reused for ``auth_cache_ttl_ms``, the bound on how long another replica
@@ -16,10 +17,12 @@ still honours a revoked key or an old policy.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -41,7 +44,11 @@ from ratelimit.tenancy.records import (
     new_key_id,
     tenant_from_json,
     tenant_to_json,
+    validate_key_text,
 )
+
+LAST_USED_RESOLUTION_S = 60.0  # a key's last use is written at most once a minute per replica
+KEY_FIELDS = ("name", "owner", "description", "expires_at")  # what UpdateApiKey may change
 
 log = get_logger(__name__)
 
@@ -75,7 +82,11 @@ class Registry:
     ) -> None:
         self.client = client
         self.prefix = prefix
-        self.auth = KeyCache(self.lookup_hash, self.get_tenant, auth_cache_ttl_ms, clock)
+        self.auth = KeyCache(
+            self.lookup_hash, self.get_tenant, auth_cache_ttl_ms, clock, on_use=self.note_use
+        )
+        self._last_written: dict[str, float] = {}  # key id -> monotonic time of the write
+        self._background: set[asyncio.Task[None]] = set()
 
     def _tenant_key(self, tenant_id: str) -> str:
         return f"{self.prefix}{{{tenant_id}}}:tenant"
@@ -130,15 +141,118 @@ class Registry:
             await self.client.srem(f"{self.prefix}tenants", tenant_id)
         return num_revoked
 
-    async def create_key(self, tenant_id: str, name: str, role: KeyRole) -> tuple[str, ApiKey]:
-        """Issue a key; returns (plaintext, record). The plaintext is not stored."""
+    async def create_key(
+        self,
+        tenant_id: str,
+        name: str,
+        role: KeyRole,
+        *,
+        owner: str = "",
+        description: str = "",
+        expires_at: float = 0.0,
+    ) -> tuple[str, ApiKey]:
+        """Issue a key; returns (plaintext, record). The plaintext is not stored.
+
+        Raises:
+            ValueError: text too long or not printable, or ``expires_at`` in the past.
+        """
+        validate_key_text(name=name, owner=owner, description=description)
+        if expires_at and expires_at <= time.time():
+            raise ValueError("expires_at is in the past; give a future time (or 0 = never)")
         role = KeyRole.TENANT if role == KeyRole.UNSPECIFIED else role
         if role == KeyRole.TENANT:
             await self.get_tenant(tenant_id)
         else:
             tenant_id = ""
         plaintext = generate_key()
-        return plaintext, await self._store_key(plaintext, tenant_id, name, role)
+        template = ApiKey(
+            key_id="",
+            tenant_id=tenant_id,
+            name=name,
+            display_prefix="",
+            role=role,
+            key_hash="",
+            expires_at=expires_at,
+            owner=owner,
+            description=description,
+        )
+        return plaintext, await self._store_key(plaintext, template)
+
+    async def update_key(self, key_id: str, changes: dict[str, Any]) -> ApiKey:
+        """Change some of ``KEY_FIELDS`` of a key (others kept); ``expires_at`` 0 = never.
+
+        Raises:
+            ValueError: an unknown field, bad text, or an expiry in the past.
+            NotFoundError: no such key.
+        """
+        unknown = set(changes) - set(KEY_FIELDS)
+        if unknown:
+            raise ValueError(f"cannot change {sorted(unknown)} of a key; only {list(KEY_FIELDS)}")
+        key = await self.get_key(key_id)
+        if key.revoked:
+            raise ValueError(f"API key {key_id} is revoked; create a new key instead")
+        updated = dataclasses.replace(key, **changes)
+        validate_key_text(name=updated.name, owner=updated.owner, description=updated.description)
+        if "expires_at" in changes and updated.expires_at and updated.expires_at <= time.time():
+            raise ValueError("expires_at is in the past; revoke the key to end it now")
+        await self._save_key(updated, "update key")
+        return updated
+
+    async def rotate_key(self, key_id: str, grace_s: float) -> tuple[str, ApiKey, ApiKey]:
+        """Issue a replacement of a key (same tenant, role, name, owner, description) and
+        let the old one live ``grace_s`` more seconds (or less, if it expires sooner).
+        Returns (new plaintext, new record, old record).
+
+        Raises:
+            ValueError: ``grace_s`` negative, or the key is revoked or expired.
+            NotFoundError: no such key.
+        """
+        if grace_s < 0:
+            raise ValueError(f"grace_seconds must be >= 0, got {grace_s}")
+        old = await self.get_key(key_id)
+        now = time.time()
+        if old.revoked or old.expired(now):
+            raise ValueError(f"API key {key_id} is revoked or expired; create a new key instead")
+        plaintext = generate_key()
+        new = await self._store_key(
+            plaintext, dataclasses.replace(old, revoked=False, expires_at=0.0, rotated_to="")
+        )
+        end = now + grace_s
+        old = dataclasses.replace(
+            old,
+            expires_at=min(old.expires_at, end) if old.expires_at else end,
+            rotated_to=new.key_id,
+        )
+        await self._save_key(old, "rotate key")
+        return plaintext, new, old
+
+    def note_use(self, key: ApiKey) -> None:
+        """Record that ``key`` was used now, at most once a minute per key on this replica,
+        in the background (authentication never waits on it; a failed write is dropped)."""
+        mono = time.monotonic()
+        last = self._last_written.get(key.key_id)
+        if last is not None and mono - last < LAST_USED_RESOLUTION_S:
+            return
+        self._last_written[key.key_id] = mono
+        if len(self._last_written) > 100_000:  # bounded: forget the oldest half
+            for k in list(self._last_written)[:50_000]:
+                del self._last_written[k]
+
+        async def write() -> None:
+            with contextlib.suppress(RedisError, OSError):
+                await self.client.hset(f"{self.prefix}key_last_used", key.key_id, time.time())
+
+        task = asyncio.get_running_loop().create_task(write())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def last_used(self, key_ids: list[str]) -> dict[str, float]:
+        """Unix seconds of each key's last use (keys never used are absent)."""
+        if not key_ids:
+            return {}
+        with redis_errors("last used"):
+            values = await self.client.hmget(f"{self.prefix}key_last_used", key_ids)
+        return {k: float(v) for k, v in zip(key_ids, values, strict=True) if v is not None}
 
     async def ensure_admin_key(self, plaintext: str, name: str = "bootstrap") -> ApiKey:
         """Register a given admin key (bootstrap from config/env) unless it exists."""
@@ -148,19 +262,20 @@ class Registry:
             raw = await self._get(f"{self.prefix}key:{hash_key(plaintext)}")
         if raw is not None:
             return key_from_json(raw)
-        return await self._store_key(plaintext, "", name, KeyRole.ADMIN)
+        return await self._store_key(plaintext, ApiKey("", "", name, "", KeyRole.ADMIN, ""))
 
-    async def _store_key(self, plaintext: str, tenant_id: str, name: str, role: KeyRole) -> ApiKey:
+    async def _store_key(self, plaintext: str, template: ApiKey) -> ApiKey:
+        """Store a new key: ``template``'s tenant, name, role, owner, description and
+        expiry, with a fresh id and the hash of ``plaintext``."""
         digest = hash_key(plaintext)
-        key = ApiKey(
+        key = dataclasses.replace(
+            template,
             key_id=new_key_id(),
-            tenant_id=tenant_id,
-            name=name,
             display_prefix=plaintext[:DISPLAY_PREFIX_LEN],
-            role=role,
             key_hash=digest,
             created_at=time.time(),
         )
+        tenant_id = key.tenant_id
         index = self._tenant_keys_key(tenant_id) if tenant_id else f"{self.prefix}admin_keys"
         with redis_errors("create key"):
             await self.client.set(f"{self.prefix}key:{digest}", key_to_json(key))
@@ -183,10 +298,14 @@ class Registry:
         key = await self.get_key(key_id)
         if not key.revoked:
             key = dataclasses.replace(key, revoked=True, revoked_at=time.time())
-            with redis_errors("revoke key"):
-                await self.client.set(f"{self.prefix}key:{key.key_hash}", key_to_json(key))
+            await self._save_key(key, "revoke key")
         self.auth.clear()
         return key
+
+    async def _save_key(self, key: ApiKey, op: str) -> None:
+        with redis_errors(op):
+            await self.client.set(f"{self.prefix}key:{key.key_hash}", key_to_json(key))
+        self.auth.clear()
 
     async def list_keys(self, tenant_id: str) -> list[ApiKey]:
         """Keys of a tenant (``""``: the ADMIN keys), oldest first."""

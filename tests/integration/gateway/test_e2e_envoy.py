@@ -130,13 +130,19 @@ def test_admin_over_http_json_then_a_tenant_streams_and_new_limits_apply(
 
     # tighten the limit over HTTP; once every replica's tenant cache has seen it (the
     # bounded staleness across gateway replicas), the next request over it is refused
-    code, _ = http(
+    # (a PATCH changes only the masked fields: priority and concurrency stay)
+    budget = {"name": "daily", "metric": "BUDGET_TOKENS", "period": "BUDGET_DAY", "limit": 10**6}
+    code, patched = http(
         envoy,
-        "PUT",
-        "/v1/admin/tenants/e2e-team",
-        {"limits": {"requests_per_minute": 1, "request_burst": 1}},
+        "PATCH",
+        "/v1/admin/tenants/e2e-team?update_mask=limits.requests_per_minute,"
+        "limits.request_burst,budgets",
+        {"limits": {"requests_per_minute": 1, "request_burst": 1}, "budgets": [budget]},
     )
-    assert code == 200
+    assert code == 200, patched
+    assert patched["priority"] == "CRITICAL"
+    assert patched["limits"]["max_concurrent"] == 4
+    assert patched["budgets"][0]["name"] == "daily"
     time.sleep(CACHE_TTL_MS / 1000 + 0.2)
     code, _ = http(envoy, "POST", "/v1/admin/tenants/e2e-team/reset", {})
     assert code == 200

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
 import pytest
+from google.protobuf import field_mask_pb2, timestamp_pb2
 
 from common.redis_server import RedisServer
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from ratelimit.admin.servicer import add_to_server
 from ratelimit.config import RateLimitConfig
+from ratelimit.errors import PermissionDeniedError
 from ratelimit.factory import RateLimitStack
 
 pytestmark = pytest.mark.integration
@@ -215,3 +219,111 @@ async def test_budgets_round_trip_show_in_usage_and_are_validated(
     # a refused change leaves the tenant as it was
     got = await stub.GetTenant(admin_pb2.GetTenantRequest(tenant_id="b"), metadata=AUTH)
     assert [b.name for b in got.budgets] == ["daily", "spend"]
+
+
+async def test_update_tenant_changes_only_the_masked_fields(stub: Stub) -> None:
+    limits = admin_pb2.LimitPolicy(requests_per_minute=60, tokens_per_minute=5000)
+    await stub.UpsertTenant(
+        admin_pb2.Tenant(id="u", limits=limits, allowed_models=["m1"], display_name="U"),
+        metadata=AUTH,
+    )
+    patch = admin_pb2.Tenant(
+        id="u", limits=admin_pb2.LimitPolicy(requests_per_minute=5), display_name="ignored"
+    )
+    mask = field_mask_pb2.FieldMask(paths=["limits.requests_per_minute"])
+    out = await stub.UpdateTenant(
+        admin_pb2.UpdateTenantRequest(tenant=patch, update_mask=mask), metadata=AUTH
+    )
+    assert (out.limits.requests_per_minute, out.limits.tokens_per_minute) == (5, 5000)
+    assert (list(out.allowed_models), out.display_name) == (["m1"], "U")
+    # no mask: every field set in the patch (here the priority alone)
+    patch = admin_pb2.Tenant(id="u", priority=common_pb2.Priority.Value("CRITICAL"))
+    out = await stub.UpdateTenant(admin_pb2.UpdateTenantRequest(tenant=patch), metadata=AUTH)
+    assert out.priority == common_pb2.Priority.Value("CRITICAL")
+    assert out.limits.requests_per_minute == 5
+    # a list named in the mask is replaced whole (here emptied: every model)
+    mask = field_mask_pb2.FieldMask(paths=["allowed_models"])
+    out = await stub.UpdateTenant(
+        admin_pb2.UpdateTenantRequest(tenant=admin_pb2.Tenant(id="u"), update_mask=mask),
+        metadata=AUTH,
+    )
+    assert list(out.allowed_models) == []
+    for paths, match in ((["id"], "cannot change"), (["nope"], "lacks"), ([], "nothing")):
+        req = admin_pb2.UpdateTenantRequest(
+            tenant=admin_pb2.Tenant(id="u"), update_mask=field_mask_pb2.FieldMask(paths=paths)
+        )
+        await expect(grpc.StatusCode.INVALID_ARGUMENT, stub.UpdateTenant(req, metadata=AUTH), match)
+    missing = admin_pb2.UpdateTenantRequest(tenant=admin_pb2.Tenant(id="ghost", display_name="x"))
+    await expect(grpc.StatusCode.NOT_FOUND, stub.UpdateTenant(missing, metadata=AUTH))
+
+
+async def test_key_lifecycle_metadata_expiry_rotation_last_use(
+    stub: Stub, stack: RateLimitStack
+) -> None:
+    await stub.UpsertTenant(admin_pb2.Tenant(id="k"), metadata=AUTH)
+    soon = timestamp_pb2.Timestamp(seconds=int(time.time()) + 3600)
+    created = await stub.CreateApiKey(
+        admin_pb2.CreateApiKeyRequest(
+            tenant_id="k", name="ci", owner="alice", description="nightly jobs", expires_at=soon
+        ),
+        metadata=AUTH,
+    )
+    key = created.api_key
+    assert (key.owner, key.description, key.expires_at.seconds) == (
+        "alice",
+        "nightly jobs",
+        soon.seconds,
+    )
+    past = timestamp_pb2.Timestamp(seconds=int(time.time()) - 10)
+    call = stub.CreateApiKey(
+        admin_pb2.CreateApiKeyRequest(tenant_id="k", expires_at=past), metadata=AUTH
+    )
+    await expect(grpc.StatusCode.INVALID_ARGUMENT, call, "in the past")
+    # partial update: the owner only
+    upd = await stub.UpdateApiKey(
+        admin_pb2.UpdateApiKeyRequest(
+            api_key=admin_pb2.ApiKey(key_id=key.key_id, owner="bob"),
+            update_mask=field_mask_pb2.FieldMask(paths=["owner"]),
+        ),
+        metadata=AUTH,
+    )
+    assert (upd.owner, upd.description, upd.expires_at.seconds) == (
+        "bob",
+        "nightly jobs",
+        soon.seconds,
+    )
+    move = stub.UpdateApiKey(
+        admin_pb2.UpdateApiKeyRequest(
+            api_key=admin_pb2.ApiKey(key_id=key.key_id, tenant_id="other"),
+            update_mask=field_mask_pb2.FieldMask(paths=["tenant_id"]),
+        ),
+        metadata=AUTH,
+    )
+    await expect(grpc.StatusCode.INVALID_ARGUMENT, move, "cannot change")
+    # a use is recorded (in the background, to the minute) and listed
+    principal = await stack.registry.authenticate(created.key)
+    assert principal.key.key_id == key.key_id
+    for _ in range(100):
+        keys = await stub.ListApiKeys(admin_pb2.ListApiKeysRequest(tenant_id="k"), metadata=AUTH)
+        if keys.api_keys[0].last_used_at.seconds:
+            break
+        await asyncio.sleep(0.02)
+    assert abs(keys.api_keys[0].last_used_at.seconds - time.time()) < 60
+    # rotation: both keys work during the grace period, then only the new one
+    rotated = await stub.RotateApiKey(
+        admin_pb2.RotateApiKeyRequest(key_id=key.key_id, grace_seconds=1), metadata=AUTH
+    )
+    assert rotated.previous.rotated_to == rotated.api_key.key_id
+    assert rotated.api_key.owner == "bob"
+    assert rotated.previous.expires_at.seconds <= int(time.time()) + 1
+    assert (await stack.registry.authenticate(rotated.key)).key.key_id == rotated.api_key.key_id
+    await stack.registry.authenticate(created.key)  # within the grace period
+    await asyncio.sleep(1.2)
+    with pytest.raises(PermissionDeniedError, match=r"expired at .*replacement"):
+        await stack.registry.authenticate(created.key)
+    assert (await stack.registry.authenticate(rotated.key)).tenant is not None
+    again = stub.RotateApiKey(admin_pb2.RotateApiKeyRequest(key_id=key.key_id), metadata=AUTH)
+    await expect(grpc.StatusCode.INVALID_ARGUMENT, again, "revoked or expired")
+    events = await stub.ListAuditEvents(admin_pb2.ListAuditEventsRequest(), metadata=AUTH)
+    actions = [e.action for e in events.events]
+    assert {"RotateApiKey", "UpdateApiKey", "CreateApiKey"} <= set(actions)

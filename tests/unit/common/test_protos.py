@@ -41,6 +41,9 @@ RPCS = {
         "RevokeApiKey": ("RevokeApiKeyRequest", "RevokeApiKeyResponse", False),
         "GetUsage": ("GetUsageRequest", "TenantUsage", False),
         "ResetLimits": ("ResetLimitsRequest", "ResetLimitsResponse", False),
+        "UpdateTenant": ("UpdateTenantRequest", "Tenant", False),
+        "UpdateApiKey": ("UpdateApiKeyRequest", "ApiKey", False),
+        "RotateApiKey": ("RotateApiKeyRequest", "RotateApiKeyResponse", False),
     },
 }
 

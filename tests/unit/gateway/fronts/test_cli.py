@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
+import time
 from typing import Any
 
 import grpc
 import pytest
 
-from gateway.fronts.cli import _admin_calls, parser
+from gateway.fronts.cli import _admin_calls, duration_s, key_update, parser
 from llm.v1 import admin_pb2, common_pb2
 
 
@@ -104,3 +106,31 @@ def test_a_malformed_budget_is_refused_with_the_expected_form(
         with pytest.raises(SystemExit):
             parser().parse_args(["admin", "tenant", "t", "--budget", bad])
         assert "budget" in capsys.readouterr().err
+
+
+def test_key_update_sends_only_the_given_fields_in_the_mask() -> None:
+    args = parser().parse_args(["admin", "key-update", "key_1", "--owner", "bob", "--no-expiry"])
+    req = key_update(args)
+    assert req.api_key.key_id == "key_1"
+    assert list(req.update_mask.paths) == ["owner", "expires_at"]
+    assert req.api_key.owner == "bob"
+    assert not req.api_key.HasField("expires_at")  # unset = never
+    args = parser().parse_args(["admin", "key-update", "key_1", "--expires-in", "2h"])
+    req = key_update(args)
+    assert list(req.update_mask.paths) == ["expires_at"]
+    assert abs(req.api_key.expires_at.seconds - (time.time() + 7200)) < 5
+    with pytest.raises(SystemExit):
+        key_update(parser().parse_args(["admin", "key-update", "key_1"]))
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90", 90), ("90s", 90), ("15m", 900), ("12h", 43200), ("30d", 2592000)]
+)
+def test_durations(text: str, seconds: int) -> None:
+    assert duration_s(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "0", "-5m", "1w", "h"])
+def test_bad_durations_say_the_form(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="not a duration"):
+        duration_s(text)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 
 import pytest
 
 from ratelimit.config import Tenant
-from ratelimit.errors import UnauthenticatedError
+from ratelimit.errors import PermissionDeniedError, UnauthenticatedError
 from ratelimit.tenancy import key_cache as auth
 from ratelimit.tenancy.key_cache import KeyCache
 from ratelimit.tenancy.records import ApiKey, KeyRole, generate_key, hash_key
@@ -70,3 +71,34 @@ def test_the_least_recently_used_valid_key_goes_first(monkeypatch: pytest.Monkey
 
     asyncio.run(run())
     assert [store.lookups[hash_key(k)] for k in keys] == [1, 2, 1, 1]
+
+
+def test_a_cached_key_is_refused_the_moment_it_expires() -> None:
+    key = generate_key()
+    store = FakeStore([key])
+    digest = hash_key(key)
+    store.keys[digest] = dataclasses.replace(
+        store.keys[digest], expires_at=1000.0, rotated_to="key_new"
+    )
+    now = [999.0]
+    used: list[str] = []
+    cache = KeyCache(
+        store.lookup_hash,
+        store.get_tenant,
+        ttl_ms=60_000,
+        clock=lambda: 0.0,
+        wall=lambda: now[0],
+        on_use=lambda k: used.append(k.key_id),
+    )
+
+    async def run() -> None:
+        assert (await cache.authenticate(key)).key.key_id == "key_0"
+        assert cache.known_valid(key)
+        now[0] = 1000.0  # still cached, but expired now
+        with pytest.raises(PermissionDeniedError, match=r"expired at .*replacement key_new"):
+            await cache.authenticate(key)
+        assert not cache.known_valid(key)
+
+    asyncio.run(run())
+    assert store.lookups[digest] == 1
+    assert used == ["key_0"]  # only the successful use counts
