@@ -93,6 +93,7 @@ class GatewayApp:
             max_failovers=config.max_failovers,
         )
         release = ReleaseControl.build(config, stack, pool, dispatcher)
+        prices = config.price_table()
         pipeline = Pipeline(
             config,
             Authenticator(
@@ -106,7 +107,9 @@ class GatewayApp:
             dispatcher,
             router=release.router,
             shadow=release.shadow,
-            budgets=BudgetGate(stack.budgets, config.price_table(), rl_config.fail_mode),
+            budgets=BudgetGate(stack.budgets, prices, rl_config.fail_mode),
+            usage=stack.usage,
+            prices=prices,
         )
         discovery = Discovery(config.engines, pool.sync, config.discovery_interval_s)
         return cls(config, stack, pool, encoder, pipeline, release, discovery)

@@ -124,6 +124,7 @@ class CallContext:
     # OpenAI's x-ratelimit-* headers of the admission decisions so far (the fronts send
     # them as response headers / gRPC metadata, on answers and refusals alike)
     ratelimit: dict[str, str] = field(default_factory=dict, init=False)
+    key_id: str = field(default="", init=False)
 
     def __post_init__(self) -> None:
         if self.request_id and not _REQUEST_ID_RE.match(self.request_id):

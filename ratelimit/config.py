@@ -185,6 +185,7 @@ class RateLimitConfig(ServiceConfig):
     concurrency_retry_ms: int = 1000  # retry-after hint for concurrency denials
     auth_cache_ttl_ms: int = 5000  # bound on how long a revoked key or old policy is honoured
     audit_max_events: int = 10_000
+    usage_retention_days: int = 400  # how long per-day usage records are kept
     admin_key: str = ""  # bootstrap admin key (plaintext); also $ADMIN_KEY
     admin_key_file: str = ""  # file holding the bootstrap admin key
 
@@ -203,6 +204,7 @@ class RateLimitConfig(ServiceConfig):
             "lease_ttl_ms",
             "concurrency_retry_ms",
             "audit_max_events",
+            "usage_retention_days",
         )
         for name in positive:
             if getattr(self, name) <= 0:

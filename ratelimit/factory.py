@@ -36,6 +36,7 @@ from ratelimit.limiter.storage.redis import RedisStore
 from ratelimit.limiter.store_guard import store_breaker
 from ratelimit.tenancy.audit import AuditLog
 from ratelimit.tenancy.registry import Registry
+from ratelimit.usage.records import UsageLog
 
 log = get_logger(__name__)
 
@@ -84,6 +85,7 @@ class RateLimitStack:
     audit: AuditLog
     membership: ReplicaMembership
     budgets: BudgetLedger
+    usage: UsageLog
 
     @classmethod
     def from_config(cls, config: RateLimitConfig) -> RateLimitStack:
@@ -123,11 +125,16 @@ class RateLimitStack:
                 timeout_s=backstop_s(config),
             ),
             budgets=BudgetLedger(client, limiter.guard, prefix=config.key_prefix),
+            usage=UsageLog(
+                client, prefix=config.key_prefix, retention_days=config.usage_retention_days
+            ),
         )
 
     def servicer(self) -> RateLimitAdminServicer:
         """The RateLimitAdmin servicer over these components."""
-        return RateLimitAdminServicer(self.registry, self.limiter, self.audit, self.budgets)
+        return RateLimitAdminServicer(
+            self.registry, self.limiter, self.audit, self.budgets, self.usage
+        )
 
     async def start(self, wait_s: float = 60.0) -> None:
         """Wait for Redis (up to ``wait_s``), load the scripts, register the admin key."""
@@ -149,12 +156,15 @@ class RateLimitStack:
 
     async def join(self) -> None:
         """Count this process as a gateway replica sharing the limits (the fail-open
-        share divides by the live count); ``aclose`` leaves. Not for the admin service."""
+        share divides by the live count) and start writing usage records; ``aclose``
+        leaves. Not for the admin service."""
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await self.membership.refresh()  # the count right away, when Redis answers
         self.membership.start()
+        self.usage.start()
 
     async def aclose(self) -> None:
         """Leave the replica set, close the Redis pool."""
         await self.membership.leave()
+        await self.usage.close()  # writes what is queued
         await self.limiter.close()

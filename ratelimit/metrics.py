@@ -81,3 +81,12 @@ BUDGET_UNCHECKED = Counter(
     "open) and settle (the reservation stays charged).",
     ["op"],
 )
+USAGE_WRITTEN = Counter(
+    "ratelimit_usage_records_written_total",
+    "Finished requests written to the usage records (tenant x key x model x version x day).",
+)
+USAGE_DROPPED = Counter(
+    "ratelimit_usage_records_dropped_total",
+    "Finished requests dropped from the usage records because the write queue was full "
+    "(Redis unreachable for longer than the queue lasts).",
+)

@@ -17,6 +17,7 @@
     llm-client admin key-update KEY_ID --owner bob --no-expiry
     llm-client admin keys team-a | revoke KEY_ID | usage team-a | reset team-a
     llm-client admin delete team-a | audit
+    llm-client admin usage-export --from 2026-11-01 --to 2026-11-30 > usage.csv
 
 Talks to Envoy (127.0.0.1:8080) unless --address says otherwise. The API key
 comes from --api-key, $LLM_API_KEY or .run/demo.key; the admin key from
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.api import httpbody_pb2
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -257,6 +259,16 @@ def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
             admin_pb2.ResetLimitsRequest(tenant_id=a.tenant, budgets=a.budgets)
         ),
         "audit": lambda s: s.ListAuditEvents(admin_pb2.ListAuditEventsRequest(limit=a.limit)),
+        "usage-export": lambda s: s.ExportUsage(
+            admin_pb2.QueryUsageRequest(
+                tenant_id=a.tenant or "",
+                key_id=a.key or "",
+                model=a.model or "",
+                start_date=a.start or "",
+                end_date=a.end or "",
+                format=a.format,
+            )
+        ),
     }
 
 
@@ -270,6 +282,9 @@ def admin(channel: grpc.Channel, args: argparse.Namespace) -> int:
             return lambda req: rpc(req, metadata=md, timeout=args.timeout)
 
     resp = _admin_calls(args)[args.admin_cmd](WithMetadata())
+    if isinstance(resp, httpbody_pb2.HttpBody):  # a file: as it is
+        sys.stdout.write(resp.data.decode())
+        return 0
     print(json.dumps(json_format.MessageToDict(resp), indent=None if args.json else 2))
     return 0
 
@@ -341,6 +356,16 @@ def parser() -> argparse.ArgumentParser:
     r = a.add_parser("rotate", help="issue a replacement key; the old one works for --grace")
     r.add_argument("key_id")
     r.add_argument("--grace", type=duration_s, default=3600, help="e.g. 1h (default), 7d")
+    x = a.add_parser(
+        "usage-export",
+        help="usage records per day, tenant, key, model and version (CSV or JSON on stdout)",
+    )
+    x.add_argument("--tenant", help="one tenant (default: all, deleted ones included)")
+    x.add_argument("--key", help="one key id")
+    x.add_argument("--model")
+    x.add_argument("--from", dest="start", metavar="YYYY-MM-DD", help="default: 29 days back")
+    x.add_argument("--to", dest="end", metavar="YYYY-MM-DD", help="default: today (UTC)")
+    x.add_argument("--format", choices=["csv", "json"], default="csv")
     a.add_parser("revoke").add_argument("key_id")
     a.add_parser("audit").add_argument("--limit", type=int, default=20)
     return p

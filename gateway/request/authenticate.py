@@ -19,7 +19,7 @@ from ratelimit.config import Tenant
 from ratelimit.errors import PermissionDeniedError, StoreError, UnauthenticatedError
 from ratelimit.limiter.algorithm import refill, wait_ms
 from ratelimit.tenancy.bearer import bearer_credential
-from ratelimit.tenancy.records import KeyRole
+from ratelimit.tenancy.records import KeyRole, Principal
 from ratelimit.tenancy.registry import Registry
 
 
@@ -146,7 +146,7 @@ class Authenticator:
                     retry_after_ms=wait,
                 )
         try:
-            return await self._tenant(call.authorization)
+            principal = await self._principal(call.authorization)
         except GatewayError as e:
             if throttle is not None and e.code in (
                 grpc.StatusCode.UNAUTHENTICATED,
@@ -154,8 +154,12 @@ class Authenticator:
             ):
                 throttle.failure(call.source)
             raise
+        call.key_id = principal.key.key_id
+        if principal.tenant is None:  # pragma: no cover - the registry checks the role
+            raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, "this key has no tenant")
+        return principal.tenant
 
-    async def _tenant(self, authorization: str) -> Tenant:
+    async def _principal(self, authorization: str) -> Principal:
         key = bearer_key(authorization)
         try:
             principal = await self.registry.authenticate(key, KeyRole.TENANT)
@@ -168,9 +172,7 @@ class Authenticator:
                 grpc.StatusCode.UNAVAILABLE,
                 f"cannot check the API key now: the key store is unavailable ({e}); retry shortly",
             ) from None
-        if principal.tenant is None:  # pragma: no cover - the registry checks the role
-            raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, "this key has no tenant")
-        return principal.tenant
+        return principal
 
     @staticmethod
     def check_model(tenant: Tenant, model: str) -> None:

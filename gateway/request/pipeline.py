@@ -54,11 +54,13 @@ from gateway.request.params import (
 )
 from llm.v1 import common_pb2, gateway_pb2
 from ratelimit.budget.ledger import BudgetHold
+from ratelimit.budget.policy import PriceTable
 from ratelimit.config import Tenant
 from ratelimit.errors import LimiterUnavailableError
 from ratelimit.limiter.decision import Decision, Reservation
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.status import denial_metadata, ratelimit_headers
+from ratelimit.usage.records import UsageEvent, UsageLog
 from tokenizer_svc.tokenizer import TextTokenizer
 
 log = get_logger(__name__)
@@ -77,6 +79,9 @@ class _Admitted:
 class _Labels:
     model: str = ""  # set once the model is known (no client strings as label values)
     version: str = ""
+    prompt_tokens: int = 0  # what the request was charged (set when it settles)
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
 
 
 class Pipeline:
@@ -93,6 +98,8 @@ class Pipeline:
         router: Model version by routing policy (None = any version, by load).
         shadow: Shadow copies to candidate versions (None = off).
         budgets: Tenant budgets (None = not enforced).
+        usage: Where finished requests are recorded (None = nowhere).
+        prices: USD per million tokens per model (the cost of usage records).
     """
 
     def __init__(
@@ -107,6 +114,8 @@ class Pipeline:
         router: VersionRouter | None = None,
         shadow: ShadowMirror | None = None,
         budgets: BudgetGate | None = None,
+        usage: UsageLog | None = None,
+        prices: PriceTable | None = None,
     ) -> None:
         self.config = config
         self.auth = auth
@@ -118,6 +127,8 @@ class Pipeline:
         self.router = router
         self.shadow = shadow
         self.budgets = budgets
+        self.usage = usage
+        self.prices = prices or PriceTable()
         self.draining = False
         self.num_in_flight = 0
         self._idle = asyncio.Event()
@@ -139,6 +150,7 @@ class Pipeline:
         """
         start = time.perf_counter()
         tenant_label, code = "unauthenticated", grpc.StatusCode.OK
+        tenant_id = ""  # set once authenticated: then the request is recorded
         labels = _Labels()
         structlog.contextvars.bind_contextvars(request_id=call.request_id, trace_id=call.trace_id)
         self._enter()
@@ -149,7 +161,7 @@ class Pipeline:
                 metrics.STAGE_AUTH.observe(time.perf_counter() - t0)
             else:
                 tenant = call.tenant
-            tenant_label = tenant.tenant_id
+            tenant_label = tenant_id = tenant.tenant_id
             structlog.contextvars.bind_contextvars(tenant=tenant.tenant_id)
             if call.request_id_error:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, call.request_id_error)
@@ -174,6 +186,25 @@ class Pipeline:
             self._leave()
             metrics.REQUESTS.labels(tenant_label, code.name, labels.model, labels.version).inc()
             metrics.E2E.labels(labels.model, labels.version).observe(time.perf_counter() - start)
+            if tenant_id and self.usage is not None:
+                self._record(tenant_id, call.key_id, code, labels)
+
+    def _record(self, tenant_id: str, key_id: str, code: grpc.StatusCode, labels: _Labels) -> None:
+        assert self.usage is not None
+        price = self.prices.price(labels.model)
+        self.usage.record(
+            UsageEvent(
+                tenant_id=tenant_id,
+                key_id=key_id,
+                model=labels.model,
+                model_version=labels.version,
+                status=code.name,
+                prompt_tokens=labels.prompt_tokens,
+                cached_prompt_tokens=labels.cached_prompt_tokens,
+                completion_tokens=labels.completion_tokens,
+                cost_usd=price.cost(labels.prompt_tokens, labels.completion_tokens),
+            )
+        )
 
     def _enter(self) -> None:
         if self.draining:
@@ -409,10 +440,10 @@ class Pipeline:
                 metrics.TPOT.labels(job.model, labels.version).observe(
                     (time.perf_counter() - first_at) / (len(text.token_ids) - 1)
                 )
-            await asyncio.shield(self._settle(admitted, text, client_left))
+            await asyncio.shield(self._settle(admitted, text, client_left, labels))
 
     async def _settle(
-        self, admitted: _Admitted, text: TextStream | None, client_left: bool
+        self, admitted: _Admitted, text: TextStream | None, client_left: bool, labels: _Labels
     ) -> None:
         """Charge what was used and give back the rest of the reservation.
 
@@ -424,6 +455,8 @@ class Pipeline:
         if text is not None and (text.engine_answered or (text.dispatched and client_left)):
             prompt = text.num_prompt_tokens
         completion = len(text.token_ids) if text is not None else 0
+        labels.prompt_tokens, labels.completion_tokens = prompt, completion
+        labels.cached_prompt_tokens = min(prompt, text.num_cached_tokens) if text else 0
         tenant = admitted.tenant.tenant_id
         metrics.TOKENS_CHARGED.labels(tenant, "prompt").inc(prompt)
         metrics.TOKENS_CHARGED.labels(tenant, "completion").inc(completion)

@@ -18,6 +18,7 @@ from ratelimit.config import LimitPolicy, Priority, Tenant
 from ratelimit.limiter.storage import UsageSnapshot
 from ratelimit.tenancy.audit import AuditEvent
 from ratelimit.tenancy.records import ApiKey, KeyRole
+from ratelimit.usage.records import UsageRecord
 
 
 def _ts(seconds: float) -> timestamp_pb2.Timestamp | None:
@@ -239,4 +240,21 @@ def audit_to_proto(event: AuditEvent) -> admin_pb2.AuditEvent:
         action=event.action,
         target=event.target,
         detail=event.detail,
+    )
+
+
+def usage_record_to_proto(r: UsageRecord) -> admin_pb2.UsageRecord:
+    """Message from a usage record."""
+    return admin_pb2.UsageRecord(
+        date=r.date,
+        tenant_id=r.tenant_id,
+        key_id=r.key_id,
+        model=r.model,
+        model_version=r.model_version,
+        requests=r.requests,
+        prompt_tokens=r.prompt_tokens,
+        cached_prompt_tokens=r.cached_prompt_tokens,
+        completion_tokens=r.completion_tokens,
+        cost_usd=r.cost_usd,
+        errors=r.errors,
     )

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.api import httpbody_pb2
 
 from llm.v1 import admin_pb2, admin_pb2_grpc
 from ratelimit import metrics
@@ -23,6 +24,7 @@ from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.tenancy.audit import AuditLog
 from ratelimit.tenancy.records import tenant_to_json
 from ratelimit.tenancy.registry import Registry
+from ratelimit.usage.records import UsageLog, UsageRecord, to_csv, to_json
 
 R = TypeVar("R")
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -39,6 +41,7 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
         limiter: For live usage and resets.
         audit: Where mutations are recorded.
         budgets: The budget ledger (budget spending in usage, resets, deletes).
+        usage: The usage records (queries and exports).
     """
 
     def __init__(
@@ -47,11 +50,13 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
         limiter: RateLimiter,
         audit: AuditLog,
         budgets: BudgetLedger | None = None,
+        usage: UsageLog | None = None,
     ) -> None:
         self.registry = registry
         self.limiter = limiter
         self.audit = audit
         self.budgets = budgets
+        self.usage = usage
 
     async def _run(self, context: Context, method: str, fn: Callable[[str], Awaitable[R]]) -> R:
         """Authenticate the admin, run ``fn(actor_key_id)``, map errors to a status."""
@@ -256,6 +261,50 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
             )
 
         return await self._run(context, "ListAuditEvents", run)
+
+    async def _records(self, request: admin_pb2.QueryUsageRequest) -> list[UsageRecord]:
+        if self.usage is None:
+            raise ValueError("this server keeps no usage records")
+        return await self.usage.query(
+            tenant_id=request.tenant_id,
+            key_id=request.key_id,
+            model=request.model,
+            start=request.start_date,
+            end=request.end_date,
+        )
+
+    async def QueryUsage(
+        self, request: admin_pb2.QueryUsageRequest, context: Context
+    ) -> admin_pb2.QueryUsageResponse:
+        """Usage records in a day range, by tenant, key, model and version."""
+
+        async def run(actor: str) -> admin_pb2.QueryUsageResponse:
+            records = await self._records(request)
+            return admin_pb2.QueryUsageResponse(
+                records=[convert.usage_record_to_proto(r) for r in records]
+            )
+
+        return await self._run(context, "QueryUsage", run)
+
+    async def ExportUsage(
+        self, request: admin_pb2.QueryUsageRequest, context: Context
+    ) -> httpbody_pb2.HttpBody:
+        """The usage records as a CSV (default) or JSON file."""
+
+        async def run(actor: str) -> httpbody_pb2.HttpBody:
+            fmt = request.format.lower() or "csv"
+            if fmt not in ("csv", "json"):
+                raise ValueError(f"format must be csv or json, got {request.format!r}")
+            records = await self._records(request)
+            if fmt == "csv":
+                return httpbody_pb2.HttpBody(
+                    content_type="text/csv; charset=utf-8", data=to_csv(records).encode()
+                )
+            return httpbody_pb2.HttpBody(
+                content_type="application/json", data=to_json(records).encode()
+            )
+
+        return await self._run(context, "ExportUsage", run)
 
 
 def add_to_server(servicer: RateLimitAdminServicer, server: grpc.aio.Server) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import re
@@ -201,6 +203,19 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
         )
         assert client.returncode == 0, client.stderr
         assert "completion 4" in client.stderr or "[STOP]" in client.stderr
+        export_cmd = [sys.executable, "-m", "gateway.fronts.cli", "--address", addr["envoy"]]
+        export_cmd += ["admin", "usage-export", "--tenant", "demo"]
+        for _ in range(50):  # usage records are written in the background, every 0.5 s
+            export = subprocess.run(
+                export_cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+            )
+            assert export.returncode == 0, export.stderr
+            rows = list(csv.DictReader(io.StringIO(export.stdout)))
+            if sum(int(r["requests"]) for r in rows) >= 3:
+                break
+            time.sleep(0.2)
+        assert sum(int(r["requests"]) for r in rows) >= 3, export.stdout
+        assert {r["tenant_id"] for r in rows} == {"demo"}
         pids = [json.loads(p.read_text())["pid"] for p in (tmp_path / "logs").glob("*.ports.json")]
         assert len(pids) == 3
         proc.send_signal(signal.SIGINT)

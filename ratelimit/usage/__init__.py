@@ -1,0 +1,1 @@
+"""Usage records per tenant, key, model, version and day, kept after deletions."""
