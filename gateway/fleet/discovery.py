@@ -14,12 +14,12 @@ over first). IPv4 addresses are preferred when a name has both families, so
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 
 from common.log import get_logger
+from common.tasks import cancel_and_wait
 
 log = get_logger(__name__)
 
@@ -109,8 +109,5 @@ class Discovery:
                 log.exception("engine discovery failed; keeping the current replicas")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -15,7 +15,6 @@ breaker judges it from call outcomes (``common.breaker``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import grpc
@@ -24,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.breaker import ORDINARY, CircuitBreaker, Ticket
 from common.log import get_logger
 from common.service_auth import token_metadata
+from common.tasks import cancel_and_wait
 from gateway import metrics
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
@@ -86,11 +86,7 @@ class Replica:
 
     async def close(self) -> None:
         """Stop the background tasks and close the channel."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         await self.channel.close(None)
 
     def acquire(self) -> None:

@@ -19,10 +19,10 @@ concurrent change wins; the reason is logged, audited and kept in the policy.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 from common.log import get_logger
+from common.tasks import cancel_and_wait
 from gateway.release.policy import RoutingPolicy
 from gateway.release.policy_store import PolicyCache
 from gateway.release.version_stats import VersionStats, VersionSummary
@@ -102,10 +102,7 @@ class CanaryGuard:
 
     async def close(self) -> None:
         """Stop it."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def check_once(self) -> list[str]:
         """One pass; returns the models rolled back."""

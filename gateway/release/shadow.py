@@ -17,7 +17,6 @@ version that only receives shadow traffic.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -25,6 +24,7 @@ import grpc
 from google.protobuf import timestamp_pb2
 
 from common.log import get_logger
+from common.tasks import cancel_and_wait
 from gateway import metrics
 from gateway.fleet.dispatcher import EngineJob
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
@@ -82,11 +82,7 @@ class ShadowMirror:
 
     async def close(self) -> None:
         """Cancel every shadow call (shutdown)."""
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
 
     async def _run(self, job: EngineJob, version: str) -> None:
         try:

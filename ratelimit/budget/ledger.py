@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 
 from ratelimit.budget.policy import Budget, Price, Window, amount_text, charge_of
 from ratelimit.errors import StoreError
-from ratelimit.limiter.lua import LuaScript
+from ratelimit.limiter.lua import LuaScript, load_scripts, run_script
 from ratelimit.limiter.store_guard import StoreGuard
 
 STALE_HOLD_MS = 86_400_000  # an open hold older than this is dropped (stays charged)
@@ -247,20 +247,12 @@ class BudgetLedger:
 
     async def load_scripts(self) -> None:
         """Load the scripts (start-up); raises ``StoreError`` if Redis is down."""
-        try:
-            for script in SCRIPTS:
-                await script.load(self.client)
-        except RedisError as exc:
-            raise StoreError(f"redis script load failed: {exc}") from exc
+        await load_scripts(self.client, SCRIPTS)
 
     async def _run(self, script: LuaScript, keys: list[str], args: list[object]) -> Any:
-        async def call() -> Any:
-            try:
-                return await script(self.client, keys, args)
-            except RedisError as exc:
-                raise StoreError(f"redis {script.name} failed: {exc}") from exc
-
-        return await self.guard.call(script.name, call)
+        return await self.guard.call(
+            script.name, lambda: run_script(self.client, script, keys, args)
+        )
 
     async def charge(
         self,

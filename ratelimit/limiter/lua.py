@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
+
+from ratelimit.errors import StoreError
 
 _PRELUDE = """
 local EPS = 1e-6
@@ -275,3 +277,22 @@ class LuaScript:
             self.num_reloads += 1
             await self.load(client)
             return await client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+async def load_scripts(client: Redis, scripts: Sequence[LuaScript]) -> None:
+    """Load ``scripts`` (start-up); raises ``StoreError`` if Redis is down."""
+    try:
+        for script in scripts:
+            await script.load(client)
+    except RedisError as exc:
+        raise StoreError(f"redis script load failed: {exc}") from exc
+
+
+async def run_script(
+    client: Redis, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
+) -> Any:
+    """Run ``script``; a Redis failure surfaces as ``StoreError``."""
+    try:
+        return await script(client, keys, args)
+    except RedisError as exc:
+        raise StoreError(f"redis {script.name} failed: {type(exc).__name__}: {exc}") from exc

@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.log import get_logger
+from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.limiter.lua import REPLICAS, LuaScript
 
@@ -106,10 +107,7 @@ class ReplicaMembership:
 
     async def leave(self) -> None:
         """Stop refreshing and remove this replica's entry (best effort)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             await asyncio.wait_for(_SCRIPT(self.client, [self.key], [self.id, ""]), self.timeout_s)

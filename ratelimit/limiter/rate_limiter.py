@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable
 
 from common.breaker import CircuitBreaker
 from common.log import get_logger
+from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.config import FAIL_MODES, Dimension, LimitPolicy, Tenant
 from ratelimit.errors import LimiterUnavailableError, StoreError
@@ -374,9 +375,7 @@ class RateLimiter:
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     async def usage(self, tenant: Tenant) -> UsageSnapshot:
         """Live levels and totals from the shared store (raises ``StoreError``)."""

@@ -34,6 +34,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from common.log import get_logger
+from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.errors import StoreError
 
@@ -204,11 +205,8 @@ class UsageLog:
 
     async def close(self) -> None:
         """Stop the writer after one last flush (best effort)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         with contextlib.suppress(StoreError):
             await self.flush()
 

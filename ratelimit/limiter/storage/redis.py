@@ -17,7 +17,16 @@ from redis.exceptions import RedisError
 from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.errors import StoreError
 from ratelimit.limiter.algorithm import Outcome
-from ratelimit.limiter.lua import HEARTBEAT, RESERVE, SETTLE, TAKE, USAGE, LuaScript
+from ratelimit.limiter.lua import (
+    HEARTBEAT,
+    RESERVE,
+    SETTLE,
+    TAKE,
+    USAGE,
+    LuaScript,
+    load_scripts,
+    run_script,
+)
 from ratelimit.limiter.storage import UsageSnapshot
 
 _RESERVE = LuaScript("reserve", RESERVE)
@@ -87,18 +96,11 @@ class RedisStore:
         return "" if self.clock is None else repr(float(self.clock()))
 
     async def _run(self, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        try:
-            return await script(self.client, keys, args)
-        except RedisError as exc:
-            raise StoreError(f"redis {script.name} failed: {type(exc).__name__}: {exc}") from exc
+        return await run_script(self.client, script, keys, args)
 
     async def load_scripts(self) -> None:
         """Load every script once (start-up); raises ``StoreError`` if Redis is down."""
-        try:
-            for script in SCRIPTS:
-                await script.load(self.client)
-        except RedisError as exc:
-            raise StoreError(f"redis script load failed: {exc}") from exc
+        await load_scripts(self.client, SCRIPTS)
 
     async def reserve(
         self,
