@@ -22,6 +22,7 @@ import grpc
 from llm.v1 import common_pb2
 
 if TYPE_CHECKING:
+    from ratelimit.budget.policy import Budget
     from ratelimit.config import Tenant
 
 _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
@@ -125,6 +126,7 @@ class CallContext:
     # them as response headers / gRPC metadata, on answers and refusals alike)
     ratelimit: dict[str, str] = field(default_factory=dict, init=False)
     key_id: str = field(default="", init=False)
+    key_budgets: tuple[Budget, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
         if self.request_id and not _REQUEST_ID_RE.match(self.request_id):

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from common.config import ServiceConfig
-from ratelimit.budget.policy import MAX_BUDGETS, Budget
+from ratelimit.budget.policy import Budget, validate_budgets
 
 # Levels are doubles in Lua and Python; integers up to 2**53 stay exact.
 MAX_LIMIT = 2**53
@@ -144,14 +144,7 @@ class Tenant:
 
     def __post_init__(self) -> None:
         validate_tenant_id(self.tenant_id)
-        if len(self.budgets) > MAX_BUDGETS:
-            raise ValueError(
-                f"tenant {self.tenant_id!r} has {len(self.budgets)} budgets; at most "
-                f"{MAX_BUDGETS} are allowed"
-            )
-        names = [b.name for b in self.budgets]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tenant {self.tenant_id!r}: budget names must be unique: {names}")
+        validate_budgets(f"tenant {self.tenant_id!r}", self.budgets)
 
     def allows_model(self, model: str) -> bool:
         """True when the tenant may call ``model`` (an empty list allows every model)."""

@@ -18,6 +18,9 @@
     llm-client admin keys team-a | revoke KEY_ID | usage team-a | reset team-a
     llm-client admin delete team-a | audit
     llm-client admin usage-export --from 2026-11-01 --to 2026-11-30 > usage.csv
+    llm-client admin models | routing MODEL | rollout MODEL     # versions and canaries
+    llm-client admin weights MODEL v1=95 v2=5 --reason "canary 5%"
+    llm-client admin rollback MODEL --reason "errors" | promote MODEL v2
 
 Talks to Envoy (127.0.0.1:8080) unless --address says otherwise. The API key
 comes from --api-key, $LLM_API_KEY or .run/demo.key; the admin key from
@@ -180,6 +183,14 @@ def update_budgets(t: admin_pb2.Tenant, a: argparse.Namespace) -> None:
     t.budgets.extend([*kept, *given.values()])
 
 
+def version_weight(text: str) -> tuple[str, int]:
+    """``v2=5`` -> ("v2", 5)."""
+    version, _, weight = text.partition("=")
+    if not version or not weight.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected VERSION=WEIGHT, e.g. v2=5")
+    return version, int(weight)
+
+
 def duration_s(text: str) -> int:
     """``90``, ``90s``, ``15m``, ``12h`` or ``30d`` -> seconds (> 0)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -207,6 +218,9 @@ def key_update(a: argparse.Namespace) -> admin_pb2.UpdateApiKeyRequest:
         if value is not None:
             setattr(req.api_key, name, value)
             req.update_mask.paths.append(name)
+    if a.budget or a.no_budgets:  # the key's whole list of budgets is replaced
+        req.api_key.budgets.extend(a.budget or ())
+        req.update_mask.paths.append("budgets")
     if a.expires_in is not None or a.no_expiry:
         expiry = _expiry(a.expires_in)
         if expiry is not None:
@@ -215,7 +229,7 @@ def key_update(a: argparse.Namespace) -> admin_pb2.UpdateApiKeyRequest:
     if not req.update_mask.paths:
         raise SystemExit(
             "key-update: give at least one of --name, --owner, --description, "
-            "--expires-in, --no-expiry"
+            "--expires-in, --no-expiry, --budget, --no-budgets"
         )
     return req
 
@@ -246,6 +260,7 @@ def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
                 owner=a.owner or "",
                 description=a.description or "",
                 expires_at=_expiry(a.expires_in),
+                budgets=a.budget or (),
             )
         ),
         "key-update": lambda s: s.UpdateApiKey(key_update(a)),
@@ -259,6 +274,25 @@ def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
             admin_pb2.ResetLimitsRequest(tenant_id=a.tenant, budgets=a.budgets)
         ),
         "audit": lambda s: s.ListAuditEvents(admin_pb2.ListAuditEventsRequest(limit=a.limit)),
+        "models": lambda s: s.ListRoutingPolicies(admin_pb2.ListRoutingPoliciesRequest()),
+        "routing": lambda s: s.GetRoutingPolicy(admin_pb2.GetRoutingPolicyRequest(model=a.model)),
+        "rollout": lambda s: s.GetRolloutStatus(admin_pb2.GetRolloutStatusRequest(model=a.model)),
+        "weights": lambda s: s.SetWeights(
+            admin_pb2.SetWeightsRequest(
+                model=a.model,
+                weights=dict(a.weights),
+                expected_revision=a.expect_revision,
+                reason=a.reason,
+            )
+        ),
+        "rollback": lambda s: s.Rollback(
+            admin_pb2.RollbackRequest(
+                model=a.model, to_version=a.to or "", reason=a.reason, keep_pins=a.keep_pins
+            )
+        ),
+        "promote": lambda s: s.Promote(
+            admin_pb2.PromoteRequest(model=a.model, version=a.version, reason=a.reason)
+        ),
         "usage-export": lambda s: s.ExportUsage(
             admin_pb2.QueryUsageRequest(
                 tenant_id=a.tenant or "",
@@ -273,12 +307,15 @@ def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
 
 
 def admin(channel: grpc.Channel, args: argparse.Namespace) -> int:
-    stub = admin_pb2_grpc.RateLimitAdminStub(channel)
+    stubs = (
+        admin_pb2_grpc.RateLimitAdminStub(channel),
+        admin_pb2_grpc.RoutingAdminStub(channel),  # no method name in both services
+    )
     md = (("authorization", f"Bearer {_key(args.admin_key, 'ADMIN_KEY', 'admin.key')}"),)
 
     class WithMetadata:  # every call carries the admin key and the timeout
         def __getattr__(self, name: str) -> Callable[[Message], Message]:
-            rpc = getattr(stub, name)
+            rpc = next(getattr(s, name) for s in stubs if hasattr(s, name))
             return lambda req: rpc(req, metadata=md, timeout=args.timeout)
 
     resp = _admin_calls(args)[args.admin_cmd](WithMetadata())
@@ -345,6 +382,9 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--owner", help="who holds the key (for audits)")
     k.add_argument("--description")
     k.add_argument("--expires-in", type=duration_s, help="e.g. 90d, 12h (default: never)")
+    k.add_argument(
+        "--budget", action="append", type=parse_budget, help="the key's own; " + BUDGET_HELP
+    )
     u = a.add_parser("key-update", help="change a key's name, owner, description or expiry")
     u.add_argument("key_id")
     u.add_argument("--name")
@@ -353,9 +393,35 @@ def parser() -> argparse.ArgumentParser:
     exp = u.add_mutually_exclusive_group()
     exp.add_argument("--expires-in", type=duration_s, help="expire this long from now")
     exp.add_argument("--no-expiry", action="store_true", help="never expire")
+    kb = u.add_mutually_exclusive_group()
+    kb.add_argument(
+        "--budget",
+        action="append",
+        type=parse_budget,
+        help="replaces the key's budgets with the ones given; " + BUDGET_HELP,
+    )
+    kb.add_argument("--no-budgets", action="store_true", help="drop the key's own budgets")
     r = a.add_parser("rotate", help="issue a replacement key; the old one works for --grace")
     r.add_argument("key_id")
     r.add_argument("--grace", type=duration_s, default=3600, help="e.g. 1h (default), 7d")
+    a.add_parser("models", help="routing policies of every model")
+    for name in ("routing", "rollout"):
+        a.add_parser(name, help=f"a model's {name} (policy / per-version figures)").add_argument(
+            "model"
+        )
+    w = a.add_parser("weights", help="shift traffic between versions, e.g. v1=95 v2=5")
+    w.add_argument("model")
+    w.add_argument("weights", nargs="+", type=version_weight, metavar="VERSION=WEIGHT")
+    w.add_argument("--expect-revision", type=int, default=0, help="compare-and-set")
+    rb = a.add_parser("rollback", help="all weight back to the stable version (or --to)")
+    rb.add_argument("model")
+    rb.add_argument("--to", metavar="VERSION")
+    rb.add_argument("--keep-pins", action="store_true", help="keep tenant pins to candidates")
+    pr = a.add_parser("promote", help="make a version the stable one with all the weight")
+    pr.add_argument("model")
+    pr.add_argument("version")
+    for cmd in (w, rb, pr):
+        cmd.add_argument("--reason", default="", help="why (goes to the audit log)")
     x = a.add_parser(
         "usage-export",
         help="usage records per day, tenant, key, model and version (CSV or JSON on stdout)",

@@ -154,7 +154,7 @@ class Authenticator:
             ):
                 throttle.failure(call.source)
             raise
-        call.key_id = principal.key.key_id
+        call.key_id, call.key_budgets = principal.key.key_id, principal.key.budgets
         if principal.tenant is None:  # pragma: no cover - the registry checks the role
             raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, "this key has no tenant")
         return principal.tenant

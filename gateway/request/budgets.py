@@ -52,13 +52,14 @@ class BudgetGate:
             GatewayError: RESOURCE_EXHAUSTED naming the budget and when it has room
                 again; UNAVAILABLE when Redis failed and the deployment fails closed.
         """
-        if not tenant.budgets:
+        budgets = (*tenant.budgets, *call.key_budgets)
+        if not budgets:
             return None
         t0 = time.perf_counter()
         try:
             decision = await self.ledger.charge(
                 tenant.tenant_id,
-                tenant.budgets,
+                budgets,
                 self.prices.price(model),
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,
@@ -80,7 +81,7 @@ class BudgetGate:
         if not decision.allowed:
             retry = decision.retry_after_ms
             assert decision.refused is not None
-            name = decision.refused.budget.name
+            name = decision.refused.budget.label
             message = decision.message(tenant.tenant_id)
             violation = (f"tenant:{tenant.tenant_id}/budget:{name}", message)
             raise GatewayError(
@@ -95,22 +96,22 @@ class BudgetGate:
         tid = tenant.tenant_id
         for level, amount in zip(decision.levels, decision.amounts, strict=True):
             after = level.used + amount if decision.allowed else level.used
-            rl_metrics.BUDGET_USED_RATIO.labels(tid, level.budget.name).set(
+            rl_metrics.BUDGET_USED_RATIO.labels(tid, level.budget.label).set(
                 after / level.budget.limit
             )
         warned = decision.warnings() if decision.allowed else []
         for level in warned:
-            rl_metrics.BUDGET_EVENTS.labels(tid, level.budget.name, "warned").inc()
+            rl_metrics.BUDGET_EVENTS.labels(tid, level.budget.label, "warned").inc()
         if warned:
             call.ratelimit[WARNING_HEADER] = ", ".join(
-                f"{lv.budget.name}: {lv.percent:.0f}% of "
+                f"{lv.budget.label}: {lv.percent:.0f}% of "
                 f"{amount_text(lv.budget.limit, lv.budget.metric)} used"
                 for lv in warned
             )
-            log.info("budget past its soft threshold", budgets=[lv.budget.name for lv in warned])
+            log.info("budget past its soft threshold", budgets=[lv.budget.label for lv in warned])
         if decision.refused is not None:
             event = "shadow_refused" if decision.allowed else "refused"
-            rl_metrics.BUDGET_EVENTS.labels(tid, decision.refused.budget.name, event).inc()
+            rl_metrics.BUDGET_EVENTS.labels(tid, decision.refused.budget.label, event).inc()
             log.info("budget " + event.replace("_", "-"), reason=decision.message(tid))
 
     async def settle(self, hold: BudgetHold, prompt_tokens: int, completion_tokens: int) -> None:

@@ -323,7 +323,7 @@ class Pipeline:
         reservation: Reservation | None,
         call: CallContext,
     ) -> BudgetHold | None:
-        if self.budgets is None or not tenant.budgets:
+        if self.budgets is None or not (tenant.budgets or call.key_budgets):
             return None
         try:
             prompt = len(job.prompt_token_ids)

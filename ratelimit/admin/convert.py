@@ -51,8 +51,8 @@ def policy_to_proto(policy: LimitPolicy) -> admin_pb2.LimitPolicy:
     )
 
 
-def budget_from_proto(msg: admin_pb2.Budget) -> Budget:
-    """Domain budget (ValueError names what is wrong)."""
+def budget_from_proto(msg: admin_pb2.Budget, owner: str = "") -> Budget:
+    """Domain budget (ValueError names what is wrong); ``owner``: a key's id."""
     if msg.period not in (p.value for p in Period):
         raise ValueError(
             f"budget {msg.name!r}: set period to BUDGET_HOUR, BUDGET_DAY or BUDGET_MONTH"
@@ -67,6 +67,7 @@ def budget_from_proto(msg: admin_pb2.Budget) -> Budget:
         rolling=msg.rolling,
         timezone=msg.timezone or "UTC",
         warn_percent=msg.warn_percent,
+        owner=owner,
     )
 
 
@@ -90,6 +91,7 @@ def budget_status_to_proto(level: BudgetLevel) -> admin_pb2.BudgetStatus:
         used=level.used,
         remaining=max(0.0, level.budget.limit - level.used),
         resets_at=_ts(level.window.resets_at_ms / 1000),
+        key_id=level.budget.owner,
     )
 
 
@@ -146,6 +148,7 @@ def key_to_proto(key: ApiKey, last_used_at: float = 0.0) -> admin_pb2.ApiKey:
         description=key.description,
         last_used_at=_ts(last_used_at),
         rotated_to=key.rotated_to,
+        budgets=[budget_to_proto(b) for b in key.budgets],
     )
 
 
@@ -199,7 +202,7 @@ def merge_tenant(current: Tenant, patch: admin_pb2.Tenant, paths: list[str]) -> 
     return tenant_from_proto(merged)
 
 
-KEY_MUTABLE = ("name", "owner", "description", "expires_at")
+KEY_MUTABLE = ("name", "owner", "description", "expires_at", "budgets")
 
 
 def key_changes(patch: admin_pb2.ApiKey, paths: list[str]) -> dict[str, Any]:
@@ -208,6 +211,8 @@ def key_changes(patch: admin_pb2.ApiKey, paths: list[str]) -> dict[str, Any]:
     for path in paths:
         if path == "expires_at":
             out["expires_at"] = seconds(patch.expires_at)
+        elif path == "budgets":
+            out["budgets"] = tuple(budget_from_proto(b, patch.key_id) for b in patch.budgets)
         else:
             out[path] = getattr(patch, path)
     return out

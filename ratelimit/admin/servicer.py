@@ -22,7 +22,7 @@ from ratelimit.admin.calls import run_admin_call
 from ratelimit.budget.ledger import BudgetLedger
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.tenancy.audit import AuditLog
-from ratelimit.tenancy.records import tenant_to_json
+from ratelimit.tenancy.records import budget_to_dict, tenant_to_json
 from ratelimit.tenancy.registry import Registry
 from ratelimit.usage.records import UsageLog, UsageRecord, to_csv, to_json
 
@@ -146,6 +146,7 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
                 owner=request.owner,
                 description=request.description,
                 expires_at=convert.seconds(request.expires_at),
+                budgets=tuple(convert.budget_from_proto(b) for b in request.budgets),
             )
             detail = {
                 "tenant_id": key.tenant_id,
@@ -195,7 +196,8 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
             paths = convert.mask_paths(request.api_key, request.update_mask, convert.KEY_MUTABLE)
             changes = convert.key_changes(request.api_key, paths)
             key = await self.registry.update_key(request.api_key.key_id, changes)
-            await self.audit.record(actor, "UpdateApiKey", key.key_id, changes)
+            detail = {**changes, "budgets": [budget_to_dict(b) for b in key.budgets]}
+            await self.audit.record(actor, "UpdateApiKey", key.key_id, detail)
             return convert.key_to_proto(key)
 
         return await self._run(context, "UpdateApiKey", run)
@@ -225,8 +227,10 @@ class RateLimitAdminServicer(admin_pb2_grpc.RateLimitAdminServicer):
         async def run(actor: str) -> admin_pb2.TenantUsage:
             tenant = await self.registry.get_tenant(request.tenant_id)
             levels = None
-            if self.budgets is not None and tenant.budgets:
-                levels = await self.budgets.levels(tenant.tenant_id, tenant.budgets)
+            if self.budgets is not None:
+                keys = await self.registry.list_keys(tenant.tenant_id)
+                budgets = [*tenant.budgets, *(b for k in keys if not k.revoked for b in k.budgets)]
+                levels = await self.budgets.levels(tenant.tenant_id, budgets) if budgets else None
             return convert.usage_to_proto(tenant, await self.limiter.usage(tenant), levels)
 
         return await self._run(context, "GetUsage", run)

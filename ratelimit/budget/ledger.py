@@ -203,8 +203,9 @@ class BudgetDecision:
             return f"tenant {tenant_id!r} is within its budgets"
         b = level.budget
         amount = self.amounts[self.levels.index(level)]
+        whose = f"API key {b.owner} of tenant {tenant_id!r}" if b.owner else f"tenant {tenant_id!r}"
         head = (
-            f"tenant {tenant_id!r} is over its budget {b.name!r} ({b.describe()}): "
+            f"{whose} is over its budget {b.name!r} ({b.describe()}): "
             f"{amount_text(level.used, b.metric)} used, this request needs up to "
             f"{amount_text(amount, b.metric)}"
         )
@@ -242,7 +243,7 @@ class BudgetLedger:
         base = f"{self.prefix}{{{tenant_id}}}"
         keys = [f"{base}:Bh", f"{base}:Bz"]
         for b in budgets:
-            keys.append(f"{base}:B:{b.name}:{b.period.name.lower()}{'r' if b.rolling else 'c'}")
+            keys.append(f"{base}:B:{b.label}:{b.period.name.lower()}{'r' if b.rolling else 'c'}")
         return keys
 
     async def load_scripts(self) -> None:

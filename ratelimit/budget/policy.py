@@ -97,6 +97,8 @@ class Budget:
         timezone: IANA zone of calendar periods (ignored for rolling windows).
         warn_percent: Soft threshold in percent of ``limit`` (0 = none): crossing it
             is logged, counted and reported in a response header; nothing is refused.
+        owner: ``""`` for a tenant's budget, the key id for one of an API key's (set
+            when the key is loaded, not stored with the budget).
     """
 
     name: str
@@ -106,6 +108,7 @@ class Budget:
     rolling: bool = False
     timezone: str = "UTC"
     warn_percent: int = 80
+    owner: str = ""
     _zone: ZoneInfo = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -133,6 +136,11 @@ class Budget:
         object.__setattr__(self, "_zone", zone(self.timezone or "UTC"))
 
     @property
+    def label(self) -> str:
+        """``name``, or ``<key id>/<name>`` for a key's budget (metrics, storage)."""
+        return f"{self.owner}/{self.name}" if self.owner else self.name
+
+    @property
     def unit(self) -> str:
         """``tokens`` or ``USD``."""
         return "tokens" if self.metric == Metric.TOKENS else "USD"
@@ -156,6 +164,15 @@ class Budget:
             return Window(index * slot_ms, oldest, slot_ms, (index + span + 1) * slot_ms, span)
         start, end = calendar_period(self.period, self._zone, now_ms)
         return Window(start, start, 0, end, 1)
+
+
+def validate_budgets(whose: str, budgets: tuple[Budget, ...]) -> None:
+    """ValueError unless there are at most ``MAX_BUDGETS`` with unique names."""
+    if len(budgets) > MAX_BUDGETS:
+        raise ValueError(f"{whose} has {len(budgets)} budgets; at most {MAX_BUDGETS} are allowed")
+    names = [b.name for b in budgets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{whose}: budget names must be unique: {names}")
 
 
 def calendar_period(period: Period, tz: ZoneInfo, now_ms: float) -> tuple[int, int]:

@@ -49,6 +49,7 @@ class ApiKey:
     owner: str = ""  # who holds it (a person or a service), for audits
     description: str = ""
     rotated_to: str = ""  # key id of the key that replaced this one (RotateApiKey)
+    budgets: tuple[Budget, ...] = ()  # the key's own, inside its tenant's (owner = key_id)
 
     def expired(self, now: float) -> bool:
         """True once ``expires_at`` (if set) has passed."""
@@ -112,6 +113,7 @@ def key_to_json(key: ApiKey) -> str:
             "owner": key.owner,
             "description": key.description,
             "rotated_to": key.rotated_to,
+            "budgets": [budget_to_dict(b) for b in key.budgets],
         }
     )
 
@@ -133,6 +135,7 @@ def key_from_json(raw: str) -> ApiKey:
         owner=str(d.get("owner", "")),
         description=str(d.get("description", "")),
         rotated_to=str(d.get("rotated_to", "")),
+        budgets=tuple(budget_from_dict(b, owner=str(d["key_id"])) for b in d.get("budgets", ())),
     )
 
 
@@ -173,9 +176,10 @@ def budget_to_dict(budget: Budget) -> dict[str, Any]:
     }
 
 
-def budget_from_dict(d: dict[str, Any]) -> Budget:
-    """The inverse of ``budget_to_dict``."""
+def budget_from_dict(d: dict[str, Any], owner: str = "") -> Budget:
+    """The inverse of ``budget_to_dict`` (``owner``: the key id of a key's budget)."""
     return Budget(
+        owner=owner,
         name=str(d["name"]),
         metric=Metric[str(d["metric"]).upper()],
         period=Period[str(d["period"]).upper()],

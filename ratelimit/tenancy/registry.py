@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.log import get_logger
+from ratelimit.budget.policy import Budget, validate_budgets
 from ratelimit.config import Tenant, validate_tenant_id
 from ratelimit.errors import NotFoundError, StoreError
 from ratelimit.tenancy.key_cache import KeyCache
@@ -48,7 +49,7 @@ from ratelimit.tenancy.records import (
 )
 
 LAST_USED_RESOLUTION_S = 60.0  # a key's last use is written at most once a minute per replica
-KEY_FIELDS = ("name", "owner", "description", "expires_at")  # what UpdateApiKey may change
+KEY_FIELDS = ("name", "owner", "description", "expires_at", "budgets")  # UpdateApiKey may change
 
 log = get_logger(__name__)
 
@@ -150,6 +151,7 @@ class Registry:
         owner: str = "",
         description: str = "",
         expires_at: float = 0.0,
+        budgets: tuple[Budget, ...] = (),
     ) -> tuple[str, ApiKey]:
         """Issue a key; returns (plaintext, record). The plaintext is not stored.
 
@@ -157,6 +159,7 @@ class Registry:
             ValueError: text too long or not printable, or ``expires_at`` in the past.
         """
         validate_key_text(name=name, owner=owner, description=description)
+        validate_budgets(f"API key {name!r}", budgets)
         if expires_at and expires_at <= time.time():
             raise ValueError("expires_at is in the past; give a future time (or 0 = never)")
         role = KeyRole.TENANT if role == KeyRole.UNSPECIFIED else role
@@ -175,6 +178,7 @@ class Registry:
             expires_at=expires_at,
             owner=owner,
             description=description,
+            budgets=budgets,
         )
         return plaintext, await self._store_key(plaintext, template)
 
@@ -193,6 +197,8 @@ class Registry:
             raise ValueError(f"API key {key_id} is revoked; create a new key instead")
         updated = dataclasses.replace(key, **changes)
         validate_key_text(name=updated.name, owner=updated.owner, description=updated.description)
+        validate_budgets(f"API key {key_id}", updated.budgets)
+        updated = dataclasses.replace(updated, budgets=_owned(updated.budgets, key_id))
         if "expires_at" in changes and updated.expires_at and updated.expires_at <= time.time():
             raise ValueError("expires_at is in the past; revoke the key to end it now")
         await self._save_key(updated, "update key")
@@ -268,9 +274,11 @@ class Registry:
         """Store a new key: ``template``'s tenant, name, role, owner, description and
         expiry, with a fresh id and the hash of ``plaintext``."""
         digest = hash_key(plaintext)
+        key_id = new_key_id()
         key = dataclasses.replace(
             template,
-            key_id=new_key_id(),
+            key_id=key_id,
+            budgets=_owned(template.budgets, key_id),
             display_prefix=plaintext[:DISPLAY_PREFIX_LEN],
             key_hash=digest,
             created_at=time.time(),
@@ -340,6 +348,11 @@ class Registry:
 
     async def _members(self, key: str) -> set[str]:
         return {_text(m) or "" for m in await self.client.smembers(key)}
+
+
+def _owned(budgets: tuple[Budget, ...], key_id: str) -> tuple[Budget, ...]:
+    """The budgets as the key ``key_id``'s own."""
+    return tuple(dataclasses.replace(b, owner=key_id) for b in budgets)
 
 
 def _text(value: bytes | str | None) -> str | None:

@@ -11,6 +11,7 @@ import urllib.request
 
 import grpc
 import pytest
+from google.protobuf import field_mask_pb2
 from redis import Redis
 
 from common.redis_server import RedisServer
@@ -160,3 +161,40 @@ def test_http_front_answers_429_with_retry_after_naming_the_budget(
     err = refused(chat_call(url, key, 10))
     assert "retry-after" not in err.headers
     assert "can never fit" in json.loads(err.read())["error"]["message"]
+
+
+def test_a_keys_own_budget_limits_that_key_only(gateway: GatewayProcess) -> None:
+    tid, other_key = gateway.tenant()
+    created = gateway.admin.CreateApiKey(
+        admin_pb2.CreateApiKeyRequest(
+            tenant_id=tid,
+            name="batch",
+            budgets=[admin_pb2.Budget(name="daily", metric=TOKENS, period=DAY, limit=30)],
+        ),
+        metadata=gateway.admin_md,
+    )
+    key, key_id = created.key, created.api_key.key_id
+    assert created.api_key.budgets[0].name == "daily"
+    spent = 0
+    last = gateway.generate(key, req(6))[-1]
+    spent += last.usage.prompt_tokens + last.usage.completion_tokens
+    with pytest.raises(grpc.RpcError) as info:
+        gateway.generate(key, req(30))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"API key {key_id} of tenant '{tid}' is over its budget 'daily'" in (
+        info.value.details() or ""
+    )
+    # the tenant's other key has no budget of its own: it is not held back
+    assert gateway.generate(other_key, req(30))[-1].usage.completion_tokens == 30
+    (status,) = gateway.usage(tid).budgets
+    assert (status.key_id, status.budget.name, status.used) == (key_id, "daily", spent)
+    # dropping the key's budgets (a partial update of the key) lets it through again
+    gateway.admin.UpdateApiKey(
+        admin_pb2.UpdateApiKeyRequest(
+            api_key=admin_pb2.ApiKey(key_id=key_id),
+            update_mask=field_mask_pb2.FieldMask(paths=["budgets"]),
+        ),
+        metadata=gateway.admin_md,
+    )
+    # (the replica that made the change drops its auth cache at once)
+    assert gateway.generate(key, req(30))[-1].usage.completion_tokens == 30

@@ -33,11 +33,13 @@ from grpc_health.v1 import health, health_pb2_grpc
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
 from deploy.envoy import EnvoyProcess, render_config_file
+from gateway.fronts import cli
 from gateway.release.policy import RoutingPolicy, pick_version
 from gateway.release.version_router import sticky_key
 from llm.v1 import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc, gateway_pb2
 from tests.conftest import start_engine
 from tests.integration.gateway.conftest import (
+    ADMIN_KEY,
     EnginePair,
     GatewayProcess,
     chat,
@@ -570,3 +572,33 @@ def test_routing_admin_as_http_json_through_envoy(
     assert status == 200
     assert rolled["weights"] == {stable: 100}
     assert rolled["last_rollback_reason"] == "http rollback"
+
+
+def test_the_client_cli_shifts_weights_rolls_back_and_promotes(
+    vgw: GatewayProcess,
+    model: str,
+    stable_info: engine_pb2.ModelInfo,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    stable = stable_info.version
+    base = ["--address", vgw.proc.address, "--admin-key", ADMIN_KEY, "--json", "admin"]
+
+    def cli_json(*argv: str) -> dict[str, Any]:
+        assert cli.main([*base, *argv]) == 0
+        out: dict[str, Any] = json.loads(capsys.readouterr().out)
+        return out
+
+    shifted = cli_json("weights", model, f"{stable}=80", f"{CANARY}=20", "--reason", "cli 20%")
+    assert shifted["weights"] == {stable: 80, CANARY: 20}
+    status = cli_json("rollout", model)
+    assert {v["version"] for v in status["versions"]} >= {stable, CANARY}
+    rolled = cli_json("rollback", model, "--reason", "cli says no")
+    assert rolled["weights"] == {stable: 100}
+    promoted = cli_json("promote", model, stable, "--reason", "cli keeps stable")
+    assert promoted["stableVersion"] == stable
+    listed = cli_json("models")
+    assert model in {p["model"] for p in listed["policies"]}
+    # a malformed weight is refused before any call
+    with pytest.raises(SystemExit):
+        cli.main([*base, "weights", model, "v1:5"])
+    assert "VERSION=WEIGHT" in capsys.readouterr().err

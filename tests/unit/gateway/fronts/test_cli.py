@@ -134,3 +134,15 @@ def test_durations(text: str, seconds: int) -> None:
 def test_bad_durations_say_the_form(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match="not a duration"):
         duration_s(text)
+
+
+def test_key_update_replaces_or_drops_the_keys_budgets() -> None:
+    args = parser().parse_args(
+        ["admin", "key-update", "key_1", "--budget", "daily=1000/day", "--budget", "h=10/hour"]
+    )
+    req = key_update(args)
+    assert list(req.update_mask.paths) == ["budgets"]
+    assert [b.name for b in req.api_key.budgets] == ["daily", "h"]
+    req = key_update(parser().parse_args(["admin", "key-update", "key_1", "--no-budgets"]))
+    assert list(req.update_mask.paths) == ["budgets"]
+    assert not req.api_key.budgets

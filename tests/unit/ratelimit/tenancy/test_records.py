@@ -8,7 +8,14 @@ import pytest
 
 from ratelimit.budget.policy import Budget, Metric, Period
 from ratelimit.config import Tenant
-from ratelimit.tenancy.records import tenant_from_json, tenant_to_json
+from ratelimit.tenancy.records import (
+    ApiKey,
+    KeyRole,
+    key_from_json,
+    key_to_json,
+    tenant_from_json,
+    tenant_to_json,
+)
 
 
 def test_budgets_round_trip() -> None:
@@ -32,3 +39,18 @@ def test_too_many_budgets_are_refused() -> None:
     many = tuple(Budget(f"b{i}", Metric.TOKENS, Period.DAY, 10) for i in range(9))
     with pytest.raises(ValueError, match="at most 8"):
         Tenant("t", budgets=many)
+
+
+def test_a_keys_budgets_round_trip_as_its_own() -> None:
+    key = ApiKey(
+        "key_1",
+        "acme",
+        "batch",
+        "sk-llm-abcd",
+        KeyRole.TENANT,
+        "0" * 64,
+        budgets=(Budget("daily", Metric.TOKENS, Period.DAY, 100, owner="key_1"),),
+    )
+    back = key_from_json(key_to_json(key))
+    assert back == key
+    assert back.budgets[0].label == "key_1/daily"
