@@ -24,6 +24,7 @@ from gateway.release.wiring import ReleaseControl
 from gateway.request.authenticate import Authenticator, FailedAuthThrottle
 from gateway.request.budgets import BudgetGate
 from gateway.request.encode import Encoder
+from gateway.request.models import ModelChooser
 from gateway.request.pipeline import Pipeline
 from ratelimit.config import RateLimitConfig
 from ratelimit.factory import RateLimitStack
@@ -107,6 +108,7 @@ class GatewayApp:
             dispatcher,
             router=release.router,
             shadow=release.shadow,
+            models=ModelChooser(pool, release.routes),
             budgets=BudgetGate(stack.budgets, prices, rl_config.fail_mode),
             usage=stack.usage,
             prices=prices,

@@ -62,8 +62,8 @@ class GatewayConfig(ServiceConfig):
         routing_policies: Initial routing policy per model (model -> mapping, see
             ``gateway.release.policy``; a YAML/JSON string from the environment). Seeded
             into Redis for models without a policy there; the admin API changes it.
-        routing_policy_cache_ms: Longest time a replica routes by a policy without
-            re-reading Redis (another replica's change takes effect within it).
+        routing_policy_cache_ms: Longest time a replica routes by a policy or a model
+            route without re-reading Redis (another replica's change takes effect within it).
         guard_interval_s: Period of the canary guard's pass.
         shadow_max_in_flight: Shadow copies allowed at once per gateway replica.
         http_port: The OpenAI-compatible HTTP front (``gateway.fronts.http``) on ``host``

@@ -107,6 +107,12 @@ LIMIT_CALLS = Counter(
     "'two' (request unit and lease before the tokenizer, tokens after)",
     ["path"],
 )
+MODEL_FALLBACKS = Counter(
+    "gateway_model_fallbacks_total",
+    "Requests a model route sent past its first target: 'unavailable' (no replica of it "
+    "ready), 'context' (the prompt does not fit its context)",
+    ["reason"],
+)
 RETRIES = Counter("gateway_retries_total", "Engine attempts retried on another replica")
 FAILOVERS = Counter(
     "gateway_failovers_total",

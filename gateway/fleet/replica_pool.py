@@ -46,6 +46,7 @@ class ModelEntry:
     versions: dict[str, tuple[int, int]]  # version -> (num_replicas, num_healthy)
     routes: dict[str, tuple[float, str]] = field(default_factory=dict)  # version ->
     # (weight percent, state) under the model's routing policy; empty = no policy
+    targets: tuple[str, ...] = ()  # a model route's targets in order ("model[@version]")
 
 
 def score(replica: Replica, queue_weight: float, kv_weight: float) -> float:

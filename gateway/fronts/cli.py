@@ -21,6 +21,9 @@
     llm-client admin models | routing MODEL | rollout MODEL     # versions and canaries
     llm-client admin weights MODEL v1=95 v2=5 --reason "canary 5%"
     llm-client admin rollback MODEL --reason "errors" | promote MODEL v2
+    llm-client admin route team-chat SmolLM2-135M-Instruct          # an alias
+    llm-client admin route big-model big-model small-model          # a fallback chain
+    llm-client admin routes | route-delete team-chat
 
 Talks to Envoy (127.0.0.1:8080) unless --address says otherwise. The API key
 comes from --api-key, $LLM_API_KEY or .run/demo.key; the admin key from
@@ -293,6 +296,20 @@ def _admin_calls(a: argparse.Namespace) -> dict[str, Callable[[Any], Message]]:
         "promote": lambda s: s.Promote(
             admin_pb2.PromoteRequest(model=a.model, version=a.version, reason=a.reason)
         ),
+        "routes": lambda s: s.ListModelRoutes(admin_pb2.ListModelRoutesRequest()),
+        "route": lambda s: s.SetModelRoute(
+            admin_pb2.ModelRoute(
+                name=a.name,
+                targets=[
+                    admin_pb2.RouteTarget(model=m, version=v)
+                    for m, _, v in (t.partition("@") for t in a.targets)
+                ],
+                reason=a.reason,
+            )
+        ),
+        "route-delete": lambda s: s.DeleteModelRoute(
+            admin_pb2.DeleteModelRouteRequest(name=a.name)
+        ),
         "usage-export": lambda s: s.ExportUsage(
             admin_pb2.QueryUsageRequest(
                 tenant_id=a.tenant or "",
@@ -420,7 +437,14 @@ def parser() -> argparse.ArgumentParser:
     pr = a.add_parser("promote", help="make a version the stable one with all the weight")
     pr.add_argument("model")
     pr.add_argument("version")
-    for cmd in (w, rb, pr):
+    a.add_parser("routes", help="model routes (aliases and fallback chains)")
+    ro = a.add_parser(
+        "route", help="set a model route: NAME -> targets tried in order (MODEL or MODEL@VERSION)"
+    )
+    ro.add_argument("name")
+    ro.add_argument("targets", nargs="+", metavar="MODEL[@VERSION]")
+    a.add_parser("route-delete", help="remove a model route").add_argument("name")
+    for cmd in (w, rb, pr, ro):
         cmd.add_argument("--reason", default="", help="why (goes to the audit log)")
     x = a.add_parser(
         "usage-export",

@@ -82,6 +82,7 @@ def models_to_proto(entries: list[ModelEntry]) -> gateway_pb2.ListModelsResponse
                 max_context_length=e.max_context_length,
                 versions=versions,
                 owned_by="llm-serving-stack",
+                route_targets=list(e.targets),
             )
         )
     return gateway_pb2.ListModelsResponse(models=cards)

@@ -12,7 +12,6 @@ its own cache at once). A failed refresh keeps the last good policies.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Protocol
@@ -21,7 +20,8 @@ from redis.asyncio import Redis
 
 from common.log import get_logger
 from gateway.release.policy import RoutingPolicy, from_dict
-from ratelimit.errors import ConflictError, StoreError
+from gateway.release.snapshot import SnapshotCache, read_json_hash
+from ratelimit.errors import ConflictError
 from ratelimit.tenancy.registry import redis_errors
 
 log = get_logger(__name__)
@@ -66,16 +66,9 @@ class RedisPolicyStore:
 
     async def load_all(self) -> dict[str, RoutingPolicy]:
         """Every stored policy; a corrupt entry is logged and skipped."""
-        with redis_errors("routing policies read"):
-            raw = await self.client.hgetall(self.key)
-        out: dict[str, RoutingPolicy] = {}
-        for key, text in raw.items():
-            model = key if isinstance(key, str) else key.decode()
-            try:
-                out[model] = from_dict(json.loads(text), model)
-            except ValueError as e:
-                log.error("ignoring a corrupt routing policy in redis", model=model, error=str(e))
-        return out
+        return await read_json_hash(
+            self.client, self.key, lambda model, d: from_dict(d, model), "routing policies"
+        )
 
     async def compare_and_set(
         self, model: str, revision: int, policy: RoutingPolicy | None
@@ -111,7 +104,7 @@ class MemoryPolicyStore:
         return True
 
 
-class PolicyCache:
+class PolicyCache(SnapshotCache[RoutingPolicy]):
     """Local view of the policies with bounded staleness.
 
     Args:
@@ -120,35 +113,8 @@ class PolicyCache:
     """
 
     def __init__(self, store: PolicyStore, ttl_s: float = 1.0) -> None:
+        super().__init__(store.load_all, ttl_s, "routing policies")
         self.store = store
-        self.ttl_s = ttl_s
-        self._policies: dict[str, RoutingPolicy] = {}
-        self._fresh_until = 0.0
-        self._lock = asyncio.Lock()
-
-    async def get(self, model: str) -> RoutingPolicy | None:
-        """The policy of ``model`` (None = no policy: any version, by load)."""
-        await self._refresh_if_stale()
-        return self._policies.get(model)
-
-    async def all(self) -> dict[str, RoutingPolicy]:
-        """Every policy by model."""
-        await self._refresh_if_stale()
-        return dict(self._policies)
-
-    async def _refresh_if_stale(self) -> None:
-        if time.monotonic() < self._fresh_until:
-            return
-        async with self._lock:
-            if time.monotonic() < self._fresh_until:
-                return
-            try:
-                self._policies = await self.store.load_all()
-            except StoreError as e:
-                log.warning(
-                    "cannot refresh routing policies; keeping the last good ones", error=str(e)
-                )
-            self._fresh_until = time.monotonic() + self.ttl_s
 
     async def write(self, model: str, policy: RoutingPolicy | None, expected: int) -> None:
         """Compare-and-set ``policy`` (None = delete) and update this replica at once.
@@ -162,14 +128,7 @@ class PolicyCache:
                 f"the routing policy of {model!r} changed since revision "
                 f"{expected}; read it again and retry"
             )
-        if policy is None:
-            self._policies.pop(model, None)
-        else:
-            self._policies[model] = policy
-
-    def invalidate(self) -> None:
-        """Re-read the store on the next lookup."""
-        self._fresh_until = 0.0
+        self.set_local(model, policy)
 
     async def seed(self, policies: dict[str, RoutingPolicy]) -> None:
         """Store the configured policies of models that have none yet (Redis wins)."""

@@ -1,8 +1,10 @@
-"""``llm.v1.RoutingAdmin``: model versions, canaries and rollback (a thin servicer).
+"""``llm.v1.RoutingAdmin``: model versions, canaries, rollback and model routes (a thin
+servicer).
 
 Every call needs ``authorization: Bearer <ADMIN key>`` (the RateLimitAdmin
-keys); every mutation goes through ``gateway.release.rollout.RolloutManager``, which
-writes the audit log. Errors map once, in ``_run``: bad policy ->
+keys); every mutation goes through ``gateway.release.rollout.RolloutManager`` (routing
+policies) or ``gateway.release.model_routes.RouteManager`` (model routes), which write
+the audit log. Errors map once, in ``_run``: bad policy or route ->
 INVALID_ARGUMENT, no policy -> NOT_FOUND, stale ``expected_revision`` ->
 ABORTED (read again, retry), Redis down -> UNAVAILABLE.
 """
@@ -16,6 +18,7 @@ import grpc
 
 from common.log import get_logger
 from gateway.fleet.replica_pool import ReplicaPool
+from gateway.release.model_routes import ModelRoute, RouteManager, RouteTarget
 from gateway.release.policy import GuardPolicy, RoutingPolicy
 from gateway.release.rollout import RolloutManager
 from gateway.release.version_stats import VersionStats
@@ -127,6 +130,7 @@ class RoutingAdminServicer(admin_pb2_grpc.RoutingAdminServicer):
         pool: The engine replicas (replica counts per version).
         stats: This replica's per-version outcomes.
         judge: The guard's verdict for a policy (``gateway.release.canary_guard.judge``).
+        routes: Audited changes to the model routes (aliases, fallback chains).
     """
 
     def __init__(
@@ -136,12 +140,14 @@ class RoutingAdminServicer(admin_pb2_grpc.RoutingAdminServicer):
         pool: ReplicaPool,
         stats: VersionStats,
         judge: Callable[[RoutingPolicy, VersionStats], str | None],
+        routes: RouteManager,
     ) -> None:
         self.registry = registry
         self.rollout = rollout
         self.pool = pool
         self.stats = stats
         self.judge = judge
+        self.routes = routes
 
     async def _run(self, context: Context, method: str, fn: Callable[[str], Awaitable[R]]) -> R:
         """Authenticate the admin, run ``fn(actor_key_id)``, map errors to a status
@@ -255,6 +261,51 @@ class RoutingAdminServicer(admin_pb2_grpc.RoutingAdminServicer):
             return status_to_proto(policy, self.pool, self.stats, self.judge(policy, self.stats))
 
         return await self._run(context, "GetRolloutStatus", run)
+
+    async def ListModelRoutes(
+        self, request: admin_pb2.ListModelRoutesRequest, context: Context
+    ) -> admin_pb2.ListModelRoutesResponse:
+        """Every model route, by name."""
+
+        async def run(actor: str) -> admin_pb2.ListModelRoutesResponse:
+            routes = await self.routes.list()
+            return admin_pb2.ListModelRoutesResponse(routes=[route_to_proto(r) for r in routes])
+
+        return await self._run(context, "ListModelRoutes", run)
+
+    async def SetModelRoute(
+        self, request: admin_pb2.ModelRoute, context: Context
+    ) -> admin_pb2.ModelRoute:
+        """Create or replace a route (every replica follows within the cache bound)."""
+
+        async def run(actor: str) -> admin_pb2.ModelRoute:
+            targets = tuple(RouteTarget(t.model, t.version) for t in request.targets)
+            route = ModelRoute(request.name, targets)
+            return route_to_proto(await self.routes.set(route, actor, request.reason))
+
+        return await self._run(context, "SetModelRoute", run)
+
+    async def DeleteModelRoute(
+        self, request: admin_pb2.DeleteModelRouteRequest, context: Context
+    ) -> admin_pb2.DeleteModelRouteResponse:
+        """Remove a route: its name then means the model of that name, if any."""
+
+        async def run(actor: str) -> admin_pb2.DeleteModelRouteResponse:
+            deleted = await self.routes.delete(request.name, actor)
+            return admin_pb2.DeleteModelRouteResponse(deleted=deleted)
+
+        return await self._run(context, "DeleteModelRoute", run)
+
+
+def route_to_proto(route: ModelRoute) -> admin_pb2.ModelRoute:
+    """The admin message of a stored route."""
+    msg = admin_pb2.ModelRoute(
+        name=route.name,
+        targets=[admin_pb2.RouteTarget(model=t.model, version=t.version) for t in route.targets],
+        updated_by=route.updated_by,
+    )
+    msg.updated_at.FromNanoseconds(int(route.updated_at * 1e9))
+    return msg
 
 
 def add_to_server(servicer: RoutingAdminServicer, server: grpc.aio.Server) -> list[str]:

@@ -7,6 +7,7 @@
       shadow    ShadowMirror: shadow copies (pipeline)
       rollout   RolloutManager: audited policy changes (admin API, guard)
       guard     CanaryGuard: automatic rollback, every ``guard_interval_s``
+      routes    RouteCache over RouteStore: model aliases and fallback chains (pipeline)
 
 ``build`` makes them and hooks the per-attempt outcomes of the dispatcher
 into the stats; ``start`` seeds the configured policies (models that have
@@ -22,6 +23,7 @@ from gateway.config import GatewayConfig
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.replica_pool import ReplicaPool
 from gateway.release.canary_guard import CanaryGuard, judge
+from gateway.release.model_routes import RouteCache, RouteManager, RouteStore
 from gateway.release.policy import policies_from_config
 from gateway.release.policy_store import PolicyCache, RedisPolicyStore
 from gateway.release.rollout import RolloutManager
@@ -48,6 +50,7 @@ class ReleaseControl:
     shadow: ShadowMirror
     rollout: RolloutManager
     guard: CanaryGuard
+    routes: RouteCache
 
     @classmethod
     def build(
@@ -62,11 +65,22 @@ class ReleaseControl:
         rollout = RolloutManager(policies, stack.audit)
         guard = CanaryGuard(policies, stats, rollout.auto_rollback, config.guard_interval_s)
         shadow = ShadowMirror(pool, stats, config.shadow_max_in_flight)
-        return cls(config, stack, pool, policies, stats, router, shadow, rollout, guard)
+        routes = RouteCache(
+            RouteStore(stack.client, prefix=stack.config.key_prefix),
+            ttl_s=config.routing_policy_cache_ms / 1000.0,
+        )
+        return cls(config, stack, pool, policies, stats, router, shadow, rollout, guard, routes)
 
     def servicer(self) -> RoutingAdminServicer:
         """The RoutingAdmin servicer over these components."""
-        return RoutingAdminServicer(self.stack.registry, self.rollout, self.pool, self.stats, judge)
+        return RoutingAdminServicer(
+            self.stack.registry,
+            self.rollout,
+            self.pool,
+            self.stats,
+            judge,
+            RouteManager(self.routes, self.stack.audit),
+        )
 
     async def start(self) -> None:
         """Seed the configured policies (Redis wins over the config), start the guard."""

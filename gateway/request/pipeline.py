@@ -7,6 +7,11 @@
                                                                                    has any)  over)
                              └── settle exactly once on every ending: done, error, cancel ──┘
 
+The model step resolves model routes (``gateway.request.models``): an alias or
+fallback chain picks its first target with a ready replica there, and moves on
+at the context step when the counted prompt and the requested output do not fit
+that target.
+
 Usage from any front (the gRPC servicer today, the OpenAI-compatible HTTP
 front later)::
 
@@ -46,6 +51,7 @@ from gateway.request.authenticate import Authenticator
 from gateway.request.budgets import BudgetGate
 from gateway.request.detokenize import TextStream
 from gateway.request.encode import Encoder, check_prompt_size
+from gateway.request.models import Choice, ModelChooser
 from gateway.request.params import (
     engine_sampling,
     resolve_max_tokens,
@@ -97,6 +103,7 @@ class Pipeline:
         dispatcher: Engine attempts (retries, failover).
         router: Model version by routing policy (None = any version, by load).
         shadow: Shadow copies to candidate versions (None = off).
+        models: Request model names through the model routes (default: names as given).
         budgets: Tenant budgets (None = not enforced).
         usage: Where finished requests are recorded (None = nowhere).
         prices: USD per million tokens per model (the cost of usage records).
@@ -113,6 +120,7 @@ class Pipeline:
         dispatcher: Dispatcher,
         router: VersionRouter | None = None,
         shadow: ShadowMirror | None = None,
+        models: ModelChooser | None = None,
         budgets: BudgetGate | None = None,
         usage: UsageLog | None = None,
         prices: PriceTable | None = None,
@@ -126,6 +134,7 @@ class Pipeline:
         self.dispatcher = dispatcher
         self.router = router
         self.shadow = shadow
+        self.models = models or ModelChooser(pool)
         self.budgets = budgets
         self.usage = usage
         self.prices = prices or PriceTable()
@@ -137,7 +146,8 @@ class Pipeline:
     async def list_models(self, call: CallContext) -> list[ModelEntry]:
         """Models the caller's tenant may use, with versions and replica counts."""
         tenant = await self.auth.tenant(call)
-        entries = [e for e in self.pool.catalog() if tenant.allows_model(e.model)]
+        entries = await self.models.with_routes(self.pool.catalog())
+        entries = [e for e in entries if tenant.allows_model(e.model)]
         return await self.router.annotate(entries) if self.router is not None else entries
 
     async def generate(
@@ -225,11 +235,12 @@ class Pipeline:
     async def _admit(
         self, request: gateway_pb2.GenerateRequest, call: CallContext, tenant: Tenant
     ) -> _Admitted:
-        model = request.model or self.pool.default_model()
-        info = self.pool.model_info(model, request.model_version)
-        if info is None:
-            raise self._unknown_model(model, request.model_version)
-        self.auth.check_model(tenant, model)
+        name = request.model or self.pool.default_model()
+        choice = await self.models.choose(name, request.model_version)
+        if not choice.candidates:
+            raise self._unknown_model(name, request.model_version, choice)
+        self.auth.check_model(tenant, name)  # a route's targets are reached by its name
+        info = choice.info
         try:
             validate_sampling(request.sampling, info.vocab_size)
             validate_stop_token_ids(request.sampling, info.vocab_size)
@@ -244,7 +255,7 @@ class Pipeline:
             call.ratelimit.update(ratelimit_headers(memo, requests=True, tokens=False))
             raise self._denied(tenant, memo)
         # a prompt no context could hold is refused before it spends a request unit
-        check_prompt_size(request, info.max_context_length)
+        check_prompt_size(request, choice.max_context_length)
         # Near its limits (or unknown here), a caller gets the request unit and a lease
         # before the tokenizer: one over its request rate or concurrency never costs a
         # tokenizer call, and tokens are taken once the prompt is counted (two Redis
@@ -261,6 +272,11 @@ class Pipeline:
             prompt_ids = await self.encoder.encode(request, call, deadline)
             t2 = time.perf_counter()
             metrics.STAGE_ENCODE.observe(t2 - t1)
+            # a route's next target when the prompt and the asked-for output do not fit
+            choice.fit(
+                len(prompt_ids), max(request.sampling.max_tokens, request.sampling.min_tokens)
+            )
+            model, info = choice.model, choice.info
             try:
                 max_tokens = resolve_max_tokens(
                     request.sampling,
@@ -271,7 +287,7 @@ class Pipeline:
                 )
             except ValueError as e:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            route = await self._route(model, request.model_version, tenant, call)
+            route = await self._route(model, choice.version, tenant, call)
             t3 = time.perf_counter()
             metrics.STAGE_ROUTE.observe(t3 - t2)
             engine_id = engine_request_id(tenant.tenant_id)
@@ -344,13 +360,20 @@ class Pipeline:
             return RouteDecision(version, reason="request" if version else "any")
         return await self.router.decide(model, version, tenant.tenant_id, call.session_key)
 
-    def _unknown_model(self, model: str, version: str) -> GatewayError:
+    def _unknown_model(self, model: str, version: str, choice: Choice) -> GatewayError:
         known = self.pool.catalog()
         if not known:
             return GatewayError(
                 grpc.StatusCode.UNAVAILABLE,
                 "no engine replica is reachable yet, so no model is known: "
                 + self.pool.explain(model, version, set()),
+            )
+        if choice.is_route:
+            return GatewayError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model route {model!r} sends requests to "
+                f"{', '.join(str(t) for t in choice.targets)}, and no engine replica serves "
+                f"any of them; available: {', '.join(e.model for e in known)}",
             )
         if version and any(e.model == model for e in known):
             versions = sorted(v for e in known if e.model == model for v in e.versions)

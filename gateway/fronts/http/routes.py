@@ -145,6 +145,7 @@ class OpenAIRoutes:
             "owned_by": OWNER,
             "max_model_len": e.max_context_length,
             "versions": sorted(e.versions),
+            **({"route_targets": list(e.targets)} if e.targets else {}),
         }
 
     async def _parse(self, request: web.Request, chat: bool) -> ParsedRequest:

@@ -223,9 +223,12 @@ def test_descriptor_set_carries_the_routing_admin_http_rules(descriptor: Path) -
         pattern = rule.WhichOneof("pattern")
         assert pattern is not None, f"{method.name} has no google.api.http rule"
         paths[method.name] = (pattern, getattr(rule, pattern))
-    assert all(p.startswith("/v1/admin/models") for _, p in paths.values()), paths
+    assert all(p.startswith(("/v1/admin/models", "/v1/admin/routes")) for _, p in paths.values())
     assert paths["SetRoutingPolicy"] == ("put", "/v1/admin/models/{model}/routing")
     assert paths["Rollback"] == ("post", "/v1/admin/models/{model}/rollback")
+    assert paths["ListModelRoutes"] == ("get", "/v1/admin/routes")
+    assert paths["SetModelRoute"] == ("put", "/v1/admin/routes/{name}")
+    assert paths["DeleteModelRoute"] == ("delete", "/v1/admin/routes/{name}")
 
 
 def test_access_log_is_json_with_request_id_and_grpc_status() -> None:

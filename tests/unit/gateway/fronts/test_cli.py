@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 
 from gateway.fronts.cli import _admin_calls, duration_s, key_update, parser
 from llm.v1 import admin_pb2, common_pb2
@@ -146,3 +147,36 @@ def test_key_update_replaces_or_drops_the_keys_budgets() -> None:
     req = key_update(parser().parse_args(["admin", "key-update", "key_1", "--no-budgets"]))
     assert list(req.update_mask.paths) == ["budgets"]
     assert not req.api_key.budgets
+
+
+def test_route_command_builds_targets_with_optional_versions() -> None:
+    args = parser().parse_args(["admin", "route", "r", "big@v2", "small", "--reason", "why"])
+    calls = _admin_calls(args)
+
+    class Stub:
+        def SetModelRoute(self, msg: admin_pb2.ModelRoute) -> admin_pb2.ModelRoute:
+            return msg
+
+    out = calls["route"](Stub())
+    assert isinstance(out, admin_pb2.ModelRoute)
+    assert [(t.model, t.version) for t in out.targets] == [("big", "v2"), ("small", "")]
+    assert out.reason == "why"
+
+
+def test_routes_and_route_delete_call_the_routing_admin() -> None:
+    sent: list[Message] = []
+
+    class Stub:
+        def ListModelRoutes(self, msg: admin_pb2.ListModelRoutesRequest) -> Message:
+            sent.append(msg)
+            return msg
+
+        def DeleteModelRoute(self, msg: admin_pb2.DeleteModelRouteRequest) -> Message:
+            sent.append(msg)
+            return msg
+
+    _admin_calls(parser().parse_args(["admin", "routes"]))["routes"](Stub())
+    args = parser().parse_args(["admin", "route-delete", "team-chat"])
+    _admin_calls(args)["route-delete"](Stub())
+    assert isinstance(sent[0], admin_pb2.ListModelRoutesRequest)
+    assert sent[1] == admin_pb2.DeleteModelRouteRequest(name="team-chat")
