@@ -16,14 +16,14 @@ costs one ``index_copy_`` per cache, one gather and one SDPA call per group.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from engine_svc.models import kv_fp8, ops
+from engine_svc.models import kv_fp8, ops, timing
 
 
 @dataclass(slots=True)
@@ -299,28 +299,24 @@ def choose_prefill_dtype(
     """The faster dtype for causal prefill attention on this CPU, by timing SDPA.
 
     With AMX or AVX512-BF16, bf16 flash attention runs 2-3x faster than fp32
-    for prompt-sized shapes; without them it is several times slower.
+    for prompt-sized shapes; without them it is several times slower. The
+    candidates run in interleaved rounds, best of each (``timing.compare_ms``),
+    so a busy machine does not flip the choice.
 
     Returns:
         the dtype and the measured ms per candidate (one 512-token prompt).
     """
     g = torch.Generator().manual_seed(0)
-    timings: dict[str, float] = {}
-    best: tuple[float, torch.dtype] | None = None
-    for dt in candidates:
-        q = torch.randn(1, num_heads, 512, head_dim, generator=g).to(dt)
-        kv = torch.randn(1, num_kv_heads, 512, head_dim, generator=g).to(dt)
-        runs = []
-        for _ in range(4):
-            t0 = time.perf_counter()
-            F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
-            runs.append(time.perf_counter() - t0)
-        ms = sorted(runs[1:])[1] * 1e3
-        timings[str(dt).removeprefix("torch.")] = ms
-        if best is None or ms < best[0]:
-            best = (ms, dt)
-    assert best is not None
-    return best[1], timings
+    q32 = torch.randn(1, num_heads, 512, head_dim, generator=g)
+    kv32 = torch.randn(1, num_kv_heads, 512, head_dim, generator=g)
+    by_name = {str(dt).removeprefix("torch."): dt for dt in candidates}
+    runs = {name: partial(_causal_sdpa, q32.to(dt), kv32.to(dt)) for name, dt in by_name.items()}
+    timings = timing.compare_ms(runs, rounds=15)
+    return by_name[min(timings, key=lambda n: timings[n])], timings
+
+
+def _causal_sdpa(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
 
 
 def _gather(

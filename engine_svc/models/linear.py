@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
@@ -33,7 +32,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from engine_svc.models import ops
+from engine_svc.models import ops, timing
 
 logger = logging.getLogger(__name__)
 
@@ -83,16 +82,26 @@ class Linear:
             return ops.amx_available(self.weight)
         return packing == "onednn" and mkldnn_packing_available()
 
-    def pack(self, packing: str = "onednn") -> None:
-        """Add a prepacked copy (``amx`` tile order or ``onednn``'s) used above
-        ``skinny_max_rows``; a weight the packing does not apply to stays dense."""
-        if self.packing == packing or not self.can_pack(packing):
-            return
+    def packed_copy(self, packing: str) -> torch.Tensor | None:
+        """The weight in ``packing``'s layout (``amx`` tile order or ``onednn``'s), or
+        None where that packing does not apply to this weight on this machine."""
+        if not self.can_pack(packing):
+            return None
         if packing == "amx":
-            self.packed = torch.ops.llm_cpu.amx_pack(self.weight)
-        else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
-        self.packing = packing
+            return cast(torch.Tensor, torch.ops.llm_cpu.amx_pack(self.weight))
+        return cast(torch.Tensor, torch.ops.mkldnn._reorder_linear_weight(self.weight, 32))
+
+    def use_packed(self, packing: str, packed: torch.Tensor | None) -> None:
+        """Run above ``skinny_max_rows`` on ``packed`` (from ``packed_copy(packing)``);
+        None (or an empty ``packing``) means the dense weight."""
+        self.packed = packed if packing else None
+        self.packing = packing if packed is not None else ""
+
+    def pack(self, packing: str = "onednn") -> None:
+        """Add a prepacked copy used above ``skinny_max_rows``; a weight the packing
+        does not apply to stays dense."""
+        if self.packing != packing and (packed := self.packed_copy(packing)) is not None:
+            self.use_packed(packing, packed)
 
     def unpack(self) -> None:
         """Drop the prepacked copy."""
@@ -148,18 +157,6 @@ class LinearChoice:
         return label
 
 
-def _median_ms(fn: Callable[[], object], reps: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2] * 1e3
-
-
 def _geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
@@ -174,66 +171,76 @@ def choose_cpu_dtype(hidden: int, intermediate: int) -> LinearChoice:
 
     Each dtype is scored by the geometric mean of its time over decode and
     prefill row counts, so neither single-stream latency nor batched
-    throughput is sacrificed to the other.
+    throughput is sacrificed to the other. The dtypes are timed in interleaved
+    rounds, best of each (``timing.compare_ms``): load from other processes
+    cannot make a slow dtype look fast.
     """
     g = torch.Generator().manual_seed(0)
-    timings: dict[str, dict[int, float]] = {}
-    best: tuple[float, torch.dtype] | None = None
+    dtypes = {str(dt).removeprefix("torch."): dt for dt in CANDIDATE_DTYPES}
+    timings: dict[str, dict[int, float]] = {n: {} for n in dtypes}
     with torch.inference_mode():
-        for dt in CANDIDATE_DTYPES:
-            up = torch.randn(2 * intermediate, hidden, generator=g).to(dt)
-            down = torch.randn(hidden, intermediate, generator=g).to(dt)
-            t: dict[int, float] = {}
-            for rows in DTYPE_BENCH_ROWS:
-                x = torch.randn(rows, hidden, generator=g).to(dt)
-                h = torch.randn(rows, intermediate, generator=g).to(dt)
-                reps = 15 if rows <= 64 else 5
-                t[rows] = _median_ms(partial(_mlp_pair, x, h, up, down), reps)
-            timings[str(dt).removeprefix("torch.")] = t
-            score = _geomean(list(t.values()))
-            if best is None or score < best[0]:
-                best = (score, dt)
-    assert best is not None
-    return LinearChoice(best[1], "benchmark", timings_ms=timings)
+        up32 = torch.randn(2 * intermediate, hidden, generator=g)
+        down32 = torch.randn(hidden, intermediate, generator=g)
+        weights = {n: (up32.to(dt), down32.to(dt)) for n, dt in dtypes.items()}
+        for rows in DTYPE_BENCH_ROWS:
+            x32 = torch.randn(rows, hidden, generator=g)
+            h32 = torch.randn(rows, intermediate, generator=g)
+            runs = {
+                n: partial(_mlp_pair, x32.to(dt), h32.to(dt), *weights[n])
+                for n, dt in dtypes.items()
+            }
+            for n, ms in timing.compare_ms(runs, rounds=9 if rows <= 64 else 5).items():
+                timings[n][rows] = ms
+    scores = {n: _geomean(list(t.values())) for n, t in timings.items()}
+    best = dtypes[min(scores, key=lambda n: scores[n])]
+    return LinearChoice(best, "benchmark", timings_ms=timings)
 
 
-def _sweep(linears: Sequence[Linear], rows: Sequence[int], reps: int = 3) -> dict[int, float]:
-    """Median ms to run every linear once at each row count (weights streamed)."""
+def _run_all(linears: Sequence[Linear], xs: dict[int, torch.Tensor]) -> None:
+    for lin in linears:
+        lin(xs[lin.shape[1]])
+
+
+def _inputs(linears: Sequence[Linear], rows: int, g: torch.Generator) -> dict[int, torch.Tensor]:
+    return {
+        k: torch.randn(rows, k, generator=g).to(linears[0].dtype)
+        for k in {lin.shape[1] for lin in linears}
+    }
+
+
+def _sweep(
+    linears: Sequence[Linear], rows: Sequence[int], configs: Sequence[str], apply: timing.Prepare
+) -> dict[str, dict[int, float]]:
+    """ms to run every linear once (weights streamed, as in serving) at each row
+    count, under each configuration; ``apply(config)`` switches the linears to it.
+    Configurations are compared in interleaved rounds (``timing.compare_ms``)."""
     g = torch.Generator().manual_seed(0)
-    out = {}
+    out: dict[str, dict[int, float]] = {c: {} for c in configs}
     for m in rows:
-        xs = {
-            k: torch.randn(m, k, generator=g).to(linears[0].dtype)
-            for k in {lin.shape[1] for lin in linears}
-        }
-
-        def run(xs: dict[int, torch.Tensor] = xs) -> None:
-            for lin in linears:
-                lin(xs[lin.shape[1]])
-
-        out[m] = _median_ms(run, reps)
+        work = partial(_run_all, linears, _inputs(linears, m, g))
+        for c, ms in timing.compare_ms(dict.fromkeys(configs, work), 5, 1, apply).items():
+            out[c][m] = ms
     return out
 
 
 def _choose_packing(linears: Sequence[Linear], choice: LinearChoice) -> dict[str, dict[int, float]]:
     """Time the large-row path dense and under each packing; keep the fastest packing
     when it beats dense by PACKING_MIN_GAIN. Returns the timings."""
-    large = {"dense": _sweep(linears, LARGE_ROWS)}
+    copies: dict[str, list[torch.Tensor | None]] = {"dense": [None] * len(linears)}
     for packing in PACKINGS:
-        if not any(lin.can_pack(packing) for lin in linears):
-            continue
-        for lin in linears:
-            lin.unpack()
-            lin.pack(packing)
-        large[packing] = _sweep(linears, LARGE_ROWS)
-    for lin in linears:
-        lin.unpack()
+        if any(lin.can_pack(packing) for lin in linears):
+            copies[packing] = [lin.packed_copy(packing) for lin in linears]
+
+    def apply(config: str) -> None:
+        for lin, packed in zip(linears, copies[config], strict=True):
+            lin.use_packed(config if packed is not None else "", packed)
+
+    large = _sweep(linears, LARGE_ROWS, list(copies), apply)
     cost = {k: _geomean(list(v.values())) for k, v in large.items()}
     best = min(cost, key=lambda k: cost[k])
     choice.packed = best != "dense" and cost["dense"] / cost[best] >= PACKING_MIN_GAIN
     choice.packing = best if choice.packed else ""
-    for lin in linears if choice.packed else ():
-        lin.pack(best)
+    apply(best if choice.packed else "dense")
     return large
 
 
@@ -251,12 +258,16 @@ def tune_linears(linears: Sequence[Linear], choice: LinearChoice) -> LinearChoic
         for lin in linears:
             lin.skinny_max_rows = 0
         large = _choose_packing(linears, choice)
-        base = _sweep(linears, SKINNY_ROWS)
-        skinny: dict[int, float] = {}
+        configs = ["large"]
         if ops.skinny_available(linears[0].weight):
+            configs.append("skinny")
+
+        def apply(config: str) -> None:
             for lin in linears:
-                lin.skinny_max_rows = max(SKINNY_ROWS)
-            skinny = _sweep(linears, SKINNY_ROWS)
+                lin.skinny_max_rows = max(SKINNY_ROWS) if config == "skinny" else 0
+
+        small = _sweep(linears, SKINNY_ROWS, configs, apply)
+        base, skinny = small["large"], small.get("skinny", {})
         threshold = 0
         for m in SKINNY_ROWS:  # the largest row count below which skinny always wins
             if m not in skinny or skinny[m] >= base[m]:
