@@ -125,7 +125,11 @@ class LLMEngine:
         self.linear_choice = _choose_linear(config, self.model_dir, self.device)
         self.weight_dtype = self.linear_choice.dtype
         self.model = load_model(
-            self.model_dir, self.weight_dtype, self.device, quantization=config.quantization
+            self.model_dir,
+            self.weight_dtype,
+            self.device,
+            quantization=config.quantization,
+            q4_weights=config.q4_weights and config.tune_linear_paths,
         )
         if self.device.type == "cpu" and config.tune_linear_paths:
             tune_linears(self.model.linears(), self.linear_choice)

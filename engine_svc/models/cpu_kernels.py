@@ -105,6 +105,7 @@ def _ops_command(compiler: str) -> list[str]:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         "-DTORCH_API_INCLUDE_EXTENSION_H",
         *includes,
+        f"-I{CSRC}",
         str(OPS_SOURCE),
         "-o",
         "{out}",
@@ -127,7 +128,8 @@ def build_ops_library() -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++/c++) on PATH")
     cmd = _ops_command(compiler)
-    key = _digest(OPS_SOURCE.read_bytes(), " ".join(cmd), torch.__version__, cpu_signature())
+    sources = [f.read_bytes() for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h")]
+    key = _digest(*sources, " ".join(cmd), torch.__version__, cpu_signature())
     lib = cache_dir() / "kernels" / f"cpu_ops-{key}" / "libllm_cpu_ops.so"
     if not lib.is_file():
         logger.info("compiling CPU kernels (once per machine, ~30 s): %s", lib)

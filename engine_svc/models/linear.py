@@ -3,8 +3,11 @@
 A ``Linear`` keeps its weight [N, K] dense and picks a path per call by the
 number of rows:
 
-    rows <= skinny_max_rows   ops.skinny_linear: streams the weight once with
-                              the rows in L1 (decode is bound by reading weights)
+    rows <= skinny_max_rows   a weight-streaming GEMV (decode is bound by
+                              reading weights): ops.q4_linear on the weight's
+                              4-bit copy where it has one (exactly 4-bit per
+                              block, see ``q4.py``: 3.2x fewer bytes), else
+                              ops.skinny_linear on the dense weight
     otherwise                 a weight prepacked at load (``packed``): our AMX
                               tile kernel (``amx``) or oneDNN's (``onednn``);
                               or F.linear
@@ -41,7 +44,7 @@ DTYPE_BENCH_ROWS = (1, 16, 64, 256)
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32)
 LARGE_ROWS = (16, 64, 256)
 PACKING_MIN_GAIN = 1.10  # a packed copy costs memory: take it only when clearly faster
-PACKINGS = ("amx", "onednn")
+PACKINGS = ("onednn", "amx")  # a weight one does not apply to keeps the one before
 
 
 def mkldnn_packing_available() -> bool:
@@ -59,12 +62,15 @@ class Linear:
         bias: optional [N].
     """
 
-    __slots__ = ("bias", "packed", "packing", "shape", "skinny_max_rows", "weight")
+    __slots__ = ("bias", "packed", "packing", "q4", "shape", "skinny_max_rows", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, q4: torch.Tensor | None = None
+    ) -> None:
         self.shape = weight.shape
         self.weight = weight.contiguous()
         self.bias = bias
+        self.q4 = q4  # the weight 4-bit packed (``q4.q4_pack``), where it is exactly 4-bit
         self.packed: torch.Tensor | None = None
         self.packing = ""  # "amx" | "onednn" while packed
         self.skinny_max_rows = 0
@@ -73,6 +79,17 @@ class Linear:
     def dtype(self) -> torch.dtype:
         """The weight's dtype."""
         return self.weight.dtype
+
+    @property
+    def q4_usable(self) -> bool:
+        """True when the few-row path runs the 4-bit GEMV on ``q4`` here."""
+        return (
+            self.q4 is not None
+            and self.bias is None
+            and self.dtype == torch.bfloat16
+            and self.weight.device.type == "cpu"
+            and ops.q4_available()
+        )
 
     def can_pack(self, packing: str) -> bool:
         """True when ``pack(packing)`` applies to this weight on this machine."""
@@ -111,7 +128,10 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.shape[1])
         if x2.shape[0] <= self.skinny_max_rows and self.bias is None:
-            y = ops.skinny_linear(x2, self.weight)
+            if self.q4 is not None and self.q4_usable:
+                y = ops.q4_linear(x2, self.q4)
+            else:
+                y = ops.skinny_linear(x2, self.weight)
         elif self.packing == "amx":
             y = cast(torch.Tensor, torch.ops.llm_cpu.amx_linear(x2.contiguous(), self.packed))
             if self.bias is not None:
@@ -135,7 +155,9 @@ class LinearChoice:
         reason: ``benchmark``, ``forced``, ``device`` or ``fp8``.
         packed: prepacked copies above the skinny threshold.
         packing: which (``amx`` or ``onednn``; empty when not packed).
-        skinny_max_rows: rows up to which the streaming kernel runs.
+        skinny_max_rows: rows up to which the streaming kernel runs (projections
+            without a 4-bit copy).
+        q4_max_rows: rows up to which the 4-bit GEMV runs (projections with one).
         timings_ms: what was measured (candidate -> rows -> median ms).
     """
 
@@ -144,12 +166,15 @@ class LinearChoice:
     packed: bool = False
     packing: str = ""
     skinny_max_rows: int = 0
+    q4_max_rows: int = 0
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         """``bfloat16+skinny<=4+packed`` style label for logs and model info."""
         label = str(self.dtype).removeprefix("torch.")
+        if self.q4_max_rows:
+            label += f"+q4<={self.q4_max_rows}"
         if self.skinny_max_rows:
             label += f"+skinny<={self.skinny_max_rows}"
         if self.packed:
@@ -225,15 +250,22 @@ def _sweep(
 
 def _choose_packing(linears: Sequence[Linear], choice: LinearChoice) -> dict[str, dict[int, float]]:
     """Time the large-row path dense and under each packing; keep the fastest packing
-    when it beats dense by PACKING_MIN_GAIN. Returns the timings."""
-    copies: dict[str, list[torch.Tensor | None]] = {"dense": [None] * len(linears)}
+    when it beats dense by PACKING_MIN_GAIN. Returns the timings.
+
+    A linear a packing does not apply to keeps the previous packing's copy."""
+    dense: list[tuple[str, torch.Tensor | None]] = [("", None)] * len(linears)
+    copies = {"dense": dense}
     for packing in PACKINGS:
         if any(lin.can_pack(packing) for lin in linears):
-            copies[packing] = [lin.packed_copy(packing) for lin in linears]
+            prev = list(copies.values())[-1]
+            copies[packing] = [
+                (packing, t) if (t := lin.packed_copy(packing)) is not None else fallback
+                for lin, fallback in zip(linears, prev, strict=True)
+            ]
 
     def apply(config: str) -> None:
-        for lin, packed in zip(linears, copies[config], strict=True):
-            lin.use_packed(config if packed is not None else "", packed)
+        for lin, (packing, packed) in zip(linears, copies[config], strict=True):
+            lin.use_packed(packing, packed)
 
     large = _sweep(linears, LARGE_ROWS, list(copies), apply)
     cost = {k: _geomean(list(v.values())) for k, v in large.items()}
@@ -244,8 +276,35 @@ def _choose_packing(linears: Sequence[Linear], choice: LinearChoice) -> dict[str
     return large
 
 
+def _small_row_threshold(linears: Sequence[Linear]) -> tuple[int, dict[str, dict[int, float]]]:
+    """The largest row count up to which the few-row path (4-bit or dense GEMV) beats
+    the large-row path at every row count of SKINNY_ROWS, and the timings."""
+    configs = ["large"]
+    if ops.skinny_available(linears[0].weight):
+        configs.append("small")
+
+    def apply(config: str) -> None:
+        for lin in linears:
+            lin.skinny_max_rows = max(SKINNY_ROWS) if config == "small" else 0
+
+    timings = _sweep(linears, SKINNY_ROWS, configs, apply)
+    base, small = timings["large"], timings.get("small", {})
+    threshold = 0
+    for m in SKINNY_ROWS:
+        if m not in small or small[m] >= base[m]:
+            break
+        threshold = m
+    for lin in linears:
+        lin.skinny_max_rows = threshold
+    return threshold, timings
+
+
 def tune_linears(linears: Sequence[Linear], choice: LinearChoice) -> LinearChoice:
-    """Set the skinny threshold and packing of ``linears`` by timing them as loaded.
+    """Set the few-row thresholds and packing of ``linears`` by timing them as loaded.
+
+    The projections with a 4-bit copy and the others (the LM head) get a
+    threshold each: the 4-bit GEMV streams 3.2x fewer bytes than the dense one,
+    so it keeps winning to more rows.
 
     Args:
         linears: the model's projections (all of them: the sweep streams the
@@ -258,26 +317,16 @@ def tune_linears(linears: Sequence[Linear], choice: LinearChoice) -> LinearChoic
         for lin in linears:
             lin.skinny_max_rows = 0
         large = _choose_packing(linears, choice)
-        configs = ["large"]
-        if ops.skinny_available(linears[0].weight):
-            configs.append("skinny")
-
-        def apply(config: str) -> None:
-            for lin in linears:
-                lin.skinny_max_rows = max(SKINNY_ROWS) if config == "skinny" else 0
-
-        small = _sweep(linears, SKINNY_ROWS, configs, apply)
-        base, skinny = small["large"], small.get("skinny", {})
-        threshold = 0
-        for m in SKINNY_ROWS:  # the largest row count below which skinny always wins
-            if m not in skinny or skinny[m] >= base[m]:
-                break
-            threshold = m
-        for lin in linears:
-            lin.skinny_max_rows = threshold
-    choice.skinny_max_rows = threshold
+        q4 = [lin for lin in linears if lin.q4_usable]
+        dense = [lin for lin in linears if not lin.q4_usable]
+        if q4:
+            choice.q4_max_rows, q4_times = _small_row_threshold(q4)
+            choice.timings_ms["q4-group-large-streamed"] = q4_times["large"]
+            choice.timings_ms["q4-group-q4-streamed"] = q4_times.get("small", {})
+        if dense:
+            choice.skinny_max_rows, times = _small_row_threshold(dense)
+            choice.timings_ms["large-path-streamed"] = times["large"]
+            choice.timings_ms["skinny-streamed"] = times.get("small", {})
     choice.timings_ms.update({f"{k}-streamed": v for k, v in large.items()})
-    choice.timings_ms["large-path-streamed"] = base
-    choice.timings_ms["skinny-streamed"] = skinny
     logger.info("linear layers: %s (measured ms: %s)", choice.name, choice.timings_ms)
     return choice

@@ -18,6 +18,7 @@ from engine_svc.models.attention import AttentionMetadata, paged_attention
 from engine_svc.models.config import ModelConfig
 from engine_svc.models.fp8 import Fp8Weight, fp8_linear
 from engine_svc.models.linear import Linear
+from engine_svc.models.q4 import q4_pack
 from engine_svc.models.rotary import RotaryEmbedding
 
 Projection = Linear | Fp8Weight
@@ -33,15 +34,23 @@ class LlamaLayer:
     Args:
         tensors: the fused layer tensors (``_fuse_layer``).
         fp8: quantize the projections to per-channel FP8.
+        exact: the same fused tensors in fp32 as stored, to keep a 4-bit packing of
+            each projection that is exactly 4-bit per block (``q4.q4_pack``).
     """
 
     __slots__ = ("down", "gate_up", "in_norm", "o_proj", "post_norm", "qkv")
 
-    def __init__(self, tensors: dict[str, torch.Tensor], fp8: bool = False) -> None:
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        fp8: bool = False,
+        exact: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         def proj(name: str, bias: torch.Tensor | None = None) -> Projection:
             if fp8 and bias is None:
                 return Fp8Weight(tensors[name])
-            return Linear(tensors[name], bias)
+            packed = q4_pack(exact[name]) if exact is not None and bias is None else None
+            return Linear(tensors[name], bias, q4=packed)
 
         self.in_norm = tensors["input_layernorm"]
         self.post_norm = tensors["post_attention_layernorm"]
@@ -59,6 +68,8 @@ class LlamaForCausalLM:
         weights: HF-named tensors already in the target dtype and device.
         attn_dtype: dtype of attention math and of the KV cache.
         fp8: per-channel FP8 decoder projections.
+        exact: the checkpoint's tensors in fp32, when 4-bit packings should be
+            tried (bf16 weights on a CPU with the q4 kernel); not kept.
     """
 
     def __init__(
@@ -67,6 +78,7 @@ class LlamaForCausalLM:
         weights: dict[str, torch.Tensor],
         attn_dtype: torch.dtype,
         fp8: bool = False,
+        exact: dict[str, torch.Tensor] | None = None,
     ) -> None:
         self.config = config
         self.embed_tokens = weights["model.embed_tokens.weight"]
@@ -77,7 +89,10 @@ class LlamaForCausalLM:
         self.norm = weights["model.norm.weight"]
         self.lm_head = Linear(weights.get("lm_head.weight", self.embed_tokens))
         self.layers = [
-            LlamaLayer(_fuse_layer(weights, i), fp8) for i in range(config.num_hidden_layers)
+            LlamaLayer(
+                _fuse_layer(weights, i), fp8, None if exact is None else _fuse_layer(exact, i)
+            )
+            for i in range(config.num_hidden_layers)
         ]
         self.rotary = RotaryEmbedding(
             config.head_dim,
@@ -178,12 +193,14 @@ class LlamaForCausalLM:
         assert meta.decode_blocks is not None
         assert meta.decode_context_lens is not None
         packed = [w.packed for w in plain if w.packed is not None]
+        small = [w.q4 for w in plain if w.q4 is not None and w.q4_usable]
         return ops.decode_forward(
             residual,
             [layer.in_norm for layer in self.layers],
             [layer.post_norm for layer in self.layers],
             [w.weight for w in plain],
             packed if len(packed) == len(plain) else [],
+            small if len(small) == len(plain) else [],
             plain[0].skinny_max_rows,
             self.norm,
             self.eps,

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine_svc.models import ops
 from engine_svc.models.config import ModelConfig, load_model_config
 from engine_svc.models.llama import LlamaForCausalLM
 
@@ -66,6 +67,7 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_dtype: torch.dtype | None = None,
     quantization: str = "none",
+    q4_weights: bool = False,
 ) -> LlamaForCausalLM:
     """Build a ``LlamaForCausalLM`` from an HF directory.
 
@@ -76,6 +78,9 @@ def load_model(
         attn_dtype: attention / KV dtype; default fp32 on CPU, ``dtype`` elsewhere.
         quantization: ``none``, or ``fp8`` for per-output-channel e4m3 weights in
             every decoder projection (embeddings, norms and LM head keep ``dtype``).
+        q4_weights: also keep a lossless 4-bit packing of every projection that is
+            exactly 4-bit per block (``q4.py``) for the path tuning to choose; only
+            for bf16 weights without quantization on a CPU with the q4 kernel.
 
     Raises:
         ValueError: an unknown quantization.
@@ -86,5 +91,16 @@ def load_model(
     config = load_model_config(model_dir)
     if attn_dtype is None:
         attn_dtype = torch.float32 if dev.type == "cpu" else dtype
-    weights = load_weights(model_dir, config, dtype, dev)
-    return LlamaForCausalLM(config, weights, attn_dtype, fp8=quantization == "fp8")
+    use_q4 = (
+        q4_weights
+        and quantization == "none"
+        and dtype == torch.bfloat16
+        and dev.type == "cpu"
+        and ops.q4_available()
+    )
+    if not use_q4:
+        weights = load_weights(model_dir, config, dtype, dev)
+        return LlamaForCausalLM(config, weights, attn_dtype, fp8=quantization == "fp8")
+    exact = load_weights(model_dir, config, torch.float32, dev)
+    weights = {name: t.to(dtype) for name, t in exact.items()}
+    return LlamaForCausalLM(config, weights, attn_dtype, exact=exact)

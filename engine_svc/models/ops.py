@@ -72,6 +72,17 @@ def amx_available(weight: torch.Tensor) -> bool:
     )
 
 
+def q4_available() -> bool:
+    """True when ``q4_linear`` (4-bit packed weights, ``engine_svc.models.q4``) can run:
+    the kernels are built for a CPU with AVX512-BF16."""
+    return cpu_kernels.ops_available() and bool(torch.ops.llm_cpu.q4_available())
+
+
+def q4_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` for bf16 rows [M, K] and a 4-bit packed W (``q4.q4_pack``)."""
+    return cast(torch.Tensor, torch.ops.llm_cpu.q4_linear(x.contiguous(), packed))
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` for fp32 [N, V] (first maximum wins), several times faster."""
     if _native(logits) and logits.dtype == torch.float32 and logits.dim() == 2:
@@ -136,6 +147,7 @@ def decode_forward(
     post_norm: list[torch.Tensor],
     weights: list[torch.Tensor],
     packed: list[torch.Tensor],
+    small: list[torch.Tensor],
     skinny_max_rows: int,
     final_norm: torch.Tensor,
     eps: float,
@@ -153,13 +165,15 @@ def decode_forward(
     """A whole decode-only step of the decoder in one compiled call (see cpu_ops.cpp).
 
     ``weights`` holds qkv, o, gate_up, down of every layer in order (dense
-    [N, K]); ``packed`` the oneDNN copies in the same order, or is empty.
+    [N, K]); ``packed`` their packed copies (AMX tile order or oneDNN's) in the
+    same order, or is empty; ``small`` their 4-bit copies, which serve steps of
+    up to ``skinny_max_rows`` rows, or is empty (the bf16/fp32 GEMV serves them).
     ``residual`` is the embedding output and is updated in place. Returns the
     final-norm hidden states [B, hidden].
     """
     scales = [s for pair in kv_scales for s in pair] if kv_scales is not None else []
     out = torch.ops.llm_cpu.decode_forward(
-        residual, in_norm, post_norm, weights, packed, skinny_max_rows, final_norm, eps,
+        residual, in_norm, post_norm, weights, packed, small, skinny_max_rows, final_norm, eps,
         [k for k, _ in kv_caches], [v for _, v in kv_caches], scales, cos, sin, positions,
         slot_mapping, block_tables, context_lens, num_heads, num_kv_heads,
     )  # fmt: skip

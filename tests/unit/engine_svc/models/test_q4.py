@@ -1,0 +1,134 @@
+"""Lossless 4-bit weights: packing keeps only exact weights, the kernels compute what
+the dense bf16 weight computes, and the default model's projections all qualify."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_svc.models import ops
+from engine_svc.models.linear import Linear, LinearChoice, tune_linears
+from engine_svc.models.loader import load_model
+from engine_svc.models.q4 import q4_pack, q4_unpack
+
+needs_q4 = pytest.mark.skipif(
+    not ops.q4_available(), reason="the 4-bit kernels need a CPU with AVX512-BF16"
+)
+
+
+def q4_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A weight that is exactly 4-bit per block of 32 inputs (fp16 d and m), as a
+    Q4_1 GGUF dequantizes: d * q + m with q in 0..15."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02 + 1e-3).half().double()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).half().double()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).double()
+    q[..., 0], q[..., 1] = 0, 15  # each block spans its whole range, as quantizing makes it
+    return (d * q + m).float().reshape(n, k)
+
+
+@given(n16=st.integers(1, 4), k32=st.integers(1, 4), seed=st.integers(0, 1000))
+@settings(max_examples=25, deadline=None)
+def test_pack_round_trips_a_4bit_weight_exactly(n16: int, k32: int, seed: int) -> None:
+    w = q4_weight(16 * n16, 32 * k32, seed)
+    packed = q4_pack(w)
+    assert packed is not None
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (n16, k32, 320)  # 0.625 bytes per weight
+    assert torch.equal(q4_unpack(packed), w)
+
+
+def test_pack_refuses_weights_it_would_change() -> None:
+    g = torch.Generator().manual_seed(0)
+    assert q4_pack(torch.randn(32, 64, generator=g)) is None  # not 4-bit: kept dense
+    w = q4_weight(32, 64, 1)
+    w[3, 5] += 1e-4  # one value off the block's grid
+    assert q4_pack(w) is None
+    assert q4_pack(q4_weight(32, 64, 2).bfloat16()) is None  # needs the exact fp32 values
+    assert q4_pack(q4_weight(32, 64, 2)[:, :48]) is None  # K not whole blocks
+    assert q4_pack(q4_weight(32, 64, 2)[:24]) is None  # N not whole 16-channel tiles
+
+
+def test_constant_blocks_pack() -> None:
+    w = q4_weight(16, 64, 3)
+    w[2, :32] = 0.25  # d = 0: every q is 0
+    packed = q4_pack(w)
+    assert packed is not None
+    assert torch.equal(q4_unpack(packed), w)
+
+
+@needs_q4
+@given(
+    rows=st.integers(1, 40), n16=st.integers(1, 4), k32=st.integers(1, 3), seed=st.integers(0, 99)
+)
+@settings(max_examples=30, deadline=None)
+def test_q4_linear_is_the_dense_bf16_matmul(rows: int, n16: int, k32: int, seed: int) -> None:
+    """The GEMV (up to 8 rows) and the AMX path (more, N a multiple of 32) alike."""
+    w = q4_weight(16 * n16, 32 * k32, seed)
+    packed = q4_pack(w)
+    assert packed is not None
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(seed)).bfloat16()
+    got = ops.q4_linear(x, packed)
+    ref = x.float() @ w.bfloat16().float().T  # the bf16 weight, fp32 accumulation
+    assert got.dtype == torch.bfloat16
+    assert got.shape == (rows, w.shape[0])
+    torch.testing.assert_close(got.float(), ref, atol=5e-4 * w.shape[1] ** 0.5, rtol=1e-2)
+
+
+@needs_q4
+def test_q4_amx_path_equals_the_bf16_amx_kernel_bit_for_bit() -> None:
+    w = q4_weight(64, 96, 7)
+    packed = q4_pack(w)
+    assert packed is not None
+    dense = Linear(w.bfloat16())
+    if not dense.can_pack("amx"):
+        pytest.skip("no AMX here: the 4-bit kernel runs its GEMV for every row count")
+    dense.pack("amx")
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(7)).bfloat16()
+    assert torch.equal(ops.q4_linear(x, packed), dense(x))  # same bf16 weights, same tiles
+
+
+def test_q4_linear_refuses_what_it_cannot_run() -> None:
+    packed = q4_pack(q4_weight(32, 64, 4))
+    assert packed is not None
+    with pytest.raises(RuntimeError, match="q4_linear"):
+        ops.q4_linear(torch.randn(2, 64), packed)  # fp32 rows
+    with pytest.raises(RuntimeError, match="q4_linear"):
+        ops.q4_linear(torch.randn(2, 32).bfloat16(), packed)  # wrong K
+    with pytest.raises(RuntimeError, match="q4_linear"):
+        ops.q4_linear(torch.randn(2, 64).bfloat16(), packed[:, :, :300].contiguous())
+
+
+@needs_q4
+def test_a_linear_serves_few_rows_from_its_4bit_copy() -> None:
+    w = q4_weight(64, 64, 5)
+    lin = Linear(w.bfloat16(), q4=q4_pack(w))
+    assert lin.q4_usable
+    assert not Linear(w.bfloat16()).q4_usable
+    lin.skinny_max_rows = 2
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert lin.q4 is not None
+    assert torch.equal(lin(x), ops.q4_linear(x, lin.q4))
+    choice = tune_linears([lin], LinearChoice(torch.bfloat16, "benchmark"))
+    assert "q4-group-q4-streamed" in choice.timings_ms  # the 4-bit path was timed
+    assert choice.skinny_max_rows == 0  # no projection without a 4-bit copy to tune
+
+
+@needs_q4
+def test_every_projection_of_the_default_model_gets_a_4bit_copy(model_dir: Path) -> None:
+    """SmolLM2-135M-Instruct comes from a Q4_1 GGUF: all 120 fused projections are
+    exactly 4-bit per block; the LM head (Q8_0 in the GGUF) is not."""
+    model = load_model(model_dir, torch.bfloat16, "cpu", q4_weights=True)
+    projections = model.linears()[:-1]
+    assert len(projections) == 4 * model.config.num_hidden_layers
+    assert all(lin.q4 is not None for lin in projections)
+    assert model.lm_head.q4 is None
+    for lin in projections[:4]:
+        assert lin.q4 is not None
+        assert torch.equal(q4_unpack(lin.q4).bfloat16(), lin.weight)  # what bf16 holds
+    off = load_model(model_dir, torch.float32, "cpu", q4_weights=True)
+    assert all(lin.q4 is None for lin in off.linears())  # fp32 weights: not used
