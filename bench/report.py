@@ -61,8 +61,8 @@ def save_report(
         "loadavg_at_save": os.getloadavg(),
         **report.get("machine", {}),
     }
-    REPORT_DIR.mkdir(parents=True, exist_ok=True)
-    path = REPORT_DIR / f"{name}.json"
+    path = REPORT_DIR / f"{name}.json"  # a name with folders (or absolute) works too
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str))
     if chart is not None:
         chart(REPORT_DIR / f"{name}.png")
