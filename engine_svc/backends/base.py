@@ -51,6 +51,7 @@ class GenerateInput:
     sampling_params: SamplingParams
     priority: int = 2
     tenant_id: str = ""
+    tenant_weight: float = 1.0
     resumed_output_token_ids: list[int] = field(default_factory=list)
     speculative_decoding: bool | None = None
 

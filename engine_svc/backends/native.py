@@ -239,6 +239,8 @@ class NativeBackend:
                 inp.priority,
                 inp.resumed_output_token_ids,
                 speculative=inp.speculative_decoding,
+                tenant_id=inp.tenant_id,
+                tenant_weight=inp.tenant_weight,
             )
         except ValueError as e:
             self._loop.call_soon_threadsafe(_resolve, fut, None, e)

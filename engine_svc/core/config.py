@@ -21,6 +21,12 @@ class SchedulerConfig:
             priority class (LOW → NORMAL → CRITICAL …), so nothing starves.
         watermark: fraction of blocks kept free when admitting new requests, so
             running requests rarely need preemption right after an admission.
+        fair_share: within a priority class, serve the tenant that has received
+            the least service first (``fair_share.FairShare``); off = by arrival.
+        fair_prefill_chunk: while prompts of two or more tenants wait for
+            prefill, one request's prefill chunk per step is capped at this
+            many tokens, so every tenant's prompt advances in every step (a
+            tenant alone keeps the whole budget); 0 = no cap.
     """
 
     max_num_seqs: int = 32
@@ -30,6 +36,8 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     priority_aging_seconds: float = 10.0
     watermark: float = 0.01
+    fair_share: bool = True
+    fair_prefill_chunk: int = 128
 
     def validate(self) -> None:
         """Raises ValueError on a nonsensical limit."""
@@ -39,6 +47,8 @@ class SchedulerConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.priority_aging_seconds <= 0:
             raise ValueError("priority_aging_seconds must be > 0")
+        if self.fair_prefill_chunk < 0:
+            raise ValueError(f"fair_prefill_chunk must be >= 0, got {self.fair_prefill_chunk}")
 
 
 # the scheduler's limits are defaulted once, in SchedulerConfig
@@ -100,6 +110,8 @@ class EngineConfig:
     max_waiting: int = _SCHED.max_waiting
     long_prefill_token_threshold: int = _SCHED.long_prefill_token_threshold
     priority_aging_seconds: float = _SCHED.priority_aging_seconds
+    fair_share: bool = _SCHED.fair_share
+    fair_prefill_chunk: int = _SCHED.fair_prefill_chunk
     enable_prefix_caching: bool = True
     enable_speculative_decoding: bool = False
     num_speculative_tokens: int = 4
@@ -124,4 +136,6 @@ class EngineConfig:
             max_waiting=self.max_waiting,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             priority_aging_seconds=self.priority_aging_seconds,
+            fair_share=self.fair_share,
+            fair_prefill_chunk=self.fair_prefill_chunk,
         )

@@ -174,6 +174,8 @@ class LLMEngine:
         resumed_output_token_ids: Sequence[int] | None = None,
         arrival_time: float | None = None,
         speculative: bool | None = None,
+        tenant_id: str = "",
+        tenant_weight: float = 1.0,
     ) -> bool:
         """Queue a request.
 
@@ -187,6 +189,9 @@ class LLMEngine:
             speculative: prompt-lookup speculative decoding for this request;
                 None = the engine's ``enable_speculative_decoding``. Has no
                 effect when the engine has ``num_speculative_tokens = 0``.
+            tenant_id: whose request it is: within a priority class the tenant
+                served least goes first (fair share); "" = one anonymous tenant.
+            tenant_weight: that tenant's share (> 0; 2 = twice a weight-1 tenant's).
 
         Returns:
             True when queued, False when the waiting queue is full (retry later).
@@ -197,6 +202,8 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         resumed = list(resumed_output_token_ids or [])
         self._validate(request_id, prompt_token_ids, params, priority, resumed)
+        if not tenant_weight > 0 or tenant_weight == float("inf"):
+            raise ValueError(f"tenant_weight must be a positive number, got {tenant_weight}")
         req = Request.create(
             request_id,
             list(prompt_token_ids),
@@ -205,6 +212,8 @@ class LLMEngine:
             priority or PRIORITY_NORMAL,
             resumed,
             self.eos_token_ids,
+            tenant_id,
+            tenant_weight,
         )
         req.use_spec = (
             self.config.enable_speculative_decoding if speculative is None else speculative

@@ -71,6 +71,8 @@ class Request:
 
     Attributes:
         priority: larger is more urgent (llm.v1.Priority: LOW 1, NORMAL 2, CRITICAL 3).
+        tenant_id / tenant_weight: whose request it is and that tenant's share
+            (fair share between tenants within a priority class; "" = anonymous).
         num_streamed: output tokens handed to the caller so far.
         num_stop_tokens: length of the matched stop (id or sequence) at the end
             of the output, withheld from the stream unless include_stop_in_output.
@@ -82,6 +84,8 @@ class Request:
     arrival_time: float
     priority: int = 2
     eos_token_ids: tuple[int, ...] = ()
+    tenant_id: str = ""
+    tenant_weight: float = 1.0
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
@@ -112,6 +116,8 @@ class Request:
         priority: int = 2,
         resumed_output_token_ids: list[int] | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        tenant_id: str = "",
+        tenant_weight: float = 1.0,
     ) -> Request:
         """Build a request; resumed tokens extend the prompt and count as output."""
         resumed = list(resumed_output_token_ids or [])
@@ -122,6 +128,8 @@ class Request:
             arrival_time=arrival_time,
             priority=priority,
             eos_token_ids=eos_token_ids,
+            tenant_id=tenant_id,
+            tenant_weight=tenant_weight,
             all_token_ids=list(prompt_token_ids) + resumed,
             output_token_ids=resumed,
             num_resumed_tokens=len(resumed),

@@ -6,6 +6,13 @@ Each step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
 2. running requests still in (chunked) prefill;
 3. waiting requests in priority order (with aging), while blocks remain.
 
+Within a priority class, requests are ordered by their tenant's fair-share
+counter (``FairShare``: the service each tenant has received, weighted), then
+by arrival: the tenant served least goes first, so one tenant's flood of long
+prompts queues behind itself, not in front of everyone else. While prompts of
+two or more tenants wait for prefill, each prefill chunk is capped at
+``fair_prefill_chunk`` tokens so that every tenant's prompt advances each step.
+
 When the pool runs dry the least urgent running request (lowest effective
 priority, latest arrival) is preempted by recompute: its blocks are freed and
 it goes back to waiting with its progress reset. No new request is admitted in
@@ -24,10 +31,13 @@ scheduled as ``1 + len(drafts)`` tokens, verified in the same forward pass.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from engine_svc.core.config import SchedulerConfig
+from engine_svc.core.fair_share import FairShare
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.ngram_proposer import NgramProposer
 from engine_svc.core.request import Request, RequestStatus
@@ -64,6 +74,8 @@ class Scheduler:
         self.num_draft_tokens_total = 0
         self.num_accepted_tokens_total = 0
         self._watermark_blocks = int(config.watermark * kv_cache_manager.block_pool.num_blocks)
+        self.fair = FairShare() if config.fair_share else None
+        self._chunk_cap = 0  # this step's cap on one request's prefill chunk (0 = none)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""
@@ -82,6 +94,8 @@ class Scheduler:
             return False
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if self.fair is not None:
+            self.fair.admit(request.tenant_id)
         return True
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -103,15 +117,49 @@ class Scheduler:
         req.finished_time = self.clock()
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
+        if self.fair is not None:
+            self.fair.release(req.tenant_id)
 
-    def _urgency(self, req: Request, now: float) -> tuple[float, float]:
-        aged = req.priority + (now - req.arrival_time) / self.config.priority_aging_seconds
-        return (-aged, req.arrival_time)
+    def _aged(self, req: Request, now: float) -> float:
+        waited = max(0.0, now - req.arrival_time)  # aging never lowers a class
+        return req.priority + waited / self.config.priority_aging_seconds
+
+    def _urgency(self, req: Request, now: float) -> tuple[float, float, float]:
+        """Sort key, most urgent first: priority class (aged), then fair share, then
+        arrival. Without fair share the aged priority itself orders."""
+        if self.fair is None:
+            return (-self._aged(req, now), 0.0, req.arrival_time)
+        counter = self.fair.counter(req.tenant_id)
+        return (-math.floor(self._aged(req, now)), counter, req.arrival_time)
+
+    def _charge(self, req: Request, num_new: int, sign: int = 1) -> None:
+        if self.fair is not None:
+            decode = req.num_tokens - req.num_computed_tokens <= 1 + len(req.spec_token_ids)
+            self.fair.charge(
+                req.tenant_id,
+                0 if decode else sign * num_new,
+                sign * num_new if decode else 0,
+                req.tenant_weight,
+            )
+
+    def _prefill_cap(self) -> int:
+        """This step's chunk cap: ``fair_prefill_chunk`` while prompts of two or more
+        tenants wait for prefill (running or waiting), else none: a tenant alone, or
+        one whose prompt nobody else waits beside, keeps the whole budget."""
+        if self.fair is None or self.config.fair_prefill_chunk <= 0:
+            return 0
+        tenants = {r.tenant_id for r in self.waiting}
+        tenants.update(
+            r.tenant_id for r in self.running if r.num_tokens - r.num_computed_tokens > 1
+        )
+        return self.config.fair_prefill_chunk if len(tenants) > 1 else 0
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
+        if self._chunk_cap > 0:
+            n = min(n, self._chunk_cap)
         return n
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -131,7 +179,7 @@ class Scheduler:
             return
         head = min(self.waiting, key=lambda r: self._urgency(r, now))
         victim = self.running[-1]  # sorted most urgent first
-        if self._urgency(victim, now)[0] - self._urgency(head, now)[0] >= 1.0:
+        if self._aged(head, now) - self._aged(victim, now) >= 1.0:
             self._preempt(victim, out)
 
     def schedule(self) -> SchedulerOutput:
@@ -139,20 +187,19 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput()
         self.running.sort(key=lambda r: self._urgency(r, now))
+        self._chunk_cap = self._prefill_cap()
         self._make_room_for_priority(now, out)
         num_priority_preemptions = len(out.preempted_req_ids)
         chosen: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decodes + prefills:
+        for req in decodes:
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            budget = self._schedule_running(req, budget, chosen, out)
-        if len(out.preempted_req_ids) == num_priority_preemptions:  # no lack of blocks
-            budget = self._schedule_waiting(budget, now, chosen)
+            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this loop
+                budget = self._schedule_running(req, budget, chosen, out)
+        self._schedule_prefills(prefills, budget, now, chosen, out, num_priority_preemptions)
         entries = sorted(chosen.values(), key=lambda s: not s.is_decode)
         for entry in entries:
             entry.block_ids = self.kv_cache_manager.get_block_ids(entry.request.request_id)
@@ -170,17 +217,20 @@ class Scheduler:
         ):
             num_new += len(req.spec_token_ids)
             chosen[req.request_id] = self._entry(req, num_new)
+            self._charge(req, num_new)
             return budget - num_new
         req.spec_token_ids = []
         while self.kv_cache_manager.allocate_slots(req, num_new) is None:
             victim = self.running[-1]
-            self._preempt(victim, out)
             undone = chosen.pop(victim.request_id, None)
             if undone is not None:
                 budget += undone.num_new_tokens
+                self._charge(victim, undone.num_new_tokens, -1)  # before its progress resets
+            self._preempt(victim, out)
             if victim is req:
                 return budget
         chosen[req.request_id] = self._entry(req, num_new)
+        self._charge(req, num_new)
         return budget - num_new
 
     def _propose(self, req: Request, budget: int) -> list[int]:
@@ -194,31 +244,98 @@ class Scheduler:
         )
         return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
-    def _schedule_waiting(
-        self, budget: int, now: float, chosen: dict[str, ScheduledRequest]
-    ) -> int:
+    def _waiting_order(self, now: float) -> Callable[[], Request | None]:
+        """The next waiting request to admit, re-chosen after every admission: each
+        tenant's waiting requests in their own order, the most urgent tenant head
+        first (admitting a request charges its tenant, which may change who that is)."""
         self.waiting.sort(key=lambda r: self._urgency(r, now))
-        kv = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            hits, num_cached = kv.get_computed_blocks(req)
-            req.num_computed_tokens = num_cached
-            num_new = self._chunk(req, budget)
-            reserve = self._watermark_blocks if self.running else 0  # alone, it must fit
-            if not kv.can_allocate(kv.num_blocks_needed(req, num_new, hits), reserve):
-                req.num_computed_tokens = 0
+        if self.fair is None:
+            return lambda: self.waiting[0] if self.waiting else None
+        per_tenant: dict[str, deque[Request]] = {}
+        for r in self.waiting:
+            per_tenant.setdefault(r.tenant_id, deque()).append(r)
+
+        def pick() -> Request | None:
+            while per_tenant:
+                head = min((q[0] for q in per_tenant.values()), key=lambda r: self._urgency(r, now))
+                if head.status != RequestStatus.RUNNING:
+                    return head
+                queue = per_tenant[head.tenant_id]
+                queue.popleft()  # admitted since the last pick
+                if not queue:
+                    del per_tenant[head.tenant_id]
+            return None
+
+        return pick
+
+    def _schedule_prefills(
+        self,
+        prefills: list[Request],
+        budget: int,
+        now: float,
+        chosen: dict[str, ScheduledRequest],
+        out: SchedulerOutput,
+        num_priority_preemptions: int,
+    ) -> None:
+        """The budget left after decodes, to running prefills and waiting requests.
+
+        Without fair share, running prefills first, then admissions. With it, the
+        two interleave most urgent first (class, then tenant counter), so a running
+        long prompt of a tenant served a lot does not take the budget a new short
+        prompt of another tenant would get. Nothing is admitted once this step has
+        preempted for lack of blocks (admission must not cause thrashing)."""
+        running = deque(prefills)
+        pick = self._waiting_order(now)
+        head = pick()
+        while budget > 0:
+            while running and running[0].status != RequestStatus.RUNNING:
+                running.popleft()  # preempted earlier in this step
+            admit = (
+                head is not None
+                and len(out.preempted_req_ids) == num_priority_preemptions
+                and len(self.running) < self.config.max_num_seqs
+            )
+            if running and not (
+                admit
+                and self.fair is not None
+                and head is not None
+                and self._urgency(head, now) < self._urgency(running[0], now)
+            ):
+                budget = self._schedule_running(running.popleft(), budget, chosen, out)
+            elif admit and head is not None:
+                admitted = self._admit(head, budget, now, chosen)
+                if admitted == 0:
+                    head = None  # the most urgent one does not fit: admit no other
+                else:
+                    budget -= admitted
+                    head = pick()
+            else:
                 break
-            kv.allocate_slots(req, num_new, new_computed_blocks=hits)
-            kv.record_prefix_query(req.num_tokens, num_cached)
-            req.num_cached_tokens = num_cached
-            self.waiting.pop(0)
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
-            chosen[req.request_id] = self._entry(req, num_new)
-            budget -= num_new
-        return budget
+
+    def _admit(
+        self, req: Request, budget: int, now: float, chosen: dict[str, ScheduledRequest]
+    ) -> int:
+        """Start a waiting request with its first chunk; the tokens scheduled, or 0 when
+        its blocks (plus the watermark, beside running requests) are not free."""
+        kv = self.kv_cache_manager
+        hits, num_cached = kv.get_computed_blocks(req)
+        req.num_computed_tokens = num_cached
+        num_new = self._chunk(req, budget)
+        reserve = self._watermark_blocks if self.running else 0  # alone, it must fit
+        if not kv.can_allocate(kv.num_blocks_needed(req, num_new, hits), reserve):
+            req.num_computed_tokens = 0
+            return 0
+        kv.allocate_slots(req, num_new, new_computed_blocks=hits)
+        kv.record_prefix_query(req.num_tokens, num_cached)
+        req.num_cached_tokens = num_cached
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        chosen[req.request_id] = self._entry(req, num_new)
+        self._charge(req, num_new)
+        return num_new
 
     @staticmethod
     def _entry(req: Request, num_new: int) -> ScheduledRequest:

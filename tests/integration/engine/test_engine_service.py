@@ -315,6 +315,15 @@ BAD = [
         ),
         "not 'gpt-9'",
     ),
+    (
+        engine_pb2.EngineGenerateRequest(
+            request_id="b12",
+            prompt_token_ids=[1],
+            tenant_weight=-2.0,
+            sampling=engine_pb2.EngineSamplingParams(max_tokens=2),
+        ),
+        "tenant_weight must be > 0",
+    ),
 ]
 
 

@@ -9,8 +9,9 @@ from engine_svc.core.config import SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
-from engine_svc.core.sched_output import SchedulerOutput
 from engine_svc.core.scheduler import Scheduler
+
+from ..helpers import plan, run_step
 
 LOW, NORMAL, CRITICAL = 1, 2, 3
 
@@ -34,16 +35,6 @@ def req(rid: str, n: int, max_tokens: int = 4, priority: int = NORMAL, t: float 
     return Request.create(
         rid, [7] * n, SamplingParams(max_tokens=max_tokens, ignore_eos=True), t, priority
     )
-
-
-def run_step(s: Scheduler) -> SchedulerOutput:
-    out = s.schedule()
-    s.update_from_output(out, {e.request.request_id: 5 for e in out.scheduled if e.sample})
-    return out
-
-
-def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(e.request.request_id, e.num_new_tokens) for e in out.scheduled]
 
 
 def test_chunked_prefill_and_decodes_first() -> None:
