@@ -138,3 +138,25 @@ def engine_sampling(
     if p.HasField("seed"):
         out.seed = p.seed
     return out
+
+
+_PRIORITIES = {
+    common_pb2.Priority.LOW: "LOW",
+    common_pb2.Priority.NORMAL: "NORMAL",
+    common_pb2.Priority.CRITICAL: "CRITICAL",
+}
+
+
+def request_priority(asked: int, tenant_class: int) -> common_pb2.Priority.ValueType:
+    """The class a request runs in: the one it asks for, capped at its tenant's
+    (unspecified = the tenant's; a tenant without a class is NORMAL).
+
+    Raises:
+        ValueError: ``asked`` is not a Priority value.
+    """
+    cap = tenant_class if tenant_class in _PRIORITIES else common_pb2.Priority.NORMAL
+    if asked == common_pb2.Priority.PRIORITY_UNSPECIFIED:
+        return common_pb2.Priority.ValueType(cap)
+    if asked not in _PRIORITIES:
+        raise ValueError(f"priority {asked} is not one of LOW (1), NORMAL (2), CRITICAL (3)")
+    return common_pb2.Priority.ValueType(min(asked, cap))

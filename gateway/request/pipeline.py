@@ -54,11 +54,12 @@ from gateway.request.encode import Encoder, check_prompt_size
 from gateway.request.models import Choice, ModelChooser
 from gateway.request.params import (
     engine_sampling,
+    request_priority,
     resolve_max_tokens,
     validate_sampling,
     validate_stop_token_ids,
 )
-from llm.v1 import common_pb2, gateway_pb2
+from llm.v1 import gateway_pb2
 from ratelimit.budget.ledger import BudgetHold
 from ratelimit.budget.policy import PriceTable
 from ratelimit.config import Tenant
@@ -244,6 +245,7 @@ class Pipeline:
         try:
             validate_sampling(request.sampling, info.vocab_size)
             validate_stop_token_ids(request.sampling, info.vocab_size)
+            priority = request_priority(request.priority, tenant.priority)
         except ValueError as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         deadline = Deadline.for_client(
@@ -297,7 +299,7 @@ class Pipeline:
                 correlation_id=call.request_id,
                 traceparent=call.traceparent,
                 tenant_id=tenant.tenant_id,
-                priority=common_pb2.Priority.ValueType(int(tenant.priority)),
+                priority=priority,
                 model=model,
                 model_version=route.version,
                 prompt_token_ids=prompt_ids,

@@ -6,7 +6,9 @@ naming its ``param``. Ranges the pipeline checks anyway (temperature,
 penalties, stop strings, max_tokens against the context) are left to it, so
 gRPC and HTTP callers get the same limits. vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``) are accepted too.
+``ignore_eos``, ``stop_token_ids``) are accepted too, and ``priority``
+(``"low"``, ``"normal"`` or ``"critical"``): the request's scheduling class,
+capped at the tenant's by the pipeline.
 """
 
 from __future__ import annotations
@@ -26,6 +28,11 @@ ROLES = {
     "tool": "tool",
 }
 MAX_TOP_LOGPROBS = 20
+PRIORITIES = {
+    "low": common_pb2.Priority.LOW,
+    "normal": common_pb2.Priority.NORMAL,
+    "critical": common_pb2.Priority.CRITICAL,
+}
 UINT64 = 1 << 64
 
 
@@ -158,6 +165,17 @@ def _check_unsupported(f: Fields, chat: bool) -> None:
         )
 
 
+def _priority(f: Fields) -> common_pb2.Priority.ValueType:
+    name = f.str_("priority")
+    if not name:
+        return common_pb2.Priority.PRIORITY_UNSPECIFIED
+    if name.lower() not in PRIORITIES:
+        raise ApiError.invalid(
+            "priority", f'priority must be "low", "normal" or "critical", got {name!r}'
+        )
+    return PRIORITIES[name.lower()]
+
+
 def _logprobs(f: Fields, chat: bool) -> tuple[bool, int]:
     if chat:
         want = f.bool_("logprobs")
@@ -179,7 +197,9 @@ def parse(body: Any, *, chat: bool) -> ParsedRequest:
         raise ApiError.invalid(None, "the request body must be a JSON object")
     f = Fields(body)
     _check_unsupported(f, chat)
-    req = gateway_pb2.GenerateRequest(model=f.str_("model"), sampling=_sampling(f))
+    req = gateway_pb2.GenerateRequest(
+        model=f.str_("model"), sampling=_sampling(f), priority=_priority(f)
+    )
     if chat:
         req.messages.CopyFrom(_messages(f))
     else:

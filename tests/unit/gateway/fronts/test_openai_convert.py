@@ -108,6 +108,8 @@ def test_defaults_follow_openai() -> None:
         ({"prompt": [1, 2]}, False, "prompt"),
         ({"prompt": "x", "echo": True}, False, "echo"),
         ({"prompt": "x", "best_of": 2}, False, "best_of"),
+        ({"messages": MSGS, "priority": "urgent"}, True, "priority"),
+        ({"messages": MSGS, "priority": 0}, True, "priority"),  # vLLM's integers: not ours
         ([], True, None),
     ],
 )
@@ -255,3 +257,9 @@ def test_sse_event_encoding() -> None:
     assert ev.count(b"\n") == 2  # a newline inside the JSON is escaped
     assert json.loads(ev[6:]) == {"a": "é\n"}
     assert DONE == b"data: [DONE]\n\n"
+
+
+def test_priority_extension() -> None:
+    assert parse({"messages": MSGS}, chat=True).request.priority == 0  # the tenant's class
+    for name, value in (("low", 1), ("Normal", 2), ("CRITICAL", 3)):
+        assert parse({"prompt": "x", "priority": name}, chat=False).request.priority == value

@@ -10,6 +10,7 @@ import pytest
 from gateway.domain import CallContext, GatewayError, new_traceparent
 from gateway.request.params import (
     engine_sampling,
+    request_priority,
     resolve_max_tokens,
     validate_sampling,
     validate_stop_token_ids,
@@ -103,3 +104,27 @@ def test_request_ids() -> None:
     assert bad.request_id != "has space"
     err = GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "x", retry_after_ms=5)
     assert ("retry-after-ms", "5") in err.metadata()
+
+
+LOW, NORMAL, CRITICAL = 1, 2, 3
+
+
+@pytest.mark.parametrize(
+    ("asked", "tenant", "runs"),
+    [
+        (0, CRITICAL, CRITICAL),  # unspecified: the tenant's class
+        (LOW, CRITICAL, LOW),  # batch work below the tenant's class
+        (CRITICAL, NORMAL, NORMAL),  # never above it
+        (CRITICAL, LOW, LOW),
+        (NORMAL, NORMAL, NORMAL),
+        (0, 0, NORMAL),  # a tenant without a class is NORMAL
+        (CRITICAL, 0, NORMAL),
+    ],
+)
+def test_a_request_runs_at_most_at_its_tenants_class(asked: int, tenant: int, runs: int) -> None:
+    assert request_priority(asked, tenant) == runs
+
+
+def test_an_unknown_priority_is_refused() -> None:
+    with pytest.raises(ValueError, match="priority 7 is not one of LOW"):
+        request_priority(7, NORMAL)
