@@ -128,6 +128,9 @@ def validate_tenant_id(tenant_id: str) -> str:
     return tenant_id
 
 
+MAX_FAIR_SHARE = 100
+
+
 @dataclass(frozen=True, slots=True)
 class Tenant:
     """A team calling the gateway: its limits, budgets, priority and allowed models."""
@@ -141,10 +144,16 @@ class Tenant:
     created_at: float = 0.0  # unix seconds
     updated_at: float = 0.0
     budgets: tuple[Budget, ...] = ()
+    fair_share: int = 1  # share of the engines within its class when others are busy
 
     def __post_init__(self) -> None:
         validate_tenant_id(self.tenant_id)
         validate_budgets(f"tenant {self.tenant_id!r}", self.budgets)
+        if not 1 <= self.fair_share <= MAX_FAIR_SHARE:
+            raise ValueError(
+                f"tenant {self.tenant_id!r}: fair_share must be 1-{MAX_FAIR_SHARE} "
+                f"(0 = 1), got {self.fair_share}"
+            )
 
     def allows_model(self, model: str) -> bool:
         """True when the tenant may call ``model`` (an empty list allows every model)."""

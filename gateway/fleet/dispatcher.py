@@ -66,6 +66,7 @@ class EngineJob:
     stop_strings: list[str]
     fallback_versions: tuple[str, ...] = ()  # tried in order when model_version has none
     correlation_id: str = ""
+    tenant_weight: float = 1.0  # the tenant's fair share in the engines' scheduling
 
 
 class EngineCallError(Exception):
@@ -234,6 +235,7 @@ class Dispatcher:
             sampling=job.sampling,
             priority=job.priority,
             tenant_id=job.tenant_id,
+            tenant_weight=job.tenant_weight,
             deadline=deadline,
             model=job.model,
             resumed_output_token_ids=text.token_ids,

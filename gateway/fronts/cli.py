@@ -124,6 +124,8 @@ def update_tenant(t: admin_pb2.Tenant, a: argparse.Namespace) -> None:
             setattr(limits, field, value)
     if a.priority is not None:
         t.priority = common_pb2.Priority.Value(a.priority)
+    if a.share is not None:
+        t.fair_share = a.share
     if a.all_models:
         del t.allowed_models[:]
     elif a.model:
@@ -377,6 +379,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--request-burst", type=int, help="request bucket size, 0 = a minute's")
     t.add_argument("--token-burst", type=int, help="token bucket size, 0 = a minute's")
     t.add_argument("--priority", choices=["LOW", "NORMAL", "CRITICAL"])
+    t.add_argument("--share", type=int, help="fair share of the engines within its class (1-100)")
     t.add_argument("--model", action="append", help="allowed model (repeat; replaces the list)")
     t.add_argument("--all-models", action="store_true", help="allow every model again")
     t.add_argument(

@@ -299,6 +299,7 @@ class Pipeline:
                 correlation_id=call.request_id,
                 traceparent=call.traceparent,
                 tenant_id=tenant.tenant_id,
+                tenant_weight=float(tenant.fair_share),
                 priority=priority,
                 model=model,
                 model_version=route.version,

@@ -106,6 +106,7 @@ def tenant_from_proto(msg: admin_pb2.Tenant) -> Tenant:
         shadow_mode=msg.shadow_mode,
         display_name=msg.display_name,
         budgets=tuple(budget_from_proto(b) for b in msg.budgets),
+        fair_share=msg.fair_share or 1,
     )
 
 
@@ -121,6 +122,7 @@ def tenant_to_proto(tenant: Tenant) -> admin_pb2.Tenant:
         created_at=_ts(tenant.created_at),
         updated_at=_ts(tenant.updated_at),
         budgets=[budget_to_proto(b) for b in tenant.budgets],
+        fair_share=tenant.fair_share,
     )
 
 
@@ -189,6 +191,7 @@ TENANT_MUTABLE = (
     "shadow_mode",
     "display_name",
     "budgets",
+    "fair_share",
 )
 
 

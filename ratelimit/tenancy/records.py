@@ -159,6 +159,7 @@ def tenant_to_json(tenant: Tenant) -> str:
             "created_at": tenant.created_at,
             "updated_at": tenant.updated_at,
             "budgets": [budget_to_dict(b) for b in tenant.budgets],
+            "fair_share": tenant.fair_share,
         }
     )
 
@@ -203,4 +204,5 @@ def tenant_from_json(raw: str) -> Tenant:
         created_at=float(d["created_at"]),
         updated_at=float(d["updated_at"]),
         budgets=tuple(budget_from_dict(b) for b in d.get("budgets", ())),
+        fair_share=int(d.get("fair_share", 1)),  # records from before shares: 1
     )

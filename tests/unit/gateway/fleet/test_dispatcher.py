@@ -95,6 +95,7 @@ def job() -> EngineJob:
         sampling=engine_pb2.EngineSamplingParams(max_tokens=len(TOKENS)),
         deadline=Deadline(30),
         stop_strings=[],
+        tenant_weight=3.0,
     )
 
 
@@ -122,6 +123,8 @@ async def test_retry_on_another_replica_before_the_first_token(tokenizer: TextTo
     assert out == tokenizer.decode(TOKENS)
     assert [len(e.requests) for e in engines] == [1, 1]
     assert dispatcher.budget.num_retries == 1
+    sent = engines[1].requests[0]  # who it is for reaches the engine, on the retry too
+    assert (sent.tenant_id, sent.tenant_weight) == ("t", 3.0)
 
 
 async def test_every_replica_full_is_resource_exhausted_with_retry_after(

@@ -56,8 +56,9 @@ def test_a_new_tenant_gets_the_flags_and_defaults() -> None:
 def test_changing_one_setting_keeps_the_others() -> None:
     stub = FakeAdmin()
     run(stub, "team-a", "--rpm", "60", "--tpm", "50000", "--concurrent", "4", "--model", "m1")
-    t = run(stub, "team-a", "--priority", "CRITICAL")
+    t = run(stub, "team-a", "--priority", "CRITICAL", "--share", "3")
     assert t.priority == common_pb2.Priority.Value("CRITICAL")
+    assert t.fair_share == 3
     assert (t.limits.requests_per_minute, t.limits.tokens_per_minute) == (60, 50000)
     assert t.limits.max_concurrent == 4
     assert list(t.allowed_models) == ["m1"]

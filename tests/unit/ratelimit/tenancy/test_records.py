@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from llm.v1 import admin_pb2
+from ratelimit.admin.convert import tenant_from_proto, tenant_to_proto
 from ratelimit.budget.policy import Budget, Metric, Period
 from ratelimit.config import Tenant
 from ratelimit.tenancy.records import (
@@ -54,3 +56,23 @@ def test_a_keys_budgets_round_trip_as_its_own() -> None:
     back = key_from_json(key_to_json(key))
     assert back == key
     assert back.budgets[0].label == "key_1/daily"
+
+
+def test_fair_share_round_trips_and_old_records_get_one() -> None:
+    t = Tenant("shared", fair_share=4)
+    assert tenant_from_json(tenant_to_json(t)) == t
+    raw = json.loads(tenant_to_json(Tenant("old")))
+    del raw["fair_share"]
+    assert tenant_from_json(json.dumps(raw)).fair_share == 1
+
+
+@pytest.mark.parametrize("share", [0, 101, -1])
+def test_a_fair_share_out_of_range_is_refused(share: int) -> None:
+    with pytest.raises(ValueError, match="fair_share must be 1-100"):
+        Tenant("t", fair_share=share)
+
+
+def test_fair_share_over_the_admin_api() -> None:
+    assert tenant_from_proto(admin_pb2.Tenant(id="t")).fair_share == 1  # 0 = 1
+    shared = tenant_from_proto(admin_pb2.Tenant(id="t", fair_share=5))
+    assert tenant_to_proto(shared).fair_share == 5
