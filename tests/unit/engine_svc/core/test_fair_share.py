@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine_svc.core.config import SchedulerConfig
 from engine_svc.core.fair_share import FairShare
 from engine_svc.core.kv_cache_manager import KVCacheManager
-from engine_svc.core.request import Request
+from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
 
@@ -153,17 +153,22 @@ def test_preemption_takes_the_most_served_tenant_first() -> None:
         max_size=24,
     ),
     cap=st.sampled_from([0, 3, 8]),
+    aborts=st.lists(st.integers(0, 23), max_size=6),
 )
 @settings(max_examples=60, deadline=None)
 def test_everything_finishes_and_no_counter_or_block_is_left(
-    jobs: list[tuple[str, int, int]], cap: int
+    jobs: list[tuple[str, int, int]], cap: int, aborts: list[int]
 ) -> None:
-    s = make(num_blocks=64, block_size=4, max_num_seqs=4, fair_prefill_chunk=cap)
+    """Finished, aborted (waiting or running) and preempted requests alike (the tiny
+    pool forces preemptions) leave no counter and no block behind."""
+    s = make(num_blocks=24, block_size=4, max_num_seqs=4, fair_prefill_chunk=cap)
     pending = list(enumerate(jobs))
-    for _ in range(2000):
+    for step in range(2000):
         if pending and len(s.waiting) < 3:
             i, (tenant, n, out_len) = pending.pop(0)
             assert s.add_request(req(f"r{i}", tenant, n, max_tokens=out_len))
+        if step in aborts:
+            s.finish_requests(list(s.requests)[:1], RequestStatus.FINISHED_ABORTED)
         if not pending and not s.has_unfinished_requests():
             break
         run_step(s)
@@ -174,7 +179,7 @@ def test_everything_finishes_and_no_counter_or_block_is_left(
     assert not s.has_unfinished_requests()
     assert s.fair is not None
     assert s.fair.num_tenants == 0
-    assert s.kv_cache_manager.num_free_blocks == 64
+    assert s.kv_cache_manager.num_free_blocks == 24
 
 
 def test_requests_carry_their_tenant_through_the_engine_protocol() -> None:
