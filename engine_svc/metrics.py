@@ -127,6 +127,11 @@ class StatsCollector(Collector):
             ("engine_kv_cache_usage_perc", "Share of KV blocks in use (0-1)", e.kv_cache_usage),
             ("engine_num_kv_blocks_total", "KV blocks in the pool", e.num_kv_blocks_total),
             (
+                "engine_fair_share_tenants",
+                "Tenants with live requests, whose fair-share counters are kept",
+                e.num_fair_share_tenants,
+            ),
+            (
                 "engine_generation_tokens_per_second",
                 "Recent generation throughput",
                 s.generation_tokens_per_second,

@@ -175,6 +175,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             draining=self.draining,
             num_requests_total=e.num_requests_total,
             model_version=self._version,
+            num_fair_share_tenants=e.num_fair_share_tenants,
         )
 
     async def GetModelInfo(

@@ -335,6 +335,7 @@ class LLMEngine:
             num_draft_tokens_total=self.scheduler.num_draft_tokens_total,
             num_accepted_tokens_total=self.scheduler.num_accepted_tokens_total,
             prefix_cache_evictions=pool.num_evictions,
+            num_fair_share_tenants=fair.num_tenants if (fair := self.scheduler.fair) else 0,
         )
 
     def model_info(self) -> ModelInfo:

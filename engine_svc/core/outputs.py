@@ -95,6 +95,7 @@ class EngineStats:
     num_draft_tokens_total: int = 0
     num_accepted_tokens_total: int = 0
     prefix_cache_evictions: int = 0
+    num_fair_share_tenants: int = 0  # tenants the fair-share counters track (live ones)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -348,6 +348,9 @@ def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub, served: Served) -> 
         assert s.num_kv_blocks_total > 0  # vLLM sizes its own pool
     assert s.num_requests_total >= 1
     assert s.model_version.startswith("sha-")
+    if served.backend == "native":  # idle: no tenant's fair-share counter is kept
+        wait_for_idle_kv(stub)
+        assert stub.GetStats(engine_pb2.GetStatsRequest()).num_fair_share_tenants == 0
     url = f"http://127.0.0.1:{served.proc.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as r:
         body = r.read().decode()
@@ -355,6 +358,7 @@ def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub, served: Served) -> 
         "engine_time_to_first_token_seconds_bucket",
         "engine_num_requests_running",
         "engine_kv_cache_usage_perc",
+        "engine_fair_share_tenants",
         "engine_request_success_total{finished_reason=",
         'engine_request_errors_total{error_type="invalid"',
         "engine_generation_tokens_total",

@@ -147,10 +147,12 @@ def test_resumed_output_continues_the_same_stream(make_tiny_engine: EngineFactor
 
 def test_abort_frees_blocks_and_reports(make_tiny_engine: EngineFactory) -> None:
     engine = make_tiny_engine()
-    engine.add_request("a", PROMPTS[2], SamplingParams(max_tokens=50, ignore_eos=True))
+    long_job = SamplingParams(max_tokens=50, ignore_eos=True)
+    engine.add_request("a", PROMPTS[2], long_job, tenant_id="team-a")
     engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
     assert engine.get_stats().num_kv_blocks_used > 0
+    assert engine.get_stats().num_fair_share_tenants == 2  # "team-a" and the anonymous one
     assert engine.abort_request("a")
     assert not engine.abort_request("a")
     assert not engine.abort_request("nope")
@@ -158,6 +160,7 @@ def test_abort_frees_blocks_and_reports(make_tiny_engine: EngineFactory) -> None
     assert outs["a"][-1].finish_reason == FinishReason.ABORT
     assert outs["b"][-1].finish_reason == FinishReason.LENGTH
     assert engine.get_stats().num_kv_blocks_used == 0
+    assert engine.get_stats().num_fair_share_tenants == 0
 
 
 def test_logprobs_and_stop_sequences(make_tiny_engine: EngineFactory) -> None:
