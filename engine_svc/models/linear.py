@@ -70,7 +70,9 @@ class Linear:
         self.shape = weight.shape
         self.weight = weight.contiguous()
         self.bias = bias
-        self.q4 = q4  # the weight 4-bit packed (``q4.q4_pack``), where it is exactly 4-bit
+        # the weight 4-bit packed (``q4.q4_pack``), kept only where the 4-bit GEMV runs
+        usable = q4 is not None and bias is None and ops.q4_applies(weight.dtype, weight.device)
+        self.q4 = q4 if usable else None
         self.packed: torch.Tensor | None = None
         self.packing = ""  # "amx" | "onednn" while packed
         self.skinny_max_rows = 0
@@ -79,17 +81,6 @@ class Linear:
     def dtype(self) -> torch.dtype:
         """The weight's dtype."""
         return self.weight.dtype
-
-    @property
-    def q4_usable(self) -> bool:
-        """True when the few-row path runs the 4-bit GEMV on ``q4`` here."""
-        return (
-            self.q4 is not None
-            and self.bias is None
-            and self.dtype == torch.bfloat16
-            and self.weight.device.type == "cpu"
-            and ops.q4_available()
-        )
 
     def can_pack(self, packing: str) -> bool:
         """True when ``pack(packing)`` applies to this weight on this machine."""
@@ -120,15 +111,10 @@ class Linear:
         if self.packing != packing and (packed := self.packed_copy(packing)) is not None:
             self.use_packed(packing, packed)
 
-    def unpack(self) -> None:
-        """Drop the prepacked copy."""
-        self.packed = None
-        self.packing = ""
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.shape[1])
         if x2.shape[0] <= self.skinny_max_rows and self.bias is None:
-            if self.q4 is not None and self.q4_usable:
+            if self.q4 is not None:
                 y = ops.q4_linear(x2, self.q4)
             else:
                 y = ops.skinny_linear(x2, self.weight)
@@ -317,8 +303,8 @@ def tune_linears(linears: Sequence[Linear], choice: LinearChoice) -> LinearChoic
         for lin in linears:
             lin.skinny_max_rows = 0
         large = _choose_packing(linears, choice)
-        q4 = [lin for lin in linears if lin.q4_usable]
-        dense = [lin for lin in linears if not lin.q4_usable]
+        q4 = [lin for lin in linears if lin.q4 is not None]
+        dense = [lin for lin in linears if lin.q4 is None]
         if q4:
             choice.q4_max_rows, q4_times = _small_row_threshold(q4)
             choice.timings_ms["q4-group-large-streamed"] = q4_times["large"]

@@ -109,6 +109,9 @@ class LlamaForCausalLM:
         self._plain: list[Linear] | None = None
         if all(isinstance(w, Linear) and w.bias is None for w in projections):
             self._plain = [w for w in projections if isinstance(w, Linear)]
+        # their 4-bit copies (fixed at load), all or none: the few-row path of the step
+        small = [w.q4 for w in self._plain or () if w.q4 is not None]
+        self._small = small if self._plain is not None and len(small) == len(self._plain) else []
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -193,14 +196,13 @@ class LlamaForCausalLM:
         assert meta.decode_blocks is not None
         assert meta.decode_context_lens is not None
         packed = [w.packed for w in plain if w.packed is not None]
-        small = [w.q4 for w in plain if w.q4 is not None and w.q4_usable]
         return ops.decode_forward(
             residual,
             [layer.in_norm for layer in self.layers],
             [layer.post_norm for layer in self.layers],
             [w.weight for w in plain],
             packed if len(packed) == len(plain) else [],
-            small if len(small) == len(plain) else [],
+            self._small,
             plain[0].skinny_max_rows,
             self.norm,
             self.eps,

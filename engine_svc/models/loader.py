@@ -91,14 +91,7 @@ def load_model(
     config = load_model_config(model_dir)
     if attn_dtype is None:
         attn_dtype = torch.float32 if dev.type == "cpu" else dtype
-    use_q4 = (
-        q4_weights
-        and quantization == "none"
-        and dtype == torch.bfloat16
-        and dev.type == "cpu"
-        and ops.q4_available()
-    )
-    if not use_q4:
+    if not (q4_weights and quantization == "none" and ops.q4_applies(dtype, dev)):
         weights = load_weights(model_dir, config, dtype, dev)
         return LlamaForCausalLM(config, weights, attn_dtype, fp8=quantization == "fp8")
     exact = load_weights(model_dir, config, torch.float32, dev)

@@ -78,6 +78,12 @@ def q4_available() -> bool:
     return cpu_kernels.ops_available() and bool(torch.ops.llm_cpu.q4_available())
 
 
+def q4_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when a weight of ``dtype`` on ``device`` may run on a 4-bit copy: bf16 on a
+    CPU whose kernel build has ``q4_linear`` (the one gate for loader and ``Linear``)."""
+    return dtype == torch.bfloat16 and device.type == "cpu" and q4_available()
+
+
 def q4_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``x @ W^T`` for bf16 rows [M, K] and a 4-bit packed W (``q4.q4_pack``)."""
     return cast(torch.Tensor, torch.ops.llm_cpu.q4_linear(x.contiguous(), packed))

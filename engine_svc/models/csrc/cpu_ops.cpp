@@ -323,6 +323,17 @@ constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxBlock = 256;
 
+// Every cache line of [p, p + bytes) into L1, ahead of use; with a second range
+// (a block's V beside its K), the two are asked for line by line, interleaved.
+inline void prefetch_bytes(const void* p, int64_t bytes, const void* q = nullptr) {
+  const char* a = static_cast<const char*>(p);
+  const char* b = static_cast<const char*>(q);
+  for (int64_t off = 0; off < bytes; off += 64) {
+    __builtin_prefetch(a + off, 0, 3);
+    if (b != nullptr) __builtin_prefetch(b + off, 0, 3);
+  }
+}
+
 // Asks for the rows of one head in the next block while this block computes:
 // the hardware prefetcher does not follow a block table, and without this the
 // kernel waits on memory for most of a long context.
@@ -330,15 +341,7 @@ template <typename C>
 inline void prefetch_block_rows(const C* k, const C* v, int64_t rows, int64_t stride,
                                 int64_t D) {
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(C));
-  const int64_t stride_bytes = stride * static_cast<int64_t>(sizeof(C));
-  const char* kp = reinterpret_cast<const char*>(k);
-  const char* vp = reinterpret_cast<const char*>(v);
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t c = 0; c < row_bytes; c += 64) {
-      __builtin_prefetch(kp + t * stride_bytes + c, 0, 3);
-      __builtin_prefetch(vp + t * stride_bytes + c, 0, 3);
-    }
-  }
+  for (int64_t t = 0; t < rows; ++t) prefetch_bytes(k + t * stride, row_bytes, v + t * stride);
 }
 
 // Walks one sequence's KV head block by block through its block table:
@@ -599,7 +602,8 @@ void decode_seq_avx512(const float* q, const C* kc, const C* vc, const int64_t* 
   for (int64_t blk = 0; blk < nblk; ++blk) {
     if (blk + kSeqPrefetchBlocks < nblk) {
       const int64_t next = bt[blk + kSeqPrefetchBlocks] * bs * stride;
-      prefetch_block_rows(kc + next, vc + next, 1, 0, bs * stride);
+      const int64_t block_bytes = bs * stride * static_cast<int64_t>(sizeof(C));
+      prefetch_bytes(kc + next, block_bytes, vc + next);  // the whole block: every head
     }
     const int64_t at = bt[blk] * bs * stride;
     const int64_t n = std::min(bs, ctx - blk * bs);

@@ -45,10 +45,6 @@ inline __m512bh q4_row(const uint8_t* row, const Q4Scales& s) {
   return _mm512_cvtne2ps_pbh(fhi, flo);
 }
 
-inline void prefetch_q4_tile(const uint8_t* t) {
-  for (int c = 0; c < kQ4TileBytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(t) + c, _MM_HINT_T0);
-}
-
 // Rows 0..M-1 of y for the 16-channel blocks [nb0, nb1): every packed row is
 // dequantized once and serves all M rows of x (vdpbf16ps against the row's
 // input pair, broadcast); lane n of acc[m] is channel 16 nb + n.
@@ -61,7 +57,7 @@ void q4_gemv_blocks(const BFloat16* x, const uint8_t* packed, BFloat16* y, int64
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     const uint8_t* t = packed + nb * KB * kQ4TileBytes;
     for (int64_t kb = 0; kb < KB; ++kb, t += kQ4TileBytes) {
-      prefetch_q4_tile(t + 4 * kQ4TileBytes);
+      prefetch_bytes(t + 4 * kQ4TileBytes, kQ4TileBytes);
       const Q4Scales s = q4_scales(t);
       const BFloat16* xk = x + kb * 32;
       for (int kp = 0; kp < 16; ++kp) {
@@ -112,7 +108,7 @@ void amx_q4_panels(const BFloat16* x, const uint8_t* packed, BFloat16* y, int64_
       const uint8_t* t = packed + (2 * p + h) * KB * kQ4TileBytes;
       BFloat16* dst = panel.data() + h * KB * 512;
       for (int64_t kb = 0; kb < KB; ++kb, t += kQ4TileBytes, dst += 512) {
-        prefetch_q4_tile(t + 4 * kQ4TileBytes);
+        prefetch_bytes(t + 4 * kQ4TileBytes, kQ4TileBytes);
         const Q4Scales s = q4_scales(t);
         for (int kp = 0; kp < 16; ++kp) {
           _mm512_storeu_si512(dst + kp * 32, (__m512i)q4_row(t + kp * 16, s));

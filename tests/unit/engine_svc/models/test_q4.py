@@ -107,8 +107,9 @@ def test_q4_linear_refuses_what_it_cannot_run() -> None:
 def test_a_linear_serves_few_rows_from_its_4bit_copy() -> None:
     w = q4_weight(64, 64, 5)
     lin = Linear(w.bfloat16(), q4=q4_pack(w))
-    assert lin.q4_usable
-    assert not Linear(w.bfloat16()).q4_usable
+    assert lin.q4 is not None
+    assert Linear(w.bfloat16()).q4 is None
+    assert Linear(w, q4=q4_pack(w)).q4 is None  # fp32 weights: the copy could not run
     lin.skinny_max_rows = 2
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
     assert lin.q4 is not None
