@@ -51,16 +51,13 @@ def generate_input_from_proto(
         raise ValueError("prompt_token_ids is empty: send at least one token")
     if req.model and req.model != served_model:
         raise ValueError(f"this replica serves {served_model!r}, not {req.model!r}")
-    weight = req.tenant_weight or 1.0
-    if not 0 < weight < float("inf"):
-        raise ValueError(f"tenant_weight must be > 0 (0 = 1), got {req.tenant_weight}")
     return GenerateInput(
         request_id=req.request_id,
         prompt_token_ids=list(req.prompt_token_ids),
         sampling_params=sampling_params_from_proto(req.sampling),
         priority=int(req.priority),
         tenant_id=req.tenant_id,
-        tenant_weight=weight,
+        tenant_weight=req.tenant_weight or 1.0,  # checked with the rest (validate_request)
         resumed_output_token_ids=list(req.resumed_output_token_ids),
         speculative_decoding=(
             req.speculative_decoding if req.HasField("speculative_decoding") else None

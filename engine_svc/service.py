@@ -75,6 +75,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 inp.resumed_output_token_ids,
                 vocab_size=info.vocab_size,
                 max_model_len=info.max_context_length,
+                tenant_weight=inp.tenant_weight,
             )
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")

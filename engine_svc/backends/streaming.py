@@ -194,6 +194,7 @@ def open_stream(
         inp.resumed_output_token_ids,
         vocab_size=info.vocab_size,
         max_model_len=info.max_context_length,
+        tenant_weight=inp.tenant_weight,
     )
     return StreamState(
         inp.request_id,

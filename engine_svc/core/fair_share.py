@@ -74,10 +74,6 @@ class FairShare:
         """Service received so far (0 for a tenant with no live request)."""
         return self._counters.get(tenant, 0.0)
 
-    def num_live(self, tenant: str) -> int:
-        """Live requests of ``tenant``."""
-        return self._live.get(tenant, 0)
-
     @property
     def num_tenants(self) -> int:
         """Tenants with a live request (the counters kept)."""

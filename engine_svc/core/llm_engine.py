@@ -201,9 +201,7 @@ class LLMEngine:
         """
         params = sampling_params or SamplingParams()
         resumed = list(resumed_output_token_ids or [])
-        self._validate(request_id, prompt_token_ids, params, priority, resumed)
-        if not tenant_weight > 0 or tenant_weight == float("inf"):
-            raise ValueError(f"tenant_weight must be a positive number, got {tenant_weight}")
+        self._validate(request_id, prompt_token_ids, params, priority, resumed, tenant_weight)
         req = Request.create(
             request_id,
             list(prompt_token_ids),
@@ -231,6 +229,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int,
         resumed: list[int],
+        tenant_weight: float,
     ) -> None:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
@@ -242,6 +241,7 @@ class LLMEngine:
             resumed,
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
+            tenant_weight=tenant_weight,
         )
         blocks = cdiv(len(prompt) + params.max_tokens, self.config.block_size)
         if blocks > self.runner.num_blocks:

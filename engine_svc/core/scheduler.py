@@ -31,6 +31,7 @@ scheduled as ``1 + len(drafts)`` tokens, verified in the same forward pass.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -148,11 +149,14 @@ class Scheduler:
         one whose prompt nobody else waits beside, keeps the whole budget."""
         if self.fair is None or self.config.fair_prefill_chunk <= 0:
             return 0
-        tenants = {r.tenant_id for r in self.waiting}
-        tenants.update(
-            r.tenant_id for r in self.running if r.num_tokens - r.num_computed_tokens > 1
+        prompts = itertools.chain(
+            self.waiting, (r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
         )
-        return self.config.fair_prefill_chunk if len(tenants) > 1 else 0
+        first = next(prompts, None)
+        # stops at the second tenant: this runs every step, over every waiting request
+        if first is not None and any(r.tenant_id != first.tenant_id for r in prompts):
+            return self.config.fair_prefill_chunk
+        return 0
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -295,22 +299,24 @@ class Scheduler:
                 and len(out.preempted_req_ids) == num_priority_preemptions
                 and len(self.running) < self.config.max_num_seqs
             )
-            if running and not (
-                admit
-                and self.fair is not None
-                and head is not None
-                and self._urgency(head, now) < self._urgency(running[0], now)
-            ):
-                budget = self._schedule_running(running.popleft(), budget, chosen, out)
-            elif admit and head is not None:
+            if head is not None and admit and (not running or self._ahead(head, running[0], now)):
                 admitted = self._admit(head, budget, now, chosen)
                 if admitted == 0:
                     head = None  # the most urgent one does not fit: admit no other
                 else:
                     budget -= admitted
                     head = pick()
+            elif running:
+                budget = self._schedule_running(running.popleft(), budget, chosen, out)
             else:
                 break
+
+    def _ahead(self, waiting: Request, prefilling: Request, now: float) -> bool:
+        """A waiting request takes budget before a running prefill only under fair share
+        (and when more urgent); by arrival, running prefills always go first."""
+        return self.fair is not None and self._urgency(waiting, now) < self._urgency(
+            prefilling, now
+        )
 
     def _admit(
         self, req: Request, budget: int, now: float, chosen: dict[str, ScheduledRequest]

@@ -11,6 +11,7 @@ pool) stays with that engine.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 from engine_svc.core.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ def validate_request(
     *,
     vocab_size: int,
     max_model_len: int,
+    tenant_weight: float = 1.0,
 ) -> None:
     """Raise ``ValueError`` with an actionable message when the request can never run.
 
@@ -34,6 +36,7 @@ def validate_request(
         resumed: output tokens a previous replica produced; they count against
             ``max_tokens`` and take context like the prompt.
         max_model_len: the context (prompt + output) one sequence may hold.
+        tenant_weight: the tenant's fair share (> 0, finite).
     """
     if not request_id:
         raise ValueError("request_id must not be empty")
@@ -44,6 +47,8 @@ def validate_request(
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     if not 0 <= priority <= MAX_PRIORITY:
         raise ValueError(f"priority must be in [0, {MAX_PRIORITY}], got {priority}")
+    if not 0 < tenant_weight < math.inf:
+        raise ValueError(f"tenant_weight must be > 0 (0 = 1), got {tenant_weight}")
     params.validate(vocab_size)
     if len(resumed) >= params.max_tokens:
         raise ValueError(

@@ -9,12 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_svc.convert import generate_input_from_proto
 from engine_svc.core.config import SchedulerConfig
 from engine_svc.core.fair_share import FairShare
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
+from engine_svc.core.validation import validate_request
+from llm.v1 import engine_pb2
 
 from ..helpers import plan, run_step
 
@@ -183,9 +186,6 @@ def test_everything_finishes_and_no_counter_or_block_is_left(
 
 
 def test_requests_carry_their_tenant_through_the_engine_protocol() -> None:
-    from engine_svc.convert import generate_input_from_proto
-    from llm.v1 import engine_pb2
-
     msg = engine_pb2.EngineGenerateRequest(
         request_id="r",
         prompt_token_ids=[1, 2],
@@ -197,7 +197,11 @@ def test_requests_carry_their_tenant_through_the_engine_protocol() -> None:
     assert (inp.tenant_id, inp.tenant_weight) == ("team-a", 3.0)
     msg.tenant_weight = 0.0  # unset: weight 1
     assert generate_input_from_proto(msg, "m").tenant_weight == 1.0
-    for bad in (-1.0, float("nan"), float("inf")):
+    for bad in (-1.0, float("nan"), float("inf")):  # refused with the request's other checks
         msg.tenant_weight = bad
+        inp = generate_input_from_proto(msg, "m")
         with pytest.raises(ValueError, match="tenant_weight must be > 0"):
-            generate_input_from_proto(msg, "m")
+            validate_request(
+                inp.request_id, inp.prompt_token_ids, inp.sampling_params, inp.priority, [],
+                vocab_size=100, max_model_len=64, tenant_weight=inp.tenant_weight,
+            )  # fmt: skip
