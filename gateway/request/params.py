@@ -140,11 +140,9 @@ def engine_sampling(
     return out
 
 
-_PRIORITIES = {
-    common_pb2.Priority.LOW: "LOW",
-    common_pb2.Priority.NORMAL: "NORMAL",
-    common_pb2.Priority.CRITICAL: "CRITICAL",
-}
+_CLASSES = frozenset(
+    (common_pb2.Priority.LOW, common_pb2.Priority.NORMAL, common_pb2.Priority.CRITICAL)
+)
 
 
 def request_priority(asked: int, tenant_class: int) -> common_pb2.Priority.ValueType:
@@ -154,9 +152,9 @@ def request_priority(asked: int, tenant_class: int) -> common_pb2.Priority.Value
     Raises:
         ValueError: ``asked`` is not a Priority value.
     """
-    cap = tenant_class if tenant_class in _PRIORITIES else common_pb2.Priority.NORMAL
+    cap = tenant_class if tenant_class in _CLASSES else common_pb2.Priority.NORMAL
     if asked == common_pb2.Priority.PRIORITY_UNSPECIFIED:
         return common_pb2.Priority.ValueType(cap)
-    if asked not in _PRIORITIES:
+    if asked not in _CLASSES:
         raise ValueError(f"priority {asked} is not one of LOW (1), NORMAL (2), CRITICAL (3)")
     return common_pb2.Priority.ValueType(min(asked, cap))
