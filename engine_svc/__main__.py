@@ -39,6 +39,7 @@ from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.service import EngineServicer
 from llm.v1 import engine_pb2, engine_pb2_grpc
+from tokenizer_svc.tokenizer import read_tokenizer_files
 
 log = get_logger("engine_svc")
 
@@ -50,6 +51,15 @@ def model_version(model_dir: Path) -> str:
         return "sha-" + str(manifest["files"]["model.safetensors"])[:12]
     except (FileNotFoundError, KeyError, json.JSONDecodeError):
         return "unversioned"
+
+
+def tokenizer_files(model_dir: Path) -> dict[str, bytes]:
+    """The model's tokenizer files for GetTokenizer; none (logged) if it has no tokenizer."""
+    try:
+        return read_tokenizer_files(model_dir)
+    except FileNotFoundError as e:
+        log.warning("serving no tokenizer", reason=str(e))
+        return {}
 
 
 def config_hash(*configs: object) -> str:
@@ -146,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         version=version,
         config_hash=config_hash(svc, core),
         build=engine_build(),
+        tokenizer_files=tokenizer_files(model_dir),
     )
 
     def register(server: grpc.aio.Server) -> list[str]:

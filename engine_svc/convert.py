@@ -130,7 +130,13 @@ def response_from_output(
 
 
 def model_info_to_proto(
-    info: ModelInfo, *, version: str, config_hash: str, build: str, served_model: str
+    info: ModelInfo,
+    *,
+    version: str,
+    config_hash: str,
+    build: str,
+    served_model: str,
+    tokenizer_digest: str = "",
 ) -> engine_pb2.ModelInfo:
     return engine_pb2.ModelInfo(
         model=served_model,
@@ -146,4 +152,5 @@ def model_info_to_proto(
         engine_build=build,
         device=info.device,
         compute=info.compute,
+        tokenizer_digest=tokenizer_digest,
     )

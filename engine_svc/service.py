@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import grpc
 import structlog
@@ -27,21 +27,40 @@ from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.request import FinishReason
 from engine_svc.core.validation import validate_request
 from llm.v1 import engine_pb2, engine_pb2_grpc
+from tokenizer_svc.tokenizer import tokenizer_digest
 
 log = get_logger(__name__)
 
+TOKENIZER_PIECE_BYTES = 1024 * 1024  # GetTokenizer's pieces (gRPC's default cap is 4 MiB)
+
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
-    """llm.v1.Engine: validate, hand to the backend, stream, map errors."""
+    """llm.v1.Engine: validate, hand to the backend, stream, map errors.
+
+    Args:
+        tokenizer_files: The model's tokenizer files by name (``read_tokenizer_files``),
+            served by GetTokenizer; empty = none (GetTokenizer: FAILED_PRECONDITION).
+    """
 
     def __init__(
-        self, backend: Backend, *, model_name: str, version: str, config_hash: str, build: str
+        self,
+        backend: Backend,
+        *,
+        model_name: str,
+        version: str,
+        config_hash: str,
+        build: str,
+        tokenizer_files: Mapping[str, bytes] | None = None,
     ) -> None:
         self._backend = backend
         self._model = model_name
         self._version = version
         self._config_hash = config_hash
         self._build = build
+        self._tokenizer_files = dict(tokenizer_files or {})
+        self._tokenizer_digest = (
+            tokenizer_digest(self._tokenizer_files) if self._tokenizer_files else ""
+        )
         self.draining = False
         self.num_active = 0
         self._idle = asyncio.Event()
@@ -188,7 +207,26 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             config_hash=self._config_hash,
             build=self._build,
             served_model=self._model,
+            tokenizer_digest=self._tokenizer_digest,
         )
+
+    async def GetTokenizer(
+        self, request: engine_pb2.GetTokenizerRequest, context: Context
+    ) -> AsyncIterator[engine_pb2.TokenizerFilePiece]:
+        if not self._tokenizer_files:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"engine for {self._model!r} serves no tokenizer: its model directory has no "
+                "tokenizer.json; give the gateway a model_dir with the tokenizer instead",
+            )
+        for name, data in self._tokenizer_files.items():
+            for start in range(0, max(1, len(data)), TOKENIZER_PIECE_BYTES):
+                yield engine_pb2.TokenizerFilePiece(
+                    name=name,
+                    data=data[start : start + TOKENIZER_PIECE_BYTES],
+                    file_size=len(data),
+                    digest=self._tokenizer_digest,
+                )
 
     async def drain(self, grace_seconds: float) -> None:
         """Stop admitting; wait up to ``grace_seconds`` for in-flight streams to end."""

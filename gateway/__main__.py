@@ -45,7 +45,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-url", help="Redis for keys, tenants and limits")
     parser.add_argument("--redis-username", help="Redis ACL user")
     parser.add_argument("--redis-password-file", help="file holding the Redis user's password")
-    parser.add_argument("--model-dir", help="HF checkpoint for in-process detokenization")
+    parser.add_argument("--model-dir", help="a tokenizer for engines that serve none")
     parser.add_argument("--admin-key-file", help="file holding the bootstrap admin key")
     parser.add_argument("--failover", choices=["on", "off"], help="mid-stream failover")
     parser.add_argument(

@@ -9,10 +9,8 @@ common server lifecycle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from common.breaker import BreakerPolicy
-from common.config import default_model_dir
 from common.log import get_logger
 from common.service_auth import read_service_token
 from gateway.config import GatewayConfig
@@ -20,6 +18,7 @@ from gateway.fleet.discovery import Discovery, has_names
 from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.replica_pool import ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy
+from gateway.fleet.tokenizers import TokenizerSet
 from gateway.release.wiring import ReleaseControl
 from gateway.request.authenticate import Authenticator, FailedAuthThrottle
 from gateway.request.budgets import BudgetGate
@@ -63,6 +62,9 @@ class GatewayApp:
         """Build everything; no network I/O until ``start``."""
         stack = RateLimitStack.from_config(rl_config)
         token = read_service_token(config.service_token_file)
+        # each model's tokenizer comes from its engines; model_dir only for engines
+        # that serve none
+        tokenizers = TokenizerSet(TextTokenizer(config.model_dir) if config.model_dir else None)
         pool = ReplicaPool(
             config.engines,
             breaker_policy(config),
@@ -72,13 +74,10 @@ class GatewayApp:
             kv_weight=config.kv_weight,
             default_model=config.default_model,
             service_token=token,
+            tokenizers=tokenizers,
         )
-        tokenizer = TextTokenizer(Path(config.model_dir or default_model_dir()))
         encoder = Encoder(
-            config.tokenizer,
-            config.encode_timeout_s,
-            token,
-            local=tokenizer if config.tokenize_in_process else None,
+            config.tokenizer, config.encode_timeout_s, token, in_process=config.tokenize_in_process
         )
         dispatcher = Dispatcher(
             pool,
@@ -102,7 +101,7 @@ class GatewayApp:
                 FailedAuthThrottle(config.auth_failures_per_minute, config.auth_failure_burst),
             ),
             encoder,
-            tokenizer,
+            tokenizers,
             stack.limiter,
             pool,
             dispatcher,

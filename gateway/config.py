@@ -27,7 +27,8 @@ class GatewayConfig(ServiceConfig):
     Attributes:
         engines: Engine replicas as ``host:port`` strings.
         tokenizer: Address of tokenizer_svc (``host:port``).
-        model_dir: HF checkpoint for in-process detokenization ("" = the default model dir).
+        model_dir: A tokenizer for engines that serve none ("" = none: every model's
+            tokenizer comes from its engines, ``Engine.GetTokenizer``).
         default_model: Model served when a request leaves ``model`` empty
             ("" = the model most replicas report).
         default_max_tokens: Output budget when a request sets ``max_tokens`` 0

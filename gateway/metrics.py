@@ -20,6 +20,7 @@
     gateway_replica_outstanding{replica}                 calls in flight per replica
     gateway_replica_healthy{replica}                     1 when health says SERVING
     gateway_in_flight                                    requests being served
+    gateway_tokenizers                                   distinct model tokenizers held
 
 Versions and canaries (``version`` is the engine's ModelInfo.version; "" when
 a request ended before it was routed):
@@ -143,6 +144,9 @@ OUTSTANDING = Gauge(
 )
 HEALTHY = Gauge("gateway_replica_healthy", "1 when the replica's health is SERVING", ["replica"])
 IN_FLIGHT = Gauge("gateway_in_flight", "Generate requests being served")
+TOKENIZERS = Gauge(
+    "gateway_tokenizers", "Distinct model tokenizers held (fetched from the engines by digest)"
+)
 VERSION_ATTEMPTS = Counter(
     "gateway_version_attempts_total",
     "Engine attempts per model version by outcome (what the canary guard judges)",

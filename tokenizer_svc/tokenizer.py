@@ -1,13 +1,18 @@
 """The model's tokenizer: encode text or chat messages, decode ids, stream deltas.
 
-Loads a prepared HF checkpoint directory (tokenizer.json, tokenizer_config.json,
-generation_config.json) with the Rust ``tokenizers`` library; no transformers.
+Loads the tokenizer files of a prepared HF checkpoint directory (tokenizer.json,
+tokenizer_config.json, generation_config.json, chat_template.jinja) with the Rust
+``tokenizers`` library; no transformers. The same files can arrive as bytes
+(``TextTokenizer.from_files``): engines serve their model's files so a gateway
+needs no model directory of its own, and ``tokenizer_digest`` names a tokenizer
+by its content.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +25,45 @@ from tokenizer_svc.detokenizer import ByteTable, IncrementalDetokenizer
 
 class TokenizerInputError(ValueError):
     """Input the caller must fix (maps to INVALID_ARGUMENT)."""
+
+
+class TokenizerFilesError(ValueError):
+    """Tokenizer files that cannot be loaded (missing, malformed, too large)."""
+
+
+# What a tokenizer is made of, in a checkpoint directory; the first two must exist.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+REQUIRED_FILES = TOKENIZER_FILES[:2]
+MAX_TOKENIZER_BYTES = 64 * 1024 * 1024  # the files together; the largest known are ~20 MB
+
+
+def read_tokenizer_files(model_dir: str | Path) -> dict[str, bytes]:
+    """The tokenizer files of ``model_dir`` by name (the optional ones only if present).
+
+    Raises:
+        FileNotFoundError: A required file is missing.
+    """
+    d = Path(model_dir)
+    if not (d / "tokenizer.json").exists():
+        raise FileNotFoundError(
+            f"{d}/tokenizer.json not found; prepare the model with `make model`"
+        )
+    return {name: (d / name).read_bytes() for name in TOKENIZER_FILES if (d / name).exists()}
+
+
+def tokenizer_digest(files: Mapping[str, bytes]) -> str:
+    """sha256 (hex) over the files' names, sizes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        data = files[name]
+        h.update(f"{name}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
 
 
 def _token_content(value: Any) -> str | None:
@@ -42,26 +86,59 @@ class TextTokenizer:
     Args:
         model_dir: a prepared HF checkpoint directory.
         max_input_chars: longer text (or rendered chat) is rejected.
+
+    Attributes:
+        model_dir: Where the files came from (None for ``from_files``).
+        digest: ``tokenizer_digest`` of the files.
     """
 
+    model_dir: Path | None
+
     def __init__(self, model_dir: str | Path, max_input_chars: int = 1_000_000) -> None:
-        d = Path(model_dir)
-        if not (d / "tokenizer.json").exists():
-            raise FileNotFoundError(
-                f"{d}/tokenizer.json not found; prepare the model with `make model`"
+        self._load(read_tokenizer_files(model_dir), max_input_chars)
+        self.model_dir = Path(model_dir)
+
+    @classmethod
+    def from_files(
+        cls, files: Mapping[str, bytes], max_input_chars: int = 1_000_000
+    ) -> TextTokenizer:
+        """A tokenizer from the files' bytes (as ``read_tokenizer_files`` returns them).
+
+        Raises:
+            TokenizerFilesError: A required file is missing, one is malformed, or they
+                are larger than ``MAX_TOKENIZER_BYTES`` together.
+        """
+        missing = [n for n in REQUIRED_FILES if n not in files]
+        unknown = sorted(set(files) - set(TOKENIZER_FILES))
+        size = sum(len(b) for b in files.values())
+        if missing or unknown or size > MAX_TOKENIZER_BYTES:
+            raise TokenizerFilesError(
+                f"tokenizer files: missing {missing}, unexpected {unknown}, {size} bytes "
+                f"(at most {MAX_TOKENIZER_BYTES})"
             )
-        self.model_dir = d
+        tok = cls.__new__(cls)
+        try:
+            tok._load(files, max_input_chars)
+        except Exception as e:  # the tokenizers library raises plain Exception
+            raise TokenizerFilesError(f"tokenizer files do not load: {e}") from e
+        tok.model_dir = None
+        return tok
+
+    def _load(self, files: Mapping[str, bytes], max_input_chars: int) -> None:
+        self.digest = tokenizer_digest(files)
         self.max_input_chars = max_input_chars
-        self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        self.tokenizer = Tokenizer.from_str(files["tokenizer.json"].decode())
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
-        cfg = json.loads((d / "tokenizer_config.json").read_text())
-        gen_path = d / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        cfg = json.loads(files["tokenizer_config.json"])
+        gen_raw = files.get("generation_config.json")
+        gen = json.loads(gen_raw) if gen_raw is not None else {}
+        if not isinstance(cfg, dict) or not isinstance(gen, dict):
+            raise TokenizerFilesError("tokenizer or generation config is not a JSON object")
         self.special = self._special_tokens(cfg, gen)
         src = cfg.get("chat_template")
-        if src is None and (d / "chat_template.jinja").exists():
-            src = (d / "chat_template.jinja").read_text()
+        if src is None and "chat_template.jinja" in files:
+            src = files["chat_template.jinja"].decode()
         self.chat_template = (
             ChatTemplate(
                 src, {"bos_token": self.special.bos_token, "eos_token": self.special.eos_token}

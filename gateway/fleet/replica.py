@@ -8,6 +8,10 @@ Two background tasks per replica keep its view fresh:
     stats poll     GetStats every ``stats_interval_s``: queue, running, KV
                    usage, draining. GetModelInfo whenever it turns healthy.
 
+A replica turns healthy only once its ModelInfo is known and its model's
+tokenizer is held (``gateway.fleet.tokenizers``); until then the watch retries
+with backoff.
+
 ``outstanding`` counts this gateway's calls in flight on the replica; the
 breaker judges it from call outcomes (``common.breaker``).
 """
@@ -25,6 +29,7 @@ from common.log import get_logger
 from common.service_auth import token_metadata
 from common.tasks import cancel_and_wait
 from gateway import metrics
+from gateway.fleet.tokenizers import TokenizerFetchError, TokenizerSet
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
 log = get_logger(__name__)
@@ -45,6 +50,7 @@ class Replica:
         address: ``host:port``.
         breaker: Its circuit breaker.
         stats_interval_s: GetStats period.
+        tokenizers: Where its model's tokenizer is fetched to (None = a set of its own).
     """
 
     def __init__(
@@ -53,8 +59,10 @@ class Replica:
         breaker: CircuitBreaker,
         stats_interval_s: float,
         service_token: str = "",
+        tokenizers: TokenizerSet | None = None,
     ) -> None:
         self.address = address
+        self.tokenizers = tokenizers if tokenizers is not None else TokenizerSet()
         self.call_metadata = token_metadata(service_token)  # sent on every engine call
         self.breaker = breaker
         self.stats_interval_s = stats_interval_s
@@ -117,24 +125,28 @@ class Replica:
         while True:
             try:
                 stream = self._health.Watch(health_pb2.HealthCheckRequest(service=""))
-                async for resp in stream:
-                    serving = resp.status == health_pb2.HealthCheckResponse.SERVING
-                    if serving and not self.healthy:
-                        await self._refresh_info()
-                    self._set_healthy(
-                        serving and self.info is not None,
-                        "" if serving else "health check says NOT_SERVING",
-                    )
-                    backoff = 0.1
-                self._set_healthy(False, "health watch ended")
+                try:
+                    async for resp in stream:
+                        serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+                        if serving and not self.healthy and not await self._refresh_info():
+                            break  # a new watch after the backoff says SERVING again
+                        why = "" if serving else "health check says NOT_SERVING"
+                        self._set_healthy(serving, why)
+                        backoff = 0.1
+                    else:
+                        self._set_healthy(False, "health watch ended")
+                finally:
+                    stream.cancel()
             except grpc.aio.AioRpcError as e:
                 self._set_healthy(False, f"unreachable ({e.code().name}: {e.details()})")
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
 
-    async def _refresh_info(self) -> None:
+    async def _refresh_info(self) -> bool:
+        """ModelInfo, stats and the model's tokenizer; False (with ``last_error``) when
+        one of them could not be had."""
         try:
-            self.info = await self.stub.GetModelInfo(
+            info = await self.stub.GetModelInfo(
                 engine_pb2.GetModelInfoRequest(), timeout=5, metadata=self.call_metadata
             )
             self.stats = await self.stub.GetStats(
@@ -142,6 +154,15 @@ class Replica:
             )
         except grpc.aio.AioRpcError as e:
             self.last_error = f"GetModelInfo failed ({e.code().name}: {e.details()})"
+            return False
+        try:
+            await self.tokenizers.ensure(info, self.stub, self.call_metadata, self.address)
+        except TokenizerFetchError as e:
+            self.last_error = str(e)
+            log.warning("engine replica not routable", replica=self.address, reason=str(e))
+            return False
+        self.info = info
+        return True
 
     async def _poll_stats(self) -> None:
         while True:

@@ -28,6 +28,7 @@ from common.breaker import BreakerGroup, BreakerPolicy, BreakerState, Ticket
 from common.log import get_logger
 from gateway import metrics
 from gateway.fleet.replica import Replica
+from gateway.fleet.tokenizers import TokenizerSet
 from llm.v1 import engine_pb2
 
 log = get_logger(__name__)
@@ -68,6 +69,8 @@ class ReplicaPool:
         stats_interval_s: GetStats period.
         queue_weight / kv_weight: Score weights.
         default_model: Model for requests without one ("" = the most common).
+        tokenizers: The models' tokenizers, fetched by the replicas (None = a new set
+            with no tokenizer of its own).
     """
 
     def __init__(
@@ -81,19 +84,27 @@ class ReplicaPool:
         kv_weight: float = 1.0,
         default_model: str = "",
         service_token: str = "",
+        tokenizers: TokenizerSet | None = None,
     ) -> None:
         self.service_token = service_token
+        self.tokenizers = tokenizers if tokenizers is not None else TokenizerSet()
         self.breakers = BreakerGroup(policy, max_ejected_fraction, on_change=self._on_breaker)
         self.stats_interval_s = stats_interval_s
         self.retire_grace_s = 60.0
         self._retiring: set[asyncio.Future[None]] = set()
-        self.replicas = [
-            Replica(a, self.breakers.add(a), stats_interval_s, service_token)
-            for a in dict.fromkeys(addresses)
-        ]
+        self.replicas = [self._replica(a) for a in dict.fromkeys(addresses)]
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight
         self._default_model = default_model
+
+    def _replica(self, address: str) -> Replica:
+        return Replica(
+            address,
+            self.breakers.add(address),
+            self.stats_interval_s,
+            self.service_token,
+            self.tokenizers,
+        )
 
     @staticmethod
     def _on_breaker(name: str, state: BreakerState) -> None:
@@ -115,11 +126,9 @@ class ReplicaPool:
         added = [a for a in wanted if a not in current]
         if not gone and not added:
             return
-        fresh = [
-            Replica(a, self.breakers.add(a), self.stats_interval_s, self.service_token)
-            for a in added
-        ]
+        fresh = [self._replica(a) for a in added]
         self.replicas = [r for r in self.replicas if r.address in wanted] + fresh
+        self.tokenizers.retain(r.info.tokenizer_digest for r in self.replicas if r.info)
         for r in gone:
             self.breakers.remove(r.address)
             self._retiring.add(asyncio.ensure_future(self._retire(r)))

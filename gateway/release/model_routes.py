@@ -12,8 +12,9 @@ fallbacks. One route covers both needs:
 
 Targets are models, never other routes (no recursion): ``RouteCache.put``
 refuses a target that is another route's name, and a name another route
-already targets. A fallback only goes to a model with the same vocabulary as
-the first target: the prompt is tokenized once, by the gateway's tokenizer.
+already targets. A fallback only goes to a model with the same tokenizer as
+the first target served (equal ``ModelInfo.tokenizer_digest``): the prompt is
+tokenized once, by that model's tokenizer.
 
     <ratelimit key_prefix>routing:routes   hash  route name -> JSON
 

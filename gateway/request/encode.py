@@ -2,9 +2,11 @@
 
 By default in process, with the same code tokenizer_svc runs
 (``tokenizer_svc.service.encode_request``: one place applies the chat
-template), so the hot path has no tokenizer RPC; long inputs are encoded on a
-worker thread (the tokenizers library drops the GIL), never on the event loop.
-With ``gateway.tokenize_in_process: false`` it calls tokenizer_svc instead;
+template) and the tokenizer of the model chosen for the request (fetched from
+its engines, ``gateway.fleet.tokenizers``), so the hot path has no tokenizer
+RPC; long inputs are encoded on a worker thread (the tokenizers library drops
+the GIL), never on the event loop. With ``gateway.tokenize_in_process: false``
+it calls tokenizer_svc instead (which serves one model);
 its INVALID_ARGUMENT messages pass through to the caller unchanged, anything
 else becomes UNAVAILABLE naming the tokenizer.
 """
@@ -54,7 +56,8 @@ class Encoder:
         address: ``host:port`` of tokenizer_svc.
         timeout_s: Budget of one Encode call (the request deadline may cut it shorter).
         service_token: tokenizer_svc's service token.
-        local: Encode in process with this tokenizer (None = call tokenizer_svc).
+        in_process: Encode in process with the request's tokenizer (False = call
+            tokenizer_svc).
     """
 
     def __init__(
@@ -62,10 +65,10 @@ class Encoder:
         address: str,
         timeout_s: float = 10.0,
         service_token: str = "",
-        local: TextTokenizer | None = None,
+        in_process: bool = True,
     ) -> None:
         self.address = address
-        self.local = local
+        self.in_process = in_process
         self._token_md = token_metadata(service_token)
         self.timeout_s = timeout_s
         self.channel = grpc.aio.insecure_channel(address)
@@ -76,10 +79,15 @@ class Encoder:
         await self.channel.close(None)
 
     async def encode(
-        self, request: gateway_pb2.GenerateRequest, call: CallContext, deadline: Deadline
+        self,
+        request: gateway_pb2.GenerateRequest,
+        call: CallContext,
+        deadline: Deadline,
+        tokenizer: TextTokenizer,
     ) -> list[int]:
-        """Prompt token ids (the chat template applied for messages). The pipeline
-        refuses a prompt no context could hold (``check_prompt_size``) before this.
+        """Prompt token ids (the chat template applied for messages) by ``tokenizer``,
+        the chosen model's. The pipeline refuses a prompt no context could hold
+        (``check_prompt_size``) before this.
 
         Raises:
             GatewayError: INVALID_ARGUMENT (bad input), DEADLINE_EXCEEDED, UNAVAILABLE.
@@ -98,8 +106,8 @@ class Encoder:
             raise GatewayError(
                 grpc.StatusCode.INVALID_ARGUMENT, "set either `prompt` or `messages` in the request"
             )
-        if self.local is not None:
-            return await self._encode_local(self.local, req)
+        if self.in_process:
+            return await self._encode_local(tokenizer, req)
         metadata = (
             ("x-request-id", call.request_id),
             ("traceparent", call.traceparent),

@@ -3,7 +3,7 @@
 A request names a model (or a route: an alias, or a fallback chain under a
 model's own name). ``ModelChooser.choose`` lists the route's targets that some
 replica serves, those with a replica able to take a request now first, and
-keeps only the ones with the first target's vocabulary (the prompt is
+keeps only the ones with the first target's tokenizer (the prompt is
 tokenized once). ``Choice.fit`` moves on to the next target when the prompt,
 once counted, does not fit the chosen model's context.
 """
@@ -83,6 +83,12 @@ class Choice:
                 return
 
 
+def same_tokenizer(a: engine_pb2.ModelInfo, b: engine_pb2.ModelInfo) -> bool:
+    """True when token ids mean the same to both models (equal tokenizer digests;
+    equal vocabulary sizes for engines that serve no tokenizer)."""
+    return (a.tokenizer_digest, a.vocab_size) == (b.tokenizer_digest, b.vocab_size)
+
+
 class ModelChooser:
     """Resolves request model names through the routes (None = no routes)."""
 
@@ -126,8 +132,8 @@ class ModelChooser:
             return Choice(name, targets)
         ready = [c for c in known if self.pool.candidates(c[0].model, c[0].version, ())]
         ordered = ready + [c for c in known if c not in ready]
-        vocab = ordered[0][1].vocab_size
-        same = [c for c in ordered if c[1].vocab_size == vocab]
+        first = ordered[0][1]
+        same = [c for c in ordered if same_tokenizer(c[1], first)]
         if ordered[0][0] != targets[0]:
             metrics.MODEL_FALLBACKS.labels("unavailable").inc()
             log.info(

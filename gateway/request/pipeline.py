@@ -45,6 +45,7 @@ from gateway.config import GatewayConfig
 from gateway.domain import CallContext, Chunk, Deadline, GatewayError, engine_request_id
 from gateway.fleet.dispatcher import Dispatcher, EngineJob
 from gateway.fleet.replica_pool import ModelEntry, ReplicaPool
+from gateway.fleet.tokenizers import TokenizerSet
 from gateway.release.shadow import ShadowMirror
 from gateway.release.version_router import RouteDecision, VersionRouter
 from gateway.request.authenticate import Authenticator
@@ -78,6 +79,7 @@ class _Admitted:
     tenant: Tenant
     job: EngineJob
     reservation: Reservation | None
+    tokenizer: TextTokenizer
     shadow_version: str = ""
     budget_hold: BudgetHold | None = None
 
@@ -97,8 +99,8 @@ class Pipeline:
     Args:
         config: The gateway section.
         auth: Bearer key -> tenant.
-        encoder: tokenizer_svc client.
-        tokenizer: In-process tokenizer (incremental detokenization).
+        encoder: Prompt encoding (in process, or tokenizer_svc).
+        tokenizers: Each model's tokenizer (encoding, incremental detokenization).
         limiter: Tenant limits on Redis.
         pool: Engine replicas.
         dispatcher: Engine attempts (retries, failover).
@@ -115,7 +117,7 @@ class Pipeline:
         config: GatewayConfig,
         auth: Authenticator,
         encoder: Encoder,
-        tokenizer: TextTokenizer,
+        tokenizers: TokenizerSet,
         limiter: RateLimiter,
         pool: ReplicaPool,
         dispatcher: Dispatcher,
@@ -129,7 +131,7 @@ class Pipeline:
         self.config = config
         self.auth = auth
         self.encoder = encoder
-        self.tokenizer = tokenizer
+        self.tokenizers = tokenizers
         self.limiter = limiter
         self.pool = pool
         self.dispatcher = dispatcher
@@ -258,6 +260,13 @@ class Pipeline:
             raise self._denied(tenant, memo)
         # a prompt no context could hold is refused before it spends a request unit
         check_prompt_size(request, choice.max_context_length)
+        tokenizer = self.tokenizers.get(info)
+        if tokenizer is None:
+            raise GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"model {choice.model!r} has no ready replica yet (its tokenizer is not "
+                "loaded); retry shortly",
+            )
         # Near its limits (or unknown here), a caller gets the request unit and a lease
         # before the tokenizer: one over its request rate or concurrency never costs a
         # tokenizer call, and tokens are taken once the prompt is counted (two Redis
@@ -271,7 +280,7 @@ class Pipeline:
             metrics.STAGE_RESERVE.observe(time.perf_counter() - t0)
         t1 = time.perf_counter()
         try:
-            prompt_ids = await self.encoder.encode(request, call, deadline)
+            prompt_ids = await self.encoder.encode(request, call, deadline, tokenizer)
             t2 = time.perf_counter()
             metrics.STAGE_ENCODE.observe(t2 - t1)
             # a route's next target when the prompt and the asked-for output do not fit
@@ -332,7 +341,7 @@ class Pipeline:
             metrics.STAGE_RESERVE.observe(time.perf_counter() - t4)
         metrics.LIMIT_CALLS.labels("one" if one_call else "two").inc()
         hold = await self._charge_budgets(tenant, job, max_tokens, reservation, call)
-        return _Admitted(tenant, job, reservation, route.shadow_version, hold)
+        return _Admitted(tenant, job, reservation, tokenizer, route.shadow_version, hold)
 
     async def _charge_budgets(
         self,
@@ -441,7 +450,10 @@ class Pipeline:
         client_left = False  # cancelled, or its deadline passed
         try:
             text = TextStream(
-                job.correlation_id, self.tokenizer, job.stop_strings, len(job.prompt_token_ids)
+                job.correlation_id,
+                admitted.tokenizer,
+                job.stop_strings,
+                len(job.prompt_token_ids),
             )
             if admitted.shadow_version and self.shadow is not None:
                 self.shadow.mirror(job, admitted.shadow_version)

@@ -68,6 +68,11 @@ class FailingEngine(engine_pb2_grpc.EngineServicer):
     def GetStats(self, request: Any, context: Any) -> engine_pb2.EngineStats:
         return engine_pb2.EngineStats()
 
+    def GetTokenizer(self, request: Any, context: Any) -> Iterator[Any]:
+        # its tokenizer is the stable engines' (same digest): the gateway holds it already
+        context.abort(grpc.StatusCode.UNAVAILABLE, "test fixture: configured to fail")
+        yield engine_pb2.TokenizerFilePiece()  # pragma: no cover
+
     def Generate(self, request: Any, context: Any) -> Iterator[Any]:
         self.num_generate += 1
         context.abort(grpc.StatusCode.UNAVAILABLE, "test fixture: configured to fail")
