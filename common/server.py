@@ -8,6 +8,8 @@ context, and on SIGTERM/SIGINT shuts down gracefully:
 
 Health stays NOT_SERVING until ``ready()`` returns, so a supervisor (or
 Envoy's active health check) sends no traffic to a service still warming up.
+Tracing (``common.tracing``, off unless an OTLP endpoint is configured) starts
+first and exports what it holds last.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from common import tracing
 from common.config import ServiceConfig
 from common.interceptors import DecodeErrorInterceptor, Handler, ServiceTokenInterceptor
 from common.log import get_logger
@@ -132,6 +135,14 @@ def _auth_interceptors(config: ServiceConfig, hooks: ServiceHooks) -> list[Any]:
 
 async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully. Returns after cleanup."""
+    tracing.setup(name)
+    try:
+        await _serve(name, config, hooks)
+    finally:
+        tracing.shutdown()
+
+
+async def _serve(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
     server = grpc.aio.server(
         interceptors=[
             RequestIdInterceptor(),

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 import structlog
 
+from common import tracing
 from common.log import get_logger
 from common.server import Context
 from engine_svc import convert, metrics
@@ -26,6 +27,7 @@ from engine_svc.backends.base import (
 from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.request import FinishReason
 from engine_svc.core.validation import validate_request
+from engine_svc.spans import EngineTrace
 from llm.v1 import engine_pb2, engine_pb2_grpc
 from tokenizer_svc.tokenizer import tokenizer_digest
 
@@ -100,17 +102,24 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
         structlog.contextvars.bind_contextvars(request_id=inp.request_id, tenant=inp.tenant_id)
         timeout = convert.deadline_seconds(request, context.time_remaining())
+        tracer = tracing.tracer()
+        trace = None
+        if tracer is not None:
+            trace = EngineTrace(tracer, context.invocation_metadata() or (), self._model)
+            trace.request(inp)
         self.num_active += 1
         self._idle.clear()
         try:
             async for resp in self._stream(
-                inp.priority, self._backend.generate(inp), timeout, context
+                inp.priority, self._backend.generate(inp), timeout, context, trace
             ):
                 yield resp
         finally:
             self.num_active -= 1
             if self.num_active == 0:
                 self._idle.set()
+            if trace is not None:
+                trace.end(context.code())
 
     async def _stream(
         self,
@@ -118,6 +127,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         stream: AsyncIterator[RequestOutput],
         seconds_left: float | None,
         context: Context,
+        trace: EngineTrace | None = None,
     ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         loop = asyncio.get_running_loop()
         when = None if seconds_left is None else loop.time() + max(0.0, seconds_left)
@@ -126,6 +136,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             while not finished:
                 async with asyncio.timeout_at(when):
                     out = await anext(stream)
+                if trace is not None:
+                    trace.last = out
                 finished = out.finished
                 if finished:
                     metrics.observe_finished(out, priority)

@@ -22,6 +22,7 @@ import grpc
 from llm.v1 import common_pb2
 
 if TYPE_CHECKING:
+    from gateway.request.spans import RequestTrace
     from ratelimit.budget.policy import Budget
     from ratelimit.config import Tenant
 
@@ -78,6 +79,13 @@ def new_traceparent(parent: str | None) -> tuple[str, str]:
     return f"00-{trace_id}-{secrets.token_hex(8)}-{flags}", trace_id
 
 
+def parent_span_id(parent: str, trace_id: str) -> str:
+    """The caller's span id in a ``traceparent`` that ``new_traceparent`` kept the trace
+    of (``trace_id``); "" when it started a new trace."""
+    m = _TRACEPARENT_RE.match(parent.strip().lower()) if parent else None
+    return m.group(3) if m and m.group(2) == trace_id else ""
+
+
 def client_source(forwarded_for: str, peer: str) -> str:
     """The client address of a call: the last ``x-forwarded-for`` entry (the one the
     edge proxy appended; earlier ones are whatever the client sent), else ``peer``
@@ -111,6 +119,9 @@ class CallContext:
             authentications are counted per source.
         ratelimit: Set by the pipeline: the ``x-ratelimit-*`` headers of its
             admission decisions.
+        auth_at: ``time.perf_counter()`` before and after a front's own authentication
+            (the HTTP front's, before it reads the body): the auth span of a trace.
+        trace: The request's spans while tracing is on (set by the pipeline).
     """
 
     authorization: str = ""
@@ -121,12 +132,15 @@ class CallContext:
     tenant: Tenant | None = None
     source: str = ""
     trace_id: str = field(default="", init=False)
+    client_traceparent: str = field(default="", init=False)  # as the client sent it
     request_id_error: str = field(default="", init=False)
     # OpenAI's x-ratelimit-* headers of the admission decisions so far (the fronts send
     # them as response headers / gRPC metadata, on answers and refusals alike)
     ratelimit: dict[str, str] = field(default_factory=dict, init=False)
     key_id: str = field(default="", init=False)
     key_budgets: tuple[Budget, ...] = field(default=(), init=False)
+    auth_at: tuple[float, float] | None = field(default=None, init=False)
+    trace: RequestTrace | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.request_id and not _REQUEST_ID_RE.match(self.request_id):
@@ -136,6 +150,7 @@ class CallContext:
             )
             self.request_id = ""
         self.request_id = self.request_id or uuid.uuid4().hex
+        self.client_traceparent = self.traceparent
         self.traceparent, self.trace_id = new_traceparent(self.traceparent)
 
 

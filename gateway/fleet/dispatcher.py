@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -32,7 +32,11 @@ from gateway.fleet.replica import Replica
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy, breaker_verdict, is_retryable
 from gateway.request.detokenize import TextStream
+from gateway.request.spans import end_engine_call, engine_call
 from llm.v1 import common_pb2, engine_pb2
+
+if TYPE_CHECKING:
+    from gateway.request.spans import RequestTrace
 
 log = get_logger(__name__)
 FAILOVER_CODES = frozenset(
@@ -51,7 +55,8 @@ class EngineJob:
     """What admission decided for one request.
 
     ``request_id`` is the id the gateway minted for the engines (never the
-    client's); ``correlation_id`` is the client's, echoed in its chunks.
+    client's); ``correlation_id`` is the client's, echoed in its chunks. With
+    ``trace`` (tracing on) each attempt is a span and sends its own traceparent.
     """
 
     request_id: str
@@ -67,6 +72,7 @@ class EngineJob:
     fallback_versions: tuple[str, ...] = ()  # tried in order when model_version has none
     correlation_id: str = ""
     tenant_weight: float = 1.0  # the tenant's fair share in the engines' scheduling
+    trace: RequestTrace | None = None
 
 
 class EngineCallError(Exception):
@@ -249,13 +255,18 @@ class Dispatcher:
         num_tokens = 0
         ttft: float | None = None
         call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
+        span = None
+        failure = grpc.StatusCode.CANCELLED.name  # until it finishes or fails otherwise
         try:
             text.attempt_started_at = time.perf_counter()
             if replica.info is not None:
                 text.model, text.model_version = replica.info.model, replica.info.version
+            span, traceparent = engine_call(
+                job.trace, replica.address, job.request_id, len(text.token_ids), job.traceparent
+            )
             metadata = (
                 ("x-request-id", job.request_id),
-                ("traceparent", job.traceparent),
+                ("traceparent", traceparent),
                 *replica.call_metadata,
             )
             call = replica.stub.Generate(
@@ -277,7 +288,7 @@ class Dispatcher:
                 if chunk is not None:
                     yield chunk
                 if text.finished:
-                    verdict = True
+                    verdict, failure = True, ""
                     return
             raise EngineCallError(
                 replica.address,
@@ -287,16 +298,17 @@ class Dispatcher:
             )
         except grpc.aio.AioRpcError as e:
             code = e.code()
-            verdict = breaker_verdict(code)
+            verdict, failure = breaker_verdict(code), code.name
             raise EngineCallError(
                 replica.address, code, e.details() or "", num_tokens, _retry_after(e)
             ) from None
-        except EngineCallError:
-            verdict = False
+        except EngineCallError as e:
+            verdict, failure = False, e.code.name
             raise
         finally:
             if call is not None:  # no-op when it ended; else the engine aborts and frees KV
                 call.cancel()
+            end_engine_call(span, failure, num_tokens)
             replica.release(verdict, ticket)
             if self.on_attempt is not None:
                 self.on_attempt(replica, verdict, ttft)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from common import tracing
 from common.log import get_logger
 from gateway import metrics
 from gateway.config import GatewayConfig
@@ -60,6 +61,7 @@ from gateway.request.params import (
     validate_sampling,
     validate_stop_token_ids,
 )
+from gateway.request.spans import RequestTrace, stage
 from llm.v1 import gateway_pb2
 from ratelimit.budget.ledger import BudgetHold
 from ratelimit.budget.policy import PriceTable
@@ -165,12 +167,20 @@ class Pipeline:
         tenant_label, code = "unauthenticated", grpc.StatusCode.OK
         tenant_id = ""  # set once authenticated: then the request is recorded
         labels = _Labels()
+        if (tracer := tracing.tracer()) is not None:
+            call.trace = RequestTrace(tracer, call, start)  # its trace id is the logs' too
         structlog.contextvars.bind_contextvars(request_id=call.request_id, trace_id=call.trace_id)
-        self._enter()
+        try:
+            self._enter()
+        except GatewayError as e:
+            if call.trace is not None:
+                call.trace.finish(e.code, {})
+            raise
         try:
             if call.tenant is None:
                 t0 = time.perf_counter()
-                tenant = await self.auth.tenant(call)
+                with stage(call.trace, "gateway.auth"):
+                    tenant = await self.auth.tenant(call)
                 metrics.STAGE_AUTH.observe(time.perf_counter() - t0)
             else:
                 tenant = call.tenant
@@ -201,6 +211,19 @@ class Pipeline:
             metrics.E2E.labels(labels.model, labels.version).observe(time.perf_counter() - start)
             if tenant_id and self.usage is not None:
                 self._record(tenant_id, call.key_id, code, labels)
+            if call.trace is not None:
+                call.trace.finish(code, self._span_attributes(tenant_id, labels))
+
+    @staticmethod
+    def _span_attributes(tenant_id: str, labels: _Labels) -> dict[str, str | int]:
+        return {
+            "llm.tenant_id": tenant_id,
+            "gen_ai.request.model": labels.model,
+            "llm.model_version": labels.version,
+            "gen_ai.usage.input_tokens": labels.prompt_tokens,
+            "gen_ai.usage.output_tokens": labels.completion_tokens,
+            "llm.cached_prompt_tokens": labels.cached_prompt_tokens,
+        }
 
     def _record(self, tenant_id: str, key_id: str, code: grpc.StatusCode, labels: _Labels) -> None:
         assert self.usage is not None
@@ -276,11 +299,13 @@ class Pipeline:
         reservation: Reservation | None = None
         t0 = time.perf_counter()
         if not one_call:
-            reservation = await self._reserve(tenant, 0, call, tokens=False)
+            with stage(call.trace, "gateway.reserve"):
+                reservation = await self._reserve(tenant, 0, call, tokens=False)
             metrics.STAGE_RESERVE.observe(time.perf_counter() - t0)
         t1 = time.perf_counter()
         try:
-            prompt_ids = await self.encoder.encode(request, call, deadline, tokenizer)
+            with stage(call.trace, "gateway.encode"):
+                prompt_ids = await self.encoder.encode(request, call, deadline, tokenizer)
             t2 = time.perf_counter()
             metrics.STAGE_ENCODE.observe(t2 - t1)
             # a route's next target when the prompt and the asked-for output do not fit
@@ -298,7 +323,8 @@ class Pipeline:
                 )
             except ValueError as e:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-            route = await self._route(model, choice.version, tenant, call)
+            with stage(call.trace, "gateway.route"):
+                route = await self._route(model, choice.version, tenant, call)
             t3 = time.perf_counter()
             metrics.STAGE_ROUTE.observe(t3 - t2)
             engine_id = engine_request_id(tenant.tenant_id)
@@ -317,10 +343,12 @@ class Pipeline:
                 deadline=deadline,
                 stop_strings=list(request.sampling.stop),
                 fallback_versions=route.fallbacks,
+                trace=call.trace,
             )
             num_tokens = len(prompt_ids) + max_tokens
             if reservation is not None:
-                await self._take(tenant, reservation, num_tokens, call)
+                with stage(call.trace, "gateway.take"):
+                    await self._take(tenant, reservation, num_tokens, call)
                 metrics.STAGE_TAKE.observe(time.perf_counter() - t3)
         except BaseException:
             # nothing was served: the lease and any tokens go back, the request unit stays
@@ -337,7 +365,8 @@ class Pipeline:
             raise
         if one_call:
             t4 = time.perf_counter()
-            reservation = await self._reserve(tenant, num_tokens, call, tokens=True)
+            with stage(call.trace, "gateway.reserve"):
+                reservation = await self._reserve(tenant, num_tokens, call, tokens=True)
             metrics.STAGE_RESERVE.observe(time.perf_counter() - t4)
         metrics.LIMIT_CALLS.labels("one" if one_call else "two").inc()
         hold = await self._charge_budgets(tenant, job, max_tokens, reservation, call)
@@ -355,7 +384,8 @@ class Pipeline:
             return None
         try:
             prompt = len(job.prompt_token_ids)
-            return await self.budgets.charge(tenant, job.model, prompt, max_tokens, call)
+            with stage(call.trace, "gateway.budget"):
+                return await self.budgets.charge(tenant, job.model, prompt, max_tokens, call)
         except BaseException:
             # over budget (or the client left): the tokens go back, the request unit
             # stays spent, as for a token refusal
@@ -457,16 +487,19 @@ class Pipeline:
             )
             if admitted.shadow_version and self.shadow is not None:
                 self.shadow.mirror(job, admitted.shadow_version)
-            async with self.limiter.keep_alive(admitted.reservation):
-                async for chunk in self.dispatcher.run(job, text):
-                    labels.version = text.model_version or labels.version
-                    if first_at is None and chunk.token_ids:
-                        first_at = time.perf_counter()
-                        metrics.TTFT.labels(tenant, job.model, labels.version).observe(
-                            first_at - start
-                        )
-                        metrics.OVERHEAD.observe(max(0.0, text.attempt_started_at - start))
-                    yield chunk
+            with stage(job.trace, "gateway.stream"):
+                async with self.limiter.keep_alive(admitted.reservation):
+                    async for chunk in self.dispatcher.run(job, text):
+                        labels.version = text.model_version or labels.version
+                        if first_at is None and chunk.token_ids:
+                            first_at = time.perf_counter()
+                            metrics.TTFT.labels(tenant, job.model, labels.version).observe(
+                                first_at - start
+                            )
+                            metrics.OVERHEAD.observe(max(0.0, text.attempt_started_at - start))
+                            if job.trace is not None:
+                                job.trace.record("gateway.first_token", start, first_at)
+                        yield chunk
         except (asyncio.CancelledError, GeneratorExit):
             client_left = True
             raise
@@ -498,12 +531,13 @@ class Pipeline:
         tenant = admitted.tenant.tenant_id
         metrics.TOKENS_CHARGED.labels(tenant, "prompt").inc(prompt)
         metrics.TOKENS_CHARGED.labels(tenant, "completion").inc(completion)
-        if admitted.reservation is not None:
-            await self.limiter.settle(
-                admitted.reservation, prompt_tokens=prompt, completion_tokens=completion
-            )
-        if admitted.budget_hold is not None and self.budgets is not None:
-            await self.budgets.settle(admitted.budget_hold, prompt, completion)
+        with stage(admitted.job.trace, "gateway.settle"):
+            if admitted.reservation is not None:
+                await self.limiter.settle(
+                    admitted.reservation, prompt_tokens=prompt, completion_tokens=completion
+                )
+            if admitted.budget_hold is not None and self.budgets is not None:
+                await self.budgets.settle(admitted.budget_hold, prompt, completion)
         log.info(
             "request settled",
             prompt_tokens=prompt,

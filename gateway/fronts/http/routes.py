@@ -171,7 +171,9 @@ class OpenAIRoutes:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         call = request[CALL_KEY]
         try:  # the key first: an unauthenticated caller gets no body read or parsed
+            t0 = time.perf_counter()
             call.tenant = await self.pipeline.auth.tenant(call)
+            call.auth_at = (t0, time.perf_counter())  # the auth span, when tracing is on
         except GatewayError as e:
             raise ApiError.from_gateway(e, chat=chat) from None
         parsed = await self._parse(request, chat)
