@@ -43,10 +43,30 @@ setup: install protos model ## everything a fresh machine needs (venv, deps, pro
 run: setup ## start the stack (Ctrl-C stops everything)
 	$(PY) -m scripts.run_stack
 
-test: setup ## the whole suite: unit + integration against real servers
+# promtool (checks and unit-tests deploy/prometheus/rules) from Debian's prometheus
+# package, unpacked without root into .cache/tools; a promtool on PATH is used as is.
+PROMTOOL_ROOT := .cache/tools/prometheus
+PROMTOOL := $(PROMTOOL_ROOT)/usr/bin/promtool
+
+$(PROMTOOL):
+	@mkdir -p $(@D)
+	@if command -v promtool >/dev/null; then ln -sf "$$(command -v promtool)" $@; exit 0; fi; \
+	dl=$$(mktemp -d); \
+	get() { (cd $$dl && apt-get download -q prometheus >/dev/null 2>&1); }; \
+	get || { [ "$$(id -u)" = 0 ] && apt-get update -qq >/dev/null 2>&1 && get; } || { rm -rf $$dl; \
+	  echo "error: no promtool: install Debian's 'prometheus' package (apt-get install prometheus)," \
+	       "or put promtool on PATH; make test needs it for deploy/prometheus/rules" >&2; exit 1; }; \
+	dpkg-deb --fsys-tarfile $$dl/prometheus_*.deb | tar -x -C $(PROMTOOL_ROOT) ./usr/bin/promtool; \
+	rm -rf $$dl
+	@$@ --version | head -1
+
+.PHONY: promtool
+promtool: $(PROMTOOL) ## promtool for the alert-rule tests (Debian's prometheus package, no root)
+
+test: setup promtool ## the whole suite: unit + integration against real servers
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-test-unit: setup ## quick loop: unit tests only (no servers)
+test-unit: setup promtool ## quick loop: unit tests only (no servers)
 	$(PY) -m pytest -q tests/unit
 
 test-integration: setup ## integration tests only (real servers)
