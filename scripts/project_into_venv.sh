@@ -2,7 +2,8 @@
 # The project into the venv of an engine that pins its own dependencies (vLLM,
 # TensorRT-LLM): the project without its dependencies (the engine's pins stay), then
 # what the engine service and the tests need beside the engine, with the gRPC add-ons
-# matched to the grpcio the engine brought.
+# matched to the grpcio the engine brought (and the tracing API the services import;
+# the OpenTelemetry SDK and exporter load only once an OTLP endpoint is set).
 #
 #   bash scripts/project_into_venv.sh .cache/peers/vllm
 set -euo pipefail
@@ -12,4 +13,4 @@ cd "$(dirname "$0")/.."
 grpc=$("$venv/bin/python" -c 'import grpc; print(".".join(grpc.__version__.split(".")[:2]))')
 "$venv/bin/pip" install -q "grpcio-health-checking==$grpc.*" "grpcio-reflection==$grpc.*" \
   "structlog>=24.1" "pytest>=8,<10" "pytest-timeout>=2.3,<3" "pytest-asyncio>=0.24,<2" \
-  "hypothesis>=6.100,<7"
+  "hypothesis>=6.100,<7" "opentelemetry-api>=1.20,<2"
