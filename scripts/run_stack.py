@@ -283,6 +283,11 @@ def banner(stack: Stack) -> str:
         "messages=[{'role': 'user', 'content': 'What is the capital of France?'}])"
         '.choices[0].message.content)"',
         "",
+        "Monitoring: dashboards deploy/grafana/dashboards/, alert and recording rules "
+        "deploy/prometheus/rules/",
+        "  (docker compose -f deploy/compose.yaml --profile monitoring runs Prometheus and "
+        "Grafana with them; docs/operations.md section 12)",
+        "",
         "Ctrl-C stops everything.",
     ]
     return "\n".join(lines)
