@@ -41,7 +41,11 @@ def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
 
 @dataclass
 class ManagedProcess(LoggedChild):
-    """One service subprocess: ``python -m <module> <args>`` with a port file."""
+    """One service subprocess: ``python -m <module> <args>`` with a port file.
+
+    ``launcher`` replaces ``python -m`` (the module name and args follow it) and
+    ``cwd`` the repository root, e.g. to run a service from an image's file layout.
+    """
 
     stop_timeout = 15.0  # services drain in-flight work on SIGTERM
     start_error = ServiceStartError
@@ -51,6 +55,8 @@ class ManagedProcess(LoggedChild):
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
+    launcher: list[str] | None = None
+    cwd: Path | None = None
     host: str = "127.0.0.1"
     proc: subprocess.Popen[bytes] | None = None
     port: int = 0
@@ -74,8 +80,9 @@ class ManagedProcess(LoggedChild):
         self._port_file.unlink(missing_ok=True)
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         env.setdefault("PYTHONPATH", str(ROOT))
-        cmd = [sys.executable, "-m", self.module, *self.args, "--port-file", str(self._port_file)]
-        self.spawn(cmd, cwd=ROOT, env=env)
+        run = self.launcher or [sys.executable, "-m"]
+        cmd = [*run, self.module, *self.args, "--port-file", str(self._port_file)]
+        self.spawn(cmd, cwd=self.cwd or ROOT, env=env)
         self.wait_ready(self._healthy, timeout, poll_s=0.1)
         return self
 

@@ -16,6 +16,7 @@ COPY pyproject.toml README.md ./
 COPY protos protos
 COPY scripts/gen_protos.py scripts/gen_protos.py
 COPY common common
+COPY tokenizer_svc tokenizer_svc
 COPY engine_svc engine_svc
 COPY engine_tools engine_tools
 COPY deploy/__init__.py deploy/healthcheck.py deploy/
