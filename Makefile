@@ -91,9 +91,9 @@ bench: setup ## benchmarks; reports go to bench/reports/
 	$(PY) -m bench.spec_bench
 
 bench-load: setup ## load run, rate sweep, fairness experiments, capacity template (~10 min)
-	$(PY) -m bench.load run --spawn --target gateway --rate 1 --duration 30 --mix chatlike --max-output-tokens 64 --tenant name=gold,priority=CRITICAL,share=1 --tenant name=free,priority=LOW,share=2 --no-progress
-	$(PY) -m bench.load sweep --spawn --target engine --mix short_chat --rate-start 0.5 --rate-factor 2 --max-steps 5 --duration 15 --ttft-p95-target-ms 2000 --no-progress
-	$(PY) -m bench.load fairness --spawn --max-output-tokens 32 --no-progress
+	$(PY) -m bench.load run --spawn --target gateway --rate 1 --duration 30 --mix chatlike --max-output-tokens 64 --tenant name=gold,priority=CRITICAL,share=1 --tenant name=free,priority=LOW,share=2
+	$(PY) -m bench.load sweep --spawn --target engine --mix short_chat --rate-start 0.5 --rate-factor 2 --max-steps 5 --duration 15 --ttft-p95-target-ms 2000
+	$(PY) -m bench.load fairness --spawn --max-output-tokens 32
 	$(PY) -m bench.capacity --measure
 
 VLLM_VENV := .cache/peers/vllm
