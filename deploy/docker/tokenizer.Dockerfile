@@ -9,9 +9,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
-# CPU torch first (the project pins it; the default index would pull a CUDA build)
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY protos protos
 COPY scripts/gen_protos.py scripts/gen_protos.py
 COPY common common
@@ -20,7 +18,7 @@ COPY deploy/__init__.py deploy/healthcheck.py deploy/
 COPY config config
 RUN pip install grpcio-tools mypy-protobuf googleapis-common-protos \
     && python scripts/gen_protos.py \
-    && pip install . \
+    && pip install -c constraints.txt . \
     && pip uninstall -y grpcio-tools mypy-protobuf
 
 FROM ${PYTHON_IMAGE}
