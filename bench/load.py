@@ -52,6 +52,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="the engines' internal-call secret (make run: .run/service.token; "
         "needed to call or poll its engines directly)",
     )
+    g.add_argument(
+        "--ca-cert",
+        default="",
+        help="TLS to --address, trusting this CA (make run's Envoy: .run/tls/ca.crt)",
+    )
     g.add_argument("--spawn", action="store_true", help="start the services it needs")
     g.add_argument("--num-engines", type=int, default=1)
     g.add_argument(
@@ -152,7 +157,11 @@ def _endpoint(args: argparse.Namespace, stack: Stack | None) -> Endpoint:
         if args.target == "engine" and not stats:
             stats = [args.address]
         return Endpoint(
-            args.target, args.address, stats, read_service_token(args.service_token_file)
+            args.target,
+            args.address,
+            stats,
+            read_service_token(args.service_token_file),
+            Path(args.ca_cert).read_bytes() if args.ca_cert else None,
         )
     address = {
         "engine": stack.engines[0] if stack.engines else "",
@@ -173,7 +182,8 @@ def execute(args: argparse.Namespace, stack: Stack | None, out_dir: Path) -> dic
         report = fairness.run_all(args, endpoint, admin_key, pool, out_dir / f"load_{name}.png")
     else:
         if endpoint.kind != "engine" and admin_key:
-            setup_tenants(endpoint.address, admin_key, phase.tenants, f"-{uuid.uuid4().hex[:6]}")
+            tag = f"-{uuid.uuid4().hex[:6]}"
+            setup_tenants(endpoint.address, admin_key, phase.tenants, tag, endpoint.ca_cert)
         if args.command == "sweep":
             cfg = SweepConfig(
                 args.ttft_p95_target_ms,

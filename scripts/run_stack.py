@@ -3,7 +3,10 @@
 Services start in dependency order, each as a subprocess in its own process
 group with its log under .run/logs/; each gRPC service must report SERVING on
 grpc.health.v1 before the next starts. Then the admin key is registered and a
-demo tenant with a key is created (.run/admin.key, .run/demo.key). Ctrl-C (or
+demo tenant with a key is created (.run/admin.key, .run/demo.key). Envoy's
+public listener is TLS only, with a certificate for localhost/127.0.0.1 signed
+by a local CA, both made once into .run/tls/ (reused while valid; clients
+trust .run/tls/ca.crt). Ctrl-C (or
 SIGTERM) stops everything in reverse order, by pid; if one service dies, the
 rest are stopped too.
 
@@ -33,6 +36,7 @@ from common.redis_server import RedisServer
 from common.service_auth import read_secret_file
 from deploy.envoy import EnvoyProcess, render_config_file
 from deploy.envoy.config import EnvoyConfig
+from deploy.envoy.tls import TlsFiles, ensure_local_tls
 from engine_svc.config import EngineServiceConfig
 from gateway.config import GatewayConfig
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
@@ -62,6 +66,7 @@ class Stack:
     log_dir: Path
     redis: RedisServer | None = None
     envoy: EnvoyProcess | None = None
+    tls: TlsFiles | None = None
     procs: list[ManagedProcess] = field(default_factory=list)
     admin_key: str = ""
     demo_key: str = ""
@@ -124,10 +129,12 @@ def secret_file(name: str) -> tuple[Path, str]:
     return path, secret
 
 
-async def create_demo_tenant(address: str, key: str) -> str:
-    """Upsert the demo tenant and give it a fresh key (written to .run/demo.key)."""
+async def create_demo_tenant(address: str, key: str, ca_cert: bytes) -> str:
+    """Upsert the demo tenant and give it a fresh key (written to .run/demo.key),
+    through Envoy over TLS, trusting the local CA as every client does."""
     md = (("authorization", f"Bearer {key}"),)
-    async with grpc.aio.insecure_channel(address) as ch:
+    creds = grpc.ssl_channel_credentials(root_certificates=ca_cert)
+    async with grpc.aio.secure_channel(address, creds) as ch:
         stub = admin_pb2_grpc.RateLimitAdminStub(ch)
         await stub.UpsertTenant(
             admin_pb2.Tenant(
@@ -216,6 +223,7 @@ def bring_up(stack: Stack) -> None:
     )
     gateway = stack.by_name("gateway").address
     print("starting envoy ...", flush=True)
+    stack.tls = tls = ensure_local_tls(RUN_DIR / "tls")
     ev = load_config(EnvoyConfig, "envoy")
     cfg = render_config_file(
         RUN_DIR / "envoy.yaml",
@@ -226,11 +234,15 @@ def bring_up(stack: Stack) -> None:
         admin=[gateway],
         gateway_http=[f"{gw.host}:{gw.http_port}"],
         access_log_path=stack.log_dir / "envoy-access.log",
+        tls_cert=tls.cert,
+        tls_key=tls.key,
     )
     stack.envoy = EnvoyProcess(cfg, log_dir=stack.log_dir)
     stack.envoy.start(timeout=60)
     stack.demo_key = asyncio.run(
-        create_demo_tenant(stack.envoy.listener_address(), stack.admin_key)
+        create_demo_tenant(
+            stack.envoy.listener_address(), stack.admin_key, tls.ca_cert.read_bytes()
+        )
     )
 
 
@@ -243,8 +255,9 @@ def banner(stack: Stack) -> str:
     cli = _rel(Path(sys.executable).parent / "llm-client")
     assert stack.redis is not None
     assert stack.envoy is not None
+    assert stack.tls is not None
     edge = stack.envoy.listener_address()
-    host, port = edge.rsplit(":", 1)
+    ca = _rel(stack.tls.ca_cert)
     lines = [
         "",
         "The stack is up:",
@@ -255,30 +268,38 @@ def banner(stack: Stack) -> str:
             f"   log {_rel(p.log_path)}"
             for p in stack.procs
         ),
-        f"  {'envoy':<10} {edge:<27} (public: llm.v1.Gateway, OpenAI /v1/*, admin as "
-        f"HTTP/JSON under /v1/admin/)   log {_rel(stack.log_dir / 'envoy-access.log')}",
+        f"  {'envoy':<10} {edge:<27} (public, TLS only: llm.v1.Gateway, OpenAI /v1/*, admin "
+        f"as HTTP/JSON under /v1/admin/)   log {_rel(stack.log_dir / 'envoy-access.log')}",
+        "",
+        f"TLS: Envoy's certificate ({_rel(stack.tls.cert)}, for localhost, 127.0.0.1 and ::1) "
+        f"is signed by the local CA {ca}; clients trust that file (curl --cacert, grpcurl "
+        "-cacert, llm-client finds it itself); kept and reused while valid.",
         "",
         f"Keys: admin {_rel(RUN_DIR / 'admin.key')}, demo tenant {DEMO_TENANT!r} "
         f"{_rel(RUN_DIR / 'demo.key')} "
         f"({stack.demo_key[:11]}...); engines and the tokenizer answer only callers with "
         f"{_rel(RUN_DIR / 'service.token')} (x-service-token)",
         "",
-        "Try it (through Envoy):",
+        "Try it (through Envoy, over TLS):",
         f"  {cli} --address {edge} chat 'What is the capital of France?'",
         f"  {cli} --address {edge} --json prompt 'Once upon a time'",
-        f"  {cli} --address {edge} admin usage {DEMO_TENANT}",
-        f'  curl -s -H "authorization: Bearer $(cat {_rel(RUN_DIR / "admin.key")})" '
-        f"http://{host}:{port}/v1/admin/tenants/{DEMO_TENANT}/usage",
-        f'  grpcurl -plaintext -H "authorization: Bearer $(cat {_rel(RUN_DIR / "demo.key")})" '
+        f"  {cli} --address {edge} --ca-cert {ca} admin usage {DEMO_TENANT}",
+        f'  curl -s --cacert {ca} -H "authorization: Bearer '
+        f'$(cat {_rel(RUN_DIR / "admin.key")})" '
+        f"https://{edge}/v1/admin/tenants/{DEMO_TENANT}/usage",
+        f"  grpcurl -cacert {ca} "
+        f'-H "authorization: Bearer $(cat {_rel(RUN_DIR / "demo.key")})" '
         f'-d \'{{"prompt": "Hi"}}\' {edge} llm.v1.Gateway/Generate',
         "",
         "OpenAI-compatible HTTP (same keys, limits and metrics):",
-        f"  curl -N http://{host}:{port}/v1/chat/completions "
+        f"  curl -N --cacert {ca} https://{edge}/v1/chat/completions "
         f'-H "Authorization: Bearer $(cat {_rel(RUN_DIR / "demo.key")})" '
         '-H \'Content-Type: application/json\' -d \'{"model": "", "messages": '
         '[{"role": "user", "content": "Hi"}], "max_tokens": 32, "stream": true}\'',
-        f"  {py} -c \"from openai import OpenAI; c = OpenAI(base_url='http://{host}:{port}/v1', "
-        f"api_key=open('{_rel(RUN_DIR / 'demo.key')}').read().strip()); "
+        f'  {py} -c "import ssl; from openai import OpenAI, DefaultHttpxClient; '
+        f"c = OpenAI(base_url='https://{edge}/v1', "
+        f"api_key=open('{_rel(RUN_DIR / 'demo.key')}').read().strip(), "
+        f"http_client=DefaultHttpxClient(verify=ssl.create_default_context(cafile='{ca}'))); "
         "print(c.chat.completions.create(model='', max_tokens=32, "
         "messages=[{'role': 'user', 'content': 'What is the capital of France?'}])"
         '.choices[0].message.content)"',

@@ -86,7 +86,9 @@ class Runner:
 
     def tenants(self, *specs: TenantSpec) -> list[TenantSpec]:
         """Create the tenants (priorities, limits, keys) through the admin API."""
-        setup_tenants(self.endpoint.address, self.admin_key, list(specs), self.tag)
+        setup_tenants(
+            self.endpoint.address, self.admin_key, list(specs), self.tag, self.endpoint.ca_cert
+        )
         return list(specs)
 
 

@@ -28,18 +28,22 @@ class Endpoint:
         stats: engine replicas to poll with GetStats (may be empty).
         service_token: the internal-call secret engines require (``make run``'s
             ``.run/service.token``); "" for engines without one.
+        ca_cert: the CA (PEM) to trust over TLS, for Envoy's listener (``make run``'s
+            ``.run/tls/ca.crt``); None = plaintext (the gateway on loopback).
     """
 
     kind: str
     address: str
     stats: list[str] = field(default_factory=list)
     service_token: str = ""
+    ca_cert: bytes | None = None
 
     def target(self, tenants: list[TenantSpec]) -> Target:
         """A fresh client for this endpoint (keys from the tenants on Gateway APIs)."""
         if self.kind == "engine":
             return EngineTarget(self.address, self.service_token)
-        return GatewayTarget(self.address, {t.name: t.key for t in tenants}, self.kind)
+        keys = {t.name: t.key for t in tenants}
+        return GatewayTarget(self.address, keys, self.kind, self.ca_cert)
 
 
 @dataclass(slots=True)

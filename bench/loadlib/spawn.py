@@ -122,6 +122,7 @@ class Stack:
             cfg = render_config_file(
                 spec.work_dir / "envoy.yaml",
                 listener_host="127.0.0.1",
+                plaintext=True,  # loopback: measures the stack, not TLS
                 listener_port=0,
                 admin_port=0,
                 gateway=[self.gateway],
@@ -146,15 +147,24 @@ class Stack:
 
 
 def setup_tenants(
-    admin_address: str, admin_key: str, tenants: list[TenantSpec], run_tag: str = ""
+    admin_address: str,
+    admin_key: str,
+    tenants: list[TenantSpec],
+    run_tag: str = "",
+    ca_cert: bytes | None = None,
 ) -> None:
     """Upsert each tenant (priority, limits) and give it a fresh key (``tenant.key``).
 
     Tenant ids get ``run_tag`` appended so repeated runs on one Redis start
-    from full buckets.
+    from full buckets. ``ca_cert``: over TLS trusting that CA (Envoy), else plaintext.
     """
     md = (("authorization", f"Bearer {admin_key}"),)
-    with grpc.insecure_channel(admin_address) as channel:
+    channel = (
+        grpc.secure_channel(admin_address, grpc.ssl_channel_credentials(ca_cert))
+        if ca_cert
+        else grpc.insecure_channel(admin_address)
+    )
+    with channel:
         admin = admin_pb2_grpc.RateLimitAdminStub(channel)
         for t in tenants:
             tid = t.name + run_tag

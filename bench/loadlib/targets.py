@@ -114,12 +114,23 @@ class EngineTarget:
 
 
 class GatewayTarget:
-    """``llm.v1.Gateway`` at ``address`` (the gateway or Envoy); one API key per tenant."""
+    """``llm.v1.Gateway`` at ``address`` (the gateway or Envoy); one API key per tenant.
+    With ``ca_cert`` (PEM) over TLS, trusting that CA (Envoy's listener); else plaintext."""
 
-    def __init__(self, address: str, keys: dict[str, str], name: str = "gateway") -> None:
+    def __init__(
+        self,
+        address: str,
+        keys: dict[str, str],
+        name: str = "gateway",
+        ca_cert: bytes | None = None,
+    ) -> None:
         self.name = name
         self.keys = keys
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = (
+            grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca_cert))
+            if ca_cert
+            else grpc.aio.insecure_channel(address)
+        )
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     async def stream(self, spec: RequestSpec, timeout_s: float) -> AsyncIterator[Progress]:

@@ -3,6 +3,9 @@
 # deploy/envoy/envoy.yaml (rendered here, never kept as a second copy) and
 # the descriptor set for the gRPC-JSON transcoder. Build from the repository root:
 #   docker build -f deploy/docker/envoy.Dockerfile -t llm-stack/envoy .
+# The public listener is TLS only. No certificate is baked in: mount tls.crt and
+# tls.key (PEM) at /etc/envoy/tls, readable by uid 101 (Kubernetes: the
+# kubernetes.io/tls Secret llm-edge-tls; compose: the directory $TLS_DIR).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG ENVOY_IMAGE=envoyproxy/envoy:v1.40.0
 
@@ -13,6 +16,8 @@ RUN pip install grpcio-tools mypy-protobuf googleapis-common-protos "pyyaml>=6,<
 COPY protos protos
 COPY scripts/gen_protos.py scripts/gen_protos.py
 COPY deploy/__init__.py deploy/
+# the renderer and launcher import these (standard library only)
+COPY common/__init__.py common/addresses.py common/pgroup.py common/
 COPY deploy/envoy deploy/envoy
 RUN python scripts/gen_protos.py \
     && python -m deploy.envoy.config --preset container -o /out/envoy.yaml \
@@ -22,7 +27,8 @@ FROM ${ENVOY_IMAGE}
 COPY --from=build /out/envoy.yaml /out/llm_v1.pb /etc/envoy/
 # 101 is the image's own "envoy" user
 USER 101:101
-# 8080 public gRPC + HTTP/JSON admin API; 9902 /stats/prometheus and /ready.
+# 8080 public, TLS: gRPC, OpenAI HTTP, HTTP/JSON admin API; 9902 /stats/prometheus
+# and /ready (plaintext, for probes and Prometheus inside the cluster).
 # The admin interface (9901) stays on 127.0.0.1 inside the container.
 EXPOSE 8080 9902
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \

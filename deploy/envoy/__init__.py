@@ -3,7 +3,8 @@
 from deploy.envoy import EnvoyProcess, render_config_file
 
 path = render_config_file(out_dir, listener_port=0, admin_port=0,
-                          gateway=[("127.0.0.1", 50051)])
+                          gateway=[("127.0.0.1", 50051)],
+                          tls_cert=cert, tls_key=key)  # TLS unless plaintext=True on loopback
 with EnvoyProcess(path) as envoy:
     envoy.listener_address()      # "127.0.0.1:<bound port>"
 """

@@ -6,6 +6,10 @@ ports, the container image, Kubernetes) starts from that file and replaces
 only what differs:
 
     listener_host / listener_port   the public listener ("public")
+    tls_cert / tls_key              its certificate chain and private key (PEM);
+                                    the file names make run's (.run/tls/)
+    plaintext                       no TLS on the public listener: only when it is
+                                    bound to a loopback address (tests, benchmarks)
     stats_port                      the Prometheus listener ("stats"), same host
     admin_port                      Envoy's admin interface (always 127.0.0.1);
                                     0 drops the stats listener, which proxies to it
@@ -38,9 +42,12 @@ from typing import Any
 
 import yaml
 
+from common.addresses import is_loopback
+
 ROOT = Path(__file__).resolve().parents[2]
 ENVOY_YAML = Path(__file__).resolve().parent / "envoy.yaml"
 ADMIN_HOST = "127.0.0.1"  # never anything else: the admin API can stop Envoy
+CONTAINER_TLS_DIR = "/etc/envoy/tls"  # a kubernetes.io/tls Secret or a directory, mounted
 
 PUBLIC_LISTENER = "public"
 STATS_LISTENER = "stats"
@@ -59,7 +66,7 @@ class EnvoyConfig:
     """The ``envoy`` section of the stack config: where ``make run``'s Envoy listens."""
 
     host: str = "0.0.0.0"
-    port: int = 8080  # public listener: gRPC and /v1/admin/ HTTP/JSON
+    port: int = 8080  # public listener (TLS): gRPC, OpenAI HTTP, /v1/admin/ HTTP/JSON
     admin_port: int = 9901  # Envoy's admin interface, loopback only; 0 = ephemeral
 
 
@@ -90,6 +97,9 @@ EndpointLike = str | tuple[str, int] | Endpoint
 # every pod and Envoy health-checks and ejects each replica on its own).
 CONTAINER_PRESET: dict[str, Any] = {
     "listener_host": "0.0.0.0",
+    "stats_port": 9902,  # on every address too: probes and Prometheus reach the pod's
+    "tls_cert": f"{CONTAINER_TLS_DIR}/tls.crt",
+    "tls_key": f"{CONTAINER_TLS_DIR}/tls.key",
     "gateway": ["gateway:50051"],
     "gateway_http": ["gateway:8000"],
     "admin": ["gateway:50051"],
@@ -144,6 +154,15 @@ def http_filter(config: Config, filter_name: str, listener_name: str = PUBLIC_LI
     raise KeyError(f"listener {listener_name!r} has no HTTP filter {filter_name!r}")
 
 
+def tls_context(config: Config, listener_name: str = PUBLIC_LISTENER) -> Config:
+    """The DownstreamTlsContext of a listener; KeyError when it is plaintext."""
+    for chain in listener(config, listener_name)["filter_chains"]:
+        if "transport_socket" in chain:
+            ctx: Config = chain["transport_socket"]["typed_config"]
+            return ctx
+    raise KeyError(f"listener {listener_name!r} has no TLS")
+
+
 def cluster_endpoints(config: Config, name: str) -> list[Endpoint]:
     """Every endpoint address of a static/DNS cluster."""
     out = []
@@ -195,6 +214,30 @@ def _set_endpoints(config: Config, name: str, endpoints: Sequence[EndpointLike])
     ]
 
 
+def _absolute(path: str | Path) -> str:
+    """A relative path in the config (build/..., .run/...) against the repository root."""
+    out = Path(path)
+    return str(out if out.is_absolute() else ROOT / out)
+
+
+def _set_tls(config: Config, cert: str | Path | None, key: str | Path | None, plain: bool) -> None:
+    public = listener(config, PUBLIC_LISTENER)
+    if plain:
+        host = public["address"]["socket_address"]["address"]
+        if not is_loopback(host):
+            raise ValueError(
+                f"plaintext is for a loopback listener only; {host!r} is not one "
+                "(give tls_cert and tls_key instead)"
+            )
+        for chain in public["filter_chains"]:
+            chain.pop("transport_socket", None)
+            chain.pop("transport_socket_connect_timeout", None)
+        return
+    (certificate,) = tls_context(config)["common_tls_context"]["tls_certificates"]
+    for field, given in (("certificate_chain", cert), ("private_key", key)):
+        certificate[field]["filename"] = _absolute(given or certificate[field]["filename"])
+
+
 def _drop(config: Config, kind: str, name: str) -> None:
     items = config["static_resources"][kind]
     config["static_resources"][kind] = [i for i in items if i["name"] != name]
@@ -216,15 +259,21 @@ def render_config(
     gateway_http: Sequence[EndpointLike] | None = None,
     proto_descriptor: str | Path | None = None,
     access_log_path: str | Path | None = None,
+    tls_cert: str | Path | None = None,
+    tls_key: str | Path | None = None,
+    plaintext: bool = False,
     base: str | Path = ENVOY_YAML,
 ) -> Config:
     """envoy.yaml with the given parts replaced; ``None`` keeps what the file says.
 
-    A relative descriptor path (the file's ``build/llm_v1.pb``) is made
-    absolute against the repository root, so the result works from any cwd.
+    Relative paths (the file's ``build/llm_v1.pb`` and ``.run/tls/tls.crt``)
+    are made absolute against the repository root, so the result works from
+    any cwd. ``plaintext=True`` drops TLS from the public listener, and is
+    refused unless that listener is bound to a loopback address.
     """
     config = load_config(base)
     _set_socket(listener(config, PUBLIC_LISTENER), listener_host, listener_port)
+    _set_tls(config, tls_cert, tls_key, plaintext)
     if stats_port is not None:
         _set_socket(listener(config, STATS_LISTENER), listener_host, stats_port)
     if admin_port is not None:
@@ -249,10 +298,7 @@ def render_config(
     if gateway_http is not None:
         _set_endpoints(config, GATEWAY_HTTP_CLUSTER, gateway_http)
     transcoder = http_filter(config, TRANSCODER)
-    descriptor = Path(proto_descriptor or transcoder["proto_descriptor"])
-    if not descriptor.is_absolute():
-        descriptor = ROOT / descriptor
-    transcoder["proto_descriptor"] = str(descriptor)
+    transcoder["proto_descriptor"] = _absolute(proto_descriptor or transcoder["proto_descriptor"])
     if access_log_path is not None:
         _set_access_log(config, str(access_log_path))
     return config
@@ -300,6 +346,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--descriptor", help="proto descriptor set path")
     parser.add_argument("--access-log", help="access log path (default /dev/stdout)")
+    parser.add_argument("--tls-cert", help="certificate chain (PEM) of the public listener")
+    parser.add_argument("--tls-key", help="its private key (PEM)")
+    parser.add_argument(
+        "--plaintext",
+        action="store_true",
+        help="no TLS on the public listener (refused unless --listen is a loopback address)",
+    )
     parser.add_argument("-o", "--output", required=True, help="where to write the YAML")
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = dict(CONTAINER_PRESET) if args.preset == "container" else {}
@@ -314,9 +367,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ("gateway_http", args.gateway_http),
         ("proto_descriptor", args.descriptor),
         ("access_log_path", args.access_log),
+        ("tls_cert", args.tls_cert),
+        ("tls_key", args.tls_key),
     ):
         if value is not None:
             overrides[key] = value
+    if args.plaintext:
+        overrides["plaintext"] = True
     out = render_config_file(args.output, **overrides)
     print(f"wrote {out}")
     return 0

@@ -1,8 +1,9 @@
 """Run a real Envoy on a rendered config: start, wait until ready, stop by pid.
 
-    path = render_config_file(listener_port=0, admin_port=0, gateway=["127.0.0.1:50051"])
+    path = render_config_file(listener_port=0, admin_port=0, gateway=["127.0.0.1:50051"],
+                              tls_cert=tls.cert, tls_key=tls.key)  # deploy.envoy.tls
     with EnvoyProcess(path, log_dir=tmp) as envoy:
-        channel = grpc.insecure_channel(envoy.listener_address())
+        channel = grpc.secure_channel(envoy.listener_address(), creds_trusting_tls_ca_cert)
 
 Each instance gets a base id of its own (``--use-dynamic-base-id``: Envoy picks
 one no other live Envoy on the machine holds, and writes it to a file), so any

@@ -25,10 +25,13 @@
     llm-client admin route big-model big-model small-model          # a fallback chain
     llm-client admin routes | route-delete team-chat
 
-Talks to Envoy (127.0.0.1:8080) unless --address says otherwise. The API key
-comes from --api-key, $LLM_API_KEY or .run/demo.key; the admin key from
---admin-key, $ADMIN_KEY or .run/admin.key. Errors print one line with the
-gRPC status and exit 1.
+Talks to Envoy (127.0.0.1:8080) unless --address says otherwise, over TLS:
+the server's certificate is checked against --ca-cert, $LLM_CA_CERT, make
+run's local CA (.run/tls/ca.crt, for a loopback address) or the system's
+roots, in that order. --plaintext (no TLS) is for loopback addresses only.
+The API key comes from --api-key, $LLM_API_KEY or .run/demo.key; the admin
+key from --admin-key, $ADMIN_KEY or .run/admin.key. Errors print one line
+with the gRPC status and exit 1.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from common.addresses import host_of, is_loopback
 from common.config import ROOT
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -65,6 +69,36 @@ def _key(flag: str | None, env: str, file: str) -> str:
     raise SystemExit(
         f"error: no key: pass it as a flag, set ${env}, or run `make run` (it writes {path})"
     )
+
+
+def ca_cert(args: argparse.Namespace, host: str) -> Path | None:
+    """The CA to trust: the flag, $LLM_CA_CERT, make run's for loopback, else None
+    (gRPC's own roots)."""
+    given = args.ca_cert or os.environ.get("LLM_CA_CERT")
+    if given:
+        if not Path(given).is_file():
+            raise SystemExit(f"error: no CA certificate at {given}")
+        return Path(given)
+    local = RUN_DIR / "tls" / "ca.crt"
+    return local if is_loopback(host) and local.is_file() else None
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """TLS to ``--address`` (plaintext only with --plaintext, only to loopback)."""
+    host = host_of(args.address)
+    if args.plaintext:
+        if not is_loopback(host):
+            raise SystemExit(
+                f"error: --plaintext only to a loopback address, not {host!r}: "
+                "Envoy serves TLS (trust its CA with --ca-cert)"
+            )
+        return grpc.insecure_channel(args.address)
+    ca = ca_cert(args, host)
+    creds = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes() if ca else None)
+    options = []
+    if args.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", args.tls_server_name))
+    return grpc.secure_channel(args.address, creds, options)
 
 
 def _sampling(args: argparse.Namespace) -> common_pb2.SamplingParams:
@@ -350,6 +384,18 @@ def parser() -> argparse.ArgumentParser:
         prog="llm-client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--address", default=os.environ.get("LLM_ADDRESS", "127.0.0.1:8080"))
+    p.add_argument(
+        "--ca-cert",
+        metavar="PEM",
+        help="CA that signed the server's certificate (default: $LLM_CA_CERT, else make "
+        "run's .run/tls/ca.crt for a loopback address, else the system's roots)",
+    )
+    p.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="name to check in the certificate, when --address does not carry it",
+    )
+    p.add_argument("--plaintext", action="store_true", help="no TLS (only to a loopback address)")
     p.add_argument("--api-key")
     p.add_argument("--admin-key")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -466,7 +512,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    with grpc.insecure_channel(args.address) as channel:
+    with open_channel(args) as channel:
         try:
             return admin(channel, args) if args.cmd == "admin" else generate(channel, args)
         except grpc.RpcError as e:

@@ -34,6 +34,16 @@ from tests.conftest import ENGINE_TEST_ENV
 pytestmark = pytest.mark.integration
 
 
+def banner_example(
+    banner: str, env: dict[str, str], marker: str
+) -> subprocess.CompletedProcess[str]:
+    """Run the example line of make run's banner that contains ``marker``, as printed."""
+    line = next(ln for ln in banner.splitlines() if marker in ln)
+    return subprocess.run(
+        ["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
 def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
     env = {
         **os.environ,
@@ -155,7 +165,17 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
         demo_key = (tmp_path / "demo.key").read_text().strip()
         assert admin_key.startswith("sk-llm-")
         assert demo_key.startswith("sk-llm-")
-        with grpc.insecure_channel(addr["envoy"]) as ch:  # through the edge
+        # the edge is TLS only, with make run's certificate signed by its local CA
+        ca = tmp_path / "tls" / "ca.crt"
+        assert (tmp_path / "tls" / "tls.key").stat().st_mode & 0o077 == 0
+        with grpc.insecure_channel(addr["envoy"]) as plain:
+            with pytest.raises(grpc.RpcError) as err:
+                admin_pb2_grpc.RateLimitAdminStub(plain).GetTenant(
+                    admin_pb2.GetTenantRequest(tenant_id="demo"), timeout=10
+                )
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        creds = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
+        with grpc.secure_channel(addr["envoy"], creds) as ch:  # through the edge
             admin = admin_pb2_grpc.RateLimitAdminStub(ch)
             tenant = admin.GetTenant(
                 admin_pb2.GetTenantRequest(tenant_id="demo"),
@@ -173,16 +193,12 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
                 )
             )
             assert chunks[-1].usage.completion_tokens == 3
-        openai = subprocess.run(  # the banner's OpenAI SDK example, through Envoy
-            ["bash", "-c", next(ln for ln in out.splitlines() if "from openai import" in ln)],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        openai = banner_example(out, env, "from openai import")  # the SDK, over Envoy's TLS
         assert openai.returncode == 0, openai.stderr
         assert openai.stdout.strip()
+        usage = banner_example(out, env, "curl -s --cacert")  # admin HTTP/JSON over TLS
+        assert usage.returncode == 0, usage.stderr
+        assert json.loads(usage.stdout)["tenant_id"] == "demo"
         client = subprocess.run(
             [
                 sys.executable,
@@ -201,7 +217,7 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
             text=True,
             timeout=60,
         )
-        assert client.returncode == 0, client.stderr
+        assert client.returncode == 0, client.stderr  # TLS, trusting make run's CA by itself
         assert "completion 4" in client.stderr or "[STOP]" in client.stderr
         export_cmd = [sys.executable, "-m", "gateway.fronts.cli", "--address", addr["envoy"]]
         export_cmd += ["admin", "usage-export", "--tenant", "demo"]

@@ -93,6 +93,7 @@ def edge(
     config_path = render_config_file(
         workdir / "envoy.yaml",
         listener_host="127.0.0.1",
+        plaintext=True,  # loopback; TLS is tested in test_tls_envoy.py
         listener_port=0,
         admin_port=0,
         gateway=[f"127.0.0.1:{dead_port}"],

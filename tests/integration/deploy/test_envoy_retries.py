@@ -60,6 +60,7 @@ def _pair(
         config = render_config_file(
             workdir / "envoy.yaml",
             listener_host="127.0.0.1",
+            plaintext=True,  # loopback; TLS is tested in test_tls_envoy.py
             listener_port=0,
             admin_port=0,
             gateway=[a.address, b.address],

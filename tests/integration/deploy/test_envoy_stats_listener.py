@@ -22,6 +22,7 @@ def envoy_fixed_admin(tmp_path: Path) -> Iterator[EnvoyProcess]:
     path = render_config_file(
         tmp_path / "envoy.yaml",
         listener_host="127.0.0.1",
+        plaintext=True,  # loopback; TLS is tested in test_tls_envoy.py
         listener_port=0,
         admin_port=free_port(),
         stats_port=0,

@@ -20,6 +20,7 @@ import pytest
 
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
+from deploy.envoy import render_config_file
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.conftest import start_engine
 from tokenizer_svc.tokenizer import TextTokenizer
@@ -242,6 +243,25 @@ class HttpGateway:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def envoy_config(self, workdir: Path, **overrides: Any) -> Path:
+        """deploy/envoy/envoy.yaml rendered in ``workdir`` for this gateway (its gRPC port
+        for the gateway and admin clusters, its HTTP port for the OpenAI routes), every
+        Envoy port ephemeral on 127.0.0.1; ``overrides``: TLS files or plaintext=True."""
+        grpc_addr = self.gw.proc.address
+        return render_config_file(
+            workdir / "envoy.yaml",
+            **{
+                "listener_host": "127.0.0.1",
+                "listener_port": 0,
+                "admin_port": 0,
+                "gateway": [grpc_addr],
+                "admin": [grpc_addr],
+                "gateway_http": [f"127.0.0.1:{self.http_port}"],
+                "access_log_path": workdir / "access.log",
+                **overrides,
+            },
+        )
 
 
 def start_http_gateway(

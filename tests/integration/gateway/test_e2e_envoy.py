@@ -58,6 +58,7 @@ def edge(
     cfg = render_config_file(
         logs / "envoy.yaml",
         listener_host="127.0.0.1",
+        plaintext=True,  # loopback; TLS is tested in test_tls_envoy.py
         listener_port=0,
         admin_port=0,
         gateway=addrs,

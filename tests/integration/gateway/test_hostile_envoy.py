@@ -17,7 +17,7 @@ import pytest
 
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
-from deploy.envoy import EnvoyProcess, render_config_file
+from deploy.envoy import EnvoyProcess
 from llm.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.gateway.conftest import (
     EnginePair,
@@ -52,16 +52,7 @@ def edge(
     )
     envoy = None
     try:
-        cfg = render_config_file(
-            logs / "envoy.yaml",
-            listener_host="127.0.0.1",
-            listener_port=0,
-            admin_port=0,
-            gateway=[hg.gw.proc.address],
-            admin=[hg.gw.proc.address],
-            gateway_http=[f"127.0.0.1:{hg.http_port}"],
-            access_log_path=logs / "access.log",
-        )
+        cfg = hg.envoy_config(logs, plaintext=True)  # loopback; TLS: test_tls_envoy.py
         envoy = EnvoyProcess(cfg, log_dir=logs)
         envoy.start(timeout=60)
         tenant, key = hg.gw.tenant()

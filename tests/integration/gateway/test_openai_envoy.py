@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from deploy.envoy import EnvoyProcess, render_config_file
+from deploy.envoy import EnvoyProcess
 from tests.integration.gateway.conftest import ADMIN_KEY, HttpGateway
 
 pytestmark = pytest.mark.integration
@@ -29,17 +29,8 @@ def edge(
     if not DESCRIPTOR.exists():
         pytest.fail(f"{DESCRIPTOR} missing: run `make protos` (make test does it)")
     workdir = tmp_path_factory.mktemp("envoy-openai")
-    grpc_addr = http_gateway.gw.proc.address
-    path = render_config_file(
-        workdir / "envoy.yaml",
-        listener_host="127.0.0.1",
-        listener_port=0,
-        admin_port=0,
-        gateway=[grpc_addr],
-        admin=[grpc_addr],
-        gateway_http=[f"127.0.0.1:{http_gateway.http_port}"],
-        access_log_path=workdir / "access.log",
-    )
+    # plaintext on loopback: TLS at the edge is test_tls_envoy.py's
+    path = http_gateway.envoy_config(workdir, plaintext=True)
     with EnvoyProcess(path, log_dir=workdir) as envoy:
         yield envoy
 

@@ -519,6 +519,7 @@ def edge(vgw: GatewayProcess, tmp_path_factory: pytest.TempPathFactory) -> Itera
     config = render_config_file(
         workdir / "envoy.yaml",
         listener_host="127.0.0.1",
+        plaintext=True,  # loopback; TLS is tested in test_tls_envoy.py
         listener_port=0,
         admin_port=0,
         gateway=[vgw.proc.address],

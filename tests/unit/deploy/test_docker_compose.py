@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from deploy.envoy.config import CONTAINER_PRESET, CONTAINER_TLS_DIR, render_config, tls_context
 from ratelimit.config import RateLimitConfig
 from ratelimit.redis_acl import SERVICE_USER, service_rules
 from tests.unit.deploy.helpers import (
@@ -199,8 +200,10 @@ def test_compose_references_resolve(compose: dict[str, Any]) -> None:
             image = svc["image"]
             assert "/" in image or ":" in image
         for vol in svc.get("volumes", []):
-            src = vol.split(":")[0]
-            if src.startswith("."):
+            src = vol["source"] if isinstance(vol, dict) else vol.split(":")[0]
+            if src.startswith("${"):  # a host path the operator names
+                assert ":?" in src, f"{name}: {src} must be required, not defaulted"
+            elif src.startswith("."):
                 assert (DEPLOY / src).exists(), f"{name}: {src} missing"
             else:
                 assert src in volumes, f"{name}: volume {src} not declared"
@@ -252,3 +255,19 @@ def test_redis_has_an_acl_user_and_the_gateway_uses_it(compose: dict[str, Any]) 
     env = env_of(gateway)
     assert env["LLM_RATELIMIT_REDIS_USERNAME"] == SERVICE_USER
     assert env["LLM_RATELIMIT_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password"
+
+
+def test_envoy_mounts_the_tls_directory_its_config_reads(compose: dict[str, Any]) -> None:
+    """The image's config names /etc/envoy/tls/tls.{crt,key}; compose mounts a host
+    directory there, read-only, and refuses to start without one."""
+    (mount,) = [v for v in compose["services"]["envoy"]["volumes"] if isinstance(v, dict)]
+    assert mount["type"] == "bind"
+    assert mount["target"] == CONTAINER_TLS_DIR
+    assert mount["read_only"] is True
+    assert mount["source"].startswith("${TLS_DIR:?")
+    for key in ("tls_cert", "tls_key"):
+        assert Path(CONTAINER_PRESET[key]).parent == Path(mount["target"])
+    cfg = render_config(**CONTAINER_PRESET)
+    (certificate,) = tls_context(cfg)["common_tls_context"]["tls_certificates"]
+    assert certificate["certificate_chain"]["filename"] == f"{CONTAINER_TLS_DIR}/tls.crt"
+    assert certificate["private_key"]["filename"] == f"{CONTAINER_TLS_DIR}/tls.key"

@@ -15,10 +15,12 @@ import pytest
 from google.api import annotations_pb2, http_pb2
 from google.protobuf import descriptor_pb2
 
+from common.addresses import host_of, is_loopback
 from deploy.envoy import config as envoy_config
 from deploy.envoy.config import (
     CONTAINER_PRESET,
     ENVOY_YAML,
+    ROOT,
     Endpoint,
     cluster,
     cluster_endpoints,
@@ -28,8 +30,10 @@ from deploy.envoy.config import (
     load_config,
     render_config,
     render_config_file,
+    tls_context,
 )
 from deploy.envoy.process import envoy_binary
+from deploy.envoy.tls import TlsFiles, ensure_local_tls
 from tests.unit.deploy.helpers import DESCRIPTOR_SET, ENVOY_ADMIN_PORT, ENVOY_PUBLIC_PORT
 
 TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
@@ -40,6 +44,11 @@ def descriptor() -> Path:
     if not DESCRIPTOR_SET.exists():
         pytest.fail(f"{DESCRIPTOR_SET} missing: run `make protos` (make test does it)")
     return DESCRIPTOR_SET
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return ensure_local_tls(tmp_path_factory.mktemp("tls"))
 
 
 def envoy_validate(path: Path) -> subprocess.CompletedProcess[str]:
@@ -62,15 +71,18 @@ def routes(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def test_envoy_validates_the_file_as_written(descriptor: Path) -> None:
-    # the file as written names build/llm_v1.pb relative to the repo root
+def test_envoy_validates_the_file_as_written(descriptor: Path, tmp_path: Path) -> None:
+    # the file as written names build/llm_v1.pb and make run's .run/tls/ relative to
+    # the repo root (validation reads the certificate and key): a tree of those
+    (tmp_path / "build").symlink_to(descriptor.parent)
+    ensure_local_tls(tmp_path / ".run" / "tls")
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(ENVOY_YAML)],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
-        cwd=descriptor.parents[1],
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
@@ -87,6 +99,7 @@ def test_envoy_validates_the_file_as_written(descriptor: Path) -> None:
             "admin": ["127.0.0.1:3"],
             "gateway_http": ["127.0.0.1:4"],
             "listener_host": "127.0.0.1",
+            "plaintext": True,
         },
         {**CONTAINER_PRESET, "proto_descriptor": str(DESCRIPTOR_SET)},
         {
@@ -96,12 +109,14 @@ def test_envoy_validates_the_file_as_written(descriptor: Path) -> None:
             "access_log_path": "/dev/null",
         },
     ],
-    ids=["tests", "container", "make-run-shifted"],
+    ids=["tests-plaintext", "container", "make-run-shifted"],
 )
 def test_envoy_validates_rendered_variants(
-    descriptor: Path, tmp_path: Path, overrides: dict[str, Any]
+    descriptor: Path, tmp_path: Path, tls: TlsFiles, overrides: dict[str, Any]
 ) -> None:
-    path = render_config_file(tmp_path / "envoy.yaml", **overrides)
+    # the container's /etc/envoy/tls is not here: this machine's files stand in
+    files = {} if overrides.get("plaintext") else {"tls_cert": tls.cert, "tls_key": tls.key}
+    path = render_config_file(tmp_path / "envoy.yaml", **{**overrides, **files})
     result = envoy_validate(path)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -126,6 +141,62 @@ def test_as_written_is_the_make_run_layout() -> None:
     assert cluster_endpoints(cfg, "admin") == [Endpoint("127.0.0.1", 50051)]
     assert cluster_endpoints(cfg, "gateway_http") == [Endpoint("127.0.0.1", 8000)]
     assert cluster_endpoints(cfg, "envoy_admin") == [Endpoint("127.0.0.1", ENVOY_ADMIN_PORT)]
+
+
+def test_public_listener_terminates_modern_tls() -> None:
+    cfg = load_config()
+    (chain,) = listener(cfg, "public")["filter_chains"]
+    assert chain["transport_socket"]["name"] == "envoy.transport_sockets.tls"
+    assert chain["transport_socket_connect_timeout"] == "10s"  # no half-open handshakes
+    common = tls_context(cfg)["common_tls_context"]
+    assert common["alpn_protocols"] == ["h2", "http/1.1"]  # gRPC needs h2 by ALPN
+    params = common["tls_params"]
+    assert params["tls_minimum_protocol_version"] == "TLSv1_2"
+    assert params["tls_maximum_protocol_version"] == "TLSv1_3"
+    for suite in params["cipher_suites"]:  # forward secrecy and AEAD only
+        assert suite.startswith("ECDHE-"), suite
+        assert "GCM" in suite or "CHACHA20-POLY1305" in suite, suite
+    (certificate,) = common["tls_certificates"]
+    assert certificate["certificate_chain"]["filename"] == ".run/tls/tls.crt"  # make run's
+    assert certificate["private_key"]["filename"] == ".run/tls/tls.key"
+    # the stats listener (plaintext) is loopback in make run's file
+    assert listener(cfg, "stats")["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_render_sets_the_certificate_or_plaintext_on_loopback_only(tmp_path: Path) -> None:
+    cert, key = tmp_path / "c.pem", tmp_path / "k.pem"
+    (certificate,) = tls_context(render_config(tls_cert=cert, tls_key=key))["common_tls_context"][
+        "tls_certificates"
+    ]
+    assert certificate == {
+        "certificate_chain": {"filename": str(cert)},
+        "private_key": {"filename": str(key)},
+    }
+    (default,) = tls_context(render_config())["common_tls_context"]["tls_certificates"]
+    assert default["private_key"]["filename"] == str(ROOT / ".run/tls/tls.key")  # any cwd
+    for host in ("127.0.0.1", "::1", "localhost"):
+        plain = render_config(listener_host=host, plaintext=True)
+        with pytest.raises(KeyError, match="no TLS"):
+            tls_context(plain)
+        assert "transport_socket" not in str(listener(plain, "public"))
+    for host in ("0.0.0.0", "10.0.0.5", "::", "gateway.example.com"):
+        with pytest.raises(ValueError, match="loopback"):
+            render_config(listener_host=host, plaintext=True)
+    with pytest.raises(ValueError, match="loopback"):  # the file's own 0.0.0.0
+        render_config(plaintext=True)
+    with pytest.raises(ValueError, match="loopback"):
+        envoy_config.main(["--preset", "container", "--plaintext", "-o", str(tmp_path / "x")])
+
+
+def test_is_loopback() -> None:
+    for host in ("127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost", "LOCALHOST."):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "::", "10.1.2.3", "localhost.example.com", "gateway", ""):
+        assert not is_loopback(host), host
+    assert host_of("127.0.0.1:8080") == "127.0.0.1"
+    assert host_of("[::1]:8080") == "::1"
+    assert host_of("::1") == "::1"
+    assert host_of("llm.example.com") == "llm.example.com"
 
 
 def test_generate_route_streams_without_a_route_timeout() -> None:
@@ -303,7 +374,11 @@ def test_container_preset_keeps_admin_on_loopback(tmp_path: Path) -> None:
     assert cluster_endpoints(cfg, "gateway") == [Endpoint("gateway", 50051)]
     assert cluster_endpoints(cfg, "gateway_http") == [Endpoint("gateway", 8000)]
     assert http_filter(cfg, TRANSCODER)["proto_descriptor"] == "/etc/envoy/llm_v1.pb"
+    (certificate,) = tls_context(cfg)["common_tls_context"]["tls_certificates"]
+    assert certificate["certificate_chain"]["filename"] == "/etc/envoy/tls/tls.crt"
     stats = listener(cfg, "stats")
+    # probes and Prometheus reach the pod's address
+    assert stats["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 9902}
     vhost = stats["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]
     paths = {r["match"]["path"] for r in vhost["virtual_hosts"][0]["routes"]}
     assert paths == {"/stats/prometheus", "/ready"}  # nothing else of the admin API

@@ -12,7 +12,13 @@ import yaml
 from kubernetes_validate import utils as kv_utils  # type: ignore[import-untyped]
 
 from common.config import load_config
-from deploy.envoy.config import CONTAINER_PRESET, Endpoint
+from deploy.envoy.config import (
+    CONTAINER_PRESET,
+    CONTAINER_TLS_DIR,
+    Endpoint,
+    render_config,
+    tls_context,
+)
 from ratelimit.config import RateLimitConfig
 from ratelimit.redis_acl import SERVICE_USER, service_rules
 from tests.unit.deploy.helpers import DEPLOY, HEALTH_SERVICE, load_yaml_docs, service_ports
@@ -184,6 +190,34 @@ def test_envoy_probes_use_the_stats_listener_not_the_admin_port(docs: list[Doc])
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"public": 8080, "stats": 9902}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "stats"}
+
+
+def test_envoy_serves_tls_with_the_certificate_of_a_tls_secret(docs: list[Doc]) -> None:
+    """The kubernetes.io/tls Secret is mounted where the image's config reads the
+    certificate and key, read-only, readable by Envoy's group; the Service publishes
+    the TLS listener on 443."""
+    envoy = find(docs, "Deployment", "envoy")
+    c = container(envoy, "envoy")
+    (certificate,) = tls_context(render_config(**CONTAINER_PRESET))["common_tls_context"][
+        "tls_certificates"
+    ]
+    cert = Path(certificate["certificate_chain"]["filename"])
+    key = Path(certificate["private_key"]["filename"])
+    assert cert.parent == key.parent == Path(CONTAINER_TLS_DIR)
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == str(cert.parent)]
+    assert mount["readOnly"] is True
+    assert "subPath" not in mount  # a subPath mount would never see the Secret change
+    spec = pod_spec(envoy)
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    secret = find(docs, "Secret", volume["secret"]["secretName"])
+    assert secret["type"] == "kubernetes.io/tls"
+    assert set(secret["stringData"]) == {cert.name, key.name} == {"tls.crt", "tls.key"}
+    assert volume["secret"]["defaultMode"] & 0o007 == 0  # not world-readable
+    assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsGroup"]
+    svc = find(docs, "Service", "envoy")
+    (public,) = svc["spec"]["ports"]
+    assert (public["port"], public["targetPort"]) == (443, "public")
+    assert "h2c" not in str(public.get("appProtocol", ""))  # TLS, not cleartext HTTP/2
 
 
 def test_services_select_existing_pods_and_ports(docs: list[Doc]) -> None:
