@@ -16,6 +16,7 @@ from common.service_auth import read_service_token
 from gateway.config import GatewayConfig
 from gateway.fleet.discovery import Discovery, has_names
 from gateway.fleet.dispatcher import Dispatcher
+from gateway.fleet.fair_queue import FairQueues
 from gateway.fleet.replica_pool import ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy
 from gateway.fleet.tokenizers import TokenizerSet
@@ -91,6 +92,11 @@ class GatewayApp:
             ),
             failover=config.failover,
             max_failovers=config.max_failovers,
+            queues=FairQueues(
+                config.queue_max_wait_ms / 1000.0,
+                config.queue_max_waiting,
+                config.queue_max_waiting_per_tenant,
+            ),
         )
         release = ReleaseControl.build(config, stack, pool, dispatcher)
         prices = config.price_table()

@@ -52,6 +52,11 @@ class GatewayConfig(ServiceConfig):
         retry_budget_window_s: Window the retry budget is counted over.
         failover: Resume a stream on another replica when its engine fails mid-stream.
         max_failovers: Mid-stream failovers per request.
+        queue_max_wait_ms: When every replica of a model is full, how long a request
+            waits in the per-tenant fair queue (``gateway.fleet.fair_queue``) before it
+            is refused (0 = refuse at once).
+        queue_max_waiting / queue_max_waiting_per_tenant: Requests waiting at most, in
+            all and per tenant, per model (past that: refused at once).
         breaker_*: Per-replica circuit breaker (see ``common.breaker``).
         max_ejected_fraction: At most this share of replicas (at least one) open at once.
         stats_interval_s: How often each replica's GetStats is polled.
@@ -96,6 +101,9 @@ class GatewayConfig(ServiceConfig):
     retry_budget_window_s: float = 10.0
     failover: bool = True
     max_failovers: int = 2
+    queue_max_wait_ms: int = 2000
+    queue_max_waiting: int = 1024
+    queue_max_waiting_per_tenant: int = 256
     breaker_window_s: float = _BREAKER.window_s
     breaker_min_calls: int = _BREAKER.min_calls
     breaker_error_ratio: float = _BREAKER.error_ratio
@@ -142,6 +150,8 @@ class GatewayConfig(ServiceConfig):
             "retry_budget_window_s",
             "guard_interval_s",
             "auth_failure_burst",
+            "queue_max_waiting",
+            "queue_max_waiting_per_tenant",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -156,6 +166,7 @@ class GatewayConfig(ServiceConfig):
             "routing_policy_cache_ms",
             "shadow_max_in_flight",
             "auth_failures_per_minute",
+            "queue_max_wait_ms",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"[gateway] {name} must be >= 0, got {getattr(self, name)}")

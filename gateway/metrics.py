@@ -11,6 +11,9 @@
                                                          first token (auth, encode,
                                                          limits, routing, retries)
     gateway_retries_total                                engine attempts retried
+    gateway_fair_queue_waiting                           requests waiting for a full model
+    gateway_fair_queue_wait_seconds                      how long they waited
+    gateway_fair_queue_{timeouts,refused}_total          refused after the wait / at once
     gateway_failovers_total                              mid-stream resumptions
     gateway_breaker_state{replica}                       0 closed, 1 half-open, 2 open
     gateway_ratelimit_denials_total{tenant,dimension}    requests | tokens | concurrency
@@ -115,6 +118,21 @@ MODEL_FALLBACKS = Counter(
     ["reason"],
 )
 RETRIES = Counter("gateway_retries_total", "Engine attempts retried on another replica")
+FAIR_QUEUE_WAITING = Gauge(
+    "gateway_fair_queue_waiting", "Requests waiting in the fair queues for a full model's capacity"
+)
+FAIR_QUEUE_WAIT = Histogram(
+    "gateway_fair_queue_wait_seconds",
+    "Time a request waited in a fair queue (every replica of its model full)",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+FAIR_QUEUE_TIMEOUTS = Counter(
+    "gateway_fair_queue_timeouts_total", "Requests refused after waiting the longest wait"
+)
+FAIR_QUEUE_REFUSED = Counter(
+    "gateway_fair_queue_refused_total",
+    "Requests refused at once: the fair queue (or the tenant's line in it) was full",
+)
 FAILOVERS = Counter(
     "gateway_failovers_total",
     "Streams resumed on another replica after their engine failed mid-stream",

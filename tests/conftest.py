@@ -6,6 +6,7 @@ ports to a port file) and are always stopped at the end of the session.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,6 +75,22 @@ def start_engine(
         log_dir=log_dir,
     )
     return proc.start(timeout=timeout)
+
+
+@contextlib.contextmanager
+def engine_running(
+    name: str,
+    model_dir: Path,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    args: list[str] | None = None,
+) -> Iterator[ManagedProcess]:
+    """``start_engine`` for a fixture: stopped (by pid) when the block ends."""
+    proc = start_engine(name, model_dir, log_dir, env=env, args=args)
+    try:
+        yield proc
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="session")

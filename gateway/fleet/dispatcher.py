@@ -28,6 +28,7 @@ from common.breaker import Ticket
 from common.log import get_logger
 from gateway import metrics
 from gateway.domain import Chunk, Deadline, GatewayError
+from gateway.fleet.fair_queue import FairQueue, FairQueues
 from gateway.fleet.replica import Replica
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy, breaker_verdict, is_retryable
@@ -112,6 +113,8 @@ class Dispatcher:
         budget: Retry budget shared by the whole gateway process.
         failover: Resume mid-stream failures on another replica.
         max_failovers: Failovers per request.
+        queues: Per-tenant fair queues where a request waits when every replica of its
+            model is full (None = refuse at once).
     """
 
     def __init__(
@@ -122,8 +125,10 @@ class Dispatcher:
         *,
         failover: bool = True,
         max_failovers: int = 2,
+        queues: FairQueues | None = None,
     ) -> None:
         self.pool = pool
+        self.queues = queues if queues is not None and queues.enabled else None
         self.policy = policy
         self.budget = budget
         self.failover = failover
@@ -138,8 +143,20 @@ class Dispatcher:
         tried: list[str] = []
         errors: list[EngineCallError] = []
         num_retries = num_failovers = 0
+        queue = self.queues.of(job.model) if self.queues is not None else None
+        waited = False  # it had a turn: refused again, it goes first in its tenant's line
+        if queue is not None and queue.num_waiting:  # others wait for this model: no barging
+            if not await self._turn(queue, job, False):
+                raise self._queue_full(job, queue)
+            waited = True
         while True:
-            replica, ticket = self._pick(job, tried, errors)
+            try:
+                replica, ticket = self._pick(job, tried, errors)
+            except GatewayError as e:
+                if not await self._wait_for_capacity(e, queue, job, text, waited):
+                    raise
+                tried, errors, num_retries, waited = [], [], 0, True
+                continue
             tried.append(replica.address)
             try:
                 # aclosing: a client gone mid-stream closes the attempt (cancel the engine
@@ -165,7 +182,40 @@ class Dispatcher:
                         num_tokens=len(text.token_ids),
                     )
                 else:
-                    raise self._final_error(e, errors, text, job) from None
+                    final = self._final_error(e, errors, text, job)
+                    if not await self._wait_for_capacity(final, queue, job, text, waited):
+                        raise final from None
+                    tried, errors, num_retries, waited = [], [], 0, True
+
+    async def _wait_for_capacity(
+        self,
+        error: GatewayError,
+        queue: FairQueue | None,
+        job: EngineJob,
+        text: TextStream,
+        waited: bool,
+    ) -> bool:
+        """Every replica is full (nothing streamed yet): wait in the fair queue for a turn
+        (True) or give up (False: the caller raises ``error``)."""
+        if queue is None or error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or text.token_ids:
+            return False
+        return await self._turn(queue, job, waited)
+
+    @staticmethod
+    async def _turn(queue: FairQueue, job: EngineJob, front: bool) -> bool:
+        return await queue.wait(
+            job.tenant_id, job.tenant_weight, job.deadline.remaining(), front=front
+        )
+
+    @staticmethod
+    def _queue_full(job: EngineJob, queue: FairQueue) -> GatewayError:
+        return GatewayError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"every engine replica of {job.model!r} is at capacity and {queue.num_waiting} "
+            f"requests wait ahead (their longest wait is {queue.max_wait_s:g} s); retry after "
+            "1000 ms",
+            retry_after_ms=1000,
+        )
 
     def _may_retry(
         self, e: EngineCallError, job: EngineJob, num_retries: int, text: TextStream
@@ -310,5 +360,7 @@ class Dispatcher:
                 call.cancel()
             end_engine_call(span, failure, num_tokens)
             replica.release(verdict, ticket)
+            if self.queues is not None and failure != grpc.StatusCode.RESOURCE_EXHAUSTED.name:
+                self.queues.release(job.model)  # it held engine capacity, now free
             if self.on_attempt is not None:
                 self.on_attempt(replica, verdict, ttft)

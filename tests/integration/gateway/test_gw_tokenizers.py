@@ -19,7 +19,7 @@ import pytest
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
 from llm.v1 import engine_pb2, engine_pb2_grpc, gateway_pb2
-from tests.conftest import start_engine
+from tests.conftest import engine_running
 from tests.integration.gateway.conftest import EnginePair, GatewayProcess, chat, start_gateway
 from tokenizer_svc.chat_template import Message
 from tokenizer_svc.tokenizer import TextTokenizer
@@ -52,16 +52,13 @@ def second_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 def second_engine(
     second_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ManagedProcess]:
-    proc = start_engine(
+    with engine_running(
         "gw-second-model",
         second_dir,
         tmp_path_factory.mktemp("gw-second-model"),
         env={"LLM_ENGINE_MODEL_NAME": SECOND},
-    )
-    try:
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

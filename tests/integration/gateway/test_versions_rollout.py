@@ -37,7 +37,7 @@ from gateway.fronts import cli
 from gateway.release.policy import RoutingPolicy, pick_version
 from gateway.release.version_router import sticky_key
 from llm.v1 import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc, gateway_pb2
-from tests.conftest import start_engine
+from tests.conftest import engine_running
 from tests.integration.gateway.conftest import (
     ADMIN_KEY,
     EnginePair,
@@ -101,16 +101,13 @@ def stable_info(engines: EnginePair) -> engine_pb2.ModelInfo:
 def canary_engine(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ManagedProcess]:
-    proc = start_engine(
+    with engine_running(
         "gw-canary",
         model_dir,
         tmp_path_factory.mktemp("gw-canary"),
         args=["--model-version", CANARY],
-    )
-    try:
+    ) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
