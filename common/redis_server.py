@@ -21,6 +21,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -64,7 +65,8 @@ class RedisServer(LoggedChild):
 
     With ``password`` the server runs the stack's ACL (``ratelimit.redis_acl``):
     no anonymous access, one service user (``username``) limited to keys under
-    ``key_prefix`` and to non-dangerous commands.
+    ``key_prefix`` and to non-dangerous commands. ``extra_args`` are more server
+    options (``common.redis_cluster`` starts its nodes with cluster mode on).
     """
 
     name = "redis"
@@ -78,8 +80,10 @@ class RedisServer(LoggedChild):
         password: str = "",
         username: str = SERVICE_USER,
         key_prefix: str = "rl:",
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.host = host
+        self.extra_args = tuple(extra_args)  # more ``--option value`` (e.g. cluster mode)
         self.port = port or free_port(host)
         self.binary = binary or find_server_binary()
         self.workdir = Path(tempfile.mkdtemp(prefix="redis-test-"))
@@ -120,7 +124,7 @@ class RedisServer(LoggedChild):
         ]
         if self.acl_path is not None:
             cmd += ["--aclfile", str(self.acl_path)]
-        self.spawn(cmd)
+        self.spawn([*cmd, *self.extra_args])
         self.wait_ready(self.ping, timeout, poll_s=0.02)
         return self
 
@@ -169,6 +173,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     server = RedisServer(port=args.port, host=args.host).start()
+    serve_in_foreground(
+        lambda: server.running, server.close, f"redis serving on {server.url} ({server.binary})"
+    )
+
+
+def serve_in_foreground(
+    running: Callable[[], bool], close: Callable[[], None], banner: str
+) -> None:
+    """Print ``banner``, wait for SIGINT/SIGTERM (or until ``running()`` is false), then
+    ``close()`` (the ``python -m`` entry points of the launchers)."""
     stop = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -177,12 +191,12 @@ def main(argv: list[str] | None = None) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    print(f"redis serving on {server.url} ({server.binary})", flush=True)
+    print(banner, flush=True)
     try:
-        while not stop and server.running:
+        while not stop and running():
             time.sleep(0.2)
     finally:
-        server.close()
+        close()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from common.config import ServiceConfig
 from ratelimit.budget.policy import Budget, validate_budgets
+from ratelimit.redis_client import parse_node
 
 # Levels are doubles in Lua and Python; integers up to 2**53 stay exact.
 MAX_LIMIT = 2**53
@@ -175,6 +176,10 @@ class RateLimitConfig(ServiceConfig):
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_username: str = ""  # ACL user (e.g. "llm"); "" = the URL's, else none
     redis_password_file: str = ""  # file holding that user's password (a mounted Secret)
+    # Redis Cluster: redis_url is then one seed node and redis-py's cluster client
+    # (RedisCluster) routes each call to its slot's primary; more seeds as "host:port"
+    redis_cluster: bool = False
+    redis_startup_nodes: list[str] = dataclasses.field(default_factory=list)
     key_prefix: str = "rl:"
     timeout_ms: int = 100  # budget for one limiter call to Redis
     pool_size: int = 64
@@ -213,5 +218,12 @@ class RateLimitConfig(ServiceConfig):
                 raise ValueError(f"[ratelimit] {name} must be > 0, got {getattr(self, name)}")
         if self.auth_cache_ttl_ms < 0:
             raise ValueError("[ratelimit] auth_cache_ttl_ms must be >= 0")
+        if self.redis_startup_nodes and not self.redis_cluster:
+            raise ValueError(
+                "[ratelimit] redis_startup_nodes are seeds of a Redis Cluster; "
+                "set redis_cluster: true (or remove them)"
+            )
+        for node in self.redis_startup_nodes:
+            parse_node(node)  # ValueError names the bad entry
         if "{" in self.key_prefix or "}" in self.key_prefix:
             raise ValueError("[ratelimit] key_prefix must not contain '{' or '}' (hash tags)")

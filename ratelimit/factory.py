@@ -5,9 +5,10 @@
     stack.registry.authenticate(key) / stack.limiter.reserve(tenant, n) / ...
     await stack.aclose()
 
-One Redis connection pool serves the limiter, the registry and the audit
-log. The client never retries more than once itself (the limiter has its own
-time budget and breaker); socket timeouts are a backstop above that budget.
+One Redis connection pool (one per node of a Redis Cluster) serves the
+limiter, the registry and the audit log. The client never retries more than
+once itself (the limiter has its own time budget and breaker); socket timeouts
+are a backstop above that budget.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -34,6 +34,7 @@ from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage.memory import MemoryStore
 from ratelimit.limiter.storage.redis import RedisStore
 from ratelimit.limiter.store_guard import store_breaker
+from ratelimit.redis_client import RedisClient, connect
 from ratelimit.tenancy.audit import AuditLog
 from ratelimit.tenancy.registry import Registry
 from ratelimit.usage.records import UsageLog
@@ -46,12 +47,15 @@ def backstop_s(config: RateLimitConfig) -> float:
     return max(1.0, 10 * config.timeout_ms / 1000.0)
 
 
-def make_client(config: RateLimitConfig) -> Redis:
-    """A pooled ``redis.asyncio`` client with ``decode_responses=True``."""
+def make_client(config: RateLimitConfig) -> RedisClient:
+    """A pooled ``redis.asyncio`` client with ``decode_responses=True``: one server, or
+    the cluster client when ``redis_cluster`` is set (``ratelimit.redis_client``)."""
     backstop = backstop_s(config)
     password = read_secret_file(config.redis_password_file, "redis_password_file")
-    return Redis.from_url(
+    return connect(
         config.redis_url,
+        cluster=config.redis_cluster,
+        startup_nodes=config.redis_startup_nodes,
         username=config.redis_username or None,
         password=password or None,
         decode_responses=True,
@@ -78,7 +82,7 @@ class RateLimitStack:
     """Everything the gateway (or ``python -m ratelimit``) needs, sharing one pool."""
 
     config: RateLimitConfig
-    client: Redis
+    client: RedisClient
     store: RedisStore
     limiter: RateLimiter
     registry: Registry

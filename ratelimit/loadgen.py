@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import multiprocessing
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from redis.asyncio import Redis
-
 from ratelimit.config import LimitPolicy, Tenant
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage.redis import RedisStore
+from ratelimit.redis_client import RedisClient, connect
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,7 @@ class HammerSpec:
     num_tokens: int = 1
     mode: str = "bucket"
     start_at: float = 0.0  # time.time() to start at (0 = at once)
+    cluster: bool = False  # url is a seed of a Redis Cluster (ratelimit.redis_client)
 
 
 @dataclass(slots=True)
@@ -56,7 +57,7 @@ class HammerResult:
     elapsed_s: float = 0.0
 
 
-async def _fixed_window(client: Redis, key: str, limit: int) -> bool:
+async def _fixed_window(client: RedisClient, key: str, limit: int) -> bool:
     window = int(time.time() // 60)
     pipe = client.pipeline(transaction=False)
     pipe.incrby(f"{key}:{window}", 1)
@@ -66,7 +67,7 @@ async def _fixed_window(client: Redis, key: str, limit: int) -> bool:
 
 
 async def _loop(
-    spec: HammerSpec, limiter: RateLimiter, client: Redis, out: HammerResult, stop_at: float
+    spec: HammerSpec, limiter: RateLimiter, client: RedisClient, out: HammerResult, stop_at: float
 ) -> None:
     tenant = Tenant(spec.tenant_id, spec.policy)
     key = f"{spec.prefix}fw:{spec.tenant_id}"
@@ -100,7 +101,9 @@ async def _loop(
 
 
 async def _run(spec: HammerSpec) -> HammerResult:
-    client = Redis.from_url(spec.url, decode_responses=True, max_connections=spec.num_coroutines)
+    client = connect(
+        spec.url, cluster=spec.cluster, decode_responses=True, max_connections=spec.num_coroutines
+    )
     store = RedisStore(client, prefix=spec.prefix)
     limiter = RateLimiter(store, fail_mode="closed", timeout_ms=5000)
     await store.load_scripts()
@@ -117,6 +120,22 @@ async def _run(spec: HammerSpec) -> HammerResult:
     out.elapsed_s = time.perf_counter() - start
     await client.aclose()
     return out
+
+
+def excess_over_policy(times_ms: list[float], policy: LimitPolicy, num_tokens: int) -> float:
+    """The most admissions of ``num_tokens`` each that any interval of ``times_ms``
+    (sorted server timestamps) holds beyond what ``policy`` allows in it (a full
+    bucket at its start plus the refill over it); <= 0 when the limiter was exact."""
+    per_ms = policy.requests_per_minute / 60_000
+    cap = float(policy.request_capacity)
+    if policy.tokens_per_minute and num_tokens:
+        per_ms = min(per_ms, policy.tokens_per_minute / num_tokens / 60_000)
+        cap = min(cap, policy.token_capacity // num_tokens)
+    worst = -math.inf
+    for i in range(len(times_ms)):
+        for j in range(i, len(times_ms)):
+            worst = max(worst, j - i + 1 - cap - (times_ms[j] - times_ms[i]) * per_ms)
+    return worst
 
 
 def run_worker(spec: HammerSpec) -> HammerResult:

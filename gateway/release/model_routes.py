@@ -30,9 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
-
 from gateway.release.snapshot import SnapshotCache, read_json_hash
+from ratelimit.redis_client import RedisClient
 from ratelimit.tenancy.audit import AuditLog
 from ratelimit.tenancy.registry import redis_errors
 
@@ -103,7 +102,7 @@ class ModelRoute:
 class RouteStore:
     """Routes in one Redis hash (every gateway replica reads the same)."""
 
-    def __init__(self, client: Redis, prefix: str = "rl:") -> None:
+    def __init__(self, client: RedisClient, prefix: str = "rl:") -> None:
         self.client = client
         self.key = f"{prefix}routing:routes"
 

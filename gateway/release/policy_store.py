@@ -16,12 +16,11 @@ import json
 import time
 from typing import Protocol
 
-from redis.asyncio import Redis
-
 from common.log import get_logger
 from gateway.release.policy import RoutingPolicy, from_dict
 from gateway.release.snapshot import SnapshotCache, read_json_hash
 from ratelimit.errors import ConflictError
+from ratelimit.redis_client import RedisClient
 from ratelimit.tenancy.registry import redis_errors
 
 log = get_logger(__name__)
@@ -56,11 +55,11 @@ class RedisPolicyStore:
     """Policies in one Redis hash.
 
     Args:
-        client: ``redis.asyncio.Redis`` with ``decode_responses=True``.
+        client: ``RedisClient`` (one server or a cluster) with ``decode_responses=True``.
         prefix: The ratelimit key prefix (so one prefix isolates a whole stack).
     """
 
-    def __init__(self, client: Redis, prefix: str = "rl:") -> None:
+    def __init__(self, client: RedisClient, prefix: str = "rl:") -> None:
         self.client = client
         self.key = f"{prefix}routing:policies"
 

@@ -15,10 +15,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
-from redis.asyncio import Redis
-
 from common.log import get_logger
 from ratelimit.errors import StoreError
+from ratelimit.redis_client import RedisClient
 from ratelimit.tenancy.registry import redis_errors
 
 log = get_logger(__name__)
@@ -26,7 +25,7 @@ V = TypeVar("V")
 
 
 async def read_json_hash(
-    client: Redis, key: str, parse: Callable[[str, dict[str, Any]], V], what: str
+    client: RedisClient, key: str, parse: Callable[[str, dict[str, Any]], V], what: str
 ) -> dict[str, V]:
     """A Redis hash of name -> JSON, parsed by ``parse(name, dict)``; an entry that does not
     parse (ValueError, KeyError, TypeError) is logged and skipped. Raises ``StoreError``."""

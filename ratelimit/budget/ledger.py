@@ -28,13 +28,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ratelimit.budget.policy import Budget, Price, Window, amount_text, charge_of
 from ratelimit.errors import StoreError
 from ratelimit.limiter.lua import LuaScript, load_scripts, run_script
 from ratelimit.limiter.store_guard import StoreGuard
+from ratelimit.redis_client import RedisClient
 
 STALE_HOLD_MS = 86_400_000  # an open hold older than this is dropped (stays charged)
 
@@ -220,7 +220,7 @@ class BudgetLedger:
     """Reserve -> settle against each tenant's budgets in Redis.
 
     Args:
-        client: ``redis.asyncio.Redis`` with ``decode_responses=True``.
+        client: ``RedisClient`` (one server or a cluster) with ``decode_responses=True``.
         guard: Time budget and breaker of store calls (the limiter's, shared).
         prefix: Key prefix shared with the limiter and the registry.
         clock: Unix seconds (tests inject it).
@@ -228,7 +228,7 @@ class BudgetLedger:
 
     def __init__(
         self,
-        client: Redis,
+        client: RedisClient,
         guard: StoreGuard,
         *,
         prefix: str = "rl:",

@@ -24,10 +24,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import NoScriptError, RedisError
 
 from ratelimit.errors import StoreError
+from ratelimit.redis_client import RedisClient
 
 _PRELUDE = """
 local EPS = 1e-6
@@ -263,13 +263,13 @@ class LuaScript:
         self.sha = hashlib.sha1(source.encode()).hexdigest()
         self.num_reloads = 0
 
-    async def load(self, client: Redis) -> None:
+    async def load(self, client: RedisClient) -> None:
         """Load the script into the server's script cache."""
         sha = await client.script_load(self.source)
         if sha != self.sha:
             raise RuntimeError(f"script {self.name}: server sha {sha} != local {self.sha}")
 
-    async def __call__(self, client: Redis, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def __call__(self, client: RedisClient, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run the script; reload it once if the server lost it."""
         try:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
@@ -279,7 +279,7 @@ class LuaScript:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
 
 
-async def load_scripts(client: Redis, scripts: Sequence[LuaScript]) -> None:
+async def load_scripts(client: RedisClient, scripts: Sequence[LuaScript]) -> None:
     """Load ``scripts`` (start-up); raises ``StoreError`` if Redis is down."""
     try:
         for script in scripts:
@@ -289,7 +289,7 @@ async def load_scripts(client: Redis, scripts: Sequence[LuaScript]) -> None:
 
 
 async def run_script(
-    client: Redis, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
+    client: RedisClient, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
 ) -> Any:
     """Run ``script``; a Redis failure surfaces as ``StoreError``."""
     try:

@@ -22,13 +22,13 @@ import socket
 import uuid
 from collections.abc import Callable
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.log import get_logger
 from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.limiter.lua import REPLICAS, LuaScript
+from ratelimit.redis_client import RedisClient
 
 log = get_logger(__name__)
 _SCRIPT = LuaScript("replicas", REPLICAS)
@@ -52,7 +52,7 @@ class ReplicaMembership:
 
     def __init__(
         self,
-        client: Redis,
+        client: RedisClient,
         *,
         prefix: str,
         ttl_ms: int,

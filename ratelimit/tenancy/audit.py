@@ -12,9 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio import Redis
-
 from common.log import get_logger
+from ratelimit.redis_client import RedisClient
 from ratelimit.tenancy.registry import redis_errors
 
 log = get_logger(__name__)
@@ -35,12 +34,14 @@ class AuditLog:
     """Append-only (capped) audit trail in Redis.
 
     Args:
-        client: ``redis.asyncio.Redis`` with ``decode_responses=True``.
+        client: ``RedisClient`` (one server or a cluster) with ``decode_responses=True``.
         prefix: Key prefix; the list is ``<prefix>audit``.
         max_events: Older events are trimmed beyond this many.
     """
 
-    def __init__(self, client: Redis, *, prefix: str = "rl:", max_events: int = 10_000) -> None:
+    def __init__(
+        self, client: RedisClient, *, prefix: str = "rl:", max_events: int = 10_000
+    ) -> None:
         self.client = client
         self.key = f"{prefix}audit"
         self.max_events = max_events

@@ -24,13 +24,13 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from common.log import get_logger
 from ratelimit.budget.policy import Budget, validate_budgets
 from ratelimit.config import Tenant, validate_tenant_id
 from ratelimit.errors import NotFoundError, StoreError
+from ratelimit.redis_client import RedisClient
 from ratelimit.tenancy.key_cache import KeyCache
 from ratelimit.tenancy.records import (
     DISPLAY_PREFIX_LEN,
@@ -67,7 +67,7 @@ class Registry:
     """Tenants and keys. All methods raise ``StoreError`` when Redis fails.
 
     Args:
-        client: ``redis.asyncio.Redis`` with ``decode_responses=True``.
+        client: ``RedisClient`` (one server or a cluster) with ``decode_responses=True``.
         prefix: Key prefix shared with the limiter's store.
         auth_cache_ttl_ms: How long an authentication answer is reused.
         clock: Monotonic milliseconds (cache expiry).
@@ -75,7 +75,7 @@ class Registry:
 
     def __init__(
         self,
-        client: Redis,
+        client: RedisClient,
         *,
         prefix: str = "rl:",
         auth_cache_ttl_ms: int = 5000,

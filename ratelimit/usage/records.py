@@ -29,14 +29,15 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, date, datetime, timedelta
 
-from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
+from redis.asyncio.cluster import ClusterPipeline
 from redis.exceptions import RedisError
 
 from common.log import get_logger
 from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.errors import StoreError
+from ratelimit.redis_client import RedisClient
 
 log = get_logger(__name__)
 COUNTERS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
@@ -115,7 +116,7 @@ class UsageLog:
     """Writes and reads usage records in Redis.
 
     Args:
-        client: ``redis.asyncio.Redis`` with ``decode_responses=True``.
+        client: ``RedisClient`` (one server or a cluster) with ``decode_responses=True``.
         prefix: Key prefix shared with the limiter and the registry.
         retention_days: How long a day's records are kept.
         max_queued: Records waiting for Redis at most (the oldest are dropped beyond).
@@ -124,7 +125,7 @@ class UsageLog:
 
     def __init__(
         self,
-        client: Redis,
+        client: RedisClient,
         *,
         prefix: str = "rl:",
         retention_days: int = 400,
@@ -188,7 +189,7 @@ class UsageLog:
         metrics.USAGE_WRITTEN.inc(len(batch))
         return len(batch)
 
-    def _add(self, pipe: Pipeline, e: UsageEvent) -> None:
+    def _add(self, pipe: Pipeline | ClusterPipeline, e: UsageEvent) -> None:
         key = self._key(e.tenant_id, _day(e.time))
         # "|" separates the parts of a field name: never inside one
         head = "|".join(x.replace("|", "_") for x in (e.key_id, e.model, e.model_version)) + "|"

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ratelimit.config import Dimension, LimitPolicy
@@ -28,6 +27,7 @@ from ratelimit.limiter.lua import (
     run_script,
 )
 from ratelimit.limiter.storage import UsageSnapshot
+from ratelimit.redis_client import RedisClient
 
 _RESERVE = LuaScript("reserve", RESERVE)
 _SETTLE = LuaScript("settle", SETTLE)
@@ -68,7 +68,7 @@ class RedisStore:
     """A ``Store`` on Redis.
 
     Args:
-        client: A ``redis.asyncio.Redis`` with ``decode_responses=True``.
+        client: A ``RedisClient`` (one server or a cluster) with ``decode_responses=True``.
         prefix: Key prefix shared with the registry (e.g. ``"rl:"``).
         lease_ttl_ms: Lifetime of a lease without heartbeat.
         concurrency_retry_ms: Upper bound of the retry hint for a full lease set.
@@ -79,7 +79,7 @@ class RedisStore:
 
     def __init__(
         self,
-        client: Redis,
+        client: RedisClient,
         *,
         prefix: str = "rl:",
         lease_ttl_ms: int = 30_000,

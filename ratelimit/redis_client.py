@@ -1,0 +1,51 @@
+"""The Redis client of every component: one server, or a Redis Cluster.
+
+``RedisClient`` is what the limiter, the registry, the audit log, usage records,
+budgets, routing policies and model routes take: ``redis.asyncio.Redis`` for one
+server (or a primary with replicas behind one address), or
+``redis.asyncio.cluster.RedisCluster`` when ``ratelimit.redis_cluster`` is true.
+The cluster client reads the slot map from any seed node (``redis_url``, plus
+``redis_startup_nodes``), sends each command to the primary of its key's slot
+and follows ``MOVED``/``ASK`` and failovers by re-reading the map.
+
+Nothing else changes between the two: every Lua script and every transaction
+touches the keys of one hash tag (one tenant's ``{<tenant>}``) or one global
+key, so no call can be refused with ``CROSSSLOT``; pipelines that span tenants
+are non-transactional and the cluster client splits them by node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+RedisClient: TypeAlias = Redis | RedisCluster
+
+
+def parse_node(text: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) -> (host, port), or ValueError."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"a Redis node must be host:port, got {text!r}")
+    return host, int(port)
+
+
+def connect(
+    url: str, *, cluster: bool = False, startup_nodes: Sequence[str] = (), **kwargs: Any
+) -> RedisClient:
+    """A pooled client of ``url`` (``from_url``'s keyword arguments pass through).
+
+    With ``cluster`` the URL is one seed node (its user, password, TLS and timeouts
+    apply to every node) and ``startup_nodes`` more seeds, so the client starts while
+    any one of them answers; ``max_connections`` is then per node.
+    """
+    if not cluster:
+        if startup_nodes:
+            raise ValueError("startup nodes are for a Redis Cluster (set cluster)")
+        return Redis.from_url(url, **kwargs)
+    nodes = [ClusterNode(*parse_node(n)) for n in startup_nodes]
+    return RedisCluster.from_url(url, startup_nodes=nodes or None, **kwargs)

@@ -1,0 +1,54 @@
+"""The config switch between one Redis and a Redis Cluster (no server needed: neither
+client connects before its first command)."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from common.config import load_config
+from ratelimit.config import RateLimitConfig
+from ratelimit.factory import make_client
+from ratelimit.redis_client import parse_node
+
+
+def test_one_server_by_default() -> None:
+    client = make_client(RateLimitConfig(redis_url="redis://10.0.0.1:6380/0"))
+    assert type(client) is Redis
+    assert client.connection_pool.connection_kwargs["port"] == 6380
+
+
+def test_the_cluster_client_from_env_with_every_seed() -> None:
+    config = load_config(
+        RateLimitConfig,
+        "ratelimit",
+        env={
+            "LLM_RATELIMIT_REDIS_URL": "redis://llm:pw@10.0.0.1:7000/0",
+            "LLM_RATELIMIT_REDIS_CLUSTER": "true",
+            "LLM_RATELIMIT_REDIS_STARTUP_NODES": "10.0.0.2:7001, [fd00::3]:7002",
+        },
+    )
+    assert config.redis_startup_nodes == ["10.0.0.2:7001", "[fd00::3]:7002"]
+    client = make_client(config)
+    assert isinstance(client, RedisCluster)
+    seeds = {(n.host, n.port) for n in client.startup_nodes}
+    assert seeds == {("10.0.0.1", 7000), ("10.0.0.2", 7001), ("fd00::3", 7002)}
+    # the URL's user and password go to every node
+    assert {n.connection_kwargs["username"] for n in client.startup_nodes} == {"llm"}
+
+
+def test_startup_nodes_need_cluster_mode() -> None:
+    with pytest.raises(ValueError, match="redis_cluster: true"):
+        RateLimitConfig(redis_startup_nodes=["10.0.0.2:7001"])
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.2", ":7001", "h:0", "h:70000", "h:port"])
+def test_a_bad_seed_is_named(bad: str) -> None:
+    with pytest.raises(ValueError, match="host:port"):
+        RateLimitConfig(redis_cluster=True, redis_startup_nodes=[bad])
+
+
+def test_parse_node() -> None:
+    assert parse_node(" redis-0.redis:6379 ") == ("redis-0.redis", 6379)
+    assert parse_node("[::1]:7000") == ("::1", 7000)
