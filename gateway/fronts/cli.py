@@ -126,18 +126,21 @@ def generate(channel: grpc.Channel, args: argparse.Namespace) -> int:
         req.prompt = args.text
     md = (("authorization", f"Bearer {_key(args.api_key, 'LLM_API_KEY', 'demo.key')}"),)
     last = None
+    model = ""  # the first chunk names the model (and version) that served it
     for chunk in stub.Generate(req, metadata=md, timeout=args.timeout):
         if args.json:
             print(json_format.MessageToJson(chunk, indent=None), flush=True)
         else:
             print(chunk.text, end="", flush=True)
+        model = model or chunk.model
         last = chunk
     if last is not None and not args.json:
         u = last.usage
         reason = common_pb2.FinishReason.Name(last.finish_reason)
         print(
-            f"\n[{reason}] request {last.request_id}: prompt {u.prompt_tokens} tokens "
-            f"({u.cached_prompt_tokens} cached), completion {u.completion_tokens}",
+            f"\n[{reason}] model {model} request {last.request_id}: prompt "
+            f"{u.prompt_tokens} tokens ({u.cached_prompt_tokens} cached), "
+            f"completion {u.completion_tokens}",
             file=sys.stderr,
         )
     return 0

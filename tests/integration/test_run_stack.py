@@ -32,6 +32,7 @@ from llm.v1 import (
 from tests.conftest import ENGINE_TEST_ENV
 
 pytestmark = pytest.mark.integration
+SECOND = "smol-second"
 
 
 def banner_example(
@@ -58,6 +59,7 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
     env["LLM_ENVOY_PORT"] = env["LLM_ENVOY_ADMIN_PORT"] = "0"
     env["LLM_GATEWAY_HTTP_PORT"] = str(free_port())
     env["LLM_ENVOY_HOST"] = "127.0.0.1"
+    env["LLM_RUN_SECOND_MODEL"] = SECOND  # make run SECOND_MODEL=...: a second engine
     proc = subprocess.Popen(
         [sys.executable, "-m", "scripts.run_stack"],
         cwd=ROOT,
@@ -193,9 +195,33 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
                 )
             )
             assert chunks[-1].usage.completion_tokens == 3
+            # the second model name, served by its own engine, through the same gateway
+            second = list(
+                gateway_pb2_grpc.GatewayStub(ch).Generate(
+                    gateway_pb2.GenerateRequest(
+                        model=SECOND,
+                        prompt="Hello",
+                        sampling=common_pb2.SamplingParams(max_tokens=2),
+                    ),
+                    metadata=(("authorization", f"Bearer {demo_key}"),),
+                    timeout=60,
+                )
+            )
+            assert second[-1].usage.completion_tokens == 2
+            assert second[0].model == SECOND
+            cards = gateway_pb2_grpc.GatewayStub(ch).ListModels(
+                gateway_pb2.ListModelsRequest(),
+                metadata=(("authorization", f"Bearer {demo_key}"),),
+                timeout=10,
+            )
+            assert SECOND in {c.id for c in cards.models}
+            assert len(cards.models) == 2
         openai = banner_example(out, env, "from openai import")  # the SDK, over Envoy's TLS
         assert openai.returncode == 0, openai.stderr
         assert openai.stdout.strip()
+        second_chat = banner_example(out, env, "chat --model")  # the second model's example
+        assert second_chat.returncode == 0, second_chat.stderr
+        assert "model " + SECOND in second_chat.stderr, second_chat.stderr
         usage = banner_example(out, env, "curl -s --cacert")  # admin HTTP/JSON over TLS
         assert usage.returncode == 0, usage.stderr
         assert json.loads(usage.stdout)["tenant_id"] == "demo"
@@ -233,12 +259,12 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
         assert sum(int(r["requests"]) for r in rows) >= 3, export.stdout
         assert {r["tenant_id"] for r in rows} == {"demo"}
         pids = [json.loads(p.read_text())["pid"] for p in (tmp_path / "logs").glob("*.ports.json")]
-        assert len(pids) == 3
+        assert len(pids) == 4  # tokenizer, two engines, gateway
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=90)
         assert proc.returncode == 0, out + rest
         assert "envoy stopped" in rest
-        for name in ("tokenizer", "engine-0", "gateway"):
+        for name in ("tokenizer", "engine-0", "engine-1", "gateway"):
             assert f"{name} stopped (exit code 0)" in rest
         assert "redis stopped" in rest
         for pid in pids:
