@@ -39,6 +39,8 @@ a request ended before it was routed):
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from ratelimit.config import Dimension
@@ -212,3 +214,11 @@ def count_denial(tenant: str, denied: Dimension) -> None:
     for dim, name in _DIMENSIONS:
         if dim & denied:
             RATELIMIT_DENIALS.labels(tenant, name).inc()
+
+
+def forget_replica(address: str) -> None:
+    """Drop the series of an engine replica that left the pool (its breaker state,
+    health and outstanding calls), so no alert fires on a replica that is gone."""
+    for gauge in (BREAKER_STATE, HEALTHY, OUTSTANDING):
+        with contextlib.suppress(KeyError):
+            gauge.remove(address)

@@ -146,6 +146,8 @@ class ReplicaPool:
         if replica.outstanding:  # streams on it get the grace period to finish or fail over
             await asyncio.sleep(self.retire_grace_s)
         await replica.close()
+        if all(r.address != replica.address for r in self.replicas):  # not back meanwhile
+            metrics.forget_replica(replica.address)  # no stale health or breaker series
 
     async def close(self) -> None:
         """Stop background work and close the channels."""
