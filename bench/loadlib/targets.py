@@ -147,6 +147,12 @@ class GatewayTarget:
         async for chunk in self.stub.Generate(req, metadata=md, timeout=timeout_s):
             yield len(chunk.token_ids), chunk.usage.prompt_tokens, chunk.model_version
 
+    async def plain_round_trip(self, tenant: str, timeout_s: float = 10.0) -> None:
+        """One authenticated call that does no other work (ListModels): the baseline a
+        rejection's cost is measured against."""
+        md = (("authorization", f"Bearer {self.keys.get(tenant, '')}"),)
+        await self.stub.ListModels(gateway_pb2.ListModelsRequest(), metadata=md, timeout=timeout_s)
+
     async def close(self) -> None:
         """See ``Target.close``."""
         await self.channel.close(None)
