@@ -31,7 +31,7 @@ from bench.loadlib.driver import RunConfig
 from bench.loadlib.runner import Endpoint, Phase, run_phase_sync
 from bench.loadlib.spawn import setup_tenants
 from bench.loadlib.stats import dist_ms
-from bench.loadlib.targets import GatewayTarget
+from bench.loadlib.targets import GatewayTarget, RequestRecord
 from bench.loadlib.workload import Caps, TenantSpec, TextPool
 
 
@@ -72,6 +72,7 @@ class Runner:
         self.args, self.endpoint, self.admin_key, self.pool = args, endpoint, admin_key, pool
         self.tag = f"-{uuid.uuid4().hex[:6]}"
         self.caps = Caps(args.max_prompt_tokens, args.max_output_tokens)
+        self.last_records: list[RequestRecord] = []  # of the last phase (for timelines)
 
     def phase(self, tenants: list[TenantSpec], duration: float | None = None) -> dict[str, Any]:
         """One bounded phase with ``tenants``; returns its report."""
@@ -83,7 +84,7 @@ class Runner:
             seed=self.args.seed,
             progress=not self.args.no_progress,
         )
-        report, _ = run_phase_sync(
+        report, self.last_records = run_phase_sync(
             Phase(self.endpoint, tenants, run, "short_chat", self.caps), self.pool
         )
         time.sleep(1.0)  # let the engines drain what was cancelled
@@ -103,6 +104,7 @@ def _ratio_experiment(
     r.tenants(protected, aggressor)
     idle = r.phase([protected])
     loaded = r.phase([protected, aggressor])
+    timeline = timelines(r.last_records)
     base, under = _p(idle, protected.name), _p(loaded, protected.name)
     ratio = under / base if base > 0 else float("nan")
     return {
@@ -124,6 +126,7 @@ def _ratio_experiment(
         "limit_label": f"{limit}x idle",
         "idle": _strip(idle),
         "loaded": _strip(loaded),
+        "loaded_timeline": timeline,
     }
 
 
@@ -202,6 +205,33 @@ def exp_limits(r: Runner) -> dict[str, Any]:
     }
 
 
+def timelines(records: list[RequestRecord], bin_s: float = 1.0) -> dict[str, Any]:
+    """Per tenant over one phase: each request's TTFT at its start time, and the share of
+    the service it got per ``bin_s``, counted as the engines' fair share counts it
+    (prompt tokens 1 each, at the first token; output tokens 2 each, spread evenly from
+    the first token to the end)."""
+    ttft: dict[str, list[list[float]]] = {}
+    service: dict[str, dict[int, float]] = {}
+    for r in records:
+        if r.ttft is None:
+            continue
+        ttft.setdefault(r.tenant, []).append([r.start, r.ttft * 1000.0])
+        got = service.setdefault(r.tenant, {})
+        first, end = r.start + r.ttft, r.start + max(r.e2e, r.ttft)
+        got[int(first // bin_s)] = got.get(int(first // bin_s), 0.0) + r.num_prompt_tokens
+        for k in range(r.num_output_tokens):  # token k at its share of the decode time
+            at = first + (end - first) * (k / max(1, r.num_output_tokens - 1))
+            got[int(at // bin_s)] = got.get(int(at // bin_s), 0.0) + 2.0
+    last = max((b for got in service.values() for b in got), default=-1)
+    bins = list(range(last + 1))
+    totals = [sum(got.get(b, 0.0) for got in service.values()) for b in bins]
+    share = {
+        t: [got.get(b, 0.0) / tot if tot else 0.0 for b, tot in zip(bins, totals, strict=True)]
+        for t, got in sorted(service.items())
+    }
+    return {"bin_s": bin_s, "bins": [b * bin_s for b in bins], "ttft_ms": ttft, "share": share}
+
+
 async def _plain_round_trips(
     endpoint: Endpoint, tenant: TenantSpec, rep: dict[str, Any]
 ) -> list[float]:
@@ -256,4 +286,7 @@ def run_all(
                 f"engines saw {res['engine_requests_seen']}"
             )
     plots.plot_fairness(results, png)
+    for res in results:
+        if "loaded_timeline" in res:
+            plots.plot_fairness_timeline(res, png.with_name(f"{png.stem}_{res['id']}_timeline.png"))
     return {"experiments": results, "target": endpoint.kind, "address": endpoint.address}

@@ -129,3 +129,34 @@ def plot_fairness(experiments: list[dict[str, Any]], path: Path) -> Path:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def plot_fairness_timeline(exp: dict[str, Any], path: Path) -> Path:
+    """The loaded phase of one experiment over time: each request's TTFT by tenant, and
+    each tenant's share of the service (the engines' fair-share count) per second."""
+    tl = exp["loaded_timeline"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for tenant, points in sorted(tl["ttft_ms"].items()):
+        a1.scatter([p[0] for p in points], [p[1] for p in points], s=12, label=tenant)
+    a1.set(
+        xlabel="request start (s into the phase)",
+        ylabel="TTFT (ms)",
+        yscale="log",
+        title=f"({exp['id']}) TTFT over time",
+    )
+    tenants = sorted(tl["share"])
+    if tl["bins"]:
+        a2.stackplot(tl["bins"], [tl["share"][t] for t in tenants], labels=tenants, alpha=0.8)
+    a2.set(
+        xlabel=f"time (s, {tl['bin_s']:g} s bins)",
+        ylabel="share of service (prompt tokens x1, output x2)",
+        ylim=(0, 1),
+        title=f"({exp['id']}) service share over time",
+    )
+    for ax in (a1, a2):
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -187,6 +187,12 @@ def test_fairness_through_the_gateway(
     assert a["loaded_ms"] > 0
     assert isinstance(a["holds"], bool)
     assert set(a["loaded"]["per_tenant"]) == {"chat", "flood"}
+    tl = a["loaded_timeline"]  # per-tenant TTFT and service share over time, plotted
+    assert set(tl["ttft_ms"]) == {"chat", "flood"}
+    for i in range(len(tl["bins"])):
+        total = sum(shares[i] for shares in tl["share"].values())
+        assert total == pytest.approx(1.0) or total == 0.0
+    assert (tmp_path / "load_fair_a_timeline.png").stat().st_size > 0
     assert c["num_rejected"] > 0
     assert c["num_admitted"] >= 1  # burst 1: the first request of the phase fits
     # rejected requests never reach an engine: it saw exactly the admitted ones
