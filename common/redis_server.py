@@ -15,6 +15,7 @@ persistence, and is stopped by pid (SIGTERM, then SIGKILL). ``kill()`` and
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import shutil
 import signal
@@ -55,9 +56,20 @@ def _resp(*args: str) -> bytes:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(num: int, host: str = "127.0.0.1") -> list[int]:
+    """``num`` distinct TCP ports that were free a moment ago (all bound at once, so
+    the system cannot hand out one twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [
+            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            for _ in range(num)
+        ]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 class RedisServer(LoggedChild):

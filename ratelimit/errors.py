@@ -16,6 +16,10 @@ class StoreError(Exception):
     """The store failed or did not answer within the budget (never a denial)."""
 
 
+class BreakerOpenError(StoreError):
+    """The breaker skipped the store: nothing was sent, so nothing needs undoing."""
+
+
 class LimiterUnavailableError(Exception):
     """The store is unreachable and the deployment fails closed (map to UNAVAILABLE)."""
 
@@ -42,6 +46,7 @@ class NotFoundError(LookupError):
 
 __all__ = [
     "AuthError",
+    "BreakerOpenError",
     "ConflictError",
     "LimiterUnavailableError",
     "NotFoundError",

@@ -21,8 +21,17 @@ from typing import Any, TypeAlias
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import RedisClusterException, RedisError
 
 RedisClient: TypeAlias = Redis | RedisCluster
+# What a failed call raises: the cluster client's own errors (no node answers, a slot
+# no node serves while a shard fails over) are not RedisErrors
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
+# ...and what the asyncio client leaks when a connection is closed under a call (a node
+# killed while the cluster client still writes to it: ``_writer`` is None, or the
+# transport's internals are; redis-py issue #4287). Caught only around the limiter's
+# and the budgets' script calls, where a failure must become the fail mode.
+LEAKED_TRANSPORT_ERRORS: tuple[type[Exception], ...] = (AttributeError, TypeError)
 
 
 def parse_node(text: str) -> tuple[str, int]:

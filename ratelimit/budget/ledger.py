@@ -28,13 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from ratelimit.budget.policy import Budget, Price, Window, amount_text, charge_of
 from ratelimit.errors import StoreError
 from ratelimit.limiter.lua import LuaScript, load_scripts, run_script
 from ratelimit.limiter.store_guard import StoreGuard
-from ratelimit.redis_client import RedisClient
+from ratelimit.redis_client import REDIS_ERRORS, RedisClient
 
 STALE_HOLD_MS = 86_400_000  # an open hold older than this is dropped (stays charged)
 
@@ -325,7 +323,7 @@ class BudgetLedger:
                 for key in keys:
                     pipe.hgetall(key)
                 rows = await pipe.execute()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StoreError(f"redis budget read failed: {exc}") from exc
         out = []
         for b, row in zip(budgets, rows, strict=True):
@@ -338,7 +336,7 @@ class BudgetLedger:
         """Drop the tenant's budget state (open holds and the listed budgets' slots)."""
         try:
             await self.client.delete(*self._keys(tenant_id, budgets))
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StoreError(f"redis budget delete failed: {exc}") from exc
 
     async def reset(self, tenant_id: str, budgets: Sequence[Budget]) -> None:

@@ -24,10 +24,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError
 
 from ratelimit.errors import StoreError
-from ratelimit.redis_client import RedisClient
+from ratelimit.redis_client import LEAKED_TRANSPORT_ERRORS, REDIS_ERRORS, RedisClient
 
 _PRELUDE = """
 local EPS = 1e-6
@@ -284,7 +284,7 @@ async def load_scripts(client: RedisClient, scripts: Sequence[LuaScript]) -> Non
     try:
         for script in scripts:
             await script.load(client)
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise StoreError(f"redis script load failed: {exc}") from exc
 
 
@@ -294,5 +294,5 @@ async def run_script(
     """Run ``script``; a Redis failure surfaces as ``StoreError``."""
     try:
         return await script(client, keys, args)
-    except RedisError as exc:
+    except (*REDIS_ERRORS, *LEAKED_TRANSPORT_ERRORS) as exc:
         raise StoreError(f"redis {script.name} failed: {type(exc).__name__}: {exc}") from exc

@@ -22,16 +22,15 @@ import socket
 import uuid
 from collections.abc import Callable
 
-from redis.exceptions import RedisError
-
 from common.log import get_logger
 from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.limiter.lua import REPLICAS, LuaScript
-from ratelimit.redis_client import RedisClient
+from ratelimit.redis_client import REDIS_ERRORS, RedisClient
 
 log = get_logger(__name__)
 _SCRIPT = LuaScript("replicas", REPLICAS)
+_FAILURES: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError, TimeoutError)
 
 
 def replica_id() -> str:
@@ -71,7 +70,7 @@ class ReplicaMembership:
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> int:
-        """Renew this replica's entry; return the live count (raises RedisError)."""
+        """Renew this replica's entry; return the live count (raises a ``REDIS_ERRORS`` error)."""
         n = int(
             await asyncio.wait_for(
                 _SCRIPT(self.client, [self.key], [self.id, self.ttl_ms]), self.timeout_s
@@ -97,7 +96,7 @@ class ReplicaMembership:
         while True:
             try:
                 await self.refresh()
-            except (RedisError, OSError, TimeoutError) as exc:
+            except _FAILURES as exc:
                 log.warning(
                     "replica count not refreshed; the fail-open share keeps the last count",
                     error=f"{type(exc).__name__}: {exc}",
@@ -109,5 +108,5 @@ class ReplicaMembership:
         """Stop refreshing and remove this replica's entry (best effort)."""
         await cancel_and_wait(self._task)
         self._task = None
-        with contextlib.suppress(RedisError, OSError, TimeoutError):
+        with contextlib.suppress(*_FAILURES):
             await asyncio.wait_for(_SCRIPT(self.client, [self.key], [self.id, ""]), self.timeout_s)

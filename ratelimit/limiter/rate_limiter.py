@@ -29,7 +29,7 @@ from common.log import get_logger
 from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.config import FAIL_MODES, Dimension, LimitPolicy, Tenant
-from ratelimit.errors import LimiterUnavailableError, StoreError
+from ratelimit.errors import BreakerOpenError, LimiterUnavailableError, StoreError
 from ratelimit.limiter.algorithm import UNLIMITED, Outcome
 from ratelimit.limiter.decision import Decision, Reservation
 from ratelimit.limiter.denials import DenialMemo, HeadroomMemo
@@ -138,7 +138,8 @@ class RateLimiter:
             self._compensate(tenant, lease_id, num_tokens)  # the script may have run
             raise
         except StoreError as exc:
-            self._compensate(tenant, lease_id, num_tokens)
+            if not isinstance(exc, BreakerOpenError):  # else it never reached the store
+                self._compensate(tenant, lease_id, num_tokens)
             self._fail_closed(exc, source)
             policy, source = tenant.limits.fallback_share(self.num_replicas, num_tokens), "local"
             outcome = await self.fallback.reserve(

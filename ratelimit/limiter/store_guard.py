@@ -16,7 +16,7 @@ from typing import TypeVar
 from common.breaker import BreakerPolicy, BreakerState, CircuitBreaker
 from common.log import get_logger
 from ratelimit import metrics
-from ratelimit.errors import StoreError
+from ratelimit.errors import BreakerOpenError, StoreError
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -63,7 +63,7 @@ class StoreGuard:
         """Run ``fn()``; raise ``StoreError`` on error, timeout or open breaker."""
         ticket = self.breaker.admit()
         if ticket is None:
-            raise StoreError(f"redis circuit breaker is open (skipping {op})")
+            raise BreakerOpenError(f"redis circuit breaker is open (skipping {op})")
         try:
             async with asyncio.timeout(self.timeout_s):
                 result = await fn()

@@ -24,13 +24,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from common.log import get_logger
 from ratelimit.budget.policy import Budget, validate_budgets
 from ratelimit.config import Tenant, validate_tenant_id
 from ratelimit.errors import NotFoundError, StoreError
-from ratelimit.redis_client import RedisClient
+from ratelimit.redis_client import REDIS_ERRORS, RedisClient
 from ratelimit.tenancy.key_cache import KeyCache
 from ratelimit.tenancy.records import (
     DISPLAY_PREFIX_LEN,
@@ -59,7 +57,7 @@ def redis_errors(op: str) -> Iterator[None]:
     """Turn Redis failures into ``StoreError`` (UNAVAILABLE)."""
     try:
         yield
-    except RedisError as exc:
+    except REDIS_ERRORS as exc:
         raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}") from exc
 
 
@@ -245,7 +243,7 @@ class Registry:
                 del self._last_written[k]
 
         async def write() -> None:
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*REDIS_ERRORS, OSError):
                 await self.client.hset(f"{self.prefix}key_last_used", key.key_id, time.time())
 
         task = asyncio.get_running_loop().create_task(write())

@@ -31,13 +31,12 @@ from datetime import UTC, date, datetime, timedelta
 
 from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline
-from redis.exceptions import RedisError
 
 from common.log import get_logger
 from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.errors import StoreError
-from ratelimit.redis_client import RedisClient
+from ratelimit.redis_client import REDIS_ERRORS, RedisClient
 
 log = get_logger(__name__)
 COUNTERS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
@@ -180,7 +179,7 @@ class UsageLog:
                     end = datetime.fromisoformat(day).replace(tzinfo=UTC).timestamp() + 86_400
                     pipe.expireat(self._key(tenant_id, day), int(end + self.retention_s))
                 await pipe.execute()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             # back in front of the newer ones (the oldest go first when that overflows)
             newer, self._queue = self._queue, batch
             for e in newer:
@@ -236,7 +235,7 @@ class UsageLog:
                     for d in days:
                         pipe.hgetall(self._key(t, d))
                 rows = await pipe.execute()
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StoreError(f"redis usage read failed: {exc}") from exc
         out: list[UsageRecord] = []
         it = iter(rows)

@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.errors import StoreError
 from ratelimit.limiter.algorithm import Outcome
@@ -27,7 +25,7 @@ from ratelimit.limiter.lua import (
     run_script,
 )
 from ratelimit.limiter.storage import UsageSnapshot
-from ratelimit.redis_client import RedisClient
+from ratelimit.redis_client import REDIS_ERRORS, RedisClient
 
 _RESERVE = LuaScript("reserve", RESERVE)
 _SETTLE = LuaScript("settle", SETTLE)
@@ -200,7 +198,7 @@ class RedisStore:
     async def _delete(self, keys: Sequence[str]) -> None:
         try:
             await self.client.delete(*keys)
-        except RedisError as exc:
+        except REDIS_ERRORS as exc:
             raise StoreError(f"redis delete failed: {exc}") from exc
 
     async def close(self) -> None:

@@ -381,3 +381,20 @@ async def test_compensation_never_refunds_a_reserve_that_did_not_run() -> None:
     broken.mode = "ok"
     await _drain(limiter)
     await assert_store_holds(inner, 5000, 1)  # not 7000: nothing was given back
+
+
+async def test_a_reserve_the_open_breaker_skipped_is_not_compensated() -> None:
+    """Nothing was sent, so nothing is undone: while the breaker is open, fallback
+    decisions do not queue a compensation each (thousands in an outage, all sent
+    when the store comes back)."""
+    store = BrokenStore(memory(Clock()))
+    limiter = RateLimiter(store, breaker=store_breaker(1, 60_000))
+    store.mode = "error"
+    await limiter.reserve(TENANT, 1)  # failed in the store: it may have run
+    first = set(limiter._background)
+    assert len(first) == 1
+    for _ in range(5):
+        assert (await limiter.reserve(TENANT, 1)).source == "local"
+    assert set(limiter._background) <= first
+    assert store.num_calls == 1
+    await _drain(limiter)
