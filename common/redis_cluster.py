@@ -19,7 +19,7 @@ removed by ``close``.
 
 ``kill_primary_of(key)`` crashes the primary that owns a key's slot (SIGKILL);
 its replica is promoted after ``node_timeout_ms``, which ``wait_promoted``
-waits for.
+waits for (``wait_replicated`` first, to lose no acknowledged write).
 
 ``python -m common.redis_cluster`` runs one in the foreground (Ctrl-C stops it).
 """
@@ -34,7 +34,7 @@ from redis import Redis
 from redis.crc import key_slot
 from redis.exceptions import RedisError
 
-from common.redis_server import RedisServer, free_port, serve_in_foreground
+from common.redis_server import RedisServer, free_ports, serve_in_foreground
 
 NUM_SLOTS = 16384
 
@@ -82,8 +82,10 @@ class RedisClusterServers:
         self.host = host
         self.num_primaries = num_primaries
         self.nodes: list[ClusterNode] = []
-        for i in range(num_primaries * (1 + replicas)):
-            port, bus_port = free_port(host), free_port(host)
+        num_nodes = num_primaries * (1 + replicas)
+        ports = free_ports(2 * num_nodes, host)  # a client and a cluster-bus port each
+        for i in range(num_nodes):
+            port, bus_port = ports[2 * i], ports[2 * i + 1]
             args = [
                 "--cluster-enabled",
                 "yes",
@@ -181,6 +183,26 @@ class RedisClusterServers:
                 if info.get("role") == "slave" and info.get("master_link_status") != "up":
                     return False
         return True
+
+    def wait_replicated(self, timeout: float = 10.0) -> None:
+        """Wait until every live primary's replicas have all of its writes so far (Redis
+        replicates asynchronously: a write not yet on a replica is lost when the
+        primary crashes)."""
+
+        def caught_up() -> bool:
+            for i in self.live():
+                with self.client(i) as c:
+                    info = c.info("replication")
+                if info.get("role") != "master":
+                    continue
+                replicas = [
+                    v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
+                ]
+                if any(int(r["offset"]) < int(info["master_repl_offset"]) for r in replicas):
+                    return False
+            return True
+
+        self._wait(time.monotonic() + timeout, "the replicas to catch up", caught_up)
 
     def primary_of(self, key: str) -> int:
         """Index of the node that serves ``key``'s slot as primary now (as the first
