@@ -10,7 +10,9 @@ waiter at a time, chosen fairly across tenants: the tenant with the least
 service so far, counted as turns divided by its share, FIFO within a tenant.
 A tenant that starts waiting is lifted to the least-served waiting tenant, so
 idle time banks no credit (the same rule as the engines' fair share). A woken
-request that is refused again goes back to the front of its tenant's line.
+request that is refused again goes back to the front of its tenant's line and
+its turn is taken back; a tenant's counter outlives its line for ``keep_s``
+after its last turn, so a turn that comes back does not reset it.
 
 Bounds: ``max_waiting`` requests in all and ``max_waiting_per_tenant`` per
 tenant; past them, or when the wait runs out, the caller refuses with
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway import metrics
@@ -41,6 +44,7 @@ class TenantTurns:
 
     def __init__(self) -> None:
         self.served: dict[str, float] = {}
+        self.last_turn: dict[str, float] = {}  # tenant -> when it last had one
 
     def lift(self, tenant: str, waiting: list[str]) -> None:
         """A tenant starts waiting: no less than the least served one already waiting."""
@@ -51,13 +55,17 @@ class TenantTurns:
         """The next tenant among ``waiting`` (ties: the order given, i.e. who waited first)."""
         return min(waiting, key=lambda t: self.served.get(t, 0.0))
 
-    def charge(self, tenant: str, share: float, turns: int = 1) -> None:
+    def charge(self, tenant: str, share: float, turns: int = 1, now: float = 0.0) -> None:
         """Count ``turns`` (-1: take back one that found no capacity)."""
         self.served[tenant] = self.served.get(tenant, 0.0) + turns / max(share, 1e-6)
+        self.last_turn[tenant] = now
 
-    def forget(self, keep: set[str]) -> None:
-        """Drop the counters of tenants no longer waiting."""
-        self.served = {t: v for t, v in self.served.items() if t in keep}
+    def forget(self, keep: set[str], now: float, keep_s: float) -> None:
+        """Drop the counters of tenants not in ``keep`` whose last turn is older than
+        ``keep_s``."""
+        fresh = {t for t, at in self.last_turn.items() if now - at <= keep_s} | keep
+        self.served = {t: v for t, v in self.served.items() if t in fresh}
+        self.last_turn = {t: v for t, v in self.last_turn.items() if t in fresh}
 
 
 class FairQueue:
@@ -68,6 +76,8 @@ class FairQueue:
         max_waiting: Requests waiting at most.
         max_waiting_per_tenant: Requests of one tenant waiting at most.
         tick_s: A waiter is woken at least this often while any wait.
+        keep_s: How long a tenant's counter outlives its line (after its last turn).
+        clock: Monotonic seconds.
     """
 
     def __init__(
@@ -76,11 +86,15 @@ class FairQueue:
         max_waiting: int = 1024,
         max_waiting_per_tenant: int = 256,
         tick_s: float = 0.1,
+        keep_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_wait_s = max_wait_s
         self.max_waiting = max_waiting
         self.max_waiting_per_tenant = max_waiting_per_tenant
         self.tick_s = tick_s
+        self.keep_s = keep_s
+        self.clock = clock
         self._lines: dict[str, deque[_Waiter]] = {}
         self._shares: dict[str, float] = {}
         self._turns = TenantTurns()
@@ -115,8 +129,8 @@ class FairQueue:
         if line is None:
             self._turns.lift(tenant, list(self._lines))
             line = self._lines[tenant] = deque()
-        elif front:  # its turn found no capacity after all: not counted as service
-            self._turns.charge(tenant, share, turns=-1)
+        if front:  # its turn found no capacity after all: not counted as service
+            self._turns.charge(tenant, share, turns=-1, now=self.clock())
         self._shares[tenant] = share
         waiter = _Waiter(tenant, asyncio.get_running_loop().create_future())
         (line.appendleft if front else line.append)(waiter)
@@ -138,11 +152,12 @@ class FairQueue:
     def release(self) -> None:
         """Capacity freed (an attempt ended): the next waiter, in fair order, may go."""
         if not self._lines:
+            self._turns.forget(set(), self.clock(), self.keep_s)
             return
         tenant = self._turns.pick(list(self._lines))
         waiter = self._lines[tenant][0]
-        self._turns.charge(tenant, self._shares.get(tenant, 1.0))
-        self._remove(waiter)  # (its tenant's counter goes with its last waiter)
+        self._turns.charge(tenant, self._shares.get(tenant, 1.0), now=self.clock())
+        self._remove(waiter)
         waiter.future.set_result(None)
 
     def _remove(self, waiter: _Waiter) -> None:
@@ -154,8 +169,7 @@ class FairQueue:
         metrics.FAIR_QUEUE_WAITING.dec()
         if not line:
             del self._lines[waiter.tenant]
-            self._shares.pop(waiter.tenant, None)
-            self._turns.forget(set(self._lines))
+            self._turns.forget(set(self._lines), self.clock(), self.keep_s)
 
     def _start_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():

@@ -116,6 +116,21 @@ def launcher(name: str, app: Path) -> list[str]:
     ]
 
 
+def image_process(
+    image: str, module: str, app: Path, env: dict[str, str], tmp: Path
+) -> ManagedProcess:
+    """The image's entrypoint (``python -m module`` and the image's CMD) from its layout."""
+    return ManagedProcess(
+        name=f"{image}-image",
+        module=module,
+        args=["--log-format", "json"],
+        env=env,
+        log_dir=tmp / "logs",
+        launcher=launcher(image, app),
+        cwd=app,
+    )
+
+
 def compose_env(service: str, app: Path, replace: dict[str, str]) -> dict[str, str]:
     """The service's compose environment with /app at ``app`` and ``replace`` applied
     (addresses, ports and secret files of this test)."""
@@ -184,15 +199,7 @@ def test_the_tokenizer_image_serves_from_the_mounted_model(
             "LLM_TOKENIZER_SERVICE_TOKEN_FILE": str(token_file),
         },
     )
-    proc = ManagedProcess(
-        name="tokenizer-image",
-        module="tokenizer_svc",
-        args=["--log-format", "json"],
-        env=env,
-        log_dir=tmp_path / "logs",
-        launcher=launcher("tokenizer", app),
-        cwd=app,
-    )
+    proc = image_process("tokenizer", "tokenizer_svc", app, env, tmp_path)
     md = ((SERVICE_TOKEN_KEY, token_file.read_text()),)
     with proc, grpc.insecure_channel(proc.address) as ch:
         stub = tokenizer_pb2_grpc.TokenizerStub(ch)
@@ -235,15 +242,7 @@ def test_the_gateway_image_serves_without_any_model_files(
     )
     assert env["LLM_MODEL_DIR"].startswith("/models/")  # what compose sets: not there
     assert not Path(env["LLM_MODEL_DIR"]).exists()
-    proc = ManagedProcess(
-        name="gateway-image",
-        module="gateway",
-        args=["--log-format", "json"],
-        env=env,
-        log_dir=tmp_path / "logs",
-        launcher=launcher("gateway", app),
-        cwd=app,
-    )
+    proc = image_process("gateway", "gateway", app, env, tmp_path)
     with proc, grpc.insecure_channel(proc.address) as ch:
         admin_md = (("authorization", f"Bearer {admin_key}"),)
         admin = admin_pb2_grpc.RateLimitAdminStub(ch)

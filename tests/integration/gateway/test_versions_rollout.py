@@ -584,7 +584,11 @@ def test_the_client_cli_shifts_weights_rolls_back_and_promotes(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     stable = stable_info.version
-    base = ["--address", vgw.proc.address, "--admin-key", ADMIN_KEY, "--json", "admin"]
+    # the gateway itself, on loopback: plaintext (the CLI speaks TLS unless told)
+    base = [
+        *("--address", vgw.proc.address, "--plaintext"),
+        *("--admin-key", ADMIN_KEY, "--json", "admin"),
+    ]
 
     def cli_json(*argv: str) -> dict[str, Any]:
         assert cli.main([*base, *argv]) == 0

@@ -114,6 +114,32 @@ async def test_a_cancelled_waiter_leaves_the_line() -> None:
     q.release()  # nobody to wake: no error
 
 
+async def test_a_refused_turn_keeps_its_tenants_place_among_ticks() -> None:
+    """The tenant served least keeps that standing when its woken request is refused and
+    comes back (its line was empty meanwhile): the flood does not win the next turn."""
+    q = FairQueue(max_wait_s=10, tick_s=60)
+    flood = [asyncio.ensure_future(q.wait("flood", 1.0, 10)) for _ in range(4)]
+    await settle()
+    q.release()  # flood served once
+    await settle()
+    chat = asyncio.ensure_future(q.wait("chat", 1.0, 10))  # lifted level with the flood
+    await settle()
+    q.release()  # a flood turn (tie: the flood waited first); flood 2, chat 1
+    await settle()
+    q.release()  # chat's turn (least served), as a tick would give it ...
+    await settle()
+    assert await chat
+    again = asyncio.ensure_future(q.wait("chat", 1.0, 10, front=True))  # ... refused
+    await settle()
+    q.release()  # the real capacity: chat is still the least served
+    await settle()
+    assert again.done()
+    for _ in range(4):
+        q.release()
+        await settle()
+    await asyncio.gather(*flood)
+
+
 def test_lift_starts_a_new_tenant_level_with_the_least_served() -> None:
     turns = TenantTurns()
     for _ in range(5):
@@ -134,7 +160,15 @@ def test_lift_starts_a_new_tenant_level_with_the_least_served() -> None:
 )
 def test_nothing_stays_queued(ops: list[tuple[str, str]]) -> None:
     async def main() -> None:
-        q = FairQueue(max_wait_s=0.2, max_waiting=8, max_waiting_per_tenant=4, tick_s=60)
+        now = [0.0]
+        q = FairQueue(
+            max_wait_s=0.2,
+            max_waiting=8,
+            max_waiting_per_tenant=4,
+            tick_s=60,
+            keep_s=5.0,
+            clock=lambda: now[0],
+        )
         tasks: list[asyncio.Future[bool]] = []
         for op, tenant in ops:
             if op == "arrive":
@@ -149,6 +183,9 @@ def test_nothing_stays_queued(ops: list[tuple[str, str]]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         assert q.num_waiting == 0
         assert not q._lines
-        assert not q._turns.served  # counters only for tenants waiting
+        now[0] += 6.0  # past keep_s since the last turn: no counter is kept
+        q.release()
+        assert not q._turns.served
+        assert not q._turns.last_turn
 
     asyncio.run(main())
