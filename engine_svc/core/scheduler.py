@@ -11,7 +11,9 @@ counter (``FairShare``: the service each tenant has received, weighted), then
 by arrival: the tenant served least goes first, so one tenant's flood of long
 prompts queues behind itself, not in front of everyone else. While prompts of
 two or more tenants wait for prefill, each prefill chunk is capped at
-``fair_prefill_chunk`` tokens so that every tenant's prompt advances each step.
+``fair_prefill_chunk`` tokens so that every tenant's prompt advances each step;
+in a step that admits a whole prompt under that cap, the prefills after it share
+one chunk, so the step that gives the newcomer its first token stays short.
 
 When the pool runs dry the least urgent running request (lowest effective
 priority, latest arrival) is preempted by recompute: its blocks are freed and
@@ -258,10 +260,16 @@ class Scheduler:
         per_tenant: dict[str, deque[Request]] = {}
         for r in self.waiting:
             per_tenant.setdefault(r.tenant_id, deque()).append(r)
+        live = {r.tenant_id for r in self.running}
+
+        def key(r: Request) -> tuple[float, float, bool, float]:
+            # level tenants: the one with nothing running yet (just lifted) goes first
+            klass, counter, arrival = self._urgency(r, now)
+            return (klass, counter, r.tenant_id in live, arrival)
 
         def pick() -> Request | None:
             while per_tenant:
-                head = min((q[0] for q in per_tenant.values()), key=lambda r: self._urgency(r, now))
+                head = min((q[0] for q in per_tenant.values()), key=key)
                 if head.status != RequestStatus.RUNNING:
                     return head
                 queue = per_tenant[head.tenant_id]
@@ -305,18 +313,28 @@ class Scheduler:
                     head = None  # the most urgent one does not fit: admit no other
                 else:
                     budget -= admitted
+                    if self._chunk_cap and head.num_computed_tokens + admitted >= head.num_tokens:
+                        # its whole prompt runs now, beside another tenant's (the cap is
+                        # on): keep this step, its first token, short; the other prompts
+                        # get one chunk between them in this step, not one chunk each
+                        budget = min(budget, self._chunk_cap)
                     head = pick()
             elif running:
                 budget = self._schedule_running(running.popleft(), budget, chosen, out)
+                if head is not None and self.fair is not None:
+                    head = pick()  # that charge may have put another tenant's request first
             else:
                 break
 
     def _ahead(self, waiting: Request, prefilling: Request, now: float) -> bool:
-        """A waiting request takes budget before a running prefill only under fair share
-        (and when more urgent); by arrival, running prefills always go first."""
-        return self.fair is not None and self._urgency(waiting, now) < self._urgency(
-            prefilling, now
-        )
+        """A waiting request takes budget before a running prefill only under fair share:
+        when more urgent, or level with another tenant's (a tenant that just became
+        active is lifted level with the least served: it goes first on that tie); by
+        arrival, running prefills always go first."""
+        if self.fair is None:
+            return False
+        w, p = self._urgency(waiting, now), self._urgency(prefilling, now)
+        return w < p or (w[:2] == p[:2] and waiting.tenant_id != prefilling.tenant_id)
 
     def _admit(
         self, req: Request, budget: int, now: float, chosen: dict[str, ScheduledRequest]

@@ -82,9 +82,25 @@ def test_prefill_chunks_are_capped_only_while_two_tenants_wait() -> None:
     s.add_request(req("long", "a", 40))
     assert plan(run_step(s)) == [("long", 16)]  # alone: the whole budget
     s.add_request(req("short", "b", 6))
-    assert plan(run_step(s)) == [("long", 4), ("short", 4)]  # both advance, neither hogs
+    # both advance, neither hogs; the newcomer, level with "a", goes first
+    assert plan(run_step(s)) == [("short", 4), ("long", 4)]
     assert plan(run_step(s)) == [("long", 4), ("short", 2)]  # short's first token
     assert plan(run_step(s)) == [("short", 1), ("long", 15)]  # nobody else waits: uncapped
+
+
+def test_the_step_that_finishes_a_newcomers_prompt_stays_short() -> None:
+    s = make(max_num_batched_tokens=32, fair_prefill_chunk=4, max_num_seqs=8)
+    for i in range(3):
+        s.add_request(req(f"flood{i}", "flood", 40))
+    run_step(s)  # the flood alone: uncapped
+    s.add_request(req("chat", "chat", 3))
+    step = plan(run_step(s))
+    # first (lifted level with the flood, nothing running yet), its whole prompt, so
+    # its first token, in this step; the flood's prompts share one chunk after it
+    assert step == [("chat", 3), ("flood0", 4)]
+    # the next step the chat decodes and the flood's prompts take the rest (no tenant
+    # waits beside them: uncapped, work-conserving)
+    assert plan(run_step(s)) == [("chat", 1), ("flood0", 4), ("flood1", 27)]
 
 
 def test_the_cap_holds_each_request_of_each_tenant() -> None:
