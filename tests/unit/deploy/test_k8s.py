@@ -146,6 +146,40 @@ def test_gateway_has_hpa_pdb_and_a_headless_service(docs: list[Doc]) -> None:
     assert {"name": "http", "containerPort": http.port} in c["ports"]
 
 
+def test_engines_scale_on_queue_depth_and_kv_usage_from_their_own_metrics(
+    docs: list[Doc],
+) -> None:
+    engine = find(docs, "Deployment", "engine")
+    labels = engine["spec"]["template"]["metadata"]["labels"]
+    hpa = find(docs, "HorizontalPodAutoscaler", "engine")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "engine"
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    pdb = find(docs, "PodDisruptionBudget", "engine")
+    assert pdb["spec"]["maxUnavailable"] < hpa["spec"]["minReplicas"]  # never all at once
+    wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert wanted == {"engine_num_requests_waiting", "engine_kv_cache_usage_perc"}
+    # prometheus-adapter serves exactly those names, from series the engines export
+    adapter = yaml.safe_load(
+        find(docs, "ConfigMap", "llm-prometheus-adapter")["data"]["config.yaml"]
+    )
+    served = {r["name"]["as"]: r for r in adapter["rules"]}
+    assert set(served) == wanted
+    exported = (Path(__file__).parents[3] / "engine_svc" / "metrics.py").read_text()
+    for rule in served.values():
+        series = rule["seriesQuery"].split("{")[0].strip("'")
+        assert f'"{series}"' in exported, f"{series}: no such engine metric"
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}  # per pod
+    # the engines are spread over zones and nodes, and count as ready only once warm
+    spread = pod_spec(engine)["topologySpreadConstraints"]
+    assert {c["topologyKey"] for c in spread} == {
+        "topology.kubernetes.io/zone",
+        "kubernetes.io/hostname",
+    }
+    assert all(c["labelSelector"]["matchLabels"].items() <= labels.items() for c in spread)
+    probe = container(engine, "engine")["readinessProbe"]["grpc"]
+    assert probe["service"] == HEALTH_SERVICE["engine"]  # SERVING after load + warm-up
+
+
 def test_admin_key_comes_from_a_secret(docs: list[Doc]) -> None:
     c = container(find(docs, "Deployment", "gateway"), "gateway")
     (admin,) = [e for e in c["env"] if e["name"] == "ADMIN_KEY"]
