@@ -29,7 +29,7 @@ RedisClient: TypeAlias = Redis | RedisCluster
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
 # ...and what the asyncio client leaks when a connection is closed under a call (a node
 # killed while the cluster client still writes to it: ``_writer`` is None, or the
-# transport's internals are; redis-py issue #4287). Caught only around the limiter's
+# transport's internals are: a known redis-py asyncio defect). Caught only around the limiter's
 # and the budgets' script calls, where a failure must become the fail mode.
 LEAKED_TRANSPORT_ERRORS: tuple[type[Exception], ...] = (AttributeError, TypeError)
 
