@@ -20,7 +20,7 @@ import pytest
 
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
-from deploy.envoy import render_config_file
+from deploy.envoy import EnvoyProcess, render_config_file
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.conftest import start_engine
 from tokenizer_svc.tokenizer import TextTokenizer
@@ -181,6 +181,24 @@ def start_gateway(
     )
     proc.start(timeout=90)
     return GatewayProcess(proc)
+
+
+def envoy_over(gateways: list[GatewayProcess], logs: Path) -> EnvoyProcess:
+    """A started Envoy (plaintext on loopback) in front of ``gateways`` (gRPC and admin)."""
+    addrs = [g.proc.address for g in gateways]
+    cfg = render_config_file(
+        logs / "envoy.yaml",
+        listener_host="127.0.0.1",
+        plaintext=True,  # loopback; TLS is tested in test_tls_envoy.py
+        listener_port=0,
+        admin_port=0,
+        gateway=addrs,
+        admin=addrs,
+        access_log_path=logs / "access.log",
+    )
+    envoy = EnvoyProcess(cfg, log_dir=logs)
+    envoy.start(timeout=60)
+    return envoy
 
 
 @pytest.fixture(scope="session")

@@ -15,13 +15,14 @@ import pytest
 
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
-from deploy.envoy import EnvoyProcess, render_config_file
+from deploy.envoy import EnvoyProcess
 from llm.v1 import common_pb2, gateway_pb2_grpc
 from tests.integration.gateway.conftest import (
     ADMIN_KEY,
     EnginePair,
     GatewayProcess,
     chat,
+    envoy_over,
     start_gateway,
     trailers,
 )
@@ -54,19 +55,7 @@ def edge(
         )
         for i in range(2)
     ]
-    addrs = [g.proc.address for g in gws]
-    cfg = render_config_file(
-        logs / "envoy.yaml",
-        listener_host="127.0.0.1",
-        plaintext=True,  # loopback; TLS is tested in test_tls_envoy.py
-        listener_port=0,
-        admin_port=0,
-        gateway=addrs,
-        admin=addrs,
-        access_log_path=logs / "access.log",
-    )
-    envoy = EnvoyProcess(cfg, log_dir=logs)
-    envoy.start(timeout=60)
+    envoy = envoy_over(gws, logs)
     try:
         yield envoy, gws
     finally:
