@@ -35,6 +35,7 @@ from gateway import metrics
 @dataclass(slots=True)
 class _Waiter:
     tenant: str
+    share: float
     future: asyncio.Future[None]
     since: float = field(default_factory=time.perf_counter)
 
@@ -96,7 +97,6 @@ class FairQueue:
         self.keep_s = keep_s
         self.clock = clock
         self._lines: dict[str, deque[_Waiter]] = {}
-        self._shares: dict[str, float] = {}
         self._turns = TenantTurns()
         self._num_waiting = 0
         self._ticker: asyncio.Task[None] | None = None
@@ -104,9 +104,6 @@ class FairQueue:
     @property
     def num_waiting(self) -> int:
         return self._num_waiting
-
-    def waiting_of(self, tenant: str) -> int:
-        return len(self._lines.get(tenant, ()))
 
     async def wait(
         self, tenant: str, share: float, seconds_left: float, *, front: bool = False
@@ -131,8 +128,7 @@ class FairQueue:
             line = self._lines[tenant] = deque()
         if front:  # its turn found no capacity after all: not counted as service
             self._turns.charge(tenant, share, turns=-1, now=self.clock())
-        self._shares[tenant] = share
-        waiter = _Waiter(tenant, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(tenant, share, asyncio.get_running_loop().create_future())
         (line.appendleft if front else line.append)(waiter)
         self._num_waiting += 1
         metrics.FAIR_QUEUE_WAITING.inc()
@@ -156,7 +152,7 @@ class FairQueue:
             return
         tenant = self._turns.pick(list(self._lines))
         waiter = self._lines[tenant][0]
-        self._turns.charge(tenant, self._shares.get(tenant, 1.0), now=self.clock())
+        self._turns.charge(tenant, waiter.share, now=self.clock())
         self._remove(waiter)
         waiter.future.set_result(None)
 
