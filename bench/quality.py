@@ -76,6 +76,7 @@ def perplexity(engine: LLMEngine, docs: list[list[int]]) -> float:
                 [start], [len(chunk)], [table], 0, bs, engine.device
             )
             meta.prefill_dtype = model.prefill_attn_dtype  # as the engine's own steps run
+            meta.prefill_kernel = model.prefill_attn_kernel
             x = torch.tensor(chunk, dtype=torch.long)
             hidden = model.forward(x, pos, meta, runner.kv_caches, runner.kv_scales)
             logp = torch.log_softmax(model.compute_logits(hidden), dim=-1)

@@ -32,7 +32,7 @@ from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
 from engine_svc.core.validation import validate_request
 from engine_svc.models import cpu_kernels
-from engine_svc.models.attention import choose_prefill_dtype
+from engine_svc.models.attention import choose_prefill_dtype, choose_prefill_kernel
 from engine_svc.models.config import load_model_config
 from engine_svc.models.linear import LinearChoice, choose_cpu_dtype, tune_linears
 from engine_svc.models.loader import load_model, resolve_dtype
@@ -142,6 +142,15 @@ class LLMEngine:
             logger.info("prefill attention: %s (ms per 512-token prompt: %s)", dtype, timings)
         self.model_config = self.model.config
         kv_dtype = _kv_cache_dtype(config.kv_cache_dtype, self.weight_dtype, self.model.attn_dtype)
+        if self.device.type == "cpu" and config.tune_linear_paths:
+            mc = self.model.config
+            fused, ms = choose_prefill_kernel(
+                mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+                self.model.prefill_attn_dtype or self.model.attn_dtype, kv_dtype, config.block_size,
+            )  # fmt: skip
+            self.model.prefill_attn_kernel = fused
+            if ms:
+                logger.info("prefill attention fused: %s (ms per 512-token prompt: %s)", fused, ms)
         num_blocks = determine_num_blocks(config, self.model_config, kv_dtype, self.device)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype)
         self.kv_cache_manager = KVCacheManager(
@@ -363,6 +372,8 @@ class LLMEngine:
         if self.device.type != "cpu":
             kernels = self.device.type
         attn = str(self.model.prefill_attn_dtype or self.model.attn_dtype).removeprefix("torch.")
+        if self.model.prefill_attn_kernel:
+            attn = "fused amx bfloat16"
         return (
             f"{c.name} ({c.reason}), prefill attention {attn}, kernels={kernels}, "
             f"threads={torch.get_num_threads()}"

@@ -147,6 +147,7 @@ class ModelRunner:
             self.device,
         )
         meta.prefill_dtype = self.model.prefill_attn_dtype
+        meta.prefill_kernel = self.model.prefill_attn_kernel
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         t1 = time.perf_counter()
         self.last_prepare_s = t1 - t0

@@ -69,6 +69,13 @@ class AttentionMetadata:
             its own (no padding to the longest, no cross-sequence mask).
         prefill_dtype: dtype of prefill attention math (None = the inputs'); bf16
             where the CPU has bf16 matrix units (``choose_prefill_dtype``).
+        prefill_kernel: run prefill attention in the fused AMX kernel
+            (``ops.prefill_attention``), which reads the context through the
+            block tables, when the cache and shapes allow it
+            (``choose_prefill_kernel``).
+        prefill_seqs: [S, 3] int64 (first row, length, cached tokens) of each
+            prefill segment, for the fused kernel.
+        prefill_tables: [S, W] int64 block tables of the prefill segments.
     """
 
     slot_mapping: torch.Tensor
@@ -77,6 +84,9 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None
     prefill_segments: list[PrefillSegment] = field(default_factory=list)
     prefill_dtype: torch.dtype | None = None
+    prefill_kernel: bool = False
+    prefill_seqs: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
 
 
 def _pad(rows: Sequence[Sequence[int]], width: int) -> list[list[int]]:
@@ -157,8 +167,10 @@ def _prefill_metadata(
     block_size: int,
 ) -> None:
     row = 0
+    seqs: list[tuple[int, int, int]] = []
     for i, (c, n) in enumerate(zip(computed, q_lens, strict=True)):
         seg = PrefillSegment(row, n)
+        seqs.append((row, n, c))
         row += n
         if c:
             kv_len = c + n
@@ -168,6 +180,8 @@ def _prefill_metadata(
             j = torch.arange(nblk * block_size, device=bt.device)
             seg.mask = (j[None, :] <= q_pos[:, None])[None, None]
         meta.prefill_segments.append(seg)
+    meta.prefill_seqs = torch.tensor(seqs, dtype=torch.long, device=bt.device)
+    meta.prefill_tables = bt.contiguous()
 
 
 def paged_attention(
@@ -257,6 +271,10 @@ def _prefill_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
+    if meta.prefill_kernel and ops.prefill_kernel_usable(q, k_cache, kv_scales):
+        assert meta.prefill_seqs is not None
+        assert meta.prefill_tables is not None
+        return ops.prefill_attention(q, k_cache, v_cache, meta.prefill_seqs, meta.prefill_tables)
     if meta.prefill_dtype is not None and meta.prefill_dtype != q.dtype:
         q, k, v = q.to(meta.prefill_dtype), k.to(meta.prefill_dtype), v.to(meta.prefill_dtype)
     outs = [
@@ -313,6 +331,48 @@ def choose_prefill_dtype(
     runs = {name: partial(_causal_sdpa, q32.to(dt), kv32.to(dt)) for name, dt in by_name.items()}
     timings = timing.compare_ms(runs, rounds=15)
     return by_name[min(timings, key=lambda n: timings[n])], timings
+
+
+def choose_prefill_kernel(
+    num_heads: int, num_kv_heads: int, head_dim: int, attn_dtype: torch.dtype,
+    kv_dtype: torch.dtype, block_size: int,
+) -> tuple[bool, dict[str, float]]:  # fmt: skip
+    """Whether the fused AMX prefill kernel beats SDPA here, by timing both.
+
+    Both attend one 512-token prompt stored in a paged cache of ``kv_dtype``:
+    SDPA in ``attn_dtype`` (the prompt's own K/V, the engine's fresh-prompt
+    path) against the kernel reading the cache through a block table. The
+    kernel needs AMX, a bf16 cache and block sizes in multiples of 16; where
+    it cannot run the answer is False with no timing.
+
+    Returns:
+        True to use the kernel, and the measured ms per candidate.
+    """
+    probe_q = torch.empty(1, num_heads, head_dim, dtype=torch.bfloat16)
+    probe_cache = torch.empty(1, block_size, num_kv_heads, head_dim, dtype=kv_dtype)
+    if not ops.prefill_kernel_usable(probe_q, probe_cache, None):
+        return False, {}
+    g = torch.Generator().manual_seed(0)
+    n = 512
+    nblk = -(-n // block_size)
+    q = torch.randn(n, num_heads, head_dim, generator=g).to(torch.bfloat16)
+    k = torch.randn(nblk * block_size, num_kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    v = torch.randn(nblk * block_size, num_kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    k_cache = k.view(nblk, block_size, num_kv_heads, head_dim)
+    v_cache = v.view(nblk, block_size, num_kv_heads, head_dim)
+    seqs = torch.tensor([[0, n, 0]], dtype=torch.long)
+    tables = torch.arange(nblk, dtype=torch.long)[None]
+    q4 = q.transpose(0, 1)[None].to(attn_dtype)
+    k4 = k[:n].transpose(0, 1)[None].to(attn_dtype)
+    v4 = v[:n].transpose(0, 1)[None].to(attn_dtype)
+    runs = {
+        "fused": partial(ops.prefill_attention, q, k_cache, v_cache, seqs, tables),
+        "sdpa": partial(
+            F.scaled_dot_product_attention, q4, k4, v4, is_causal=True, enable_gqa=True
+        ),
+    }
+    timings = timing.compare_ms(runs, rounds=15)
+    return timings["fused"] < timings["sdpa"], timings
 
 
 def _causal_sdpa(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:

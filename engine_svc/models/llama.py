@@ -86,6 +86,7 @@ class LlamaForCausalLM:
         self.device = self.embed_tokens.device
         self.attn_dtype = attn_dtype
         self.prefill_attn_dtype: torch.dtype | None = None  # None = attn_dtype
+        self.prefill_attn_kernel = False  # the fused AMX prefill attention (paged bf16 cache)
         self.norm = weights["model.norm.weight"]
         self.lm_head = Linear(weights.get("lm_head.weight", self.embed_tokens))
         self.layers = [

@@ -229,3 +229,50 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, context_lens, q.shape[-1] ** -0.5, out_dtype, ks, vs
     )
     return cast(torch.Tensor, out)
+
+
+def prefill_kernel_usable(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> bool:
+    """True when ``prefill_attention`` can run: a bf16 paged cache (block size a
+    multiple of 16, head dim 64 or 128) on a CPU whose kernel build has AMX."""
+    return (
+        kv_scales is None
+        and _native(q)
+        and k_cache.dtype == torch.bfloat16
+        and k_cache.shape[1] % 16 == 0
+        and k_cache.shape[3] in (64, 128)
+        and q.shape[1] % k_cache.shape[2] == 0
+        and bool(torch.ops.llm_cpu.prefill_attention_available())
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqs: torch.Tensor,
+    tables: torch.Tensor,
+) -> torch.Tensor:
+    """Causal prefill attention of a step's chunks over their paged contexts, fused.
+
+    Args:
+        q: [T, H, D] prefill rows (cast to bf16; heads contiguous, rows may be strided).
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] bf16, already holding
+            the chunks' own K/V.
+        seqs: [S, 3] int64: first row, length and cached tokens of each chunk.
+        tables: [S, W] int64 block tables covering each chunk's context.
+
+    Returns:
+        [T, H * D] bf16.
+    """
+    if q.dtype != torch.bfloat16:
+        q = q.to(torch.bfloat16)
+    if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    out = torch.ops.llm_cpu.prefill_attention(
+        q, k_cache, v_cache, seqs, tables, q.shape[-1] ** -0.5
+    )
+    return cast(torch.Tensor, out)

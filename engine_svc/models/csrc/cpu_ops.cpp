@@ -1115,6 +1115,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed) {
 }
 
 #include "q4_weights.h"
+#include "prefill_attention.h"
 
 // up to skinny_max rows: the 4-bit GEMV where the weight has a 4-bit copy
 // (``small``), else the streaming bf16/fp32 GEMV; above: the packed copy
@@ -1197,6 +1198,10 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("q4_available() -> bool", &q4_available);
   m.def("q4_linear(Tensor x, Tensor packed) -> Tensor");
+  m.def("prefill_attention_available() -> bool", &prefill_attention_available);
+  m.def(
+      "prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqs, Tensor tables, "
+      "float scale) -> Tensor");
   m.def("fp8_gemv(Tensor x, Tensor w) -> Tensor");
   m.def("fp8_dequant_bf16(Tensor w, Tensor(a!) out) -> ()");
   m.def(
@@ -1224,6 +1229,7 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
   m.impl("q4_linear", &q4_linear);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("fp8_gemv", &fp8_gemv);
   m.impl("fp8_dequant_bf16", &fp8_dequant_bf16);
   m.impl("decode_forward", &decode_forward);

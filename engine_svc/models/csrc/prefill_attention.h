@@ -1,0 +1,372 @@
+// Prefill attention on AMX: included by cpu_ops.cpp inside its anonymous
+// namespace, after the AMX GEMM (it reuses TileConfig and amx_permitted).
+//
+// One step's prefill chunks attend to their sequence's whole context, read
+// from the paged bf16 cache through the block table (the chunk's own K/V are
+// already written there), causal with the chunk's offset. No mask tensor, no
+// gathered copy of the context, no padding between sequences.
+//
+// The scores are computed transposed, S^T = K Q^T: a tile row is one key and
+// its 16 lanes are the 16 query rows of a block, so the online softmax's
+// running max, sums and rescaling are plain lane-wise vector ops (no
+// horizontal reductions), and K tiles load straight from the cache (16 keys
+// of one block, row stride Hkv * D). Then O^T += V^T P^T.
+//
+// Two passes over torch's OpenMP pool:
+//   1. pack V^T: per (sequence, KV head), tiles of [16 dims][32 keys], zero
+//      past the context; shared by every query head of the group and every
+//      query block of the chunk.
+//   2. attend: per (sequence, query head, block of 16 query rows), flash
+//      attention over blocks of 64 keys. Q^T is packed once per item in the
+//      pair layout TDPBF16PS reads as B; P^T likewise per key block. The max
+//      is raised lazily (only when a score would exceed it by 2^8), so most
+//      key blocks accumulate O^T with no rescale. Key blocks past the item's
+//      last row are never visited; items go to threads longest first, round
+//      robin, so the causal triangle's uneven rows balance.
+// Tiles: 0 B operand (Q^T, P^T), 4 A operand (K, V^T), 2-3 and 6-7 S^T, 1 and 5 O^T.
+#if defined(LLM_HAVE_AMX) && defined(LLM_HAVE_AVX512BF16)
+#define LLM_HAVE_AMX_PREFILL 1
+
+constexpr int64_t kKeyBlock = 64;   // keys per step of the online softmax
+constexpr float kLazyMax = 8.f;     // log2 headroom before the running max is raised
+
+// 2^t on 16 lanes for t <= kLazyMax: a cubic for 2^f (relative error ~1e-4,
+// far below the bf16 rounding of P), the integer part put in the exponent
+inline __m512 exp2_16(__m512 t) {
+  const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, fi);
+  __m512 p = _mm512_set1_ps(0.0790199f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2249262f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6960656f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, fi);
+}
+
+void amx_configure_square() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+struct PrefillSeq {
+  int64_t row, len, computed;
+  const int64_t* table;
+  int64_t kpad;       // context padded to a multiple of kKeyBlock
+  BFloat16* vt;       // Hkv x V^T tiles, each kpad * D
+};
+
+// V^T tiles of keys [t0, t1) (multiples of 32) of one (sequence, KV head):
+// tile (key block kb of 32, dims 16 dc .. 16 dc + 15) = [16 dims][32 keys]
+template <int64_t kD>
+void pack_values(const PrefillSeq& s, const BFloat16* vc, int64_t kvh, int64_t Hkv, int64_t bs,
+                 int64_t t0, int64_t t1) {
+  const int64_t ctx = s.computed + s.len;
+  const int64_t stride = Hkv * kD;
+  uint16_t* vt = reinterpret_cast<uint16_t*>(s.vt + kvh * s.kpad * kD);
+  alignas(64) uint16_t rows[32][kD];
+  for (int64_t base = t0; base < t1; base += 32) {
+    for (int64_t t = 0; t < 32; ++t) {
+      const int64_t pos = base + t;
+      if (pos < ctx) {
+        std::memcpy(rows[t], vc + (s.table[pos / bs] * bs + pos % bs) * stride + kvh * kD, kD * 2);
+      } else {
+        std::memset(rows[t], 0, kD * 2);
+      }
+    }
+    for (int64_t dc = 0; dc < kD / 16; ++dc) {
+      uint16_t* tile = vt + ((base / 32) * (kD / 16) + dc) * 512;
+      for (int64_t d = 0; d < 16; ++d) {
+        for (int64_t t = 0; t < 32; ++t) tile[d * 32 + t] = rows[t][dc * 16 + d];
+      }
+    }
+  }
+}
+
+// [16 rows][32] fp32 pairs -> B-operand tile: row kp, lane n = (x[2kp][n], x[2kp+1][n]) in bf16
+inline void pair_rows(const __m512& even, const __m512& odd, BFloat16* dst) {
+  static const __m512i interleave = _mm512_set_epi16(  // highest lane first
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
+      19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // even in 0-15, odd in 16-31
+  _mm512_store_si512(dst, _mm512_permutexvar_epi16(interleave, both));
+}
+
+// one block of up to 16 query rows of one head: rows [r0, r0 + nr) of the chunk
+template <int64_t kD>
+void attend_block(const PrefillSeq& s, const BFloat16* q, int64_t q_stride,
+                  const BFloat16* kc, int64_t bs, int64_t Hkv, BFloat16* out, int64_t out_stride,
+                  int64_t h, int64_t kvh, int64_t r0, int64_t nr, float scale) {
+  constexpr int64_t kDC = kD / 32;  // 32-dim chunks (Q^T tiles)
+  alignas(64) BFloat16 qt[kDC][16][32];
+  alignas(64) BFloat16 pt[2][16][32];
+  alignas(64) float st[kKeyBlock][16];
+  alignas(64) float acc[kD][16];  // O^T
+  {
+    alignas(64) uint32_t qrows[16][kD / 2];
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i < nr) {
+        std::memcpy(qrows[i], q + (s.row + r0 + i) * q_stride + h * kD, kD * 2);
+      } else {
+        std::memset(qrows[i], 0, kD * 2);
+      }
+    }
+    const __m512i by_row = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(kD / 2));
+    for (int64_t dc = 0; dc < kDC; ++dc) {
+      uint32_t* tile = reinterpret_cast<uint32_t*>(&qt[dc][0][0]);
+      for (int64_t kp = 0; kp < 16; ++kp) {  // row kp: dim pair dc * 16 + kp of the 16 rows
+        _mm512_store_si512(tile + kp * 16,
+                           _mm512_i32gather_epi32(by_row, &qrows[0][dc * 16 + kp], 4));
+      }
+    }
+  }
+  std::memset(acc, 0, sizeof(acc));
+  const int64_t kstride = Hkv * kD;  // cache row stride, elements
+  const BFloat16* vt = s.vt + kvh * s.kpad * kD;
+  const int64_t first = s.computed + r0;  // position of query row 0
+  const int64_t last = first + nr - 1;
+  const int64_t nkb = last / kKeyBlock + 1;
+  const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);  // to base 2
+  const __m512 pos = _mm512_add_ps(_mm512_set1_ps(static_cast<float>(first)),
+                                   _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                  14, 15));
+  const __mmask16 rows_valid = static_cast<__mmask16>(nr == 16 ? 0xFFFF : (1u << nr) - 1);
+  const __m512 neg = _mm512_set1_ps(-1e30f);
+  __m512 m = neg, l = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int64_t k0 = kb * kKeyBlock;
+    const int64_t ntile = std::min<int64_t>(4, (last - k0) / 16 + 1);  // key tiles of 16 in use
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t dc = 0; dc < kDC; ++dc) {
+      _tile_loadd(0, &qt[dc][0][0], 64);
+      for (int64_t j = 0; j < ntile; ++j) {
+        const int64_t key = k0 + 16 * j;
+        const BFloat16* krow = kc + (s.table[key / bs] * bs + key % bs) * kstride + kvh * kD;
+        _tile_loadd(4, krow + dc * 32, kstride * 2);
+        switch (j) {
+          case 0: _tile_dpbf16ps(2, 4, 0); break;
+          case 1: _tile_dpbf16ps(3, 4, 0); break;
+          case 2: _tile_dpbf16ps(6, 4, 0); break;
+          default: _tile_dpbf16ps(7, 4, 0); break;
+        }
+      }
+    }
+    _tile_stored(2, &st[0][0], 64);
+    _tile_stored(3, &st[16][0], 64);
+    _tile_stored(6, &st[32][0], 64);
+    _tile_stored(7, &st[48][0], 64);
+    const int64_t nkeys = 16 * ntile;
+    // raw scores; keys past a row's position masked to -1e30 (diagonal blocks only)
+    __m512 mx = neg;
+    if (k0 + kKeyBlock - 1 > first) {
+      for (int64_t r = 0; r < nkeys; ++r) {
+        const __mmask16 ok = _mm512_mask_cmp_ps_mask(
+            rows_valid, pos, _mm512_set1_ps(static_cast<float>(k0 + r)), _CMP_GE_OQ);
+        const __m512 v = _mm512_mask_mov_ps(neg, ok, _mm512_load_ps(st[r]));
+        _mm512_store_ps(st[r], v);
+        mx = _mm512_max_ps(mx, v);
+      }
+    } else {
+      for (int64_t r = 0; r < nkeys; ++r) mx = _mm512_max_ps(mx, _mm512_load_ps(st[r]));
+    }
+    mx = _mm512_mul_ps(mx, c);
+    // lazy max (base 2): raised only for lanes that would overflow the headroom
+    const __mmask16 raise = _mm512_cmp_ps_mask(mx, _mm512_add_ps(m, _mm512_set1_ps(kLazyMax)),
+                                               _CMP_GT_OQ);
+    if (raise) {
+      const __m512 m_new = _mm512_mask_mov_ps(m, raise, mx);
+      const __m512 alpha = exp2_16(_mm512_sub_ps(m, m_new));
+      m = m_new;
+      l = _mm512_mul_ps(l, alpha);
+      for (int64_t d = 0; d < kD; ++d) _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), alpha));
+    }
+    // P^T = 2^(s * c - m), paired for TDPBF16PS; a masked score gives exactly 0
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t r = 0; r < kKeyBlock; r += 2) {
+      __m512 pe = _mm512_setzero_ps(), po = _mm512_setzero_ps();
+      if (r < nkeys) {
+        pe = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(st[r]), c, m));
+        po = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(st[r + 1]), c, m));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(pe, po));
+      }
+      pair_rows(pe, po, &pt[r / 32][(r % 32) / 2][0]);
+    }
+    l = _mm512_add_ps(l, sum);
+    // O^T += V^T P^T, 32 dims (two C tiles, 1 and 5) at a time, through acc
+    const BFloat16* v0 = vt + (2 * kb) * (kD / 16) * 512;  // keys k0 .. k0 + 31
+    const BFloat16* v1 = v0 + (kD / 16) * 512;              // keys k0 + 32 .. k0 + 63
+    for (int64_t dh = 0; dh < kD / 32; ++dh) {
+      _tile_loadd(1, &acc[32 * dh][0], 64);
+      _tile_loadd(5, &acc[32 * dh + 16][0], 64);
+      _tile_loadd(0, &pt[0][0][0], 64);
+      _tile_loadd(4, v0 + (2 * dh) * 512, 64);
+      _tile_dpbf16ps(1, 4, 0);
+      _tile_loadd(4, v0 + (2 * dh + 1) * 512, 64);
+      _tile_dpbf16ps(5, 4, 0);
+      if (nkeys > 32) {
+        _tile_loadd(0, &pt[1][0][0], 64);
+        _tile_loadd(4, v1 + (2 * dh) * 512, 64);
+        _tile_dpbf16ps(1, 4, 0);
+        _tile_loadd(4, v1 + (2 * dh + 1) * 512, 64);
+        _tile_dpbf16ps(5, 4, 0);
+      }
+      _tile_stored(1, &acc[32 * dh][0], 64);
+      _tile_stored(5, &acc[32 * dh + 16][0], 64);
+    }
+  }
+  // O = (O^T)^T / l, 16 rows x kD
+  const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
+                                         _mm512_set1_ps(1.f), l);
+  for (int64_t d = 0; d < kD; ++d) _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), inv));
+  const __m512i by_dim = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(16));
+  for (int64_t i = 0; i < nr; ++i) {  // row i of O is column i of O^T
+    BFloat16* o = out + (s.row + r0 + i) * out_stride + h * kD;
+    for (int64_t d = 0; d < kD; d += 32) {
+      const __m512 lo = _mm512_i32gather_ps(by_dim, &acc[d][i], 4);
+      const __m512 hi = _mm512_i32gather_ps(by_dim, &acc[d + 16][i], 4);
+      _mm512_storeu_si512(o + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+}
+
+template <int64_t kD>
+void amx_prefill(std::vector<PrefillSeq>& seqs, const BFloat16* q, int64_t q_stride,
+                 const BFloat16* kc, const BFloat16* vc, BFloat16* out, int64_t H,
+                 int64_t Hkv, int64_t bs, float scale) {
+  struct Item {
+    int64_t seq, a, b, cost;
+  };
+  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  auto spread = [nt](std::vector<Item>& items, auto&& body) {
+    std::stable_sort(items.begin(), items.end(),
+                     [](const Item& x, const Item& y) { return x.cost > y.cost; });
+    at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+      amx_configure_square();
+      for (int64_t t = t0; t < t1; ++t) {
+        for (size_t j = static_cast<size_t>(t); j < items.size(); j += static_cast<size_t>(nt)) {
+          body(items[j]);
+        }
+      }
+      _tile_release();
+    });
+  };
+  constexpr int64_t kPackRows = 256;
+  std::vector<Item> packs;
+  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      for (int64_t t0 = 0; t0 < seqs[i].kpad; t0 += kPackRows) {
+        packs.push_back({i, kvh, t0, std::min(kPackRows, seqs[i].kpad - t0)});
+      }
+    }
+  }
+  spread(packs, [&](const Item& it) {
+    pack_values<kD>(seqs[it.seq], vc, it.a, Hkv, bs, it.b, it.b + it.cost);
+  });
+  std::vector<Item> blocks;
+  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
+    for (int64_t r0 = 0; r0 < seqs[i].len; r0 += 16) {
+      const int64_t cost = (seqs[i].computed + r0 + 16) / kKeyBlock + 1;
+      for (int64_t h = 0; h < H; ++h) blocks.push_back({i, h, r0, cost});
+    }
+  }
+  const int64_t G = H / Hkv;
+  spread(blocks, [&](const Item& it) {
+    const PrefillSeq& s = seqs[it.seq];
+    attend_block<kD>(s, q, q_stride, kc, bs, Hkv, out, H * kD, it.a, it.a / G, it.b,
+                     std::min<int64_t>(16, s.len - it.b), scale);
+  });
+}
+#endif
+
+bool prefill_attention_available() {
+#ifdef LLM_HAVE_AMX_PREFILL
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// q [T, H, D] bf16 (rows may be strided), caches [NB, BS, Hkv, D] bf16 with BS
+// a multiple of 16, seqs [S, 3] int64 (first row, length, tokens before the
+// chunk), tables [S, W] int64 -> [T, H * D] bf16; rows outside every sequence
+// are zero.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, const at::Tensor& seqs,
+                             const at::Tensor& tables, double scale) {
+  TORCH_CHECK(prefill_attention_available(),
+              "prefill_attention: this CPU (or kernel build) has no AMX bf16");
+  TORCH_CHECK(q.device().is_cpu(), "prefill_attention: q must be a CPU tensor");
+  check_cpu(k_cache, "k_cache");
+  check_cpu(v_cache, "v_cache");
+  check_cpu(seqs, "seqs");
+  check_cpu(tables, "tables");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2),
+              "prefill_attention: q must be bfloat16 [T, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16,
+              "prefill_attention: caches must be bfloat16 [blocks, block_size, Hkv, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D && (D == 64 || D == 128) && Hkv > 0 && H % Hkv == 0 &&
+                  bs % 16 == 0,
+              "prefill_attention: head dim must be 64 or 128, H a multiple of Hkv and the "
+              "block size a multiple of 16");
+  TORCH_CHECK(seqs.dim() == 2 && seqs.size(1) == 3 && seqs.scalar_type() == at::kLong &&
+                  tables.dim() == 2 && tables.size(0) == seqs.size(0) &&
+                  tables.scalar_type() == at::kLong,
+              "prefill_attention: seqs must be int64 [S, 3] and tables int64 [S, W]");
+  auto out = at::zeros({T, H * D}, q.options());
+  const int64_t S = seqs.size(0), W = tables.size(1), NB = k_cache.size(0);
+  const int64_t* sp = seqs.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  std::vector<PrefillSeq> list;
+  int64_t packed_elems = 0;
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t row = sp[3 * i], len = sp[3 * i + 1], computed = sp[3 * i + 2];
+    TORCH_CHECK(row >= 0 && len >= 0 && computed >= 0 && row + len <= T,
+                "prefill_attention: sequence ", i, " rows [", row, ", ", row + len,
+                ") fall outside q's ", T, " rows");
+    const int64_t nblk = (computed + len + bs - 1) / bs;
+    TORCH_CHECK(nblk <= W, "prefill_attention: sequence ", i, " needs ", nblk,
+                " blocks, its table holds ", W);
+    for (int64_t b = 0; b < nblk; ++b) {
+      TORCH_CHECK(tp[i * W + b] >= 0 && tp[i * W + b] < NB, "prefill_attention: sequence ", i,
+                  " block ", b, " is ", tp[i * W + b], ", the cache has ", NB);
+    }
+    if (len == 0) continue;
+    const int64_t kpad = (computed + len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+    list.push_back({row, len, computed, tp + i * W, kpad, nullptr});
+    packed_elems += Hkv * kpad * D;
+  }
+  if (list.empty()) return out;
+#ifdef LLM_HAVE_AMX_PREFILL
+  auto scratch = at::empty({packed_elems}, q.options());
+  BFloat16* base = scratch.data_ptr<BFloat16>();
+  for (auto& s : list) {
+    s.vt = base;
+    base += Hkv * s.kpad * D;
+  }
+  const BFloat16* qp = q.data_ptr<BFloat16>();
+  const BFloat16* kc = k_cache.data_ptr<BFloat16>();
+  const BFloat16* vc = v_cache.data_ptr<BFloat16>();
+  BFloat16* op = out.data_ptr<BFloat16>();
+  const float sc = static_cast<float>(scale);
+  if (D == 64) {
+    amx_prefill<64>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+  } else {
+    amx_prefill<128>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+  }
+#endif
+  return out;
+}
