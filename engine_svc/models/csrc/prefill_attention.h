@@ -326,7 +326,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                   tables.dim() == 2 && tables.size(0) == seqs.size(0) &&
                   tables.scalar_type() == at::kLong,
               "prefill_attention: seqs must be int64 [S, 3] and tables int64 [S, W]");
-  auto out = at::zeros({T, H * D}, q.options());
+  auto out = at::empty({T, H * D}, q.options());
   const int64_t S = seqs.size(0), W = tables.size(1), NB = k_cache.size(0);
   const int64_t* sp = seqs.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
@@ -348,6 +348,13 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
     const int64_t kpad = (computed + len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
     list.push_back({row, len, computed, tp + i * W, kpad, nullptr});
     packed_elems += Hkv * kpad * D;
+  }
+  {  // rows no sequence covers are zero; the covered ones are all written below
+    std::vector<bool> covered(static_cast<size_t>(T), false);
+    for (const auto& s : list) std::fill_n(covered.begin() + s.row, s.len, true);
+    for (int64_t r = 0; r < T; ++r) {
+      if (!covered[static_cast<size_t>(r)]) out[r].zero_();
+    }
   }
   if (list.empty()) return out;
 #ifdef LLM_HAVE_AMX_PREFILL
