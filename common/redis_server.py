@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 from common.pgroup import LoggedChild
-from ratelimit.redis_acl import SERVICE_USER, acl_file
+from ratelimit.redis_acl import SERVICE_USER, ClusterAcl, acl_file
 
 
 def find_server_binary() -> str:
@@ -77,8 +77,11 @@ class RedisServer(LoggedChild):
 
     With ``password`` the server runs the stack's ACL (``ratelimit.redis_acl``):
     no anonymous access, one service user (``username``) limited to keys under
-    ``key_prefix`` and to non-dangerous commands. ``extra_args`` are more server
-    options (``common.redis_cluster`` starts its nodes with cluster mode on).
+    ``key_prefix`` and to non-dangerous commands; with ``cluster_acl`` too, the
+    replication and operator users of a cluster node, and the node authenticates
+    to its primary as the replication user (a config file of its own, mode 0600).
+    ``extra_args`` are more server options (``common.redis_cluster`` starts its
+    nodes with cluster mode on).
     """
 
     name = "redis"
@@ -92,8 +95,11 @@ class RedisServer(LoggedChild):
         password: str = "",
         username: str = SERVICE_USER,
         key_prefix: str = "rl:",
+        cluster_acl: ClusterAcl | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
+        if cluster_acl is not None and not password:
+            raise ValueError("a cluster ACL needs the service user's password too")
         self.host = host
         self.extra_args = tuple(extra_args)  # more ``--option value`` (e.g. cluster mode)
         self.port = port or free_port(host)
@@ -103,10 +109,19 @@ class RedisServer(LoggedChild):
         self.username = username if password else ""
         self.password = password
         self.acl_path: Path | None = None
+        self.config_path: Path | None = None
         if password:
-            self.acl_path = self.workdir / "users.acl"
-            self.acl_path.touch(mode=0o600)
-            self.acl_path.write_text(acl_file(password, key_prefix, username))
+            self.acl_path = self._private("users.acl")
+            self.acl_path.write_text(acl_file(password, key_prefix, username, cluster=cluster_acl))
+        if cluster_acl is not None:
+            self.config_path = self._private("auth.conf")
+            self.config_path.write_text(cluster_acl.server_config())
+
+    def _private(self, name: str) -> Path:
+        """An empty file in the working directory that only this user may read."""
+        path = self.workdir / name
+        path.touch(mode=0o600)
+        return path
 
     @property
     def url(self) -> str:
@@ -119,6 +134,7 @@ class RedisServer(LoggedChild):
             return self
         cmd = [
             self.binary,
+            *([str(self.config_path)] if self.config_path is not None else []),
             "--port",
             str(self.port),
             "--bind",

