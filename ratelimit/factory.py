@@ -33,7 +33,7 @@ from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage.memory import MemoryStore
 from ratelimit.limiter.storage.redis import RedisStore
 from ratelimit.limiter.store_guard import store_breaker
-from ratelimit.redis_client import REDIS_ERRORS, RedisClient, connect
+from ratelimit.redis_client import RedisClient, connect
 from ratelimit.tenancy.audit import AuditLog
 from ratelimit.tenancy.registry import Registry
 from ratelimit.usage.records import UsageLog
@@ -161,7 +161,7 @@ class RateLimitStack:
         """Count this process as a gateway replica sharing the limits (the fail-open
         share divides by the live count) and start writing usage records; ``aclose``
         leaves. Not for the admin service."""
-        with contextlib.suppress(*REDIS_ERRORS, OSError, TimeoutError):
+        with contextlib.suppress(StoreError, TimeoutError):
             await self.membership.refresh()  # the count right away, when Redis answers
         self.membership.start()
         self.usage.start()

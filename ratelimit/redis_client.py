@@ -16,12 +16,19 @@ are non-transactional and the cluster client splits them by node.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeAlias
 
+import redis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
+
+from ratelimit.errors import StoreError
 
 RedisClient: TypeAlias = Redis | RedisCluster
 # What a failed call raises: the cluster client's own errors (no node answers, a slot
@@ -29,9 +36,50 @@ RedisClient: TypeAlias = Redis | RedisCluster
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
 # ...and what the asyncio client leaks when a connection is closed under a call (a node
 # killed while the cluster client still writes to it: ``_writer`` is None, or the
-# transport's internals are: a known redis-py asyncio defect). Caught only around the limiter's
-# and the budgets' script calls, where a failure must become the fail mode.
+# transport's internals are: a known redis-py asyncio defect). They count as a failed
+# call only when raised inside redis-py or asyncio (``leaked_by_the_client``): the same
+# error raised by our own code is a bug, and stays one.
 LEAKED_TRANSPORT_ERRORS: tuple[type[Exception], ...] = (AttributeError, TypeError)
+# everything ``store_errors`` looks at (OSError: a socket error the client did not wrap)
+STORE_FAILURES: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError, *LEAKED_TRANSPORT_ERRORS)
+_CLIENT_CODE = tuple(str(Path(m.__file__).parent) + "/" for m in (redis, asyncio) if m.__file__)
+
+
+def _innermost(tb: TracebackType | None) -> TracebackType | None:
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb
+
+
+def leaked_by_the_client(exc: BaseException) -> bool:
+    """True for an AttributeError or TypeError raised inside redis-py or asyncio's
+    transports (a closed connection under a call), not in the caller's own code."""
+    if not isinstance(exc, LEAKED_TRANSPORT_ERRORS):
+        return False
+    tb = _innermost(exc.__traceback__)
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_CLIENT_CODE)
+
+
+def is_store_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` means the Redis call failed (the store, not the caller, is at fault)."""
+    return isinstance(exc, (*REDIS_ERRORS, OSError)) or leaked_by_the_client(exc)
+
+
+@contextlib.contextmanager
+def store_errors(op: str) -> Iterator[None]:
+    """Turn a failed Redis call into ``StoreError`` (UNAVAILABLE, or the fail mode):
+    ``REDIS_ERRORS``, a socket error, or a transport error the client leaked.
+
+    Every Redis call of the limiter, the budgets, the registry, the audit log and
+    usage records runs inside one, so a node dying under a call is never an
+    internal error.
+    """
+    try:
+        yield
+    except STORE_FAILURES as exc:
+        if not is_store_failure(exc):
+            raise
+        raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}") from exc
 
 
 def parse_node(text: str) -> tuple[str, int]:

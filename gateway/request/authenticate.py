@@ -2,6 +2,9 @@
 
 This runs before any other work of a request: a caller without a valid
 tenant key learns nothing else (not even whether its parameters are valid).
+A key-cache miss reads Redis; when that read fails (a node down, a cluster
+failing over, a connection closed under the call) the caller gets
+UNAVAILABLE and is told to retry, never INTERNAL.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ from gateway.domain import CallContext, GatewayError
 from ratelimit.config import Tenant
 from ratelimit.errors import PermissionDeniedError, StoreError, UnauthenticatedError
 from ratelimit.limiter.algorithm import refill, wait_ms
+from ratelimit.redis_client import STORE_FAILURES, is_store_failure
 from ratelimit.tenancy.bearer import bearer_credential
 from ratelimit.tenancy.records import KeyRole, Principal
 from ratelimit.tenancy.registry import Registry
+
+_KEY_STORE_FAILURES: tuple[type[Exception], ...] = (StoreError, *STORE_FAILURES)
 
 
 class ReflectionAuthInterceptor(GateInterceptor):
@@ -167,7 +173,11 @@ class Authenticator:
             raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, str(e)) from None
         except PermissionDeniedError as e:
             raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, str(e)) from None
-        except StoreError as e:
+        except _KEY_STORE_FAILURES as e:
+            # the registry maps its Redis failures to StoreError; a client error that
+            # still escapes it is the store's failure too (anything else is a bug)
+            if not isinstance(e, StoreError) and not is_store_failure(e):
+                raise
             raise GatewayError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"cannot check the API key now: the key store is unavailable ({e}); retry shortly",

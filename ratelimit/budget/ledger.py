@@ -29,10 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ratelimit.budget.policy import Budget, Price, Window, amount_text, charge_of
-from ratelimit.errors import StoreError
 from ratelimit.limiter.lua import LuaScript, load_scripts, run_script
 from ratelimit.limiter.store_guard import StoreGuard
-from ratelimit.redis_client import REDIS_ERRORS, RedisClient
+from ratelimit.redis_client import RedisClient, store_errors
 
 STALE_HOLD_MS = 86_400_000  # an open hold older than this is dropped (stays charged)
 
@@ -318,13 +317,11 @@ class BudgetLedger:
         """Each budget's spending now (read-only). Raises ``StoreError``."""
         now_ms = self.clock() * 1000.0
         keys = self._keys(tenant_id, budgets)[2:]
-        try:
+        with store_errors("budget read"):
             async with self.client.pipeline(transaction=False) as pipe:
                 for key in keys:
                     pipe.hgetall(key)
                 rows = await pipe.execute()
-        except REDIS_ERRORS as exc:
-            raise StoreError(f"redis budget read failed: {exc}") from exc
         out = []
         for b, row in zip(budgets, rows, strict=True):
             w = b.window(now_ms)
@@ -334,10 +331,8 @@ class BudgetLedger:
 
     async def forget(self, tenant_id: str, budgets: Sequence[Budget]) -> None:
         """Drop the tenant's budget state (open holds and the listed budgets' slots)."""
-        try:
+        with store_errors("budget delete"):
             await self.client.delete(*self._keys(tenant_id, budgets))
-        except REDIS_ERRORS as exc:
-            raise StoreError(f"redis budget delete failed: {exc}") from exc
 
     async def reset(self, tenant_id: str, budgets: Sequence[Budget]) -> None:
         """Zero the budgets' spending (open holds then settle against nothing)."""

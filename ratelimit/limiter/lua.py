@@ -26,8 +26,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from ratelimit.errors import StoreError
-from ratelimit.redis_client import LEAKED_TRANSPORT_ERRORS, REDIS_ERRORS, RedisClient
+from ratelimit.redis_client import RedisClient, store_errors
 
 _PRELUDE = """
 local EPS = 1e-6
@@ -281,18 +280,14 @@ class LuaScript:
 
 async def load_scripts(client: RedisClient, scripts: Sequence[LuaScript]) -> None:
     """Load ``scripts`` (start-up); raises ``StoreError`` if Redis is down."""
-    try:
+    with store_errors("script load"):
         for script in scripts:
             await script.load(client)
-    except REDIS_ERRORS as exc:
-        raise StoreError(f"redis script load failed: {exc}") from exc
 
 
 async def run_script(
     client: RedisClient, script: LuaScript, keys: Sequence[str], args: Sequence[Any]
 ) -> Any:
     """Run ``script``; a Redis failure surfaces as ``StoreError``."""
-    try:
+    with store_errors(script.name):
         return await script(client, keys, args)
-    except (*REDIS_ERRORS, *LEAKED_TRANSPORT_ERRORS) as exc:
-        raise StoreError(f"redis {script.name} failed: {type(exc).__name__}: {exc}") from exc

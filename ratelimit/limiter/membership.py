@@ -25,12 +25,13 @@ from collections.abc import Callable
 from common.log import get_logger
 from common.tasks import cancel_and_wait
 from ratelimit import metrics
+from ratelimit.errors import StoreError
 from ratelimit.limiter.lua import REPLICAS, LuaScript
-from ratelimit.redis_client import REDIS_ERRORS, RedisClient
+from ratelimit.redis_client import RedisClient, store_errors
 
 log = get_logger(__name__)
 _SCRIPT = LuaScript("replicas", REPLICAS)
-_FAILURES: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError, TimeoutError)
+_FAILURES: tuple[type[Exception], ...] = (StoreError, TimeoutError)
 
 
 def replica_id() -> str:
@@ -70,12 +71,14 @@ class ReplicaMembership:
         self._task: asyncio.Task[None] | None = None
 
     async def refresh(self) -> int:
-        """Renew this replica's entry; return the live count (raises a ``REDIS_ERRORS`` error)."""
-        n = int(
-            await asyncio.wait_for(
-                _SCRIPT(self.client, [self.key], [self.id, self.ttl_ms]), self.timeout_s
+        """Renew this replica's entry; return the live count (raises ``StoreError`` or
+        ``TimeoutError``)."""
+        with store_errors("replicas"):
+            n = int(
+                await asyncio.wait_for(
+                    _SCRIPT(self.client, [self.key], [self.id, self.ttl_ms]), self.timeout_s
+                )
             )
-        )
         self._set(n)
         return n
 
@@ -108,5 +111,5 @@ class ReplicaMembership:
         """Stop refreshing and remove this replica's entry (best effort)."""
         await cancel_and_wait(self._task)
         self._task = None
-        with contextlib.suppress(*_FAILURES):
+        with contextlib.suppress(*_FAILURES), store_errors("replicas"):
             await asyncio.wait_for(_SCRIPT(self.client, [self.key], [self.id, ""]), self.timeout_s)

@@ -18,17 +18,16 @@ still honours a revoked key or an old policy.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from common.log import get_logger
 from ratelimit.budget.policy import Budget, validate_budgets
 from ratelimit.config import Tenant, validate_tenant_id
-from ratelimit.errors import NotFoundError, StoreError
-from ratelimit.redis_client import REDIS_ERRORS, RedisClient
+from ratelimit.errors import NotFoundError
+from ratelimit.redis_client import RedisClient, is_store_failure, store_errors
 from ratelimit.tenancy.key_cache import KeyCache
 from ratelimit.tenancy.records import (
     DISPLAY_PREFIX_LEN,
@@ -52,13 +51,9 @@ KEY_FIELDS = ("name", "owner", "description", "expires_at", "budgets")  # Update
 log = get_logger(__name__)
 
 
-@contextlib.contextmanager
-def redis_errors(op: str) -> Iterator[None]:
-    """Turn Redis failures into ``StoreError`` (UNAVAILABLE)."""
-    try:
-        yield
-    except REDIS_ERRORS as exc:
-        raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}") from exc
+# Redis failures -> ``StoreError`` (UNAVAILABLE); the audit log, routing policies and
+# model routes use it too
+redis_errors = store_errors
 
 
 class Registry:
@@ -243,8 +238,11 @@ class Registry:
                 del self._last_written[k]
 
         async def write() -> None:
-            with contextlib.suppress(*REDIS_ERRORS, OSError):
+            try:
                 await self.client.hset(f"{self.prefix}key_last_used", key.key_id, time.time())
+            except Exception as exc:  # dropped, unless it is not the store's failure
+                if not is_store_failure(exc):
+                    raise
 
         task = asyncio.get_running_loop().create_task(write())
         self._background.add(task)

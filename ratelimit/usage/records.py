@@ -36,7 +36,7 @@ from common.log import get_logger
 from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.errors import StoreError
-from ratelimit.redis_client import REDIS_ERRORS, RedisClient
+from ratelimit.redis_client import STORE_FAILURES, RedisClient, is_store_failure, store_errors
 
 log = get_logger(__name__)
 COUNTERS = ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")
@@ -179,12 +179,14 @@ class UsageLog:
                     end = datetime.fromisoformat(day).replace(tzinfo=UTC).timestamp() + 86_400
                     pipe.expireat(self._key(tenant_id, day), int(end + self.retention_s))
                 await pipe.execute()
-        except REDIS_ERRORS as exc:
+        except STORE_FAILURES as exc:
+            if not is_store_failure(exc):
+                raise
             # back in front of the newer ones (the oldest go first when that overflows)
             newer, self._queue = self._queue, batch
             for e in newer:
                 self.record(e)
-            raise StoreError(f"redis usage write failed: {exc}") from exc
+            raise StoreError(f"redis usage write failed: {type(exc).__name__}: {exc}") from exc
         metrics.USAGE_WRITTEN.inc(len(batch))
         return len(batch)
 
@@ -224,7 +226,7 @@ class UsageLog:
         filtered by key and model; sorted by date, tenant, key, model, version.
         Raises ValueError (bad range) or ``StoreError``."""
         days = day_range(start, end, today or datetime.now(UTC).date())
-        try:
+        with store_errors("usage read"):
             if tenant_id:
                 tenants = [tenant_id]
             else:
@@ -235,8 +237,6 @@ class UsageLog:
                     for d in days:
                         pipe.hgetall(self._key(t, d))
                 rows = await pipe.execute()
-        except REDIS_ERRORS as exc:
-            raise StoreError(f"redis usage read failed: {exc}") from exc
         out: list[UsageRecord] = []
         it = iter(rows)
         for t in tenants:

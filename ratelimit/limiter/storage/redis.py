@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ratelimit.config import Dimension, LimitPolicy
-from ratelimit.errors import StoreError
 from ratelimit.limiter.algorithm import Outcome
 from ratelimit.limiter.lua import (
     HEARTBEAT,
@@ -25,7 +24,7 @@ from ratelimit.limiter.lua import (
     run_script,
 )
 from ratelimit.limiter.storage import UsageSnapshot
-from ratelimit.redis_client import REDIS_ERRORS, RedisClient
+from ratelimit.redis_client import RedisClient, store_errors
 
 _RESERVE = LuaScript("reserve", RESERVE)
 _SETTLE = LuaScript("settle", SETTLE)
@@ -196,10 +195,8 @@ class RedisStore:
         await self._delete(bucket_keys(self.prefix, tenant_id))
 
     async def _delete(self, keys: Sequence[str]) -> None:
-        try:
+        with store_errors("delete"):
             await self.client.delete(*keys)
-        except REDIS_ERRORS as exc:
-            raise StoreError(f"redis delete failed: {exc}") from exc
 
     async def close(self) -> None:
         """Close the client's connection pool."""

@@ -18,19 +18,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from common.redis_cluster import RedisClusterServers
 from ratelimit.config import LimitPolicy, RateLimitConfig, Tenant
-from ratelimit.errors import LimiterUnavailableError
+from ratelimit.errors import LimiterUnavailableError, StoreError
 from ratelimit.factory import RateLimitStack
 from ratelimit.limiter.decision import Reservation
 from ratelimit.limiter.storage.redis import bucket_keys
 from ratelimit.loadgen import excess_over_policy
+from ratelimit.tenancy.records import KeyRole, hash_key
 from tests.integration.ratelimit.conftest import acl_cluster, acl_denials
 
 pytestmark = pytest.mark.integration
@@ -39,6 +42,7 @@ HOT = LimitPolicy(
     requests_per_minute=1200, request_burst=10, tokens_per_minute=30_000, token_burst=300
 )
 NUM_TOKENS = 15
+NUM_LOOKUPS = 32  # concurrent key lookups: connections closed under more calls
 # another tenant's reservations held across the crash: tokens refill 1/min, so the
 # levels read after recovery are what the reservations left
 HELD = LimitPolicy(tokens_per_minute=1, token_burst=1000, max_concurrent=10)
@@ -113,15 +117,27 @@ async def hammer(stack: RateLimitStack, tenant: Tenant, run: Run, stop: asyncio.
         await stack.limiter.settle(d.reservation, prompt_tokens=NUM_TOKENS, completion_tokens=0)
 
 
-async def failover_under_load(
-    cluster: RedisClusterServers, prefix: str, fail_mode: str, password_file: Path
-) -> tuple[Run, RateLimitStack, list[Reservation], Tenant]:
-    config = RateLimitConfig(
+def service_config(
+    cluster: RedisClusterServers, password_file: Path, prefix: str, **settings: Any
+) -> RateLimitConfig:
+    """The limits on ``cluster`` as the service user, its password from a file (as deployed)."""
+    return RateLimitConfig(
         redis_url=cluster.url,
         redis_cluster=True,
         redis_username=cluster.username,
         redis_password_file=str(password_file),
         key_prefix=prefix,
+        **settings,
+    )
+
+
+async def failover_under_load(
+    cluster: RedisClusterServers, prefix: str, fail_mode: str, password_file: Path
+) -> tuple[Run, RateLimitStack, list[Reservation], Tenant]:
+    config = service_config(
+        cluster,
+        password_file,
+        prefix,
         fail_mode=fail_mode,
         timeout_ms=200,
         breaker_failures=3,
@@ -215,5 +231,53 @@ async def test_fail_closed_through_a_failover(
         assert run.sources.get("local", 0) == 0
         assert excess <= 1
         await check_held_reservations(stack, held, held_tenant, cluster)
+    finally:
+        await stack.aclose()
+
+
+async def test_key_lookups_through_a_failover_fail_only_as_store_errors(
+    cluster: RedisClusterServers, prefix: str, password_file: Path
+) -> None:
+    """Key-cache misses (TTL 0) from 32 coroutines while the primary holding a key record
+    is killed: each lookup answers or raises ``StoreError`` (the gateway's UNAVAILABLE),
+    whatever redis-py raised under it; lookups answer again after the promotion."""
+    stack = RateLimitStack.from_config(
+        service_config(cluster, password_file, prefix, auth_cache_ttl_ms=0)
+    )
+    await stack.start(wait_s=10)
+    try:
+        keys = []
+        for i in range(12):
+            await stack.registry.upsert_tenant(Tenant(f"team-{i}", LimitPolicy()))
+            keys.append((await stack.registry.create_key(f"team-{i}", "k", KeyRole.TENANT))[0])
+        records = [f"{prefix}key:{hash_key(k)}" for k in keys]
+        await asyncio.to_thread(cluster.wait_replicated)
+        outcomes: Counter[str] = Counter()
+        stop, answered = asyncio.Event(), asyncio.Event()
+
+        async def look_up(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    await stack.registry.authenticate(keys[(i + outcomes.total()) % len(keys)])
+                    outcomes["ok"] += 1
+                    answered.set()
+                except StoreError as exc:  # anything else fails the test
+                    cause = type(exc.__cause__).__name__
+                    outcomes[f"StoreError from {cause}"] += 1
+                    await asyncio.sleep(0.005)
+
+        tasks = [asyncio.create_task(look_up(i)) for i in range(NUM_LOOKUPS)]
+        dead = await asyncio.to_thread(cluster.kill_primary_of, records[0])
+        await asyncio.to_thread(cluster.wait_promoted, records[0], dead)
+        ok_before = outcomes["ok"]
+        async with asyncio.timeout(30):
+            while outcomes["ok"] < ok_before + 200:
+                answered.clear()
+                await answered.wait()
+        stop.set()
+        await asyncio.gather(*tasks)  # re-raises any error that was not a StoreError
+        print(f"\nkey lookups through a failover: {dict(outcomes)}")
+        assert sum(n for o, n in outcomes.items() if o != "ok") > 0  # the gap was seen
+        assert acl_denials(cluster) == []
     finally:
         await stack.aclose()

@@ -1,16 +1,24 @@
 """The config switch between one Redis and a Redis Cluster (no server needed: neither
-client connects before its first command)."""
+client connects before its first command), and which errors count as a failed call."""
 
 from __future__ import annotations
 
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import ConnectionError, RedisClusterException
 
 from common.config import load_config
 from ratelimit.config import RateLimitConfig
+from ratelimit.errors import StoreError
 from ratelimit.factory import make_client
-from ratelimit.redis_client import parse_node
+from ratelimit.redis_client import (
+    is_store_failure,
+    leaked_by_the_client,
+    parse_node,
+    store_errors,
+)
 
 
 def test_one_server_by_default() -> None:
@@ -52,3 +60,41 @@ def test_a_bad_seed_is_named(bad: str) -> None:
 def test_parse_node() -> None:
     assert parse_node(" redis-0.redis:6379 ") == ("redis-0.redis", 6379)
     assert parse_node("[::1]:7000") == ("::1", 7000)
+
+
+def _raised_inside_redis_py() -> AttributeError:
+    """A real AttributeError from redis-py's own code (``key_slot`` of a non-bytes key)."""
+    try:
+        key_slot(None)  # type: ignore[arg-type]
+    except AttributeError as exc:
+        return exc
+    raise AssertionError("key_slot(None) did not raise")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionError("connection reset"),  # redis-py's
+        RedisClusterException("no node answers"),
+        ConnectionResetError("a socket error the client did not wrap"),
+        "leaked",
+    ],
+)
+def test_store_errors_maps_every_failed_call_to_store_error(error: Exception | str) -> None:
+    exc = _raised_inside_redis_py() if error == "leaked" else error
+    assert isinstance(exc, Exception)
+    assert is_store_failure(exc)
+    match = f"redis authenticate failed: {type(exc).__name__}"
+    with pytest.raises(StoreError, match=match), store_errors("authenticate"):
+        raise exc
+
+
+def test_an_attribute_error_of_our_own_code_stays_a_bug() -> None:
+    """Only what redis-py or asyncio leak is the store's failure: the same error raised
+    by the caller's code surfaces as itself (an INTERNAL with a stack trace)."""
+    assert leaked_by_the_client(_raised_inside_redis_py())
+    with pytest.raises(AttributeError), store_errors("authenticate"):
+        None.missing  # type: ignore[attr-defined]  # noqa: B018
+    with pytest.raises(TypeError), store_errors("authenticate"):
+        len(1)  # type: ignore[arg-type]
+    assert not is_store_failure(ValueError("a bad reply we could not parse"))

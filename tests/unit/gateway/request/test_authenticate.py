@@ -1,11 +1,15 @@
-"""Failed authentications per client address (fake clock), and where the address comes from."""
+"""Failed authentications per client address (fake clock), where the address comes from,
+and what a key store failure becomes."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
+from redis.crc import key_slot
 
-from gateway.domain import client_source
-from gateway.request.authenticate import FailedAuthThrottle
+from gateway.domain import CallContext, GatewayError, client_source
+from gateway.request.authenticate import Authenticator, FailedAuthThrottle
+from ratelimit.tenancy.registry import Registry
 
 
 class Clock:
@@ -69,3 +73,32 @@ def test_client_source(forwarded: str, peer: str, expected: str) -> None:
 def test_client_source_is_cut_to_a_label() -> None:
     assert client_source("x" * 500, "") == "x" * 64
     assert client_source("", "ipv4:" + "1" * 500 + ":80") == "1" * 64
+
+
+class ClosedUnderTheCall:
+    """A key store whose reads fail inside redis-py itself, as its asyncio client does
+    when a node's connection is closed under a call (an AttributeError of its own)."""
+
+    async def get(self, key: str) -> str:
+        key_slot(None)  # type: ignore[arg-type]  # raises inside redis.crc
+        raise AssertionError("unreachable")
+
+
+class OwnBug:
+    async def get(self, key: str) -> str:
+        return None.upper()  # type: ignore[attr-defined,no-any-return]
+
+
+async def test_a_key_store_failure_leaked_by_the_client_is_unavailable_not_internal() -> None:
+    registry = Registry(ClosedUnderTheCall())  # type: ignore[arg-type]
+    auth = Authenticator(registry)
+    with pytest.raises(GatewayError) as caught:
+        await auth.tenant(CallContext(authorization=f"Bearer sk-llm-{'a' * 40}"))
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "key store is unavailable" in caught.value.message
+    assert "retry" in caught.value.message
+    # the same error raised by our own code is a bug, reported as one (INTERNAL)
+    with pytest.raises(AttributeError):
+        await Authenticator(Registry(OwnBug())).tenant(  # type: ignore[arg-type]
+            CallContext(authorization=f"Bearer sk-llm-{'b' * 40}")
+        )
