@@ -439,8 +439,8 @@ def serve(argv: Sequence[str]) -> None:
     )
 
 
-def create(argv: Sequence[str]) -> None:
-    """Form a cluster of running, empty nodes (idempotent: a formed one is re-met)."""
+def create_parser() -> argparse.ArgumentParser:
+    """The arguments of ``create`` (the Kubernetes Job passes them; a test parses those)."""
     parser = argparse.ArgumentParser(
         prog="python -m common.redis_cluster create",
         description="Form a Redis Cluster of running empty nodes: the first "
@@ -459,6 +459,12 @@ def create(argv: Sequence[str]) -> None:
     parser.add_argument("--user", default=ADMIN_USER, help="the operator user ('' = none)")
     parser.add_argument("--password-file", default="", help="the operator user's password")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds, all in all")
+    return parser
+
+
+def create(argv: Sequence[str]) -> None:
+    """Form a cluster of running, empty nodes (idempotent: a formed one is re-met)."""
+    parser = create_parser()
     args = parser.parse_args(argv)
     if len(args.nodes) % (1 + args.replicas):
         parser.error(f"{len(args.nodes)} nodes cannot be split into shards of 1 + {args.replicas}")

@@ -53,3 +53,30 @@ ENVOY_DASHBOARD_METRICS = frozenset(
         "envoy_cluster_membership_total",
     }
 )
+
+
+def acl_printf_lines(script: str) -> list[str]:
+    """The lines of the first ``printf '...'`` format in a start script (the ACL file
+    the deploy scripts render, one ``user`` per line)."""
+    return script.split("printf '", 1)[1].split("'", 1)[0].split("\\n")[:-1]
+
+
+def cluster_acl_lines(key_prefix: str) -> list[str]:
+    """The ACL file of a cluster node, as ratelimit.redis_acl words it, with ``>%s`` for
+    each password (the scripts fill them in from the secrets in this order: the service
+    user's, the replication user's, the operator's)."""
+    from ratelimit.redis_acl import (
+        ADMIN_RULES,
+        ADMIN_USER,
+        REPLICATION_RULES,
+        REPLICATION_USER,
+        SERVICE_USER,
+        service_rules,
+    )
+
+    return [
+        "user default off resetkeys -@all",
+        f"user {SERVICE_USER} on >%s {service_rules(key_prefix, cluster=True)}",
+        f"user {REPLICATION_USER} on >%s {REPLICATION_RULES}",
+        f"user {ADMIN_USER} on >%s {ADMIN_RULES}",
+    ]
