@@ -315,25 +315,23 @@ class RedisClusterServers(Cluster):
             username=ADMIN_USER if self.acl else None,
             password=self.acl.admin_password if self.acl else None,
         )
+        self._settings = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",  # in the server's own working directory
+            "--cluster-node-timeout",
+            str(node_timeout_ms),
+            "--cluster-require-full-coverage",
+            "yes" if full_coverage else "no",
+            "--cluster-replica-validity-factor",
+            "0",  # a replica may always take over (no persistence to be fresher than)
+            "--repl-diskless-sync-delay",
+            "0",  # a new replica syncs at once (the default waits 5 s for others)
+        ]
         self.nodes: list[ClusterNode] = []
         for a in self.addresses:
             assert a.bus_port is not None
-            args = [
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",  # in the server's own working directory
-                "--cluster-node-timeout",
-                str(node_timeout_ms),
-                "--cluster-require-full-coverage",
-                "yes" if full_coverage else "no",
-                "--cluster-replica-validity-factor",
-                "0",  # a replica may always take over (no persistence to be fresher than)
-                "--cluster-port",
-                str(a.bus_port),
-                "--repl-diskless-sync-delay",
-                "0",  # a new replica syncs at once (the default waits 5 s for others)
-            ]
             server = RedisServer(
                 port=a.port,
                 host=host,
@@ -342,7 +340,7 @@ class RedisClusterServers(Cluster):
                 username=username,
                 key_prefix=key_prefix,
                 cluster_acl=self.acl,
-                extra_args=args,
+                extra_args=[*self._settings, "--cluster-port", str(a.bus_port)],
             )
             self.nodes.append(ClusterNode(server, a.bus_port))
 
@@ -378,6 +376,18 @@ class RedisClusterServers(Cluster):
     def live(self) -> list[int]:
         """Indexes of the nodes whose process runs."""
         return [i for i, n in enumerate(self.nodes) if n.server.running]
+
+    def move_all(self) -> None:
+        """Stop every node and start it again on a new port and bus port with its data and
+        cluster state (pods rescheduled at new addresses): the nodes know each other only
+        at the old ones until they meet again (``meet_all``, or ``create``)."""
+        for node in self.nodes:
+            node.server.stop()
+        ports = free_ports(2 * len(self.nodes), self.host)
+        for i, (a, node) in enumerate(zip(self.addresses, self.nodes, strict=True)):
+            a.port, a.bus_port = node.server.port, node.bus_port = ports[2 * i : 2 * i + 2]
+            node.server.extra_args = (*self._settings, "--cluster-port", str(a.bus_port))
+            node.server.start()
 
     def kill_primary_of(self, key: str) -> int:
         """SIGKILL the primary serving ``key`` (a crash); returns its index."""

@@ -176,7 +176,8 @@ async def test_the_replicas_hold_what_the_primaries_wrote(
 
 def test_create_forms_a_cluster_of_running_acl_nodes(tmp_path: Path) -> None:
     """What the Kubernetes init Job runs, on 2 primaries x 1 replica started without a
-    cluster; a second run finds the cluster formed and changes nothing."""
+    cluster; a second run finds the cluster formed and changes nothing; after every
+    node came back at a new address, a run joins them up again."""
     cluster = RedisClusterServers(
         2, 1, password="p" * 40, key_prefix=CLUSTER_KEY_PREFIX
     )  # servers only: formed below by the CLI
@@ -208,3 +209,15 @@ def test_create_forms_a_cluster_of_running_acl_nodes(tmp_path: Path) -> None:
         again = create(cluster.acl.admin_password)
         assert again.returncode == 0, again.stderr
         assert "already formed" in again.stdout
+        # every node back at a new address (pods rescheduled): create meets them again
+        cluster.move_all()
+        nodes[:] = [f"{a.host}:{a.port}@{a.bus_port}" for a in cluster.addresses]
+        with cluster.client(0) as c:
+            view = str(c.execute_command("CLUSTER", "NODES"))  # type: ignore[no-untyped-call]
+        known = {int(line.split()[1].split("@")[0].rsplit(":", 1)[1]) for line in view.splitlines()}
+        assert not known & {a.port for a in cluster.addresses[1:]}  # only the old addresses
+        healed = create(cluster.acl.admin_password)
+        assert healed.returncode == 0, healed.stderr
+        assert "already formed, every node met" in healed.stdout
+        assert cluster.healthy()
+        assert [a.primary for a in cluster.addresses] == [None, None, 0, 1]
