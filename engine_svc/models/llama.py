@@ -154,6 +154,8 @@ class LlamaForCausalLM:
             out = self._decode_step(residual, positions, meta, kv_caches, kv_scales)
             if out is not None:
                 return out
+        # the fused prefill kernel reads q in bf16: the rotation writes it so, no fp32 copy
+        rotated = torch.bfloat16 if meta.prefill_kernel else None
         h: torch.Tensor | None = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if h is None:
@@ -163,7 +165,7 @@ class LlamaForCausalLM:
             scales = None if kv_scales is None else kv_scales[i]
             qkv = ops.rotary_qkv(
                 _project(x, layer.qkv), cos, sin, positions, meta.slot_mapping,
-                k_cache, v_cache, nq, nkv, scales,
+                k_cache, v_cache, nq, nkv, scales, rotated,
             )  # fmt: skip
             attn = paged_attention(
                 qkv[:, :nq],

@@ -107,6 +107,7 @@ def rotary_qkv(
     num_heads: int,
     num_kv_heads: int,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """RoPE on q and k of a fused projection, and the KV-cache write.
 
@@ -118,15 +119,17 @@ def rotary_qkv(
             or float8_e4m3fn with ``kv_scales``) that receive k and v.
         num_heads, num_kv_heads: H and Hkv.
         kv_scales: per-head (k, v) scales [Hkv] of an FP8 cache.
+        out_dtype: float32 (default) or bfloat16 for the result; the rotation
+            and the cache write are computed in fp32 either way.
 
     Returns:
-        fp32 [T, H + 2 * Hkv, D]: rotated q, rotated k, then v.
+        [T, H + 2 * Hkv, D] in ``out_dtype``: rotated q, rotated k, then v.
     """
     ks, vs = kv_scales if kv_scales is not None else (None, None)
     if _native(qkv) and qkv.dtype in (torch.float32, torch.bfloat16):
         out = torch.ops.llm_cpu.rotary_qkv(
             qkv.contiguous(), cos, sin, positions, slot_mapping, k_cache, v_cache,
-            num_heads, num_kv_heads, ks, vs,
+            num_heads, num_kv_heads, ks, vs, out_dtype,
         )  # fmt: skip
         return cast(torch.Tensor, out)
     t = qkv.shape[0]
@@ -144,7 +147,7 @@ def rotary_qkv(
         d = out.shape[-1]
         k_cache.view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, num_kv_heads, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-    return out
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def decode_forward(

@@ -209,14 +209,15 @@ inline C to_cache(float v, float inv_scale) {
   }
 }
 
-template <typename T, typename C>
+template <typename T, typename C, typename O>
 void rotary_rows(const T* qkv, const float* cos, const float* sin, const int64_t* pos,
                  const int64_t* slots, C* kc, C* vc, const float* k_inv, const float* v_inv,
-                 float* out, int64_t t0, int64_t t1, int64_t H, int64_t Hkv, int64_t D) {
+                 O* out, int64_t t0, int64_t t1, int64_t H, int64_t Hkv, int64_t D) {
   const int64_t half = D / 2, heads = H + 2 * Hkv, row = heads * D;
+  std::vector<float> buf(static_cast<size_t>(row));  // one row in fp32, then out and the cache
+  float* dst = buf.data();
   for (int64_t t = t0; t < t1; ++t) {
     const T* src = qkv + t * row;
-    float* dst = out + t * row;
     const float* c = cos + pos[t] * half;
     const float* s = sin + pos[t] * half;
     for (int64_t h = 0; h < H + Hkv; ++h) {
@@ -229,6 +230,8 @@ void rotary_rows(const T* qkv, const float* cos, const float* sin, const int64_t
       }
     }
     for (int64_t i = (H + Hkv) * D; i < row; ++i) dst[i] = to_f(src[i]);
+    O* o = out + t * row;
+    for (int64_t i = 0; i < row; ++i) o[i] = from_f<O>(dst[i]);
     if (kc != nullptr) {
       C* kd = kc + slots[t] * Hkv * D;
       C* vd = vc + slots[t] * Hkv * D;
@@ -250,7 +253,8 @@ at::Tensor rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                       const std::optional<at::Tensor>& k_cache,
                       const std::optional<at::Tensor>& v_cache, int64_t num_heads,
                       int64_t num_kv_heads, const std::optional<at::Tensor>& k_scale,
-                      const std::optional<at::Tensor>& v_scale) {
+                      const std::optional<at::Tensor>& v_scale,
+                      std::optional<at::ScalarType> out_dtype) {
   check_cpu(qkv, "qkv");
   check_cpu(cos, "cos");
   check_cpu(sin, "sin");
@@ -285,18 +289,26 @@ at::Tensor rotary_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   }
   const float* kip = fp8 ? k_inv.data_ptr<float>() : nullptr;
   const float* vip = fp8 ? v_inv.data_ptr<float>() : nullptr;
-  auto out = at::empty({T, heads, D}, qkv.options().dtype(at::kFloat));
+  const auto odt = out_dtype.value_or(at::kFloat);
+  TORCH_CHECK(odt == at::kFloat || odt == at::kBFloat16,
+              "rotary_qkv: out_dtype must be float32 or bfloat16");
+  auto out = at::empty({T, heads, D}, qkv.options().dtype(odt));
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t* pp = positions.data_ptr<int64_t>();
   const int64_t* slp = slot_mapping.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "rotary_qkv", [&] {
     using T_ = scalar_t;
     const T_* xp = qkv.data_ptr<T_>();
     auto run = [&](auto* kc, auto* vc) {
       at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
-        rotary_rows(xp, cp, sp, pp, slp, kc, vc, kip, vip, op, b, e, num_heads, num_kv_heads, D);
+        if (odt == at::kFloat) {
+          rotary_rows(xp, cp, sp, pp, slp, kc, vc, kip, vip, out.data_ptr<float>(), b, e,
+                      num_heads, num_kv_heads, D);
+        } else {
+          rotary_rows(xp, cp, sp, pp, slp, kc, vc, kip, vip, out.data_ptr<BFloat16>(), b, e,
+                      num_heads, num_kv_heads, D);
+        }
       });
     };
     if (!write) {
@@ -1173,7 +1185,7 @@ at::Tensor decode_forward(at::Tensor residual, at::TensorList in_norm, at::Tenso
     }
     const at::Tensor qkv = rotary_qkv(project(x, w(0), p(0), sm(0), skinny_max), cos, sin, positions,
                                       slot_mapping, k_caches[l], v_caches[l], num_heads,
-                                      num_kv_heads, ks, vs);
+                                      num_kv_heads, ks, vs, std::nullopt);
     const at::Tensor attn =
         paged_decode_attention(qkv.narrow(1, 0, num_heads), k_caches[l], v_caches[l],
                                block_tables, context_lens, scale, dtype, ks, vs);
@@ -1213,7 +1225,7 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def(
       "rotary_qkv(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor slot_mapping, "
       "Tensor(a!)? k_cache, Tensor(b!)? v_cache, int num_heads, int num_kv_heads, "
-      "Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+      "Tensor? k_scale=None, Tensor? v_scale=None, ScalarType? out_dtype=None) -> Tensor");
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor context_lens, float scale, ScalarType out_dtype, Tensor? k_scale=None, "

@@ -92,6 +92,32 @@ def test_rotary_qkv_writes_the_same_cache_as_torch(
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_rotary_qkv_in_bf16_is_the_fp32_result_rounded_and_writes_the_same_cache(
+    monkeypatch: pytest.MonkeyPatch, native: bool
+) -> None:
+    if native and not cpu_kernels.ops_available():
+        pytest.skip("no C compiler here: the CPU kernels are not built")
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "ops_available", lambda: False)
+    nq, nkv, d, n = 9, 3, 64, 37
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(n, (nq + 2 * nkv) * d, generator=g).to(torch.bfloat16)
+    cos, sin = torch.rand(64, d // 2, generator=g), torch.rand(64, d // 2, generator=g)
+    pos = torch.randint(0, 64, (n,), generator=g)
+    slots = torch.randperm(64, generator=g)[:n]
+    caches = [torch.zeros(16, 4, nkv, d, dtype=torch.bfloat16) for _ in range(4)]
+    wide = ops.rotary_qkv(qkv, cos, sin, pos, slots, caches[0], caches[1], nq, nkv)
+    narrow = ops.rotary_qkv(
+        qkv, cos, sin, pos, slots, caches[2], caches[3], nq, nkv, out_dtype=torch.bfloat16
+    )
+    assert wide.dtype == torch.float32
+    assert narrow.dtype == torch.bfloat16
+    assert torch.equal(narrow, wide.to(torch.bfloat16))
+    assert torch.equal(caches[0], caches[2])
+    assert torch.equal(caches[1], caches[3])
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     context_lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
