@@ -27,6 +27,14 @@ class SchedulerConfig:
             prefill, one request's prefill chunk per step is capped at this
             many tokens, so every tenant's prompt advances in every step (a
             tenant alone keeps the whole budget); 0 = no cap.
+        priority_isolation: a step that admits a request of a higher priority
+            class than every running request runs that class (and above) alone:
+            the lower classes' decodes and prefills wait that one step, so the
+            urgent request's first token is not held behind them.
+        priority_window_s: for this long after a request of some class arrives,
+            prefill chunks of lower classes are capped at ``fair_prefill_chunk``
+            (when set), so the step in flight when the next urgent request
+            arrives is short; 0 = off.
     """
 
     max_num_seqs: int = 32
@@ -38,6 +46,8 @@ class SchedulerConfig:
     watermark: float = 0.01
     fair_share: bool = True
     fair_prefill_chunk: int = 128
+    priority_isolation: bool = True
+    priority_window_s: float = 5.0
 
     def validate(self) -> None:
         """Raises ValueError on a nonsensical limit."""
@@ -49,6 +59,8 @@ class SchedulerConfig:
             raise ValueError("priority_aging_seconds must be > 0")
         if self.fair_prefill_chunk < 0:
             raise ValueError(f"fair_prefill_chunk must be >= 0, got {self.fair_prefill_chunk}")
+        if self.priority_window_s < 0:
+            raise ValueError(f"priority_window_s must be >= 0, got {self.priority_window_s}")
 
 
 # the scheduler's limits are defaulted once, in SchedulerConfig
@@ -112,6 +124,8 @@ class EngineConfig:
     priority_aging_seconds: float = _SCHED.priority_aging_seconds
     fair_share: bool = _SCHED.fair_share
     fair_prefill_chunk: int = _SCHED.fair_prefill_chunk
+    priority_isolation: bool = _SCHED.priority_isolation
+    priority_window_s: float = _SCHED.priority_window_s
     enable_prefix_caching: bool = True
     enable_speculative_decoding: bool = False
     num_speculative_tokens: int = 4
@@ -138,4 +152,6 @@ class EngineConfig:
             priority_aging_seconds=self.priority_aging_seconds,
             fair_share=self.fair_share,
             fair_prefill_chunk=self.fair_prefill_chunk,
+            priority_isolation=self.priority_isolation,
+            priority_window_s=self.priority_window_s,
         )

@@ -20,6 +20,15 @@ priority, latest arrival) is preempted by recompute: its blocks are freed and
 it goes back to waiting with its progress reset. No new request is admitted in
 a step that preempted for lack of blocks, so admission never causes thrashing.
 
+A step that admits a request of a higher base priority class than every
+running request runs that class alone (``priority_isolation``): the lower
+classes wait one step, so a CRITICAL arrival's first token comes after its own
+prefill, not after a batch of LOW decodes and prompts. For ``priority_window_s``
+after a request of some class arrives, lower classes' prefill chunks are capped
+at ``fair_prefill_chunk``, which keeps short the step already in flight when
+the next one arrives. (If the urgent request cannot be admitted, the step runs
+as usual, so isolation never stalls the engine.)
+
 When the batch is full (``max_num_seqs``) and the most urgent waiting request
 outranks the least urgent running one by a whole priority class (aging
 included), that running request is preempted to make room: a CRITICAL arrival
@@ -79,6 +88,10 @@ class Scheduler:
         self._watermark_blocks = int(config.watermark * kv_cache_manager.block_pool.num_blocks)
         self.fair = FairShare() if config.fair_share else None
         self._chunk_cap = 0  # this step's cap on one request's prefill chunk (0 = none)
+        self._floor: int | None = None  # this step runs only classes >= this (isolation)
+        self._urgent_class = 0  # lower classes' prefill chunks are capped this step
+        self._now = 0.0  # this step's clock reading
+        self._class_seen: dict[int, float] = {}  # base priority -> last arrival (clock)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""
@@ -97,6 +110,7 @@ class Scheduler:
             return False
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._class_seen[request.priority] = self.clock()
         if self.fair is not None:
             self.fair.admit(request.tenant_id)
         return True
@@ -166,7 +180,41 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         if self._chunk_cap > 0:
             n = min(n, self._chunk_cap)
+        if req.priority < self._urgent_class and self.config.fair_prefill_chunk > 0:
+            n = min(n, self.config.fair_prefill_chunk)  # a higher class is about
         return n
+
+    def _recent_top_class(self, now: float) -> int:
+        """The highest base class with an arrival in the last ``priority_window_s``;
+        lower classes' prefill chunks are capped this step (0 = none recent)."""
+        window = self.config.priority_window_s
+        if window <= 0:
+            return 0
+        recent = [c for c, t in self._class_seen.items() if now - t <= window]
+        return max(recent, default=0)
+
+    def _isolation_floor(self, now: float) -> int | None:
+        """The class (aged) to run alone this step: that of the most urgent waiting
+        request when it is above every running request's, else None. Aging counts,
+        so a request that has waited long enough is never held back by a newer
+        urgent one."""
+        if not self.config.priority_isolation or not self.waiting:
+            return None
+        classes = [self._class(r, now) for r in self.waiting]
+        top = max(classes)
+        if self.running:
+            if top <= max(self._class(r, now) for r in self.running):
+                return None
+        elif min(classes) == top:
+            return None  # nothing of a lower class to hold back
+        return top
+
+    def _class(self, req: Request, now: float) -> int:
+        return math.floor(self._aged(req, now))
+
+    def _isolated(self, req: Request) -> bool:
+        """True when this step holds ``req`` back (its class is below the floor)."""
+        return self._floor is not None and self._class(req, self._now) < self._floor
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -194,24 +242,43 @@ class Scheduler:
         out = SchedulerOutput()
         self.running.sort(key=lambda r: self._urgency(r, now))
         self._chunk_cap = self._prefill_cap()
+        self._urgent_class = self._recent_top_class(now)
         self._make_room_for_priority(now, out)
         num_priority_preemptions = len(out.preempted_req_ids)
         chosen: dict[str, ScheduledRequest] = {}
-        budget = self.config.max_num_batched_tokens
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decodes:
-            if budget <= 0:
-                break
-            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this loop
-                budget = self._schedule_running(req, budget, chosen, out)
-        self._schedule_prefills(prefills, budget, now, chosen, out, num_priority_preemptions)
+        self._now = now
+        self._floor = self._isolation_floor(now)
+        self._fill(now, chosen, out, num_priority_preemptions)
+        if self._floor is not None and not chosen:
+            self._floor = None  # the urgent request cannot start now: run the step as usual
+            self._fill(now, chosen, out, num_priority_preemptions)
+        self._floor = None
         entries = sorted(chosen.values(), key=lambda s: not s.is_decode)
         for entry in entries:
             entry.block_ids = self.kv_cache_manager.get_block_ids(entry.request.request_id)
         out.scheduled = entries
         out.num_scheduled_tokens = sum(s.num_new_tokens for s in entries)
         return out
+
+    def _fill(
+        self,
+        now: float,
+        chosen: dict[str, ScheduledRequest],
+        out: SchedulerOutput,
+        num_priority_preemptions: int,
+    ) -> None:
+        """Decodes, then prefills and admissions, into ``chosen`` under the step's budget;
+        classes below the isolation floor (if any) are left out."""
+        budget = self.config.max_num_batched_tokens
+        live = [r for r in self.running if not self._isolated(r)]
+        decodes = [r for r in live if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in live if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes:
+            if budget <= 0:
+                break
+            if req.status == RequestStatus.RUNNING:  # not preempted earlier in this loop
+                budget = self._schedule_running(req, budget, chosen, out)
+        self._schedule_prefills(prefills, budget, now, chosen, out, num_priority_preemptions)
 
     def _schedule_running(
         self, req: Request, budget: int, chosen: dict[str, ScheduledRequest], out: SchedulerOutput
@@ -255,10 +322,11 @@ class Scheduler:
         tenant's waiting requests in their own order, the most urgent tenant head
         first (admitting a request charges its tenant, which may change who that is)."""
         self.waiting.sort(key=lambda r: self._urgency(r, now))
+        eligible = [r for r in self.waiting if not self._isolated(r)]
         if self.fair is None:
-            return lambda: self.waiting[0] if self.waiting else None
+            return lambda: next((r for r in eligible if r.status != RequestStatus.RUNNING), None)
         per_tenant: dict[str, deque[Request]] = {}
-        for r in self.waiting:
+        for r in eligible:
             per_tenant.setdefault(r.tenant_id, deque()).append(r)
         live = {r.tenant_id for r in self.running}
 

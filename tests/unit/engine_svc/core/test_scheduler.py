@@ -73,8 +73,9 @@ def test_queue_full_is_a_return_value() -> None:
 
 
 def test_preemption_takes_lowest_priority_then_latest_arrival() -> None:
-    # 6 blocks of 2 tokens; three 4-token prompts fill all blocks
-    s = make(num_blocks=6, block_size=2, max_num_batched_tokens=32)
+    # 6 blocks of 2 tokens; three 4-token prompts fill all blocks (admitted together:
+    # without isolation the NORMAL one does not start alone)
+    s = make(num_blocks=6, block_size=2, max_num_batched_tokens=32, priority_isolation=False)
     s.add_request(req("low_early", 4, max_tokens=8, priority=LOW, t=0.0))
     s.add_request(req("normal", 4, max_tokens=8, priority=NORMAL, t=1.0))
     s.add_request(req("low_late", 4, max_tokens=8, priority=LOW, t=2.0))
@@ -212,3 +213,58 @@ def test_an_aged_low_request_is_no_longer_displaced() -> None:
     s.add_request(req("crit", 3, priority=CRITICAL, t=clock.now))
     assert run_step(s).preempted_req_ids == []
     assert s.requests["low"].status == RequestStatus.RUNNING
+
+
+def test_a_critical_arrival_starts_alone_and_the_low_batch_resumes_the_step_after() -> None:
+    clock = FakeClock()
+    s = make(clock=clock, max_num_batched_tokens=64)
+    for i in range(3):
+        s.add_request(req(f"low{i}", 4, max_tokens=20, priority=LOW))
+    run_step(s)  # the LOW prompts
+    assert len(plan(run_step(s))) == 3  # three LOW decodes
+    clock.now = 1.0
+    s.add_request(req("crit", 6, priority=CRITICAL, t=1.0))
+    s.add_request(req("low_new", 4, priority=LOW, t=1.0))
+    assert plan(run_step(s)) == [("crit", 6)]  # its prefill alone: no LOW decode or prompt
+    out = plan(run_step(s))
+    assert ("crit", 1) in out
+    assert {"low0", "low1", "low2", "low_new"} <= {rid for rid, _ in out}
+
+
+def test_isolation_never_stalls_when_the_urgent_request_cannot_start() -> None:
+    # 4 blocks of 4 tokens: the LOW request holds 2; CRITICAL's 20-token prompt needs 5
+    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    s.add_request(req("low", 6, max_tokens=20, priority=LOW))
+    run_step(s)
+    s.add_request(req("crit", 20, priority=CRITICAL, t=0.0))
+    assert plan(run_step(s)) == [("low", 1)]  # the step runs as usual
+
+
+def test_aging_counts_for_isolation_and_it_is_off_on_request() -> None:
+    clock = FakeClock()
+    s = make(clock=clock, priority_aging_seconds=10.0)
+    s.add_request(req("low", 2, max_tokens=1, priority=LOW, t=0.0))
+    clock.now = 25.0  # low has aged past CRITICAL: a fresh CRITICAL does not hold it back
+    s.add_request(req("crit", 2, max_tokens=1, priority=CRITICAL, t=25.0))
+    assert sorted(plan(run_step(s))) == [("crit", 2), ("low", 2)]
+    s = make(priority_isolation=False)
+    s.add_request(req("low", 2, max_tokens=1, priority=LOW))
+    s.add_request(req("crit", 2, max_tokens=1, priority=CRITICAL))
+    assert sorted(plan(run_step(s))) == [("crit", 2), ("low", 2)]
+
+
+def test_lower_classes_prefill_in_small_chunks_for_a_while_after_an_urgent_arrival() -> None:
+    clock = FakeClock()
+    s = make(clock=clock, num_blocks=200, max_num_batched_tokens=512, fair_prefill_chunk=128)
+    s.add_request(req("crit", 8, max_tokens=1, priority=CRITICAL, t=0.0))
+    run_step(s)
+    clock.now = 1.0
+    s.add_request(req("low", 600, max_tokens=1, priority=LOW, t=1.0))
+    assert plan(run_step(s)) == [("low", 128)]  # within the window: capped
+    clock.now = 10.0  # past the 5 s window: the whole budget again
+    assert plan(run_step(s)) == [("low", 472)]
+    s = make(clock=clock, num_blocks=200, max_num_batched_tokens=512, priority_window_s=0.0)
+    s.add_request(req("crit", 8, max_tokens=1, priority=CRITICAL, t=10.0))
+    run_step(s)
+    s.add_request(req("low", 600, max_tokens=1, priority=LOW, t=10.0))
+    assert plan(run_step(s)) == [("low", 512)]
