@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import uuid
@@ -220,6 +221,10 @@ def execute(args: argparse.Namespace, stack: Stack | None, out_dir: Path) -> dic
     return report
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = parse_args(argv)
@@ -228,6 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.spawn:
         execute(args, None, out_dir)
         return 0
+    # a SIGTERM (timeout, kill) unwinds like Ctrl-C, so the spawned services are stopped
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     work = Path(tempfile.mkdtemp(prefix="bench-load-"))
     spec = StackSpec(
         Path(args.model_dir),
