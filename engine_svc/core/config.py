@@ -27,14 +27,14 @@ class SchedulerConfig:
             prefill, one request's prefill chunk per step is capped at this
             many tokens, so every tenant's prompt advances in every step (a
             tenant alone keeps the whole budget); 0 = no cap.
-        priority_isolation: a step that admits a request of a higher priority
+        priority_isolation: (off by default) a step that admits a request of a higher priority
             class than every running request runs that class (and above) alone:
             the lower classes' decodes and prefills wait that one step, so the
             urgent request's first token is not held behind them.
         priority_window_s: for this long after a request of some class arrives,
             prefill chunks of lower classes are capped at ``fair_prefill_chunk``
             (when set), so the step in flight when the next urgent request
-            arrives is short; 0 = off.
+            arrives is short; 0 = off (the default).
     """
 
     max_num_seqs: int = 32
@@ -46,8 +46,8 @@ class SchedulerConfig:
     watermark: float = 0.01
     fair_share: bool = True
     fair_prefill_chunk: int = 128
-    priority_isolation: bool = True
-    priority_window_s: float = 5.0
+    priority_isolation: bool = False
+    priority_window_s: float = 0.0
 
     def validate(self) -> None:
         """Raises ValueError on a nonsensical limit."""

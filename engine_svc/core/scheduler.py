@@ -20,14 +20,15 @@ priority, latest arrival) is preempted by recompute: its blocks are freed and
 it goes back to waiting with its progress reset. No new request is admitted in
 a step that preempted for lack of blocks, so admission never causes thrashing.
 
-A step that admits a request of a higher base priority class than every
-running request runs that class alone (``priority_isolation``): the lower
-classes wait one step, so a CRITICAL arrival's first token comes after its own
-prefill, not after a batch of LOW decodes and prompts. For ``priority_window_s``
-after a request of some class arrives, lower classes' prefill chunks are capped
-at ``fair_prefill_chunk``, which keeps short the step already in flight when
-the next one arrives. (If the urgent request cannot be admitted, the step runs
-as usual, so isolation never stalls the engine.)
+Optionally (``priority_isolation``, off by default), a step that admits a
+request of a higher priority class than every running request runs that class
+alone: the lower classes wait one step, so a CRITICAL arrival's first token
+comes after its own prefill, not after a batch of LOW decodes and prompts. With
+``priority_window_s`` > 0, for that long after a request of some class arrives,
+lower classes' prefill chunks are capped at ``fair_prefill_chunk``, which keeps
+short the step already in flight when the next one arrives. (If the urgent
+request cannot be admitted, the step runs as usual, so isolation never stalls
+the engine.)
 
 When the batch is full (``max_num_seqs``) and the most urgent waiting request
 outranks the least urgent running one by a whole priority class (aging

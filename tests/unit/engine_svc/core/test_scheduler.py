@@ -74,7 +74,7 @@ def test_queue_full_is_a_return_value() -> None:
 
 def test_preemption_takes_lowest_priority_then_latest_arrival() -> None:
     # 6 blocks of 2 tokens; three 4-token prompts fill all blocks (admitted together:
-    # without isolation the NORMAL one does not start alone)
+    # with isolation the NORMAL one would start alone)
     s = make(num_blocks=6, block_size=2, max_num_batched_tokens=32, priority_isolation=False)
     s.add_request(req("low_early", 4, max_tokens=8, priority=LOW, t=0.0))
     s.add_request(req("normal", 4, max_tokens=8, priority=NORMAL, t=1.0))
@@ -217,7 +217,7 @@ def test_an_aged_low_request_is_no_longer_displaced() -> None:
 
 def test_a_critical_arrival_starts_alone_and_the_low_batch_resumes_the_step_after() -> None:
     clock = FakeClock()
-    s = make(clock=clock, max_num_batched_tokens=64)
+    s = make(clock=clock, max_num_batched_tokens=64, priority_isolation=True)
     for i in range(3):
         s.add_request(req(f"low{i}", 4, max_tokens=20, priority=LOW))
     run_step(s)  # the LOW prompts
@@ -233,16 +233,16 @@ def test_a_critical_arrival_starts_alone_and_the_low_batch_resumes_the_step_afte
 
 def test_isolation_never_stalls_when_the_urgent_request_cannot_start() -> None:
     # 4 blocks of 4 tokens: the LOW request holds 2; CRITICAL's 20-token prompt needs 5
-    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    s = make(num_blocks=4, block_size=4, max_num_batched_tokens=64, priority_isolation=True)
     s.add_request(req("low", 6, max_tokens=20, priority=LOW))
     run_step(s)
     s.add_request(req("crit", 20, priority=CRITICAL, t=0.0))
     assert plan(run_step(s)) == [("low", 1)]  # the step runs as usual
 
 
-def test_aging_counts_for_isolation_and_it_is_off_on_request() -> None:
+def test_aging_counts_for_isolation_and_off_is_first_come_first_served() -> None:
     clock = FakeClock()
-    s = make(clock=clock, priority_aging_seconds=10.0)
+    s = make(clock=clock, priority_aging_seconds=10.0, priority_isolation=True)
     s.add_request(req("low", 2, max_tokens=1, priority=LOW, t=0.0))
     clock.now = 25.0  # low has aged past CRITICAL: a fresh CRITICAL does not hold it back
     s.add_request(req("crit", 2, max_tokens=1, priority=CRITICAL, t=25.0))
@@ -255,7 +255,13 @@ def test_aging_counts_for_isolation_and_it_is_off_on_request() -> None:
 
 def test_lower_classes_prefill_in_small_chunks_for_a_while_after_an_urgent_arrival() -> None:
     clock = FakeClock()
-    s = make(clock=clock, num_blocks=200, max_num_batched_tokens=512, fair_prefill_chunk=128)
+    s = make(
+        clock=clock,
+        num_blocks=200,
+        max_num_batched_tokens=512,
+        fair_prefill_chunk=128,
+        priority_window_s=5.0,
+    )
     s.add_request(req("crit", 8, max_tokens=1, priority=CRITICAL, t=0.0))
     run_step(s)
     clock.now = 1.0
