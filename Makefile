@@ -99,6 +99,7 @@ bench: setup ## benchmarks; reports go to bench/reports/
 	$(PY) -m bench.quality
 	$(PY) -m bench.fp8_bench
 	$(PY) -m bench.prefix_bench
+	$(PY) -m bench.prefill_attention_bench
 	$(PY) -m bench.spec_bench
 
 bench-load: setup ## load run, rate sweep, fairness experiments, capacity template (~10 min)
