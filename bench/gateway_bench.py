@@ -32,6 +32,13 @@ overhead before the engine attempt; its TTFT and time per output token), scraped
 from its /metrics before and after each run, as count, mean and interpolated p50 /
 p99 of what that run added.
 
+The gateway process's CPU time per request (user + system, from
+``/proc/<pid>/stat``, every thread of it) is reported per side too: it moves
+far less than latency on a shared machine, and every cycle of it competes with
+the engine's own threads here. On the engine side it is the gateway's
+background work during that run (health watch, stats polls), the baseline the
+other sides include.
+
 Writes bench/reports/gateway_bench.json and .png.
 """
 
@@ -42,6 +49,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import platform
 import secrets
 import shutil
@@ -86,6 +94,17 @@ def sample(t0: float, token_stamps: list[float], event_stamps: list[float]) -> S
 
     events = event_stamps or token_stamps
     return token_stamps[0] - t0, gap(token_stamps), gap(events), events[0] - t0
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux
+    ``/proc``; NaN where there is none)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return math.nan
+    fields = stat.rsplit(")", 1)[1].split()  # the name may hold spaces; it ends at ")"
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -282,34 +301,50 @@ async def run_paired(
     ids: list[int],
     num_pairs: int,
     max_tokens: int,
-) -> dict[str, list[Sample]]:
+    gateway_pid: int | None = None,
+) -> tuple[dict[str, list[Sample]], dict[str, float]]:
     """Concurrency 1, one request per side back to back, ``num_pairs`` times, the order
     rotated each time: the sides of one pair meet the same machine state, so their
-    difference is the front's cost with most of the machine's drift taken out."""
+    difference is the front's cost with most of the machine's drift taken out.
+
+    Returns the samples and, per side, the gateway process's CPU ms per request
+    (read around each request; NaN without ``gateway_pid``)."""
     async with contextlib.AsyncExitStack() as stack:
         ones = {
             s: await stack.enter_async_context(side_client(s, addresses, key, ids, max_tokens))
             for s in sides
         }
         out: dict[str, list[Sample]] = {s: [] for s in sides}
+        cpu = dict.fromkeys(sides, 0.0)
         for i in range(num_pairs):
             k = i % len(sides)
             for s in sides[k:] + sides[:k]:
+                c0 = process_cpu_seconds(gateway_pid) if gateway_pid else math.nan
                 out[s].append(await ones[s]())
-        return out
+                if gateway_pid:
+                    cpu[s] += process_cpu_seconds(gateway_pid) - c0
+        per_request = {
+            s: cpu[s] / num_pairs * 1000 if gateway_pid and num_pairs else math.nan for s in sides
+        }
+        return out, per_request
 
 
 def paired_differences(
     samples: dict[str, list[Sample]], base: str, field: int
 ) -> dict[str, dict[str, float]]:
-    """p50/p90/p99 (ms) of each side's per-pair difference from ``base`` in one field
-    of the samples (0 = time to the first token, 3 = to the first text event)."""
+    """p1/p10/p50/p90/p99 (ms) of each side's per-pair difference from ``base`` in one
+    field of the samples (0 = time to the first token, 3 = to the first text event).
+    Tails as long on the low side as on the high one are the machine's noise (the
+    engine's next step starting before one side of a pair and after the other), not
+    the front's cost."""
     out = {}
     for side, rows in samples.items():
         if side == base:
             continue
         diffs = [(a[field] - b[field]) * 1000 for a, b in zip(rows, samples[base], strict=True)]
         out[side] = {
+            "p1_ms": pct(diffs, 0.01),
+            "p10_ms": pct(diffs, 0.1),
             "p50_ms": pct(diffs, 0.5),
             "p90_ms": pct(diffs, 0.9),
             "p99_ms": pct(diffs, 0.99),
@@ -404,7 +439,9 @@ def stage_figures(histos: dict[str, Histo]) -> dict[str, dict[str, float]]:
     }
 
 
-def summarize(samples: list[Sample]) -> dict[str, float]:
+def summarize(samples: list[Sample], gateway_cpu_s: float = math.nan) -> dict[str, float]:
+    """Quantiles of one run's samples (ms), and the gateway's CPU ms per request in it
+    (``gateway_cpu_s``: what the gateway process used during the run)."""
     ttft = [s[0] * 1000 for s in samples]
     itl = [s[1] * 1000 for s in samples]
     event = [s[2] * 1000 for s in samples]
@@ -420,6 +457,7 @@ def summarize(samples: list[Sample]) -> dict[str, float]:
         "event_gap_p99_ms": pct(event, 0.99),
         "first_text_p50_ms": pct(first_text, 0.5),
         "first_text_p99_ms": pct(first_text, 0.99),
+        "gateway_cpu_ms_per_request": gateway_cpu_s / max(1, len(samples)) * 1000,
     }
 
 
@@ -544,7 +582,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def measure(
-    args: argparse.Namespace, addresses: dict[str, str], key: str, ids: list[int]
+    args: argparse.Namespace,
+    addresses: dict[str, str],
+    key: str,
+    ids: list[int],
+    gateway_pid: int | None = None,
 ) -> dict[str, Any]:
     runs = {"c1": (1, args.requests_c1), "c32": (32, args.requests_c32)}
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
@@ -559,10 +601,12 @@ def measure(
                 sides = SIDES[k:] + SIDES[:k]  # rotate so drift hits every side
                 before = scrape_histograms(metrics_url)
                 for name in sides:
+                    c0 = process_cpu_seconds(gateway_pid) if gateway_pid else math.nan
                     samples = asyncio.run(
                         run_side(name, addresses, key, ids, n_req, n_conc, args.max_tokens)
                     )
-                    per_round[conc][name].append(summarize(samples))
+                    cpu = process_cpu_seconds(gateway_pid) - c0 if gateway_pid else math.nan
+                    per_round[conc][name].append(summarize(samples, cpu))
                     bar.update(1)
                 after = scrape_histograms(metrics_url)
                 stages[conc] = add_delta(stages.get(conc, {}), before, after)
@@ -586,11 +630,15 @@ def measure(
             }
         results[conc] = {**med, "gateway_stages": stage_figures(stages.get(conc, {}))}
     if args.pairs:
-        paired = asyncio.run(run_paired(SIDES, addresses, key, ids, args.pairs, args.max_tokens))
+        paired, cpu_ms = asyncio.run(
+            run_paired(SIDES, addresses, key, ids, args.pairs, args.max_tokens, gateway_pid)
+        )
         fronts = {s: paired[s] for s in SIDES if s != "engine"}
         results["c1_paired"] = {
             "pairs": args.pairs,
             "sides": {s: summarize(rows) for s, rows in paired.items()},
+            # the gateway process's CPU per request of each side (engine: its background)
+            "gateway_cpu_ms_per_request": cpu_ms,
             # the gRPC front over the engine: time to the first token
             "gateway_minus_engine_ttft": paired_differences(
                 {"engine": paired["engine"], "gateway": paired["gateway"]}, "engine", 0
@@ -627,7 +675,9 @@ def main() -> None:
             key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
             for side in SIDES:  # warm every path
                 asyncio.run(run_side(side, addresses, key, ids, 4, 4, 4))
-            results = measure(args, addresses, key, ids)
+            results = measure(
+                args, addresses, key, ids, procs[0].proc.pid if procs[0].proc else None
+            )
         finally:
             for p in procs:
                 p.stop()
@@ -651,6 +701,11 @@ def main() -> None:
     for conc in ("c1", "c32"):
         res = {k: d for k, d in results[conc].items() if k != "gateway_stages"}
         print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()} for k, d in res.items()}))
+        cpu = {s: results[conc][s]["gateway_cpu_ms_per_request"] for s in SIDES}
+        print(
+            f"  {conc} gateway CPU ms per request (engine side: background): "
+            + "  ".join(f"{s} {v:.2f}" for s, v in cpu.items())
+        )
         print(f"  {conc} gateway stages (its own histograms; ms):")
         for label, d in results[conc]["gateway_stages"].items():
             print(
@@ -666,9 +721,13 @@ def main() -> None:
         ):
             for side, d in diffs.items():
                 print(
-                    f"  {name} [{side}]: p50 {d['p50_ms']:.2f}  p90 {d['p90_ms']:.2f}  "
-                    f"p99 {d['p99_ms']:.2f}"
+                    f"  {name} [{side}]: p1 {d['p1_ms']:.2f}  p10 {d['p10_ms']:.2f}  "
+                    f"p50 {d['p50_ms']:.2f}  p90 {d['p90_ms']:.2f}  p99 {d['p99_ms']:.2f}"
                 )
+        print(
+            "  gateway CPU ms per request: "
+            + "  ".join(f"{s} {v:.2f}" for s, v in p["gateway_cpu_ms_per_request"].items())
+        )
 
 
 if __name__ == "__main__":

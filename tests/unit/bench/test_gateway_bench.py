@@ -42,3 +42,33 @@ def test_stage_figures_are_what_a_run_added_to_the_gateway_histograms() -> None:
     assert abs(d["mean_ms"] - 1.5) < 1e-9
     assert 1.0 < d["p50_ms"] <= 2.0  # inside the bucket the run filled, not the old one
     assert math.isnan(histogram_quantile(0.5, {0.001: 0.0, float("inf"): 0.0}))  # none seen
+
+
+def test_paired_differences_report_both_tails() -> None:
+    # differences -5..+5 ms in 1 ms steps plus one +20 ms outlier: the low tail shows
+    # that the spread is noise around the median, not the front's cost
+    base = [(0.0, 0.0, 0.0, 0.0)] * 12
+    other = [(d / 1000, 0.0, 0.0, 0.0) for d in (*range(-5, 6), 20)]
+    got = paired_differences({"engine": base, "gateway": other}, "engine", 0)["gateway"]
+    assert set(got) == {"p1_ms", "p10_ms", "p50_ms", "p90_ms", "p99_ms"}
+    assert got["p1_ms"] < 0 < got["p99_ms"]
+    assert got["p1_ms"] <= got["p10_ms"] <= got["p50_ms"] <= got["p90_ms"] <= got["p99_ms"]
+
+
+def test_process_cpu_seconds_grows_with_work_and_is_nan_for_no_process() -> None:
+    import os
+
+    from bench.gateway_bench import process_cpu_seconds
+
+    before = process_cpu_seconds(os.getpid())
+    sum(i * i for i in range(2_000_000))  # some CPU time of this process
+    assert process_cpu_seconds(os.getpid()) > before
+    assert math.isnan(process_cpu_seconds(2**31 - 1))  # no such process
+
+
+def test_summarize_divides_the_gateway_cpu_by_the_requests() -> None:
+    from bench.gateway_bench import summarize
+
+    rows = [(0.010, 0.001, 0.001, 0.010)] * 4
+    assert abs(summarize(rows, 0.008)["gateway_cpu_ms_per_request"] - 2.0) < 1e-9
+    assert math.isnan(summarize(rows)["gateway_cpu_ms_per_request"])
