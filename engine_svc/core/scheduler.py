@@ -271,7 +271,11 @@ class Scheduler:
         """Decodes, then prefills and admissions, into ``chosen`` under the step's budget;
         classes below the isolation floor (if any) are left out."""
         budget = self.config.max_num_batched_tokens
-        live = [r for r in self.running if not self._isolated(r)]
+        live = (
+            self.running
+            if self._floor is None
+            else [r for r in self.running if not self._isolated(r)]
+        )
         decodes = [r for r in live if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in live if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes:
@@ -323,7 +327,11 @@ class Scheduler:
         tenant's waiting requests in their own order, the most urgent tenant head
         first (admitting a request charges its tenant, which may change who that is)."""
         self.waiting.sort(key=lambda r: self._urgency(r, now))
-        eligible = [r for r in self.waiting if not self._isolated(r)]
+        eligible = (
+            self.waiting
+            if self._floor is None
+            else [r for r in self.waiting if not self._isolated(r)]
+        )
         if self.fair is None:
             return lambda: next((r for r in eligible if r.status != RequestStatus.RUNNING), None)
         per_tenant: dict[str, deque[Request]] = {}

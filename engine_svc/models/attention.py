@@ -271,7 +271,9 @@ def _prefill_attention(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
-    if meta.prefill_kernel and ops.prefill_kernel_usable(q, k_cache, kv_scales):
+    # the engine chose the kernel at start for this cache (choose_prefill_kernel): no
+    # dispatcher call per layer here, only what a step could change
+    if meta.prefill_kernel and kv_scales is None and k_cache.dtype == torch.bfloat16:
         assert meta.prefill_seqs is not None
         assert meta.prefill_tables is not None
         return ops.prefill_attention(q, k_cache, v_cache, meta.prefill_seqs, meta.prefill_tables)
