@@ -41,6 +41,11 @@ class GatewayConfig(ServiceConfig):
         tokenize_in_process: Encode prompts in the gateway (the same code and
             tokenizer files as tokenizer_svc; no RPC on the hot path) instead of
             calling tokenizer_svc.
+        overlap_admission: For a tenant whose last admissions left headroom (requests,
+            leases and tokens, as this replica saw them), start the engine while the
+            one Redis reservation is in flight; its first chunk waits for the answer,
+            and a refusal cancels the engine call (nothing is charged). False = the
+            reservation always comes first.
         auth_failures_per_minute / auth_failure_burst: Failed authentications one
             client address may make (a token bucket); past that its calls with keys
             not already known valid get RESOURCE_EXHAUSTED until the bucket refills
@@ -91,6 +96,7 @@ class GatewayConfig(ServiceConfig):
     max_request_timeout_s: float = 3600.0
     encode_timeout_s: float = 10.0
     tokenize_in_process: bool = True
+    overlap_admission: bool = True
     auth_failures_per_minute: int = 30
     auth_failure_burst: int = 20
     max_attempts: int = 3

@@ -113,6 +113,15 @@ LIMIT_CALLS = Counter(
     "'two' (request unit and lease before the tokenizer, tokens after)",
     ["path"],
 )
+OVERLAPPED_ADMISSIONS = Counter(
+    "gateway_ratelimit_overlapped_admissions_total",
+    "One-call admissions whose Redis reservation ran beside the engine's start (the "
+    "tenant had headroom for the request, its lease and its tokens)",
+)
+OVERLAP_REFUSALS = Counter(
+    "gateway_ratelimit_overlap_refusals_total",
+    "Overlapped admissions that Redis refused: the engine call was cancelled, nothing charged",
+)
 MODEL_FALLBACKS = Counter(
     "gateway_model_fallbacks_total",
     "Requests a model route sent past its first target: 'unavailable' (no replica of it "

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -137,7 +137,7 @@ class Dispatcher:
         # token in seconds or None); the per-version stats of the canary guard.
         self.on_attempt: Callable[[Replica, bool | None, float | None], None] | None = None
 
-    async def run(self, job: EngineJob, text: TextStream) -> AsyncIterator[Chunk]:
+    async def run(self, job: EngineJob, text: TextStream) -> AsyncGenerator[Chunk, None]:
         """Stream the job to the end, or raise ``GatewayError``."""
         self.budget.record_request()
         tried: list[str] = []
@@ -356,7 +356,7 @@ class Dispatcher:
             verdict, failure = False, e.code.name
             raise
         finally:
-            if call is not None:  # no-op when it ended; else the engine aborts and frees KV
+            if call is not None and not call.done():  # the engine aborts and frees KV
                 call.cancel()
             end_engine_call(span, failure, num_tokens)
             replica.release(verdict, ticket)

@@ -84,6 +84,9 @@ class _Admitted:
     tokenizer: TextTokenizer
     shadow_version: str = ""
     budget_hold: BudgetHold | None = None
+    # the reservation (and budget charge) still in flight while the engine starts
+    pending: asyncio.Task[tuple[Reservation | None, BudgetHold | None]] | None = None
+    refused: bool = False  # the pending admission was refused: nothing is charged
 
 
 @dataclass(slots=True)
@@ -363,14 +366,48 @@ class Pipeline:
                 # tokenized for free, past the request rate
                 await asyncio.shield(self._spend_request_unit(tenant, call))
             raise
-        if one_call:
-            t4 = time.perf_counter()
-            with stage(call.trace, "gateway.reserve"):
-                reservation = await self._reserve(tenant, num_tokens, call, tokens=True)
-            metrics.STAGE_RESERVE.observe(time.perf_counter() - t4)
         metrics.LIMIT_CALLS.labels("one" if one_call else "two").inc()
+        admitted = _Admitted(tenant, job, reservation, tokenizer, route.shadow_version)
+        await self._hold(admitted, one_call, num_tokens, max_tokens, call)
+        return admitted
+
+    async def _hold(
+        self,
+        admitted: _Admitted,
+        one_call: bool,
+        num_tokens: int,
+        max_tokens: int,
+        call: CallContext,
+    ) -> None:
+        """The admission's last steps: the one call (or, after the two-call path's
+        take, the budgets), or, when the tenant's headroom makes a refusal all but
+        impossible, both started beside the engine: the engine starts now, the round
+        trip runs during its prefill, and ``_serve`` waits for it before the first chunk."""
+        tenant, job = admitted.tenant, admitted.job
+        if not one_call:
+            admitted.budget_hold = await self._charge_budgets(
+                tenant, job, max_tokens, admitted.reservation, call
+            )
+        elif self.config.overlap_admission and self.limiter.claim_headroom(tenant, num_tokens):
+            admitted.pending = asyncio.get_running_loop().create_task(
+                self._reserve_and_charge(tenant, job, num_tokens, max_tokens, call)
+            )
+            metrics.OVERLAPPED_ADMISSIONS.inc()
+        else:
+            admitted.reservation, admitted.budget_hold = await self._reserve_and_charge(
+                tenant, job, num_tokens, max_tokens, call
+            )
+
+    async def _reserve_and_charge(
+        self, tenant: Tenant, job: EngineJob, num_tokens: int, max_tokens: int, call: CallContext
+    ) -> tuple[Reservation | None, BudgetHold | None]:
+        """The one-call path's admission: request unit, lease and tokens, then budgets."""
+        t0 = time.perf_counter()
+        with stage(call.trace, "gateway.reserve"):
+            reservation = await self._reserve(tenant, num_tokens, call, tokens=True)
+        metrics.STAGE_RESERVE.observe(time.perf_counter() - t0)
         hold = await self._charge_budgets(tenant, job, max_tokens, reservation, call)
-        return _Admitted(tenant, job, reservation, tokenizer, route.shadow_version, hold)
+        return reservation, hold
 
     async def _charge_budgets(
         self,
@@ -485,11 +522,14 @@ class Pipeline:
                 job.stop_strings,
                 len(job.prompt_token_ids),
             )
-            if admitted.shadow_version and self.shadow is not None:
-                self.shadow.mirror(job, admitted.shadow_version)
             with stage(job.trace, "gateway.stream"):
-                async with self.limiter.keep_alive(admitted.reservation):
-                    async for chunk in self.dispatcher.run(job, text):
+                async with contextlib.AsyncExitStack() as scope:
+                    if admitted.pending is None:
+                        await self._admission_confirmed(admitted, scope)
+                    relay = await scope.enter_async_context(
+                        contextlib.aclosing(self._relay(admitted, text, scope))
+                    )
+                    async for chunk in relay:
                         labels.version = text.model_version or labels.version
                         if first_at is None and chunk.token_ids:
                             first_at = time.perf_counter()
@@ -511,7 +551,56 @@ class Pipeline:
                 metrics.TPOT.labels(job.model, labels.version).observe(
                     (time.perf_counter() - first_at) / (len(text.token_ids) - 1)
                 )
-            await asyncio.shield(self._settle(admitted, text, client_left, labels))
+            await asyncio.shield(self._settle_after(admitted, text, client_left, labels))
+
+    async def _relay(
+        self, admitted: _Admitted, text: TextStream, scope: contextlib.AsyncExitStack[bool | None]
+    ) -> AsyncGenerator[Chunk, None]:
+        """The engine's chunks; none before the admission that runs beside it passed
+        (a refusal closes the engine call and is the error, even over the engine's)."""
+        try:
+            async with contextlib.aclosing(self.dispatcher.run(admitted.job, text)) as chunks:
+                async for chunk in chunks:
+                    if admitted.pending is not None:
+                        await self._confirm(admitted)
+                        await self._admission_confirmed(admitted, scope)
+                    yield chunk
+        except GatewayError:
+            if admitted.pending is not None:
+                await self._confirm(admitted)
+            raise
+
+    async def _confirm(self, admitted: _Admitted) -> None:
+        """Wait for the admission that runs beside the engine; a refusal raises."""
+        assert admitted.pending is not None
+        try:
+            admitted.reservation, admitted.budget_hold = await asyncio.shield(admitted.pending)
+        except GatewayError:
+            admitted.refused = True
+            metrics.OVERLAP_REFUSALS.inc()
+            raise
+        finally:
+            if admitted.pending.done():
+                admitted.pending = None
+
+    async def _admission_confirmed(
+        self, admitted: _Admitted, scope: contextlib.AsyncExitStack[bool | None]
+    ) -> None:
+        """What starts once the request is admitted: the lease heartbeat, the shadow."""
+        await scope.enter_async_context(self.limiter.keep_alive(admitted.reservation))
+        if admitted.shadow_version and self.shadow is not None:
+            self.shadow.mirror(admitted.job, admitted.shadow_version)
+
+    async def _settle_after(
+        self, admitted: _Admitted, text: TextStream | None, client_left: bool, labels: _Labels
+    ) -> None:
+        """Settle, once an admission still in flight has ended (cancelled when the
+        request ended first: its reservation, if it was made, is undone or settled)."""
+        if admitted.pending is not None:
+            admitted.pending.cancel()
+            with contextlib.suppress(GatewayError, asyncio.CancelledError):
+                await self._confirm(admitted)
+        await self._settle(admitted, text, client_left, labels)
 
     async def _settle(
         self, admitted: _Admitted, text: TextStream | None, client_left: bool, labels: _Labels
@@ -523,7 +612,9 @@ class Pipeline:
         work it started is not free. An engine's refusal or failure charges nothing.
         """
         prompt = 0
-        if text is not None and (text.engine_answered or (text.dispatched and client_left)):
+        if admitted.refused:  # refused while the engine started: the work was undone
+            text = None
+        elif text is not None and (text.engine_answered or (text.dispatched and client_left)):
             prompt = text.num_prompt_tokens
         completion = len(text.token_ids) if text is not None else 0
         labels.prompt_tokens, labels.completion_tokens = prompt, completion

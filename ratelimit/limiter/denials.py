@@ -107,6 +107,7 @@ class _Seen:
     requests_left: float  # -1 = unlimited
     leases: int
     policy: LimitPolicy
+    tokens_left: float = -1.0  # -1 = unlimited
 
 
 class HeadroomMemo:
@@ -143,7 +144,11 @@ class HeadroomMemo:
         if len(self._seen) >= self._max:
             _keep_newest(self._seen, self._max // 2)
         self._seen[tenant_id] = _Seen(
-            self._clock(), decision.requests_remaining, decision.concurrent_in_use, policy
+            self._clock(),
+            decision.requests_remaining,
+            decision.concurrent_in_use,
+            policy,
+            decision.tokens_remaining,
         )
 
     def has_headroom(self, tenant_id: str, policy: LimitPolicy) -> bool:
@@ -158,3 +163,33 @@ class HeadroomMemo:
             if min(float(policy.request_capacity), refilled) < self.margin:
                 return False
         return not (policy.max_concurrent > 0 and policy.max_concurrent - seen.leases < self.margin)
+
+    def claim(self, tenant_id: str, policy: LimitPolicy, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` may start before the store confirms it:
+        ``has_headroom`` and, refilled since, ``num_tokens`` left in the token bucket.
+        A claim spends from this estimate at once (one request, one lease, the
+        tokens), so a burst of claims never adds up to more than the memo last saw;
+        the store's next answer for the tenant replaces the estimate."""
+        if not self.has_headroom(tenant_id, policy):
+            return False
+        seen = self._seen[tenant_id]
+        tokens = seen.tokens_left
+        tpm = policy.tokens_per_minute
+        if tpm > 0 and tokens >= 0:
+            refilled = tokens + (self._clock() - seen.at) * tpm / 60.0
+            tokens = min(float(policy.token_capacity), refilled)
+            if tokens < num_tokens:
+                return False
+            tokens -= num_tokens
+        requests = seen.requests_left
+        if policy.requests_per_minute > 0 and requests >= 0:
+            refilled = requests + (self._clock() - seen.at) * policy.requests_per_minute / 60.0
+            requests = min(float(policy.request_capacity), refilled) - 1
+        self._seen[tenant_id] = dataclasses.replace(
+            seen,
+            at=self._clock(),
+            requests_left=requests,
+            leases=seen.leases + 1,
+            tokens_left=tokens,
+        )
+        return True

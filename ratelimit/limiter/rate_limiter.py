@@ -103,6 +103,13 @@ class RateLimiter:
         the request unit first (a refusal then costs no tokenizer call)."""
         return self.headroom.has_headroom(tenant.tenant_id, tenant.limits)
 
+    def claim_headroom(self, tenant: Tenant, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` may start while its ``reserve`` is in
+        flight (``HeadroomMemo.claim``: headroom for it, spent from the estimate at
+        once). The store still decides; a caller that starts early undoes the work
+        when the reservation is refused."""
+        return self.headroom.claim(tenant.tenant_id, tenant.limits, num_tokens)
+
     def set_live_replicas(self, count: int) -> None:
         """The live number of gateway replicas (``ReplicaMembership``): the divisor of
         the fail-open share from now on."""

@@ -426,6 +426,44 @@ def test_a_tenant_with_headroom_is_admitted_in_one_redis_call_and_charged_exactl
     assert_idle(gateway, tid, engines)
 
 
+def test_an_overlapped_admission_that_redis_refuses_sends_nothing_and_charges_nothing(
+    gateway: GatewayProcess, http_gateway: HttpGateway, engines: EnginePair
+) -> None:
+    """With headroom seen, a tenant's engine call starts while its one Redis call is in
+    flight. When another gateway replica spent the tokens meanwhile, Redis refuses:
+    the caller gets RESOURCE_EXHAUSTED and not one chunk, the engine call is
+    cancelled, and the tenant is charged nothing for it."""
+    other = http_gateway.gw  # a second replica on the same Redis
+    tid, key = gateway.tenant(
+        requests_per_minute=600, request_burst=50, tokens_per_minute=60, token_burst=2000
+    )
+    overlapped = gateway.metric("gateway_ratelimit_overlapped_admissions_total")
+    refused = gateway.metric("gateway_ratelimit_overlap_refusals_total")
+    assert gateway.generate(key, chat("Hi", 1))  # two calls: this replica sees the levels
+    assert gateway.generate(key, chat("Hi", 1))  # one call, beside the engine's start
+    assert gateway.metric("gateway_ratelimit_overlapped_admissions_total") == overlapped + 1
+    left = gateway.usage(tid).tokens_available
+    assert other.generate(key, chat("hello " * int(left - 120), 1))  # spends all but ~100
+    before = gateway.usage(tid)
+    md = (("authorization", f"Bearer {key}"),)
+    got: list[gateway_pb2.GenerateResponse] = []
+    stream = gateway.stub.Generate(chat("hello " * 200, 8), metadata=md, timeout=60)
+    with pytest.raises(grpc.RpcError) as err:  # this replica's memo still sees ~1900
+        got.extend(stream)
+    assert got == []
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "token" in (err.value.details() or "")
+    assert gateway.metric("gateway_ratelimit_overlapped_admissions_total") == overlapped + 2
+    assert gateway.metric("gateway_ratelimit_overlap_refusals_total") == refused + 1
+    after = gateway.usage(tid)
+    assert after.prompt_tokens_total == before.prompt_tokens_total  # nothing charged
+    assert after.completion_tokens_total == before.completion_tokens_total
+    assert after.requests_denied_total == before.requests_denied_total + 1
+    assert_idle(gateway, tid, engines)
+    assert gateway.generate(key, chat("Hi", 1))  # after a refusal: the two-call path again
+    assert gateway.metric("gateway_ratelimit_overlapped_admissions_total") == overlapped + 2
+
+
 def test_refused_prompts_spend_request_units_on_the_one_call_path_too(
     gateway: GatewayProcess, engines: EnginePair
 ) -> None:

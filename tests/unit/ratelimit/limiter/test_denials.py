@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.limiter.decision import Decision
 from ratelimit.limiter.denials import DenialMemo, HeadroomMemo
@@ -148,3 +151,58 @@ def test_headroom_memory_is_bounded_and_keeps_the_newest() -> None:
     assert memo.has_headroom("t24", POLICY)
     assert memo.has_headroom("t0", POLICY)
     assert not memo.has_headroom("t5", POLICY)  # forgotten: the two-call path again
+
+
+TOKENS = LimitPolicy(requests_per_minute=600, tokens_per_minute=600, max_concurrent=8)
+
+
+def seen_with(tokens_left: float, requests_left: float = 50, leases: int = 0) -> Decision:
+    return dataclasses.replace(
+        admitted(requests_left, leases, TOKENS), tokens_remaining=tokens_left, policy=TOKENS
+    )
+
+
+def test_a_claim_needs_headroom_and_the_tokens_and_spends_them_from_the_estimate() -> None:
+    clock = Clock()
+    memo = HeadroomMemo(clock, margin=2)
+    assert not memo.claim("t", TOKENS, 1)  # nothing seen here
+    memo.record("t", TOKENS, seen_with(100))
+    assert not memo.claim("t", TOKENS, 101)  # more than the bucket held
+    assert memo.claim("t", TOKENS, 60)
+    assert not memo.claim("t", TOKENS, 60)  # 40 left in the estimate
+    assert memo.claim("t", TOKENS, 40)
+    assert not memo.claim("t", TOKENS, 1)
+    clock.now += 1.0  # 600/min: 10 tokens a second
+    assert memo.claim("t", TOKENS, 10)
+    memo.record("t", TOKENS, seen_with(500))  # the store's answer replaces the estimate
+    assert memo.claim("t", TOKENS, 400)
+    memo.record("t", TOKENS, denial(Dimension.TOKENS, 100))  # a refusal: no claims at all
+    assert not memo.claim("t", TOKENS, 1)
+
+
+def test_claims_take_leases_and_requests_from_the_estimate() -> None:
+    memo = HeadroomMemo(Clock(), margin=2)
+    memo.record("t", TOKENS, seen_with(-1, requests_left=50, leases=3))  # 5 leases free
+    claims = sum(memo.claim("t", TOKENS, 1) for _ in range(10))
+    assert claims == 4  # until fewer than the margin of 2 leases are free
+    memo.record("u", TOKENS, seen_with(-1, requests_left=5, leases=0))
+    assert sum(memo.claim("u", TOKENS, 1) for _ in range(10)) == 4  # 5, 4, 3, 2 left
+
+
+@given(
+    tokens_left=st.integers(0, 10_000),
+    requests_left=st.integers(0, 60),
+    leases=st.integers(0, 8),
+    sizes=st.lists(st.integers(0, 3_000), max_size=40),
+)
+def test_a_burst_of_claims_never_spends_more_than_the_memo_saw(
+    tokens_left: int, requests_left: int, leases: int, sizes: list[int]
+) -> None:
+    """Without time passing or a store answer, what every successful claim took adds up
+    to no more than the last admission left: tokens, requests and leases."""
+    memo = HeadroomMemo(Clock(), margin=2)
+    memo.record("t", TOKENS, seen_with(tokens_left, requests_left, leases))
+    granted = [n for n in sizes if memo.claim("t", TOKENS, n)]
+    assert sum(granted) <= tokens_left
+    assert len(granted) <= max(0, requests_left - 1)  # each needs 2 left, spends 1
+    assert len(granted) <= max(0, TOKENS.max_concurrent - leases - 1)
