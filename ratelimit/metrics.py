@@ -90,3 +90,12 @@ USAGE_DROPPED = Counter(
     "Finished requests dropped from the usage records because the write queue was full "
     "(Redis unreachable for longer than the queue lasts).",
 )
+SCRIPT_CALLS = Counter(
+    "ratelimit_script_calls_total",
+    "Limiter script calls (reserve, take, settle, heartbeat, ...) sent to Redis.",
+)
+SCRIPT_ROUND_TRIPS = Counter(
+    "ratelimit_script_round_trips_total",
+    "Round trips those calls took: calls made while one was in flight share the next "
+    "(one pipeline), so calls / round trips is the batching factor under load.",
+)

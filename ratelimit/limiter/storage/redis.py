@@ -20,8 +20,8 @@ from ratelimit.limiter.lua import (
     TAKE,
     USAGE,
     LuaScript,
+    ScriptBatcher,
     load_scripts,
-    run_script,
 )
 from ratelimit.limiter.storage import UsageSnapshot
 from ratelimit.redis_client import RedisClient, store_errors
@@ -88,12 +88,15 @@ class RedisStore:
         self.lease_ttl_ms = lease_ttl_ms
         self.concurrency_retry_ms = concurrency_retry_ms
         self.clock = clock
+        # admissions, settlements and heartbeats of concurrent requests share round trips
+        self.scripts = ScriptBatcher(client)
 
     def _now(self) -> str:
         return "" if self.clock is None else repr(float(self.clock()))
 
     async def _run(self, script: LuaScript, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        return await run_script(self.client, script, keys, args)
+        with store_errors(script.name):
+            return await self.scripts(script, keys, args)
 
     async def load_scripts(self) -> None:
         """Load every script once (start-up); raises ``StoreError`` if Redis is down."""
