@@ -638,7 +638,11 @@ def measure(
                 by_side["gateway"],
                 ("first_text_p50_ms", "first_text_p99_ms", "event_gap_p50_ms", "event_gap_p99_ms"),
             )
-        results[conc] = {**med, "gateway_stages": stage_figures(stages.get(conc, {}))}
+        results[conc] = {
+            **med,
+            "gateway_stages": stage_figures(stages.get(conc, {})),
+            "by_round": by_side,  # each side's figures per round, in round order
+        }
     if args.pairs:
         paired, cpu_ms = asyncio.run(
             run_paired(SIDES, addresses, key, ids, args.pairs, args.max_tokens, gateway_pid)
@@ -710,7 +714,7 @@ def main() -> None:
     }
     save_report("gateway_bench", report, lambda path: plot(report, path))
     for conc in ("c1", "c32"):
-        res = {k: d for k, d in results[conc].items() if k != "gateway_stages"}
+        res = {k: d for k, d in results[conc].items() if k not in ("gateway_stages", "by_round")}
         print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()} for k, d in res.items()}))
         cpu = {s: results[conc][s]["gateway_cpu_ms_per_request"] for s in SIDES}
         print(
