@@ -464,6 +464,36 @@ def test_an_overlapped_admission_that_redis_refuses_sends_nothing_and_charges_no
     assert gateway.metric("gateway_ratelimit_overlapped_admissions_total") == overlapped + 2
 
 
+def test_a_client_gone_during_an_overlapped_admission_leaves_nothing_held(
+    gateway: GatewayProcess, engines: EnginePair
+) -> None:
+    """A client that leaves while the engine runs the prefill of an overlapped
+    admission (no chunk sent yet): the reservation that came back meanwhile is
+    settled, its lease freed and its unused tokens returned, the engine aborts."""
+    tid, key = gateway.tenant(  # tokens refill at 1 a second: the test sees no refill
+        requests_per_minute=600,
+        request_burst=50,
+        tokens_per_minute=60,
+        token_burst=100_000,
+        max_concurrent=8,
+    )
+    assert gateway.generate(key, chat("Hi", 1))  # two calls: this replica sees the levels
+    overlapped = gateway.metric("gateway_ratelimit_overlapped_admissions_total")
+    md = (("authorization", f"Bearer {key}"),)
+    call = gateway.stub.Generate(chat("hello " * 1500, 64), metadata=md, timeout=60)
+    assert wait_until(
+        lambda: gateway.metric("gateway_ratelimit_overlapped_admissions_total") == overlapped + 1,
+        timeout=10,
+    )
+    call.cancel()  # type: ignore[no-untyped-call]  # a 1,500-token prefill still runs
+    assert_idle(gateway, tid, engines)
+    usage = gateway.usage(tid)
+    charged = usage.prompt_tokens_total + usage.completion_tokens_total
+    # what it reserved and did not use (up to 64 output tokens) came back; refill adds ~1/s
+    assert usage.tokens_available == pytest.approx(100_000 - charged, abs=20)
+    assert gateway.generate(key, chat("Hi", 1))
+
+
 def test_refused_prompts_spend_request_units_on_the_one_call_path_too(
     gateway: GatewayProcess, engines: EnginePair
 ) -> None:
