@@ -99,6 +99,7 @@ class RateLimitStack:
             prefix=config.key_prefix,
             lease_ttl_ms=config.lease_ttl_ms,
             concurrency_retry_ms=config.concurrency_retry_ms,
+            batch_timeout_ms=config.timeout_ms,
         )
         limiter = RateLimiter(
             store,

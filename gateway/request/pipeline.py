@@ -86,7 +86,12 @@ class _Admitted:
     budget_hold: BudgetHold | None = None
     # the reservation (and budget charge) still in flight while the engine starts
     pending: asyncio.Task[tuple[Reservation | None, BudgetHold | None]] | None = None
-    refused: bool = False  # the pending admission was refused: nothing is charged
+    # how that admission failed (refused, Redis down): the request fails, nothing is charged
+    error: BaseException | None = None
+
+    @property
+    def refused(self) -> bool:
+        return self.error is not None
 
 
 @dataclass(slots=True)
@@ -526,8 +531,10 @@ class Pipeline:
                 async with contextlib.AsyncExitStack() as scope:
                     if admitted.pending is None:
                         await self._admission_confirmed(admitted, scope)
+                    else:  # the lease is heartbeated from the answer on, chunk or not
+                        await scope.enter_async_context(self._beside(admitted))
                     relay = await scope.enter_async_context(
-                        contextlib.aclosing(self._relay(admitted, text, scope))
+                        contextlib.aclosing(self._relay(admitted, text))
                     )
                     async for chunk in relay:
                         labels.version = text.model_version or labels.version
@@ -553,35 +560,73 @@ class Pipeline:
                 )
             await asyncio.shield(self._settle_after(admitted, text, client_left, labels))
 
-    async def _relay(
-        self, admitted: _Admitted, text: TextStream, scope: contextlib.AsyncExitStack[bool | None]
-    ) -> AsyncGenerator[Chunk, None]:
+    async def _relay(self, admitted: _Admitted, text: TextStream) -> AsyncGenerator[Chunk, None]:
         """The engine's chunks; none before the admission that runs beside it passed
         (a refusal closes the engine call and is the error, even over the engine's)."""
         try:
             async with contextlib.aclosing(self.dispatcher.run(admitted.job, text)) as chunks:
                 async for chunk in chunks:
-                    if admitted.pending is not None:
-                        await self._confirm(admitted)
-                        await self._admission_confirmed(admitted, scope)
+                    await self._confirm(admitted)
                     yield chunk
         except GatewayError:
-            if admitted.pending is not None:
-                await self._confirm(admitted)
+            await self._confirm(admitted)
             raise
 
     async def _confirm(self, admitted: _Admitted) -> None:
-        """Wait for the admission that runs beside the engine; a refusal raises."""
-        assert admitted.pending is not None
+        """Wait for the admission that runs beside the engine (if any is still in
+        flight); raise how it failed. Safe to call from several tasks: the first to see
+        it done takes its result."""
+        pending = admitted.pending
+        if pending is not None:
+            try:
+                await asyncio.shield(pending)
+            except BaseException as e:
+                # the admission's own failure is recorded below; anything else (this
+                # task cancelled) goes on
+                if not (pending.done() and not pending.cancelled() and e is pending.exception()):
+                    raise
+            finally:
+                if pending.done() and admitted.pending is pending:
+                    admitted.pending = None
+                    self._take_admission(admitted, pending)
+        if admitted.error is not None:
+            raise admitted.error
+
+    @staticmethod
+    def _take_admission(
+        admitted: _Admitted, task: asyncio.Task[tuple[Reservation | None, BudgetHold | None]]
+    ) -> None:
+        if task.cancelled():  # only when the loop shuts down
+            admitted.error = GatewayError(
+                grpc.StatusCode.UNAVAILABLE, "the gateway stopped during admission; retry"
+            )
+        elif (error := task.exception()) is not None:
+            admitted.error = error
+            if isinstance(error, GatewayError):
+                metrics.OVERLAP_REFUSALS.inc()
+        else:
+            admitted.reservation, admitted.budget_hold = task.result()
+
+    @contextlib.asynccontextmanager
+    async def _beside(self, admitted: _Admitted) -> AsyncIterator[None]:
+        """While the stream runs: once the admission beside the engine answers, what
+        follows an admission (the lease heartbeat, the shadow copy)."""
+        stop = asyncio.Event()
+
+        async def follow() -> None:
+            with contextlib.suppress(Exception):  # the relay reports how it failed
+                await self._confirm(admitted)
+            if admitted.error is None:
+                async with contextlib.AsyncExitStack() as scope:
+                    await self._admission_confirmed(admitted, scope)
+                    await stop.wait()
+
+        task = asyncio.get_running_loop().create_task(follow(), name="admission-follow")
         try:
-            admitted.reservation, admitted.budget_hold = await asyncio.shield(admitted.pending)
-        except GatewayError:
-            admitted.refused = True
-            metrics.OVERLAP_REFUSALS.inc()
-            raise
+            yield
         finally:
-            if admitted.pending.done():
-                admitted.pending = None
+            stop.set()
+            await asyncio.shield(task)  # bounded: the admission has its own timeouts
 
     async def _admission_confirmed(
         self, admitted: _Admitted, scope: contextlib.AsyncExitStack[bool | None]
@@ -594,12 +639,10 @@ class Pipeline:
     async def _settle_after(
         self, admitted: _Admitted, text: TextStream | None, client_left: bool, labels: _Labels
     ) -> None:
-        """Settle, once an admission still in flight has ended (cancelled when the
-        request ended first: its reservation, if it was made, is undone or settled)."""
-        if admitted.pending is not None:
-            admitted.pending.cancel()
-            with contextlib.suppress(GatewayError, asyncio.CancelledError):
-                await self._confirm(admitted)
+        """Settle, once an admission still in flight has answered (a reservation it
+        made is settled like any other; how it failed was recorded)."""
+        with contextlib.suppress(Exception):
+            await self._confirm(admitted)
         await self._settle(admitted, text, client_left, labels)
 
     async def _settle(

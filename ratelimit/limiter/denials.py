@@ -151,6 +151,10 @@ class HeadroomMemo:
             decision.tokens_remaining,
         )
 
+    def forget(self, tenant_id: str) -> None:
+        """Drop what was seen of the tenant (the store failed: its levels are unknown)."""
+        self._seen.pop(tenant_id, None)
+
     def has_headroom(self, tenant_id: str, policy: LimitPolicy) -> bool:
         """True when the last admission left at least ``margin`` requests (refilled
         since at the policy's rate) and ``margin`` free leases, under this policy."""

@@ -315,14 +315,23 @@ class ScriptBatcher:
     For a Redis Cluster the calls go one by one (``batching`` False): its
     pipelines split by slot and node, which gains little for one tenant's keys.
 
+    A batch gets ``timeout_s`` (the callers' own budget): past it each caller has
+    given up, and a pipeline cut short is not resent (a script that ran must not run
+    twice), so the next batch goes out at once.
+
     Args:
         client: The Redis client.
         max_batch: Most calls in one pipeline.
+        timeout_s: Longest one batch may take (None = no bound).
     """
 
-    def __init__(self, client: RedisClient, max_batch: int = 128) -> None:
+    def __init__(
+        self, client: RedisClient, max_batch: int = 128, timeout_s: float | None = None
+    ) -> None:
         self.client = client
         self.max_batch = max_batch
+        self.timeout_s = timeout_s
+        self._drainer: asyncio.Task[None] | None = None
         self.batching = not isinstance(client, RedisCluster)
         self._queue: collections.deque[_Call] = collections.deque()
         self._busy = False
@@ -353,7 +362,9 @@ class ScriptBatcher:
 
     def _release(self) -> None:
         if self._queue:
-            asyncio.get_running_loop().create_task(self._drain(), name="redis-script-batch")
+            self._drainer = asyncio.get_running_loop().create_task(
+                self._drain(), name="redis-script-batch"
+            )
         else:
             self._busy = False
 
@@ -371,10 +382,11 @@ class ScriptBatcher:
 
     async def _send(self, batch: list[_Call]) -> None:
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for script, keys, args, _ in batch:
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                results = await pipe.execute(raise_on_error=False)
+            async with asyncio.timeout(self.timeout_s):
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for script, keys, args, _ in batch:
+                        pipe.evalsha(script.sha, len(keys), *keys, *args)
+                    results = await pipe.execute(raise_on_error=False)
         except BaseException as exc:  # the connection failed: every call of the batch did
             for *_, future in batch:
                 if not future.done():

@@ -147,6 +147,7 @@ class RateLimiter:
         except StoreError as exc:
             if not isinstance(exc, BreakerOpenError):  # else it never reached the store
                 self._compensate(tenant, lease_id, num_tokens)
+            self.headroom.forget(tenant.tenant_id)  # no engine starts before Redis answers
             self._fail_closed(exc, source)
             policy, source = tenant.limits.fallback_share(self.num_replicas, num_tokens), "local"
             outcome = await self.fallback.reserve(

@@ -70,6 +70,8 @@ class RedisStore:
         lease_ttl_ms: Lifetime of a lease without heartbeat.
         concurrency_retry_ms: Upper bound of the retry hint for a full lease set.
         clock: Milliseconds to use instead of Redis ``TIME`` (tests only).
+        batch_timeout_ms: Longest a batch of script calls may take (the callers' own
+            budget: past it every one of them has given up); None = no bound.
     """
 
     name = "redis"
@@ -82,6 +84,7 @@ class RedisStore:
         lease_ttl_ms: int = 30_000,
         concurrency_retry_ms: int = 1000,
         clock: Callable[[], float] | None = None,
+        batch_timeout_ms: int | None = None,
     ) -> None:
         self.client = client
         self.prefix = prefix
@@ -89,7 +92,9 @@ class RedisStore:
         self.concurrency_retry_ms = concurrency_retry_ms
         self.clock = clock
         # admissions, settlements and heartbeats of concurrent requests share round trips
-        self.scripts = ScriptBatcher(client)
+        self.scripts = ScriptBatcher(
+            client, timeout_s=None if batch_timeout_ms is None else batch_timeout_ms / 1000.0
+        )
 
     def _now(self) -> str:
         return "" if self.clock is None else repr(float(self.clock()))

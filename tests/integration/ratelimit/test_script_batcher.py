@@ -98,3 +98,40 @@ async def test_a_dead_server_fails_every_waiting_call_and_frees_the_batcher() ->
     finally:
         await client.aclose()
         server.close()
+
+
+SLOW = LuaScript(
+    "slow",
+    """
+    local t = redis.call('TIME')
+    local start = t[1] * 1e6 + t[2]
+    repeat
+        t = redis.call('TIME')
+    until t[1] * 1e6 + t[2] - start >= tonumber(ARGV[1])
+    return redis.call('INCR', KEYS[1])
+    """,
+)
+
+
+async def test_a_batch_past_its_timeout_fails_its_callers_and_is_not_sent_again(
+    redis_client: Redis,
+) -> None:
+    """Redis stalls under a batch (a slow script in it): past the callers' budget the
+    batch fails all of them, nothing in it runs twice, and the batcher is free again."""
+    await COUNT.load(redis_client)
+    await SLOW.load(redis_client)
+    batcher = ScriptBatcher(redis_client, timeout_s=0.1)
+    k, slow_key = key(), key()
+    first = asyncio.ensure_future(batcher(COUNT, [k], []))  # goes alone, at once
+    queued = [
+        asyncio.ensure_future(batcher(SLOW, [slow_key], [400_000])),  # 0.4 s of Redis
+        asyncio.ensure_future(batcher(COUNT, [k], [])),
+    ]
+    assert await first == 1
+    results = await asyncio.gather(*queued, return_exceptions=True)
+    assert all(isinstance(r, TimeoutError) for r in results), results
+    assert not batcher._busy
+    await asyncio.sleep(0.5)  # Redis finishes what it was sent
+    assert await redis_client.get(slow_key) == "1"  # ran once: not resent
+    assert await redis_client.get(k) == "2"
+    assert await batcher(COUNT, [k], []) == 3

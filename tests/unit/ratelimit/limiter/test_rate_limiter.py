@@ -241,6 +241,28 @@ async def test_fail_closed_raises_unavailable() -> None:
         await limiter.reserve(TENANT, 1)
 
 
+async def test_a_store_failure_forgets_the_tenants_headroom() -> None:
+    """After a failed call nothing may start before Redis answers again: no claim, no
+    one-call path, in either fail mode, until an admission is seen again."""
+    for mode in ("closed", "open"):
+        store = BrokenStore(memory(Clock()))
+        limiter = RateLimiter(store, fail_mode=mode)
+        tenant = Tenant("h", LimitPolicy(requests_per_minute=600, max_concurrent=10))
+        assert (await limiter.reserve(tenant, 1)).allowed
+        assert limiter.has_headroom(tenant)
+        store.mode = "error"
+        if mode == "closed":
+            with pytest.raises(LimiterUnavailableError):
+                await limiter.reserve(tenant, 1)
+            assert not limiter.has_headroom(tenant)
+            assert not limiter.claim_headroom(tenant, 1)
+        else:
+            assert (await limiter.reserve(tenant, 1)).source == "local"
+        store.mode = "ok"
+        assert (await limiter.reserve(tenant, 1)).allowed
+        assert limiter.claim_headroom(tenant, 1)
+
+
 async def test_slow_store_costs_only_the_timeout_budget() -> None:
     store = BrokenStore(memory(Clock()))
     limiter = RateLimiter(store, timeout_ms=20, breaker=store_breaker(1, 60_000))
