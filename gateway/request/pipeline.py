@@ -580,10 +580,11 @@ class Pipeline:
         if pending is not None:
             try:
                 await asyncio.shield(pending)
-            except BaseException as e:
-                # the admission's own failure is recorded below; anything else (this
-                # task cancelled) goes on
-                if not (pending.done() and not pending.cancelled() and e is pending.exception()):
+            except BaseException:
+                # the admission's own failure is recorded below and raised after; this
+                # task's own cancellation goes on
+                me = asyncio.current_task()
+                if not pending.done() or (me is not None and me.cancelling()):
                     raise
             finally:
                 if pending.done() and admitted.pending is pending:
@@ -616,7 +617,7 @@ class Pipeline:
         async def follow() -> None:
             with contextlib.suppress(Exception):  # the relay reports how it failed
                 await self._confirm(admitted)
-            if admitted.error is None:
+            if admitted.error is None and not stop.is_set():  # not for a stream already over
                 async with contextlib.AsyncExitStack() as scope:
                     await self._admission_confirmed(admitted, scope)
                     await stop.wait()

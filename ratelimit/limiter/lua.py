@@ -381,25 +381,29 @@ class ScriptBatcher:
             self._busy = False
 
     async def _send(self, batch: list[_Call]) -> None:
+        results: list[Any] = []
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self.client.pipeline(transaction=False) as pipe:
                     for script, keys, args, _ in batch:
                         pipe.evalsha(script.sha, len(keys), *keys, *args)
                     results = await pipe.execute(raise_on_error=False)
-        except BaseException as exc:  # the connection failed: every call of the batch did
-            for *_, future in batch:
+                for i, ((script, keys, args, _), result) in enumerate(
+                    zip(batch, results, strict=True)
+                ):
+                    if isinstance(result, NoScriptError):  # Redis lost it: reload, run alone
+                        try:
+                            results[i] = await script(self.client, keys, args)
+                        except Exception as exc:
+                            results[i] = exc
+        except BaseException as exc:  # the connection failed or the time ran out: the
+            for *_, future in batch:  # outcome of every call is unknown to its caller
                 if not future.done():
                     future.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        for (script, keys, args, future), result in zip(batch, results, strict=True):
-            if isinstance(result, NoScriptError):  # Redis lost it: reload and run it alone
-                try:
-                    result = await script(self.client, keys, args)
-                except Exception as exc:
-                    result = exc
+        for (*_, future), result in zip(batch, results, strict=True):
             if future.done():  # its caller stopped waiting
                 continue
             if isinstance(result, Exception):

@@ -159,8 +159,10 @@ class RateLimiter:
             )
         metrics.DECISION_SECONDS.labels(source).observe(time.perf_counter() - start)
         decision = self._decision(tenant, policy, outcome, lease_id, num_tokens, source)
-        # request and lease levels come with a reserve (a take reports tokens only)
-        self.headroom.record(tenant.tenant_id, tenant.limits, decision)
+        # request and lease levels come with a reserve (a take reports tokens only); a
+        # local fallback's levels are not Redis's: nothing may start before Redis answers
+        if source != "local":
+            self.headroom.record(tenant.tenant_id, tenant.limits, decision)
         return decision
 
     def _fail_closed(self, exc: StoreError, source: str) -> None:
