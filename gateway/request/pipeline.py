@@ -89,10 +89,6 @@ class _Admitted:
     # how that admission failed (refused, Redis down): the request fails, nothing is charged
     error: BaseException | None = None
 
-    @property
-    def refused(self) -> bool:
-        return self.error is not None
-
 
 @dataclass(slots=True)
 class _Labels:
@@ -563,10 +559,13 @@ class Pipeline:
     async def _relay(self, admitted: _Admitted, text: TextStream) -> AsyncGenerator[Chunk, None]:
         """The engine's chunks; none before the admission that runs beside it passed
         (a refusal closes the engine call and is the error, even over the engine's)."""
+        confirmed = False  # once, before the first chunk: not on every token's path
         try:
             async with contextlib.aclosing(self.dispatcher.run(admitted.job, text)) as chunks:
                 async for chunk in chunks:
-                    await self._confirm(admitted)
+                    if not confirmed:
+                        await self._confirm(admitted)
+                        confirmed = True
                     yield chunk
         except GatewayError:
             await self._confirm(admitted)
@@ -656,7 +655,7 @@ class Pipeline:
         work it started is not free. An engine's refusal or failure charges nothing.
         """
         prompt = 0
-        if admitted.refused:  # refused while the engine started: the work was undone
+        if admitted.error is not None:  # refused while the engine started: work undone
             text = None
         elif text is not None and (text.engine_answered or (text.dispatched and client_left)):
             prompt = text.num_prompt_tokens

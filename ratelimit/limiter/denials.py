@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ratelimit.config import Dimension, LimitPolicy
-from ratelimit.limiter.algorithm import wait_ms
+from ratelimit.limiter.algorithm import refill, wait_ms
 from ratelimit.limiter.decision import Decision
 
 
@@ -161,11 +161,14 @@ class HeadroomMemo:
         seen = self._seen.get(tenant_id)
         if seen is None or seen.policy != policy:
             return False
-        rpm = policy.requests_per_minute
-        if rpm > 0 and seen.requests_left >= 0:
-            refilled = seen.requests_left + (self._clock() - seen.at) * rpm / 60.0
-            if min(float(policy.request_capacity), refilled) < self.margin:
-                return False
+        requests = _level(
+            seen.requests_left,
+            policy.request_capacity,
+            policy.requests_per_minute,
+            self._clock() - seen.at,
+        )
+        if requests < self.margin:
+            return False
         return not (policy.max_concurrent > 0 and policy.max_concurrent - seen.leases < self.margin)
 
     def claim(self, tenant_id: str, policy: LimitPolicy, num_tokens: int) -> bool:
@@ -176,24 +179,28 @@ class HeadroomMemo:
         the store's next answer for the tenant replaces the estimate."""
         if not self.has_headroom(tenant_id, policy):
             return False
-        seen = self._seen[tenant_id]
-        tokens = seen.tokens_left
-        tpm = policy.tokens_per_minute
-        if tpm > 0 and tokens >= 0:
-            refilled = tokens + (self._clock() - seen.at) * tpm / 60.0
-            tokens = min(float(policy.token_capacity), refilled)
-            if tokens < num_tokens:
-                return False
-            tokens -= num_tokens
-        requests = seen.requests_left
-        if policy.requests_per_minute > 0 and requests >= 0:
-            refilled = requests + (self._clock() - seen.at) * policy.requests_per_minute / 60.0
-            requests = min(float(policy.request_capacity), refilled) - 1
+        seen, now = self._seen[tenant_id], self._clock()
+        tokens = _level(
+            seen.tokens_left, policy.token_capacity, policy.tokens_per_minute, now - seen.at
+        )
+        if tokens < num_tokens:
+            return False
+        requests = _level(
+            seen.requests_left, policy.request_capacity, policy.requests_per_minute, now - seen.at
+        )
         self._seen[tenant_id] = dataclasses.replace(
             seen,
-            at=self._clock(),
-            requests_left=requests,
+            at=now,
+            requests_left=seen.requests_left if math.isinf(requests) else requests - 1,
             leases=seen.leases + 1,
-            tokens_left=tokens,
+            tokens_left=seen.tokens_left if math.isinf(tokens) else tokens - num_tokens,
         )
         return True
+
+
+def _level(left: float, capacity: int, per_minute: int, elapsed_s: float) -> float:
+    """A level the store reported (-1 = unlimited), refilled over ``elapsed_s``;
+    infinity when unlimited."""
+    if left < 0:
+        return math.inf
+    return refill(left, capacity, per_minute, elapsed_s * 1000.0)

@@ -342,19 +342,17 @@ class ScriptBatcher:
         """Run ``script`` (raises what the call raised; the caller maps store errors)."""
         self.num_calls += 1
         metrics.SCRIPT_CALLS.inc()
-        if not self.batching:
+        if self.batching and self._busy:
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._queue.append((script, keys, args, future))
+            return await future
+        self._busy = self.batching  # the calls made while this one runs queue behind it
+        try:
             self._round_trip()
             return await script(self.client, keys, args)
-        if not self._busy:
-            self._busy = True
-            try:
-                self._round_trip()
-                return await script(self.client, keys, args)
-            finally:
+        finally:
+            if self.batching:
                 self._release()
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._queue.append((script, keys, args, future))
-        return await future
 
     def _round_trip(self) -> None:
         self.num_round_trips += 1

@@ -81,8 +81,5 @@ def test_round_differences_take_the_median_of_each_rounds_difference() -> None:
     engine = [{"ttft": 100.0}, {"ttft": 400.0}, {"ttft": 400.0}]
     gateway = [{"ttft": 105.0}, {"ttft": 105.0}, {"ttft": 405.0}]
     assert round_differences(gateway, engine) == {"ttft": 5.0}
-    med_gw = sorted(r["ttft"] for r in gateway)[1]
-    med_eng = sorted(r["ttft"] for r in engine)[1]
-    assert med_gw - med_eng == -295.0
     two = [{"a": 1.0, "b": 2.0}]
     assert round_differences(two, [{"a": 0.5, "b": 0.0}], ("a",)) == {"a": 0.5}
