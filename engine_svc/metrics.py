@@ -141,6 +141,12 @@ class StatsCollector(Collector):
         for name, doc, value in (  # exposed as <name>_total
             ("engine_num_preemptions", "Preemptions since start", e.num_preemptions_total),
             (
+                "engine_step_interrupts",
+                "Steps run between two layers of a step in flight, for a request that "
+                "outranked its prompts",
+                e.num_step_interrupts_total,
+            ),
+            (
                 "engine_prefix_cache_queries",
                 "Prompt tokens looked up in the prefix cache",
                 e.prefix_cache_queries,

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -84,6 +85,9 @@ class NativeBackend:
         self._info: ModelInfo | None = None
         self._failed: BaseException | None = None
         self._live: set[str] = set()  # step thread only: requests the engine holds
+        # step thread only: commands taken off _cmds during a step that must wait for
+        # its end (an abort or stop, and everything queued after it, in order)
+        self._held: deque[tuple[Any, ...]] = deque()
 
     async def start(self) -> None:
         """Build the engine on the step thread itself, then run the loop there.
@@ -197,29 +201,51 @@ class NativeBackend:
                 running = self._drain_commands(engine, block)
                 if not running:
                     break
-                outputs = engine.step()
+                outputs = engine.step(poll=lambda: self._poll(engine), emit=self._emit)
                 if engine.last_step_timings is not None:
                     metrics.observe_step(engine.last_step_timings)
                     engine.last_step_timings = None
                 self._publish(engine)
-                for out in outputs:
-                    if out.finished:
-                        self._live.discard(out.request_id)
-                if outputs:
-                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                self._emit(outputs)
             except Exception as e:  # never let the loop die silently
                 log.exception("engine step loop failed; failing live requests")
                 self._failed = e
                 self._fail_all(engine)
         self._shutdown(engine)
 
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams (the step's, or a nested step's mid-step)."""
+        assert self._loop is not None
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        if outputs:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _poll(self, engine: LLMEngine) -> None:
+        """Between two layers of a step: queue new requests now (one may interrupt the
+        step); an abort or stop, and whatever came after it, waits for the step's end
+        (the step still writes the blocks an abort would free)."""
+        while not self._held and not self._cmds.empty():
+            cmd = self._cmds.get_nowait()
+            if cmd[0] != "add":
+                self._held.append(cmd)
+                break
+            self._add(engine, cmd[1], cmd[2])
+        while not self._cmds.empty():
+            self._held.append(self._cmds.get_nowait())
+
     def _drain_commands(self, engine: LLMEngine, block: bool) -> bool:
-        """Apply queued commands; block for the first one when idle. False = stop."""
+        """Apply held, then queued commands; block for the first one when idle.
+        False = stop."""
         while True:
-            try:
-                cmd = self._cmds.get(block=block)
-            except queue.Empty:
-                return True
+            if self._held:
+                cmd = self._held.popleft()
+            else:
+                try:
+                    cmd = self._cmds.get(block=block)
+                except queue.Empty:
+                    return True
             block = False
             if cmd[0] == "stop":
                 return False

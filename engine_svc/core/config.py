@@ -35,6 +35,13 @@ class SchedulerConfig:
             prefill chunks of lower classes are capped at ``fair_prefill_chunk``
             (when set), so the step in flight when the next urgent request
             arrives is short; 0 = off (the default).
+        interrupt_max_tokens: a newly arrived request that outranks every prompt of
+            the step in flight (a higher class, or under fair share a tenant served no
+            more than theirs while that step carries more prompt tokens than this) and
+            whose whole prompt has at most this many tokens runs between two layers
+            of that step, in a step of its own, and gets its first token there
+            instead of after the step; a step in flight gives at most this many
+            tokens to such interruptions; 0 = never.
     """
 
     max_num_seqs: int = 32
@@ -48,6 +55,7 @@ class SchedulerConfig:
     fair_prefill_chunk: int = 128
     priority_isolation: bool = False
     priority_window_s: float = 0.0
+    interrupt_max_tokens: int = 256
 
     def validate(self) -> None:
         """Raises ValueError on a nonsensical limit."""
@@ -61,6 +69,8 @@ class SchedulerConfig:
             raise ValueError(f"fair_prefill_chunk must be >= 0, got {self.fair_prefill_chunk}")
         if self.priority_window_s < 0:
             raise ValueError(f"priority_window_s must be >= 0, got {self.priority_window_s}")
+        if self.interrupt_max_tokens < 0:
+            raise ValueError(f"interrupt_max_tokens must be >= 0, got {self.interrupt_max_tokens}")
 
 
 # the scheduler's limits are defaulted once, in SchedulerConfig
@@ -126,6 +136,7 @@ class EngineConfig:
     fair_prefill_chunk: int = _SCHED.fair_prefill_chunk
     priority_isolation: bool = _SCHED.priority_isolation
     priority_window_s: float = _SCHED.priority_window_s
+    interrupt_max_tokens: int = _SCHED.interrupt_max_tokens
     enable_prefix_caching: bool = True
     enable_speculative_decoding: bool = False
     num_speculative_tokens: int = 4
@@ -154,4 +165,5 @@ class EngineConfig:
             fair_prefill_chunk=self.fair_prefill_chunk,
             priority_isolation=self.priority_isolation,
             priority_window_s=self.priority_window_s,
+            interrupt_max_tokens=self.interrupt_max_tokens,
         )

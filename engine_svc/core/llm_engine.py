@@ -27,6 +27,7 @@ from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput, StepT
 from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sampler import Sampler
 from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.core.sched_output import SchedulerOutput
 from engine_svc.core.scheduler import Scheduler
 from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
@@ -166,7 +167,7 @@ class LLMEngine:
         self.sampler = Sampler(self.model_config.vocab_size, self.device, config.seed)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self._pending: list[RequestOutput] = []
-        self._totals = {"requests": 0, "prompt": 0, "generation": 0, "steps": 0}
+        self._totals = {"requests": 0, "prompt": 0, "generation": 0, "steps": 0, "interrupts": 0}
         self.last_step_timings: StepTimings | None = None  # None until a step ran a batch
 
     @property
@@ -273,11 +274,22 @@ class LLMEngine:
         """True while any request is waiting or running (or an abort is unreported)."""
         return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
-    def step(self) -> list[RequestOutput]:
+    def step(
+        self,
+        poll: Callable[[], None] | None = None,
+        emit: Callable[[list[RequestOutput]], None] | None = None,
+    ) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and report per-request progress.
 
         A failure inside the model finishes that step's requests with
         ``FinishReason.ERROR`` instead of taking the engine down.
+
+        With ``poll`` and ``emit`` (and ``interrupt_max_tokens`` > 0), a step that
+        prefills calls ``poll`` between two layers of the model; ``poll`` may queue
+        requests (``add_request``) but must not abort any (the step in flight still
+        writes its requests' blocks). When a request that arrived outranks the
+        step's prompts (``Scheduler.schedule_interrupt``), it runs there in a step
+        of its own and that step's outputs go to ``emit`` before this one resumes.
         """
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
@@ -289,8 +301,27 @@ class LLMEngine:
         timings.num_prefill_tokens = sum(
             e.num_new_tokens for e in sched_out.scheduled[sched_out.num_decodes :]
         )
+        hook = None
+        if (
+            poll is not None
+            and emit is not None
+            and self.scheduler.config.interrupt_max_tokens > 0
+            and timings.num_prefill_tokens > 0
+        ):
+            hook = _Interrupter(self, sched_out, poll, emit)
+        new, ok = self._run_step(sched_out, timings, hook)
+        if ok:
+            if hook is not None:
+                timings.forward -= hook.seconds  # the nested steps' time is theirs
+            self.last_step_timings = timings
+        return outputs + new
+
+    def _run_step(
+        self, sched_out: SchedulerOutput, timings: StepTimings, hook: Callable[[], None] | None
+    ) -> tuple[list[RequestOutput], bool]:
+        """Execute, sample and update a scheduled step: (its outputs, whether the model ran)."""
         try:
-            logits, reqs = self.runner.execute_model(sched_out)
+            logits, reqs = self.runner.execute_model(sched_out, hook)
             timings.prepare = self.runner.last_prepare_s
             timings.forward = self.runner.last_forward_s
             t_sample = time.perf_counter()
@@ -304,7 +335,7 @@ class LLMEngine:
             )
             ids = [e.request.request_id for e in sched_out.scheduled]
             failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            return outputs + [_make_output(r) for r in failed]
+            return [_make_output(r) for r in failed], False
         t_update = time.perf_counter()
         token_map: dict[str, list[int]] = {}
         if sampled is not None:
@@ -313,13 +344,20 @@ class LLMEngine:
         updated, _finished = self.scheduler.update_from_output(sched_out, token_map)
         gen_after = sum(e.request.num_output_tokens for e in sched_out.scheduled)
         self._totals["generation"] += gen_after - gen_before
-
+        outputs = []
         for req in updated:
             out = _make_output(req)
             if out.new_token_ids or out.finished:
                 outputs.append(out)
         timings.update = time.perf_counter() - t_update
-        self.last_step_timings = timings
+        return outputs, True
+
+    def _run_interrupt(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+        """Run a step nested in the one in flight (``_Interrupter``); its outputs."""
+        self._totals["steps"] += 1
+        self._totals["interrupts"] += 1
+        timings = StepTimings(num_prefill_tokens=sched_out.num_scheduled_tokens)
+        outputs, _ = self._run_step(sched_out, timings, None)
         return outputs
 
     def get_stats(self) -> EngineStats:
@@ -345,6 +383,7 @@ class LLMEngine:
             num_accepted_tokens_total=self.scheduler.num_accepted_tokens_total,
             prefix_cache_evictions=pool.num_evictions,
             num_fair_share_tenants=fair.num_tenants if (fair := self.scheduler.fair) else 0,
+            num_step_interrupts_total=self._totals["interrupts"],
         )
 
     def model_info(self) -> ModelInfo:
@@ -378,3 +417,39 @@ class LLMEngine:
             f"{c.name} ({c.reason}), prefill attention {attn}, kernels={kernels}, "
             f"threads={torch.get_num_threads()}"
         )
+
+
+class _Interrupter:
+    """Called between two layers of a step that prefills (``LLMEngine.step``): polls
+    for new requests and runs those that outrank the step's prompts, in a step of
+    their own, at most ``interrupt_max_tokens`` tokens in all per step in flight."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        in_flight: SchedulerOutput,
+        poll: Callable[[], None],
+        emit: Callable[[list[RequestOutput]], None],
+    ) -> None:
+        self.engine = engine
+        self.in_flight = in_flight
+        self.poll = poll
+        self.emit = emit
+        self.budget = engine.scheduler.config.interrupt_max_tokens
+        self.seen = engine.scheduler.num_arrivals  # only a new arrival can change the answer
+        self.seconds = 0.0  # spent in nested steps
+
+    def __call__(self) -> None:
+        self.poll()
+        scheduler = self.engine.scheduler
+        if scheduler.num_arrivals == self.seen or self.budget <= 0:
+            return
+        self.seen = scheduler.num_arrivals
+        t0 = time.perf_counter()
+        nested = scheduler.schedule_interrupt(self.in_flight, self.budget)
+        if nested is not None:
+            self.budget -= nested.num_scheduled_tokens
+            outputs = self.engine._run_interrupt(nested)
+            if outputs:
+                self.emit(outputs)
+        self.seconds += time.perf_counter() - t0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -125,8 +126,11 @@ class ModelRunner:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     @torch.inference_mode()
-    def execute_model(self, output: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step.
+    def execute_model(
+        self, output: SchedulerOutput, between_layers: Callable[[], None] | None = None
+    ) -> tuple[torch.Tensor, list[Request]]:
+        """Run one step; ``between_layers`` is called between two layers of the model
+        (it may run a nested step: see ``LLMEngine.step``).
 
         Returns:
             fp32 logits [N, vocab] for the rows that sample this step (one per
@@ -150,8 +154,9 @@ class ModelRunner:
         meta.prefill_kernel = self.model.prefill_attn_kernel
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         t1 = time.perf_counter()
-        self.last_prepare_s = t1 - t0
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches, self.kv_scales)
+        hidden = self.model.forward(
+            input_ids, positions, meta, self.kv_caches, self.kv_scales, between_layers
+        )
         last_rows: list[int] = []
         sampled: list[Request] = []
         end = 0
@@ -166,5 +171,6 @@ class ModelRunner:
             if len(last_rows) < hidden.shape[0]:
                 hidden = hidden[torch.tensor(last_rows, device=self.device)]
             logits = self.model.compute_logits(hidden)
-        self.last_forward_s = time.perf_counter() - t1
+        # set after the forward: a nested step inside it sets its own first
+        self.last_prepare_s, self.last_forward_s = t1 - t0, time.perf_counter() - t1
         return logits, sampled

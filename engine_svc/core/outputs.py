@@ -96,6 +96,7 @@ class EngineStats:
     num_accepted_tokens_total: int = 0
     prefix_cache_evictions: int = 0
     num_fair_share_tenants: int = 0  # tenants the fair-share counters track (live ones)
+    num_step_interrupts_total: int = 0  # steps run between two layers of another step
 
     @property
     def prefix_cache_hit_rate(self) -> float:

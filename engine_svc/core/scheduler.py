@@ -30,6 +30,14 @@ short the step already in flight when the next one arrives. (If the urgent
 request cannot be admitted, the step runs as usual, so isolation never stalls
 the engine.)
 
+A step in flight can be interrupted (``interrupt_max_tokens``): between two of
+its layers the engine asks ``schedule_interrupt`` whether a request that
+arrived meanwhile outranks every prompt that step is prefilling (a higher
+class, or under fair share another tenant served no more than they were, when
+the step carries a long prefill) and has a short whole prompt; if so that
+request runs at once in a step of its own and gets its first token, and the
+step in flight resumes where it stopped. Nothing running is touched.
+
 When the batch is full (``max_num_seqs``) and the most urgent waiting request
 outranks the least urgent running one by a whole priority class (aging
 included), that running request is preempted to make room: a CRITICAL arrival
@@ -93,6 +101,7 @@ class Scheduler:
         self._urgent_class = 0  # lower classes' prefill chunks are capped this step
         self._now = 0.0  # this step's clock reading
         self._class_seen: dict[int, float] = {}  # base priority -> last arrival (clock)
+        self.num_arrivals = 0  # requests queued since start (an interruption looks for new ones)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""
@@ -112,6 +121,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
         self._class_seen[request.priority] = self.clock()
+        self.num_arrivals += 1
         if self.fair is not None:
             self.fair.admit(request.tenant_id)
         return True
@@ -260,6 +270,53 @@ class Scheduler:
         out.scheduled = entries
         out.num_scheduled_tokens = sum(s.num_new_tokens for s in entries)
         return out
+
+    def schedule_interrupt(self, in_flight: SchedulerOutput, budget: int) -> SchedulerOutput | None:
+        """A step to run inside ``in_flight`` (between two of its layers), or None.
+
+        It admits waiting requests, most urgent first, whose whole prompt fits in
+        ``budget`` tokens and that outrank every prompt ``in_flight`` prefills: of a
+        higher class (aged), or, under fair share and when ``in_flight`` carries
+        more than ``interrupt_max_tokens`` prompt tokens, of a tenant with no prompt
+        in it whose counter is no higher than the least of theirs (a tenant alone
+        never interrupts itself). Each admission is charged, which may stop the
+        next one. Nothing running is scheduled or preempted, so the requests of
+        ``in_flight`` keep their blocks; None when nothing qualifies or fits.
+        """
+        prompts = in_flight.scheduled[in_flight.num_decodes :]
+        if budget <= 0 or not self.waiting or not prompts:
+            return None
+        now = self.clock()
+        keys = [self._urgency(e.request, now) for e in prompts]
+        top = min(k[0] for k in keys)  # the most urgent class in flight (negated)
+        tenants = {e.request.tenant_id for e in prompts}
+        least = min(k[1] for k in keys if k[0] == top)
+        by_share = (
+            self.fair is not None
+            and sum(e.num_new_tokens for e in prompts) > self.config.interrupt_max_tokens
+        )
+        cap = self.config.long_prefill_token_threshold or budget
+        self._chunk_cap, self._urgent_class = 0, 0
+        chosen: dict[str, ScheduledRequest] = {}
+        for req in sorted(self.waiting, key=lambda r: self._urgency(r, now)):
+            if len(self.running) >= self.config.max_num_seqs or budget <= 0:
+                break
+            klass, counter, _ = self._urgency(req, now)
+            outranks = klass < top or (
+                by_share and klass == top and counter <= least and req.tenant_id not in tenants
+            )
+            if not outranks or req.num_tokens > min(budget, cap):
+                continue  # a partial prompt would give no first token
+            admitted = self._admit(req, budget, now, chosen)
+            if admitted == 0:
+                break  # no blocks: the step in flight keeps what it holds
+            budget -= admitted
+        if not chosen:
+            return None
+        entries = list(chosen.values())
+        for entry in entries:
+            entry.block_ids = self.kv_cache_manager.get_block_ids(entry.request.request_id)
+        return SchedulerOutput(entries, sum(e.num_new_tokens for e in entries))
 
     def _fill(
         self,

@@ -10,6 +10,8 @@ The residual stream stays in ``dtype`` and is updated in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -134,6 +136,7 @@ class LlamaForCausalLM:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        between_layers: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Run the decoder over the step's flat tokens.
 
@@ -143,6 +146,9 @@ class LlamaForCausalLM:
             meta: attention metadata of the step.
             kv_caches: per layer (k, v) caches [num_blocks, block_size, Hkv, D].
             kv_scales: per layer (k, v) head scales [Hkv] of an FP8 cache.
+            between_layers: called after every layer but the last (not on the
+                compiled decode-only path); it may run a whole other step, which
+                must not touch this step's KV slots.
 
         Returns:
             [T, hidden] final hidden states (after the last norm).
@@ -157,6 +163,7 @@ class LlamaForCausalLM:
         # the fused prefill kernel reads q in bf16: the rotation writes it so, no fp32 copy
         rotated = torch.bfloat16 if meta.prefill_kernel else None
         h: torch.Tensor | None = None
+        last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if h is None:
                 x = ops.rms_norm(residual, layer.in_norm, self.eps)
@@ -181,6 +188,8 @@ class LlamaForCausalLM:
             h = _project(attn, layer.o_proj)
             x = ops.add_rms_norm(h, residual, layer.post_norm, self.eps)
             h = _project(ops.silu_and_mul(_project(x, layer.gate_up)), layer.down)
+            if between_layers is not None and i < last:
+                between_layers()
         assert h is not None, "a model has at least one layer"
         return ops.add_rms_norm(h, residual, self.norm, self.eps)
 

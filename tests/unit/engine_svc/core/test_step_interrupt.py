@@ -1,0 +1,270 @@
+"""Step interruption: a request that arrives during a step and outranks its prompts
+runs between two of its layers and gets its first token before that step ends.
+
+The scheduler's choice (fake clock, tiny configs), then the engine on a tiny
+random model: the newcomer's token is emitted mid-step, every greedy output is
+what the same requests give without interruption, and nothing is left held."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_svc.core import LLMEngine, RequestOutput
+from engine_svc.core.config import EngineConfig, SchedulerConfig
+from engine_svc.core.kv_cache_manager import KVCacheManager
+from engine_svc.core.request import Request, RequestStatus
+from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.core.scheduler import Scheduler
+
+from ..conftest import write_tiny_model
+from ..helpers import plan, run_to_completion, tokens_of
+
+LOW, NORMAL, CRITICAL = 1, 2, 3
+
+
+def make(num_blocks: int = 256, **cfg: int | float | bool) -> Scheduler:
+    base = {"max_num_batched_tokens": 16, "watermark": 0.0, "interrupt_max_tokens": 8}
+    config = SchedulerConfig(**(base | cfg))  # type: ignore[arg-type]
+    return Scheduler(config, KVCacheManager(num_blocks, 4), lambda: 0.0)
+
+
+def req(rid: str, tenant: str, n: int, priority: int = NORMAL) -> Request:
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    return Request.create(rid, [7] * n, params, 0.0, priority, tenant_id=tenant)
+
+
+def flood_step(s: Scheduler, n: int = 40, priority: int = NORMAL) -> None:
+    assert s.add_request(req("f1", "flood", n, priority))
+
+
+def test_another_tenants_short_prompt_interrupts_a_long_prefill() -> None:
+    s = make()
+    flood_step(s)
+    outer = s.schedule()
+    assert plan(outer) == [("f1", 16)]
+    s.add_request(req("c1", "chat", 6))
+    nested = s.schedule_interrupt(outer, 8)
+    assert nested is not None
+    assert plan(nested) == [("c1", 6)]
+    (entry,) = nested.scheduled
+    assert entry.sample
+    assert entry.block_ids == s.kv_cache_manager.get_block_ids("c1")
+    assert not set(entry.block_ids) & set(outer.scheduled[0].block_ids)
+    assert s.requests["c1"].status == RequestStatus.RUNNING
+    # the nested step finishes first, then the one it ran inside
+    updated, _ = s.update_from_output(nested, {"c1": 5})
+    assert [r.request_id for r in updated] == ["c1"]
+    s.update_from_output(outer, {})
+    assert s.requests["f1"].num_computed_tokens == 16
+    assert ("c1", 1) in plan(s.schedule())  # decoding beside the flood from now on
+
+
+@pytest.mark.parametrize(
+    ("why", "newcomer", "cfg", "budget"),
+    [
+        ("same tenant: a flood never interrupts itself", ("c1", "flood", 6, NORMAL), {}, 8),
+        ("its whole prompt exceeds the budget", ("c1", "chat", 9, NORMAL), {}, 8),
+        ("no budget left in this step", ("c1", "chat", 4, NORMAL), {}, 0),
+        ("the step in flight is short", ("c1", "chat", 6, NORMAL), {"interrupt_max_tokens": 16}, 8),
+        (
+            "without fair share only a class counts",
+            ("c1", "chat", 6, NORMAL),
+            {"fair_share": False},
+            8,
+        ),
+        ("a lower class", ("c1", "chat", 6, LOW), {}, 8),
+        ("the batch is full", ("c1", "chat", 6, NORMAL), {"max_num_seqs": 1}, 8),
+        ("no free blocks", ("c1", "chat", 6, NORMAL), {"num_blocks": 5}, 8),
+    ],
+)
+def test_no_interruption(
+    why: str, newcomer: tuple[str, str, int, int], cfg: dict[str, int | bool], budget: int
+) -> None:
+    num_blocks = int(cfg.pop("num_blocks", 256))
+    s = make(num_blocks, **cfg)
+    flood_step(s)
+    outer = s.schedule()
+    s.add_request(req(*newcomer))
+    free = s.kv_cache_manager.num_free_blocks
+    assert s.schedule_interrupt(outer, budget) is None, why
+    assert s.requests["c1"].status == RequestStatus.WAITING
+    assert s.requests["c1"].num_computed_tokens == 0
+    assert s.kv_cache_manager.num_free_blocks == free  # nothing taken on the way
+
+
+def test_a_higher_class_interrupts_any_prefill() -> None:
+    s = make(fair_share=False, interrupt_max_tokens=16)
+    assert s.add_request(req("f1", "flood", 6, LOW))  # a short step: no share rule
+    outer = s.schedule()
+    s.add_request(req("c1", "flood", 6, CRITICAL))  # same tenant, but a class above
+    nested = s.schedule_interrupt(outer, 16)
+    assert nested is not None
+    assert plan(nested) == [("c1", 6)]
+
+
+def test_a_step_that_only_decodes_is_never_interrupted() -> None:
+    s = make()
+    s.add_request(req("f1", "flood", 4))
+    s.update_from_output(s.schedule(), {"f1": 5})
+    outer = s.schedule()
+    assert outer.num_decodes == 1
+    s.add_request(req("c1", "chat", 4, CRITICAL))
+    assert s.schedule_interrupt(outer, 8) is None
+
+
+def test_the_budget_is_shared_and_the_most_urgent_goes_first() -> None:
+    s = make(interrupt_max_tokens=8)
+    flood_step(s)
+    outer = s.schedule()
+    s.add_request(req("c1", "chat", 5))
+    s.add_request(req("k1", "crit", 5, CRITICAL))
+    s.add_request(req("d1", "dev", 3))
+    nested = s.schedule_interrupt(outer, 8)
+    # critical first; the chat's 5 no longer fit, the 3-token one does
+    assert nested is not None
+    assert plan(nested) == [("k1", 5), ("d1", 3)]
+    assert s.schedule_interrupt(outer, 8 - nested.num_scheduled_tokens) is None
+
+
+# ---- the engine -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deep_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with 4 layers: a step can be interrupted 3 times."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-deep"), seed=3, num_hidden_layers=4)
+
+
+def engine(model_dir: Path, **kw: int | bool) -> LLMEngine:
+    cfg = {
+        "model_dir": str(model_dir),
+        "dtype": "float32",
+        "device": "cpu",
+        "block_size": 4,
+        "num_kv_blocks": 96,
+        "max_num_batched_tokens": 48,
+        "interrupt_max_tokens": 16,
+        "enable_prefix_caching": True,
+    }
+    return LLMEngine(EngineConfig(**(cfg | kw)))  # type: ignore[arg-type]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def reference(model_dir: Path, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
+    """Each prompt's greedy output alone on an engine that never interrupts."""
+    e = engine(model_dir, interrupt_max_tokens=0)
+    out = {}
+    for rid, prompt in prompts.items():
+        e.add_request(rid, prompt, greedy(n))
+        out[rid] = tokens_of(run_to_completion(e)[rid])
+    return out
+
+
+def test_newcomer_gets_its_first_token_inside_the_step(deep_model_dir: Path) -> None:
+    e = engine(deep_model_dir)
+    flood = [(7 * i) % 90 + 2 for i in range(40)]
+    chat = [5, 9, 11, 3, 8]
+    e.add_request("f1", flood, greedy(6), tenant_id="flood")
+    emitted: list[list[RequestOutput]] = []
+    polls = []
+
+    def poll() -> None:
+        polls.append(len(emitted))
+        if len(polls) == 1:  # arrives while the flood's prompt is in flight
+            e.add_request("c1", chat, greedy(6), tenant_id="chat")
+
+    step_outs = e.step(poll=poll, emit=emitted.append)
+    assert len(polls) == 3  # between every two of the 4 layers
+    assert [[(o.request_id, len(o.new_token_ids)) for o in outs] for outs in emitted] == [
+        [("c1", 1)]
+    ]
+    assert [o.request_id for o in step_outs] == ["f1"]
+    assert e.get_stats().num_step_interrupts_total == 1
+    assert e.get_stats().num_steps_total == 2
+    outs = run_to_completion(e)
+    got = {
+        "f1": tokens_of(step_outs) + tokens_of(outs["f1"]),
+        "c1": tokens_of(emitted[0]) + tokens_of(outs["c1"]),
+    }
+    assert got == reference(deep_model_dir, {"f1": flood, "c1": chat}, 6)
+
+
+@pytest.mark.parametrize("off", ["no emit", "interrupt_max_tokens=0"])
+def test_nothing_interrupts_when_off(deep_model_dir: Path, off: str) -> None:
+    e = engine(deep_model_dir, interrupt_max_tokens=16 if off == "no emit" else 0)
+    e.add_request("f1", list(range(2, 42)), greedy(2), tenant_id="flood")
+    polled: list[int] = []
+    if off == "no emit":
+        e.step(poll=lambda: polled.append(1))
+    else:
+        e.step(poll=lambda: polled.append(1), emit=lambda outs: None)
+    assert not polled  # the step never looked for arrivals
+    run_to_completion(e)
+    assert e.get_stats().num_step_interrupts_total == 0
+
+
+Arrival = tuple[int, str, int, int]  # (poll index, tenant, prompt length, priority)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    floods=st.lists(st.integers(17, 60), min_size=1, max_size=3),
+    arrivals=st.lists(
+        st.tuples(
+            st.integers(0, 8),
+            st.sampled_from(["chat", "dev", "flood"]),
+            st.integers(1, 20),
+            st.sampled_from([LOW, NORMAL, CRITICAL]),
+        ),
+        max_size=6,
+    ),
+    num_blocks=st.sampled_from([24, 96]),
+)
+def test_interrupted_runs_match_and_give_everything_back(
+    deep_model_dir: Path, floods: list[int], arrivals: list[Arrival], num_blocks: int
+) -> None:
+    """Whatever arrives mid-step: greedy outputs equal the uninterrupted run's, every
+    KV block returns to the pool and no fair-share counter is left behind."""
+    e = engine(deep_model_dir, num_kv_blocks=num_blocks)
+    prompts: dict[str, list[int]] = {}
+    for i, n in enumerate(floods):
+        prompts[f"f{i}"] = [(13 * i + 7 * j) % 90 + 2 for j in range(n)]
+        e.add_request(f"f{i}", prompts[f"f{i}"], greedy(3), tenant_id="flood")
+    pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])
+    polls = 0
+
+    def poll() -> None:
+        nonlocal polls
+        while pending and pending[0][1][0] <= polls:
+            k, (_, tenant, n, prio) = pending.pop(0)
+            prompts[f"a{k}"] = [(5 * k + 3 * j) % 90 + 2 for j in range(n)]
+            e.add_request(f"a{k}", prompts[f"a{k}"], greedy(3), prio, tenant_id=tenant)
+        polls += 1
+
+    got: dict[str, list[int]] = {}
+
+    def collect(outs: list[RequestOutput]) -> None:
+        for o in outs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+
+    for _ in range(500):
+        if not e.has_unfinished_requests() and not pending:
+            break
+        if not e.has_unfinished_requests():
+            poll()  # idle: the arrival comes between steps
+        collect(e.step(poll=poll, emit=collect))
+    assert not e.has_unfinished_requests()
+    assert set(got) == set(prompts)
+    assert all(len(t) == 3 for t in got.values())
+    assert got == reference(deep_model_dir, prompts, 3)
+    assert e.kv_cache_manager.block_pool.num_used_blocks == 0
+    assert e.kv_cache_manager.req_to_blocks == {}
+    assert e.get_stats().num_fair_share_tenants == 0
+    assert not e.scheduler.requests
