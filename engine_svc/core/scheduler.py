@@ -36,7 +36,10 @@ arrived meanwhile outranks every prompt that step is prefilling (a higher
 class, or under fair share another tenant served no more than they were, when
 the step carries a long prefill) and has a short whole prompt; if so that
 request runs at once in a step of its own and gets its first token, and the
-step in flight resumes where it stopped. Nothing running is touched.
+step in flight resumes where it stopped. Nothing running is touched: on a full
+batch a request a whole class above a running one still interrupts, and the
+next step preempts the least urgent running request to bring the batch back
+to ``max_num_seqs``.
 
 When the batch is full (``max_num_seqs``) and the most urgent waiting request
 outranks the least urgent running one by a whole priority class (aging
@@ -254,6 +257,7 @@ class Scheduler:
         self.running.sort(key=lambda r: self._urgency(r, now))
         self._chunk_cap = self._prefill_cap()
         self._urgent_class = self._recent_top_class(now)
+        self._trim_batch(out)
         self._make_room_for_priority(now, out)
         num_priority_preemptions = len(out.preempted_req_ids)
         chosen: dict[str, ScheduledRequest] = {}
@@ -280,8 +284,10 @@ class Scheduler:
         more than ``interrupt_max_tokens`` prompt tokens, of a tenant with no prompt
         in it whose counter is no higher than the least of theirs (a tenant alone
         never interrupts itself). Each admission is charged, which may stop the
-        next one. Nothing running is scheduled or preempted, so the requests of
-        ``in_flight`` keep their blocks; None when nothing qualifies or fits.
+        next one. On a full batch only a request a whole class above running ones
+        gets a seat (``_has_seat``). Nothing running is scheduled or preempted, so
+        the requests of ``in_flight`` keep their blocks; None when nothing
+        qualifies or fits.
         """
         prompts = in_flight.scheduled[in_flight.num_decodes :]
         if budget <= 0 or not self.waiting or not prompts:
@@ -299,7 +305,7 @@ class Scheduler:
         self._chunk_cap, self._urgent_class = 0, 0
         chosen: dict[str, ScheduledRequest] = {}
         for req in sorted(self.waiting, key=lambda r: self._urgency(r, now)):
-            if len(self.running) >= self.config.max_num_seqs or budget <= 0:
+            if budget <= 0 or not self._has_seat(req, now):
                 break
             klass, counter, _ = self._urgency(req, now)
             outranks = klass < top or (
@@ -317,6 +323,22 @@ class Scheduler:
         for entry in entries:
             entry.block_ids = self.kv_cache_manager.get_block_ids(entry.request.request_id)
         return SchedulerOutput(entries, sum(e.num_new_tokens for e in entries))
+
+    def _has_seat(self, req: Request, now: float) -> bool:
+        """Room in the batch for an interruption: below ``max_num_seqs``, or past it
+        while ``req`` outranks by a whole class more running requests than the
+        batch is over (the next step preempts them, ``_trim_batch``)."""
+        over = len(self.running) - self.config.max_num_seqs
+        if over < 0:
+            return True
+        aged = self._aged(req, now)
+        return sum(1 for r in self.running if aged - self._aged(r, now) >= 1.0) > over
+
+    def _trim_batch(self, out: SchedulerOutput) -> None:
+        """Preempt the least urgent running requests past ``max_num_seqs`` (left there
+        by interruptions; ``self.running`` is sorted most urgent first)."""
+        while len(self.running) > self.config.max_num_seqs:
+            self._preempt(self.running[-1], out)
 
     def _fill(
         self,

@@ -106,6 +106,27 @@ def test_a_higher_class_interrupts_any_prefill() -> None:
     assert plan(nested) == [("c1", 6)]
 
 
+def test_on_a_full_batch_a_class_above_interrupts_and_the_next_step_trims() -> None:
+    s = make(max_num_seqs=2)
+    s.add_request(req("l1", "low", 8, LOW))
+    s.add_request(req("l2", "low", 8, LOW))
+    outer = s.schedule()
+    assert len(s.running) == 2
+    s.add_request(req("n1", "chat", 4))  # NORMAL: one class above
+    s.add_request(req("k1", "crit", 4, CRITICAL))
+    s.add_request(req("k2", "crit", 4, CRITICAL))
+    nested = s.schedule_interrupt(outer, 12)
+    # a seat per running LOW request outranked by a class: two, though 12 tokens fit three
+    assert nested is not None
+    assert plan(nested) == [("k1", 4), ("k2", 4)]
+    s.update_from_output(nested, {"k1": 5, "k2": 5})
+    s.update_from_output(outer, {"l1": 5, "l2": 5})
+    nxt = s.schedule()
+    assert sorted(nxt.preempted_req_ids) == ["l1", "l2"]  # back to max_num_seqs
+    assert sorted(r.request_id for r in s.running) == ["k1", "k2"]
+    assert s.requests["l1"].status == RequestStatus.PREEMPTED
+
+
 def test_a_step_that_only_decodes_is_never_interrupted() -> None:
     s = make()
     s.add_request(req("f1", "flood", 4))
