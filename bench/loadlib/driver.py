@@ -136,9 +136,13 @@ class _Run:
         while any(not p.done() for p in producers) or self.inflight:
             if time.perf_counter() >= hard_stop:
                 break
-            await asyncio.wait(
-                [*producers, *self.inflight], timeout=0.2, return_when=asyncio.FIRST_COMPLETED
-            )
+            # only what is still pending: a finished producer in the list would make
+            # every wait return at once (a busy loop taking the engines' CPU in the drain)
+            pending = [t for t in (*producers, *self.inflight) if not t.done()]
+            if not pending:  # done, its discard callback not run yet
+                await asyncio.sleep(0)
+                continue
+            await asyncio.wait(pending, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
         self.budget.closed = True
         for t in [*producers, *self.inflight]:
             t.cancel()

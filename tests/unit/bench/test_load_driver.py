@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpc
+import pytest
 
 from bench.loadlib.driver import RunConfig, run_load, tenant_process
 from bench.loadlib.stats import full_summary
@@ -99,3 +101,23 @@ def test_tenants_get_their_own_processes_and_errors_are_recorded() -> None:
     assert {r.tenant for r in failed} == {"limited"}
     assert {r.status for r in failed} == {"RESOURCE_EXHAUSTED"}
     assert {r.tenant for r in res.records} == {"a", "b", "limited"}
+
+
+def test_the_drain_waits_instead_of_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the producers are done, the drain waits on the requests still streaming: a
+    finished producer in the wait list made every wait return at once, a busy loop that
+    took the CPU the engines on the same machine were serving those requests with."""
+    waits = 0
+    real_wait = asyncio.wait
+
+    async def counting_wait(*args: Any, **kwargs: Any) -> Any:
+        nonlocal waits
+        waits += 1
+        return await real_wait(*args, **kwargs)
+
+    monkeypatch.setattr("bench.loadlib.driver.asyncio.wait", counting_wait)
+    target = FakeTarget(delay=0.2)  # one request streaming for ~0.6 s after the producer ends
+    cfg = RunConfig(rate=100.0, num_requests=1, duration=0.05, drain_timeout=5, progress=False)
+    res = asyncio.run(run_load(target, [TenantSpec("t")], {"t": specs("t")}, cfg))
+    assert [r.ok for r in res.records] == [True]
+    assert waits < 50  # a few 0.2 s waits (spinning made thousands)
