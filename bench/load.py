@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from bench.loadlib.spawn import Stack, StackSpec, setup_tenants
 from bench.loadlib.stats import Slo, format_table
 from bench.loadlib.sweep import SweepConfig, run_sweep
 from bench.loadlib.workload import SHAPES, Caps, TenantSpec, TextPool
-from bench.report import REPORT_DIR
+from bench.report import REPORT_DIR, stamp_machine
 from common.config import default_model_dir
 from common.service_auth import read_service_token
 from tokenizer_svc.tokenizer import TextTokenizer
@@ -179,6 +180,7 @@ def execute(args: argparse.Namespace, stack: Stack | None, out_dir: Path) -> dic
     pool = TextPool(TextTokenizer(args.model_dir), args.seed)
     admin_key = _admin_key(args, stack)
     name = args.name or args.command
+    loadavg_before = os.getloadavg()
     if args.command == "fairness":
         report = fairness.run_all(args, endpoint, admin_key, pool, out_dir / f"load_{name}.png")
     else:
@@ -216,6 +218,8 @@ def execute(args: argparse.Namespace, stack: Stack | None, out_dir: Path) -> dic
             if len(versions) > 1:  # a canary beside the stable version
                 for version, summary in versions.items():
                     print(format_table(summary, f"version {version}"))
+    report["machine"] = {"loadavg_before": loadavg_before}
+    stamp_machine(report)  # CPU, ISA flags, cores, load average at the end
     (out_dir / f"load_{name}.json").write_text(json.dumps(report, indent=1, default=str))
     print(f"report: {out_dir / f'load_{name}.json'} (+ .png)")
     return report

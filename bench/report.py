@@ -48,6 +48,16 @@ def machine_facts() -> dict[str, Any]:
     }
 
 
+def stamp_machine(report: dict[str, Any]) -> dict[str, Any]:
+    """Set ``report["machine"]`` (see ``save_report``); returns the report."""
+    report["machine"] = {
+        **machine_facts(),
+        "loadavg_at_save": os.getloadavg(),
+        **report.get("machine", {}),
+    }
+    return report
+
+
 def save_report(
     name: str, report: dict[str, Any], chart: Callable[[Path], None] | None = None
 ) -> Path:
@@ -56,11 +66,7 @@ def save_report(
     Every report gets ``machine``: the CPU model, the ISA flags that decide kernels,
     cores, torch threads and the load average when it is written (keys the bench set
     itself, such as a load average taken before it ran, are kept)."""
-    report["machine"] = {
-        **machine_facts(),
-        "loadavg_at_save": os.getloadavg(),
-        **report.get("machine", {}),
-    }
+    stamp_machine(report)
     path = REPORT_DIR / f"{name}.json"  # a name with folders (or absolute) works too
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str))

@@ -119,6 +119,10 @@ def test_run_against_engine_reports_every_section(
     assert eng["num_samples"] >= 2
     assert eng["num_engine_requests"] == 6
     assert {"t", "num_waiting", "kv_cache_usage"} <= set(eng["series"][0])
+    m = r["machine"]  # what the figures depend on: CPU, its ISA flags, cores, load
+    assert m["cores"] >= 1
+    assert "avx512_bf16" in m["isa"]
+    assert len(m["loadavg_before"]) == len(m["loadavg_at_save"]) == 3
 
 
 def test_sweep_names_the_knee(engine_server: ManagedProcess, tmp_path: Path) -> None:
