@@ -205,6 +205,9 @@ class NativeBackend:
                 if engine.last_step_timings is not None:
                     metrics.observe_step(engine.last_step_timings)
                     engine.last_step_timings = None
+                for timings in engine.interrupt_timings:
+                    metrics.observe_step(timings)
+                engine.interrupt_timings.clear()
                 self._publish(engine)
                 self._emit(outputs)
             except Exception as e:  # never let the loop die silently

@@ -169,6 +169,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._totals = {"requests": 0, "prompt": 0, "generation": 0, "steps": 0, "interrupts": 0}
         self.last_step_timings: StepTimings | None = None  # None until a step ran a batch
+        self.interrupt_timings: list[StepTimings] = []  # of nested steps; the caller clears it
 
     @property
     def max_model_len(self) -> int:
@@ -357,7 +358,9 @@ class LLMEngine:
         self._totals["steps"] += 1
         self._totals["interrupts"] += 1
         timings = StepTimings(num_prefill_tokens=sched_out.num_scheduled_tokens)
-        outputs, _ = self._run_step(sched_out, timings, None)
+        outputs, ok = self._run_step(sched_out, timings, None)
+        if ok:
+            self.interrupt_timings.append(timings)
         return outputs
 
     def get_stats(self) -> EngineStats:

@@ -208,6 +208,10 @@ def test_newcomer_gets_its_first_token_inside_the_step(deep_model_dir: Path) -> 
     ]
     assert [o.request_id for o in step_outs] == ["f1"]
     assert e.get_stats().num_step_interrupts_total == 1
+    (nested,) = e.interrupt_timings  # for the step histograms, beside the outer step's
+    assert nested.num_prefill_tokens == len(chat)
+    assert e.last_step_timings is not None
+    assert e.last_step_timings.num_prefill_tokens == len(flood)
     assert e.get_stats().num_steps_total == 2
     outs = run_to_completion(e)
     got = {
