@@ -66,6 +66,9 @@ class GatewayConfig(ServiceConfig):
         max_ejected_fraction: At most this share of replicas (at least one) open at once.
         stats_interval_s: How often each replica's GetStats is polled.
         queue_weight / kv_weight: Routing score weights (see ``gateway.fleet.replica_pool``).
+        tenant_shard_size: Each tenant's requests go to this many replicas of a model
+            (its shard, by rendezvous hashing), others only when none of those can take
+            the attempt, so one tenant's flood does not fill every replica (0 = off).
         startup_wait_s: How long start-up waits for one SERVING engine before
             reporting SERVING anyway (requests then get UNAVAILABLE until one is up).
         discovery_interval_s: How often engine entries that are DNS names are
@@ -121,6 +124,7 @@ class GatewayConfig(ServiceConfig):
     stats_interval_s: float = 0.5
     queue_weight: float = 1.0
     kv_weight: float = 1.0
+    tenant_shard_size: int = 0
     startup_wait_s: float = 60.0
     discovery_interval_s: float = 10.0
     routing_policies: dict[str, Any] = field(default_factory=dict)
@@ -173,6 +177,7 @@ class GatewayConfig(ServiceConfig):
             "shadow_max_in_flight",
             "auth_failures_per_minute",
             "queue_max_wait_ms",
+            "tenant_shard_size",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"[gateway] {name} must be >= 0, got {getattr(self, name)}")

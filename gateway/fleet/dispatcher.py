@@ -236,7 +236,9 @@ class Dispatcher:
         self, job: EngineJob, tried: list[str], errors: list[EngineCallError]
     ) -> tuple[Replica, Ticket]:
         try:
-            return self.pool.choose(job.model, job.model_version, tried, job.fallback_versions)
+            return self.pool.choose(
+                job.model, job.model_version, tried, job.fallback_versions, job.tenant_id
+            )
         except NoReplicaError as e:
             if errors:
                 raise self._final_error(errors[-1], errors, None, job) from None

@@ -15,11 +15,22 @@ deployments by (model, version) from their ModelInfo; which version a
 request goes to is decided before (``gateway.release.version_router``): ``choose`` takes
 that version and, in order, the versions to fall back to when it has no
 replica able to serve.
+
+With ``tenant_shard_size`` k > 0, a tenant's requests go to its shard: the k
+replicas of the deployment that rank highest for that tenant under rendezvous
+hashing (the same for every gateway replica, and a replica joining or leaving
+moves only the tenants whose shard it enters or leaves). Within the shard the
+score decides; the other replicas take the tenant's attempt only when no
+shard replica can (unhealthy, draining, circuit open, or already tried by this
+request, as after a full engine queue's refusal). So one tenant's flood fills
+its own k replicas, not every one, and two tenants share all of theirs only
+when their shards coincide.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +61,12 @@ class ModelEntry:
     targets: tuple[str, ...] = ()  # a model route's targets in order ("model[@version]")
 
 
+def shard_rank(tenant: str, address: str) -> int:
+    """Rendezvous-hash weight of ``address`` for ``tenant`` (higher = in its shard first)."""
+    digest = hashlib.blake2b(f"{tenant}\0{address}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
 def score(replica: Replica, queue_weight: float, kv_weight: float) -> float:
     """Routing score (lower is better); see the module docstring."""
     stats = replica.stats
@@ -68,6 +85,8 @@ class ReplicaPool:
         max_ejected_fraction: Ejection cap of the breaker group.
         stats_interval_s: GetStats period.
         queue_weight / kv_weight: Score weights.
+        tenant_shard_size: Replicas per tenant's shard (0 = every replica); see the
+            module docstring.
         default_model: Model for requests without one ("" = the most common).
         tokenizers: The models' tokenizers, fetched by the replicas (None = a new set
             with no tokenizer of its own).
@@ -82,6 +101,7 @@ class ReplicaPool:
         stats_interval_s: float = 0.5,
         queue_weight: float = 1.0,
         kv_weight: float = 1.0,
+        tenant_shard_size: int = 0,
         default_model: str = "",
         service_token: str = "",
         tokenizers: TokenizerSet | None = None,
@@ -95,6 +115,7 @@ class ReplicaPool:
         self.replicas = [self._replica(a) for a in dict.fromkeys(addresses)]
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight
+        self.tenant_shard_size = tenant_shard_size
         self._default_model = default_model
 
     def _replica(self, address: str) -> Replica:
@@ -226,8 +247,10 @@ class ReplicaPool:
         version: str = "",
         exclude: Iterable[str] = (),
         fallbacks: Sequence[str] = (),
+        tenant: str = "",
     ) -> tuple[Replica, Ticket]:
-        """Pick and acquire a replica of ``version``, else of each fallback version in order.
+        """Pick and acquire a replica of ``version``, else of each fallback version in order;
+        ``tenant``'s shard first (``tenant_shard_size``).
 
         ``release(verdict, ticket)`` the replica when the call ends (the ticket tells
         its breaker whether this call is a half-open probe).
@@ -238,13 +261,38 @@ class ReplicaPool:
         exclude = set(exclude)
         for v in dict.fromkeys((version, *fallbacks)):
             found = self.candidates(model, v, exclude)
-            found.sort(key=lambda r: (score(r, self.queue_weight, self.kv_weight), r.last_pick))
+            shard = self.shard(model, v, tenant)
+            found.sort(
+                key=lambda r: (
+                    shard is not None and r.address not in shard,
+                    score(r, self.queue_weight, self.kv_weight),
+                    r.last_pick,
+                )
+            )
             for r in found:
                 ticket = r.breaker.admit()
                 if ticket is not None:
                     r.acquire()
                     return r, ticket
         raise NoReplicaError(self.explain(model, version, exclude, fallbacks))
+
+    def shard(self, model: str, version: str, tenant: str) -> set[str] | None:
+        """Addresses of ``tenant``'s shard among the replicas serving ``model`` (and
+        ``version``), healthy or not, so that a flapping replica does not move shards;
+        None = no shard (off, an anonymous tenant, or no more replicas than its size)."""
+        k = self.tenant_shard_size
+        if k <= 0 or not tenant:
+            return None
+        serving = {
+            r.address
+            for r in self.replicas
+            if r.info is not None
+            and r.info.model == model
+            and (not version or r.info.version == version)
+        }
+        if len(serving) <= k:
+            return None
+        return set(sorted(serving, key=lambda a: shard_rank(tenant, a), reverse=True)[:k])
 
     def explain(
         self, model: str, version: str, exclude: set[str], fallbacks: Sequence[str] = ()

@@ -174,3 +174,22 @@ async def test_failover_off_ends_with_unavailable(tokenizer: TextTokenizer) -> N
     assert "after 2 output tokens" in info.value.message
     assert "failover is off" in info.value.message
     assert [len(e.requests) for e in engines] == [1, 0]
+
+
+@pytest.mark.parametrize("shard_full", [False, True])
+async def test_a_tenant_goes_to_its_shard_and_spills_only_when_it_refuses(
+    tokenizer: TextTokenizer, shard_full: bool
+) -> None:
+    dispatcher, engines, servers = await setup(["ok", "ok", "ok"])
+    dispatcher.pool.tenant_shard_size = 1
+    shard = dispatcher.pool.shard("m", "", "t")
+    assert shard is not None
+    home = next(i for i, r in enumerate(dispatcher.pool.replicas) if r.address in shard)
+    if shard_full:
+        engines[home].mode = "full"  # RESOURCE_EXHAUSTED: the retry leaves the shard
+    ids, _, _ = await run(dispatcher, servers, tokenizer)
+    assert ids == TOKENS
+    served = [i for i, e in enumerate(engines) if e.requests and e.mode == "ok"]
+    assert len(engines[home].requests) == 1
+    assert len(served) == 1  # exactly one replica streamed it
+    assert (served[0] != home) == shard_full

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.breaker import BreakerPolicy
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
@@ -77,3 +80,85 @@ async def test_catalog_and_default_model(pool: ReplicaPool) -> None:
     assert info is not None
     assert info.max_context_length == 2048
     assert pool.model_info("nope") is None
+
+
+def sharded_pool(n: int, k: int) -> ReplicaPool:
+    p = ReplicaPool([f"e{i}:1" for i in range(n)], BreakerPolicy(), tenant_shard_size=k)
+    for r in p.replicas:
+        r.healthy = True
+        r.info = engine_pb2.ModelInfo(model=MODEL, version="v1", max_context_length=2048)
+        r.stats = engine_pb2.EngineStats()
+    return p
+
+
+async def test_a_tenants_flood_stays_on_its_shard_while_others_spread() -> None:
+    p = sharded_pool(6, 2)
+    try:
+        flood = p.shard(MODEL, "", "flood")
+        assert flood is not None
+        assert len(flood) == 2
+        held = [p.choose(MODEL, tenant="flood")[0] for _ in range(30)]  # none released
+        assert {r.address for r in held} == flood  # 15 each on its 2, none elsewhere
+        assert max(r.outstanding for r in held) == 15
+        # another tenant's shard differs; where it overlaps, the least loaded wins
+        other = next(t for t in (f"t{i}" for i in range(100)) if p.shard(MODEL, "", t) != flood)
+        r, _ = p.choose(MODEL, tenant=other)
+        assert r.address not in flood
+        assert r.outstanding == 1
+        # without a tenant (or with the shard off) every replica is a candidate
+        assert p.choose(MODEL)[0].address not in flood
+    finally:
+        await p.close()
+
+
+async def test_a_shard_spills_only_when_none_of_it_can_take_the_attempt() -> None:
+    p = sharded_pool(4, 2)
+    try:
+        shard = p.shard(MODEL, "", "team")
+        assert shard is not None
+        first, second = sorted(shard)
+        # its shard's queues full: the retry excludes both, so it goes elsewhere
+        r, _ = p.choose(MODEL, exclude=[first, second], tenant="team")
+        assert r.address not in shard
+        # one shard replica down: the other takes it, however loaded
+        by_addr = {x.address: x for x in p.replicas}
+        by_addr[first].healthy = False
+        by_addr[second].outstanding = 50
+        assert p.choose(MODEL, tenant="team")[0].address == second
+        # the shard is computed over healthy and unhealthy replicas: it did not move
+        assert p.shard(MODEL, "", "team") == shard
+    finally:
+        await p.close()
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    n=st.integers(2, 12),
+    k=st.integers(1, 4),
+    tenants=st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=20, unique=True),
+)
+def test_shards_are_stable_sized_and_move_little_when_a_replica_joins(
+    n: int, k: int, tenants: list[str]
+) -> None:
+    """Every tenant gets min(k, n) replicas (None when that is all of them); adding a
+    replica changes a tenant's shard only by letting the new replica into it."""
+
+    async def run() -> None:
+        before, after = sharded_pool(n, k), sharded_pool(n + 1, k)
+        try:
+            for t in tenants:
+                a, b = before.shard(MODEL, "", t), after.shard(MODEL, "", t)
+                assert a == before.shard(MODEL, "", t)  # deterministic
+                if n <= k:
+                    assert a is None
+                    continue
+                assert a is not None
+                assert b is not None
+                assert len(a) == len(b) == k
+                assert len(a - b) <= 1
+                assert b - a <= {f"e{n}:1"}
+        finally:
+            await before.close()
+            await after.close()
+
+    asyncio.run(run())
