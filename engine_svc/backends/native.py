@@ -227,16 +227,25 @@ class NativeBackend:
 
     def _poll(self, engine: LLMEngine) -> None:
         """Between two layers of a step: queue new requests now (one may interrupt the
-        step); an abort or stop, and whatever came after it, waits for the step's end
-        (the step still writes the blocks an abort would free)."""
-        while not self._held and not self._cmds.empty():
-            cmd = self._cmds.get_nowait()
-            if cmd[0] != "add":
-                self._held.append(cmd)
-                break
-            self._add(engine, cmd[1], cmd[2])
+        step) and abort those the step does not run; an abort of a request the step
+        runs waits for its end (the step still writes the blocks an abort would free),
+        and so does a new request under the same id; a stop, and whatever came after
+        it, too."""
+        held_ids = {c[1] for c in self._held if c[0] == "abort"}
+        stopping = any(c[0] == "stop" for c in self._held)
         while not self._cmds.empty():
-            self._held.append(self._cmds.get_nowait())
+            cmd = self._cmds.get_nowait()
+            if stopping:
+                self._held.append(cmd)
+            elif cmd[0] == "add" and cmd[1].request_id not in held_ids:
+                self._add(engine, cmd[1], cmd[2])
+            elif cmd[0] == "abort" and cmd[1] not in engine.in_flight_request_ids | held_ids:
+                engine.abort_request(cmd[1])
+            else:
+                self._held.append(cmd)
+                if cmd[0] == "abort":
+                    held_ids.add(cmd[1])
+                stopping = cmd[0] == "stop"
 
     def _drain_commands(self, engine: LLMEngine, block: bool) -> bool:
         """Apply held, then queued commands; block for the first one when idle.
@@ -272,6 +281,10 @@ class NativeBackend:
                 tenant_weight=inp.tenant_weight,
             )
         except ValueError as e:
+            self._loop.call_soon_threadsafe(_resolve, fut, None, e)
+            return
+        except Exception as e:  # a bug must fail this call, not the step it came in
+            log.exception("add_request failed", request_id=inp.request_id)
             self._loop.call_soon_threadsafe(_resolve, fut, None, e)
             return
         if ok:

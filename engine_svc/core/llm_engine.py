@@ -167,6 +167,9 @@ class LLMEngine:
         self.sampler = Sampler(self.model_config.vocab_size, self.device, config.seed)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         self._pending: list[RequestOutput] = []
+        # requests of the step being run (its blocks are being written): an abort of one
+        # of these must wait for the step's end; empty between steps
+        self.in_flight_request_ids: frozenset[str] = frozenset()
         self._totals = {"requests": 0, "prompt": 0, "generation": 0, "steps": 0, "interrupts": 0}
         self.last_step_timings: StepTimings | None = None  # None until a step ran a batch
         self.interrupt_timings: list[StepTimings] = []  # of nested steps; the caller clears it
@@ -287,8 +290,9 @@ class LLMEngine:
 
         With ``poll`` and ``emit`` (and ``interrupt_max_tokens`` > 0), a step that
         prefills calls ``poll`` between two layers of the model; ``poll`` may queue
-        requests (``add_request``) but must not abort any (the step in flight still
-        writes its requests' blocks). When a request that arrived outranks the
+        requests (``add_request``) and abort any request not in
+        ``in_flight_request_ids`` (the step in flight still writes those requests'
+        blocks). When a request that arrived outranks the
         step's prompts (``Scheduler.schedule_interrupt``), it runs there in a step
         of its own and that step's outputs go to ``emit`` before this one resumes.
         """
@@ -310,7 +314,11 @@ class LLMEngine:
             and timings.num_prefill_tokens > 0
         ):
             hook = _Interrupter(self, sched_out, poll, emit)
-        new, ok = self._run_step(sched_out, timings, hook)
+        self.in_flight_request_ids = frozenset(e.request.request_id for e in sched_out.scheduled)
+        try:
+            new, ok = self._run_step(sched_out, timings, hook)
+        finally:
+            self.in_flight_request_ids = frozenset()
         if ok:
             if hook is not None:
                 timings.forward -= hook.seconds  # the nested steps' time is theirs
@@ -438,7 +446,8 @@ class _Interrupter:
         self.in_flight = in_flight
         self.poll = poll
         self.emit = emit
-        self.budget = engine.scheduler.config.interrupt_max_tokens
+        config = engine.scheduler.config  # nested and outer activations are held at once
+        self.budget = min(config.interrupt_max_tokens, config.max_num_batched_tokens)
         self.seen = engine.scheduler.num_arrivals  # only a new arrival can change the answer
         self.seconds = 0.0  # spent in nested steps
 
@@ -449,10 +458,22 @@ class _Interrupter:
             return
         self.seen = scheduler.num_arrivals
         t0 = time.perf_counter()
-        nested = scheduler.schedule_interrupt(self.in_flight, self.budget)
-        if nested is not None:
-            self.budget -= nested.num_scheduled_tokens
-            outputs = self.engine._run_interrupt(nested)
-            if outputs:
-                self.emit(outputs)
+        nested = None
+        try:
+            nested = scheduler.schedule_interrupt(self.in_flight, self.budget)
+            if nested is not None:
+                self.budget -= nested.num_scheduled_tokens
+                outputs = self.engine._run_interrupt(nested)
+                if outputs:
+                    self.emit(outputs)
+        except Exception:  # fail the nested step's requests, never the step in flight
+            logger.exception("interrupting step failed; failing its request(s)")
+            self.budget = 0
+            if nested is not None:
+                ids = [e.request.request_id for e in nested.scheduled]
+                failed = scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+                try:
+                    self.emit([_make_output(r) for r in failed])
+                except Exception:
+                    logger.exception("could not report the failed interrupting request(s)")
         self.seconds += time.perf_counter() - t0

@@ -55,11 +55,19 @@ class SchedulerOutput:
         scheduled: requests of the batch; all decodes precede all prefill chunks.
         num_scheduled_tokens: total new tokens (<= max_num_batched_tokens).
         preempted_req_ids: requests preempted (blocks freed) in this step.
+        num_preempted_for_room: how many of them made room for a more urgent
+            request (the rest were preempted for lack of blocks).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
+    num_preempted_for_room: int = 0
+
+    @property
+    def short_of_blocks(self) -> bool:
+        """This step preempted a request for lack of KV blocks."""
+        return len(self.preempted_req_ids) > self.num_preempted_for_room
 
     @property
     def is_empty(self) -> bool:

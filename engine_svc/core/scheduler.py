@@ -259,7 +259,7 @@ class Scheduler:
         self._urgent_class = self._recent_top_class(now)
         self._trim_batch(out)
         self._make_room_for_priority(now, out)
-        num_priority_preemptions = len(out.preempted_req_ids)
+        num_priority_preemptions = out.num_preempted_for_room = len(out.preempted_req_ids)
         chosen: dict[str, ScheduledRequest] = {}
         self._now = now
         self._floor = self._isolation_floor(now)
@@ -285,7 +285,8 @@ class Scheduler:
         in it whose counter is no higher than the least of theirs (a tenant alone
         never interrupts itself). Each admission is charged, which may stop the
         next one. On a full batch only a request a whole class above running ones
-        gets a seat (``_has_seat``). Nothing running is scheduled or preempted, so
+        gets a seat (``_has_seat``), and in a step that preempted for lack of blocks
+        only a higher class interrupts. Nothing running is scheduled or preempted, so
         the requests of ``in_flight`` keep their blocks; None when nothing
         qualifies or fits.
         """
@@ -297,8 +298,9 @@ class Scheduler:
         top = min(k[0] for k in keys)  # the most urgent class in flight (negated)
         tenants = {e.request.tenant_id for e in prompts}
         least = min(k[1] for k in keys if k[0] == top)
-        by_share = (
+        by_share = (  # not in a step short of blocks: a level tenant must not cause thrashing
             self.fair is not None
+            and not in_flight.short_of_blocks
             and sum(e.num_new_tokens for e in prompts) > self.config.interrupt_max_tokens
         )
         cap = self.config.long_prefill_token_threshold or budget

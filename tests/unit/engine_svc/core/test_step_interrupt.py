@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from engine_svc.core import LLMEngine, RequestOutput
 from engine_svc.core.config import EngineConfig, SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
-from engine_svc.core.request import Request, RequestStatus
+from engine_svc.core.request import FinishReason, Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
 
@@ -127,6 +127,20 @@ def test_on_a_full_batch_a_class_above_interrupts_and_the_next_step_trims() -> N
     assert s.requests["l1"].status == RequestStatus.PREEMPTED
 
 
+def test_a_step_short_of_blocks_is_interrupted_only_by_a_higher_class() -> None:
+    s = make()
+    flood_step(s)
+    outer = s.schedule()
+    outer.preempted_req_ids.append("victim")  # as if it had preempted for lack of blocks
+    assert outer.short_of_blocks
+    s.add_request(req("c1", "chat", 6))
+    assert s.schedule_interrupt(outer, 8) is None  # a level tenant would cause thrashing
+    s.add_request(req("k1", "crit", 6, CRITICAL))
+    nested = s.schedule_interrupt(outer, 8)
+    assert nested is not None
+    assert plan(nested) == [("k1", 6)]
+
+
 def test_a_step_that_only_decodes_is_never_interrupted() -> None:
     s = make()
     s.add_request(req("f1", "flood", 4))
@@ -180,12 +194,7 @@ def greedy(n: int) -> SamplingParams:
 
 def reference(model_dir: Path, prompts: dict[str, list[int]], n: int) -> dict[str, list[int]]:
     """Each prompt's greedy output alone on an engine that never interrupts."""
-    e = engine(model_dir, interrupt_max_tokens=0)
-    out = {}
-    for rid, prompt in prompts.items():
-        e.add_request(rid, prompt, greedy(n))
-        out[rid] = tokens_of(run_to_completion(e)[rid])
-    return out
+    return reference_each(model_dir, prompts, dict.fromkeys(prompts, n))
 
 
 def test_newcomer_gets_its_first_token_inside_the_step(deep_model_dir: Path) -> None:
@@ -235,10 +244,23 @@ def test_nothing_interrupts_when_off(deep_model_dir: Path, off: str) -> None:
     assert e.get_stats().num_step_interrupts_total == 0
 
 
-Arrival = tuple[int, str, int, int]  # (poll index, tenant, prompt length, priority)
+Arrival = tuple[int, str, int, int, int]  # (poll index, tenant, length, priority, max tokens)
+SHARED = [41, 42, 43, 44, 45, 46, 47, 48]  # two full blocks: a prefix cache hit
 
 
-@settings(max_examples=25, deadline=None)
+def reference_each(
+    model_dir: Path, prompts: dict[str, list[int]], n: dict[str, int]
+) -> dict[str, list[int]]:
+    """Each prompt's greedy output alone, with its own max_tokens, never interrupted."""
+    e = engine(model_dir, interrupt_max_tokens=0)
+    out = {}
+    for rid, prompt in prompts.items():
+        e.add_request(rid, prompt, greedy(n[rid]))
+        out[rid] = tokens_of(run_to_completion(e)[rid])
+    return out
+
+
+@settings(max_examples=30, deadline=None)
 @given(
     floods=st.lists(st.integers(17, 60), min_size=1, max_size=3),
     arrivals=st.lists(
@@ -247,30 +269,46 @@ Arrival = tuple[int, str, int, int]  # (poll index, tenant, prompt length, prior
             st.sampled_from(["chat", "dev", "flood"]),
             st.integers(1, 20),
             st.sampled_from([LOW, NORMAL, CRITICAL]),
+            st.integers(1, 4),
         ),
         max_size=6,
     ),
     num_blocks=st.sampled_from([24, 96]),
+    shared=st.booleans(),
+    max_num_seqs=st.sampled_from([2, 32]),
 )
 def test_interrupted_runs_match_and_give_everything_back(
-    deep_model_dir: Path, floods: list[int], arrivals: list[Arrival], num_blocks: int
+    deep_model_dir: Path,
+    floods: list[int],
+    arrivals: list[Arrival],
+    num_blocks: int,
+    shared: bool,
+    max_num_seqs: int,
 ) -> None:
-    """Whatever arrives mid-step: greedy outputs equal the uninterrupted run's, every
-    KV block returns to the pool and no fair-share counter is left behind."""
-    e = engine(deep_model_dir, num_kv_blocks=num_blocks)
+    """Whatever arrives mid-step (finishing in its nested step or not, hitting the
+    prefix cache or not, on a full batch or not): greedy outputs equal the
+    uninterrupted run's, every KV block returns to the pool and no fair-share
+    counter is left behind."""
+    e = engine(deep_model_dir, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs)
+    head = SHARED if shared else []
     prompts: dict[str, list[int]] = {}
+    max_tokens: dict[str, int] = {}
     for i, n in enumerate(floods):
-        prompts[f"f{i}"] = [(13 * i + 7 * j) % 90 + 2 for j in range(n)]
-        e.add_request(f"f{i}", prompts[f"f{i}"], greedy(3), tenant_id="flood")
+        rid = f"f{i}"
+        prompts[rid] = head + [(13 * i + 7 * j) % 90 + 2 for j in range(n)]
+        max_tokens[rid] = 3
+        e.add_request(rid, prompts[rid], greedy(3), tenant_id="flood")
     pending = sorted(enumerate(arrivals), key=lambda a: a[1][0])
     polls = 0
 
     def poll() -> None:
         nonlocal polls
         while pending and pending[0][1][0] <= polls:
-            k, (_, tenant, n, prio) = pending.pop(0)
-            prompts[f"a{k}"] = [(5 * k + 3 * j) % 90 + 2 for j in range(n)]
-            e.add_request(f"a{k}", prompts[f"a{k}"], greedy(3), prio, tenant_id=tenant)
+            k, (_, tenant, n, prio, m) = pending.pop(0)
+            rid = f"a{k}"
+            prompts[rid] = head + [(5 * k + 3 * j) % 90 + 2 for j in range(n)]
+            max_tokens[rid] = m
+            e.add_request(rid, prompts[rid], greedy(m), prio, tenant_id=tenant)
         polls += 1
 
     got: dict[str, list[int]] = {}
@@ -287,9 +325,57 @@ def test_interrupted_runs_match_and_give_everything_back(
         collect(e.step(poll=poll, emit=collect))
     assert not e.has_unfinished_requests()
     assert set(got) == set(prompts)
-    assert all(len(t) == 3 for t in got.values())
-    assert got == reference(deep_model_dir, prompts, 3)
+    assert {rid: len(t) for rid, t in got.items()} == max_tokens
+    assert got == reference_each(deep_model_dir, prompts, max_tokens)
     assert e.kv_cache_manager.block_pool.num_used_blocks == 0
     assert e.kv_cache_manager.req_to_blocks == {}
     assert e.get_stats().num_fair_share_tenants == 0
     assert not e.scheduler.requests
+    assert len(e.scheduler.running) <= max_num_seqs  # trimmed back after interruptions
+
+
+def test_a_failing_interruption_fails_only_its_own_requests(
+    deep_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    e = engine(deep_model_dir)
+    flood = [(7 * i) % 90 + 2 for i in range(40)]
+    e.add_request("f1", flood, greedy(2), tenant_id="flood")
+    update = e.scheduler.update_from_output
+
+    def broken(out, tokens):  # type: ignore[no-untyped-def]
+        if any(s.request.request_id == "c1" for s in out.scheduled):
+            raise RuntimeError("a bug in the nested step's update")
+        return update(out, tokens)
+
+    monkeypatch.setattr(e.scheduler, "update_from_output", broken)
+    emitted: list[RequestOutput] = []
+
+    def poll() -> None:
+        if "c1" not in e.scheduler.requests and not emitted:
+            e.add_request("c1", [5, 9, 11, 3, 8], greedy(2), tenant_id="chat")
+
+    outs = e.step(poll=poll, emit=emitted.extend)
+    assert [(o.request_id, o.finish_reason) for o in emitted] == [("c1", FinishReason.ERROR)]
+    assert [(o.request_id, len(o.new_token_ids)) for o in outs] == [("f1", 1)]  # unharmed
+    monkeypatch.undo()
+    rest = run_to_completion(e)
+    assert (
+        tokens_of(outs) + tokens_of(rest["f1"]) == reference(deep_model_dir, {"f1": flood}, 2)["f1"]
+    )
+    assert e.kv_cache_manager.block_pool.num_used_blocks == 0
+    assert e.get_stats().num_fair_share_tenants == 0
+
+
+def test_interruptions_never_exceed_the_step_budget(deep_model_dir: Path) -> None:
+    e = engine(deep_model_dir, interrupt_max_tokens=256, max_num_batched_tokens=48)
+    e.add_request("f1", list(range(2, 42)), greedy(2), tenant_id="flood")
+    seen: list[int] = []
+
+    def poll() -> None:
+        if not seen:
+            seen.append(1)
+            e.add_request("c1", list(range(2, 52)), greedy(2), tenant_id="chat")  # 50 > 48
+
+    e.step(poll=poll, emit=lambda outs: None)
+    assert e.get_stats().num_step_interrupts_total == 0  # 50 tokens: over the 48 budget
+    assert e.scheduler.requests["c1"].status == RequestStatus.WAITING
