@@ -342,9 +342,7 @@ class LLMEngine:
             logger.exception(
                 "model step failed; failing its %d request(s)", len(sched_out.scheduled)
             )
-            ids = [e.request.request_id for e in sched_out.scheduled]
-            failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
-            return [_make_output(r) for r in failed], False
+            return self._fail(sched_out), False
         t_update = time.perf_counter()
         token_map: dict[str, list[int]] = {}
         if sampled is not None:
@@ -360,6 +358,12 @@ class LLMEngine:
                 outputs.append(out)
         timings.update = time.perf_counter() - t_update
         return outputs, True
+
+    def _fail(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+        """Finish a step's requests with ``FinishReason.ERROR``; their final outputs."""
+        ids = [e.request.request_id for e in sched_out.scheduled]
+        failed = self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        return [_make_output(r) for r in failed]
 
     def _run_interrupt(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
         """Run a step nested in the one in flight (``_Interrupter``); its outputs."""
@@ -470,10 +474,8 @@ class _Interrupter:
             logger.exception("interrupting step failed; failing its request(s)")
             self.budget = 0
             if nested is not None:
-                ids = [e.request.request_id for e in nested.scheduled]
-                failed = scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
                 try:
-                    self.emit([_make_output(r) for r in failed])
+                    self.emit(self.engine._fail(nested))
                 except Exception:
                     logger.exception("could not report the failed interrupting request(s)")
         self.seconds += time.perf_counter() - t0

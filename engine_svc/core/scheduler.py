@@ -268,12 +268,7 @@ class Scheduler:
             self._floor = None  # the urgent request cannot start now: run the step as usual
             self._fill(now, chosen, out, num_priority_preemptions)
         self._floor = None
-        entries = sorted(chosen.values(), key=lambda s: not s.is_decode)
-        for entry in entries:
-            entry.block_ids = self.kv_cache_manager.get_block_ids(entry.request.request_id)
-        out.scheduled = entries
-        out.num_scheduled_tokens = sum(s.num_new_tokens for s in entries)
-        return out
+        return self._with_blocks(out, sorted(chosen.values(), key=lambda s: not s.is_decode))
 
     def schedule_interrupt(self, in_flight: SchedulerOutput, budget: int) -> SchedulerOutput | None:
         """A step to run inside ``in_flight`` (between two of its layers), or None.
@@ -319,12 +314,17 @@ class Scheduler:
             if admitted == 0:
                 break  # no blocks: the step in flight keeps what it holds
             budget -= admitted
-        if not chosen:
-            return None
-        entries = list(chosen.values())
+        return self._with_blocks(SchedulerOutput(), list(chosen.values())) if chosen else None
+
+    def _with_blocks(
+        self, out: SchedulerOutput, entries: list[ScheduledRequest]
+    ) -> SchedulerOutput:
+        """``out`` with ``entries`` as its batch, each with its block table."""
         for entry in entries:
             entry.block_ids = self.kv_cache_manager.get_block_ids(entry.request.request_id)
-        return SchedulerOutput(entries, sum(e.num_new_tokens for e in entries))
+        out.scheduled = entries
+        out.num_scheduled_tokens = sum(e.num_new_tokens for e in entries)
+        return out
 
     def _has_seat(self, req: Request, now: float) -> bool:
         """Room in the batch for an interruption: below ``max_num_seqs``, or past it
