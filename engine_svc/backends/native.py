@@ -231,6 +231,8 @@ class NativeBackend:
         runs waits for its end (the step still writes the blocks an abort would free),
         and so does a new request under the same id; a stop, and whatever came after
         it, too."""
+        if self._cmds.empty():
+            return  # the usual case, after every layer of a prefill step
         held_ids = {c[1] for c in self._held if c[0] == "abort"}
         stopping = any(c[0] == "stop" for c in self._held)
         while not self._cmds.empty():

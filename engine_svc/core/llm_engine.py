@@ -456,9 +456,11 @@ class _Interrupter:
         self.seconds = 0.0  # spent in nested steps
 
     def __call__(self) -> None:
+        if self.budget <= 0:
+            return  # spent: nothing polled now could run before the step ends
         self.poll()
         scheduler = self.engine.scheduler
-        if scheduler.num_arrivals == self.seen or self.budget <= 0:
+        if scheduler.num_arrivals == self.seen:
             return
         self.seen = scheduler.num_arrivals
         t0 = time.perf_counter()
