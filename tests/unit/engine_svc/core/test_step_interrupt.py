@@ -366,7 +366,12 @@ def test_a_failing_interruption_fails_only_its_own_requests(
     assert e.get_stats().num_fair_share_tenants == 0
 
 
-def test_interruptions_never_exceed_the_step_budget(deep_model_dir: Path) -> None:
+@pytest.mark.parametrize(("prompt_len", "interrupts"), [(48, True), (50, False)])
+def test_interruptions_never_exceed_the_step_budget(
+    deep_model_dir: Path, prompt_len: int, interrupts: bool
+) -> None:
+    """interrupt_max_tokens (256) is capped at max_num_batched_tokens (48): a CRITICAL
+    prompt (a class above, so no share threshold) of 48 tokens interrupts, 50 do not."""
     e = engine(deep_model_dir, interrupt_max_tokens=256, max_num_batched_tokens=48)
     e.add_request("f1", list(range(2, 42)), greedy(2), tenant_id="flood")
     seen: list[int] = []
@@ -374,8 +379,11 @@ def test_interruptions_never_exceed_the_step_budget(deep_model_dir: Path) -> Non
     def poll() -> None:
         if not seen:
             seen.append(1)
-            e.add_request("c1", list(range(2, 52)), greedy(2), tenant_id="chat")  # 50 > 48
+            prompt = [(3 * j) % 90 + 2 for j in range(prompt_len)]
+            e.add_request("c1", prompt, greedy(2), CRITICAL, tenant_id="chat")
 
     e.step(poll=poll, emit=lambda outs: None)
-    assert e.get_stats().num_step_interrupts_total == 0  # 50 tokens: over the 48 budget
-    assert e.scheduler.requests["c1"].status == RequestStatus.WAITING
+    assert e.get_stats().num_step_interrupts_total == int(interrupts)
+    status = RequestStatus.RUNNING if interrupts else RequestStatus.WAITING
+    assert e.scheduler.requests["c1"].status == status
+    run_to_completion(e)
