@@ -93,6 +93,8 @@ class ReleaseControl:
         self.guard.start()
 
     async def close(self) -> None:
-        """Stop the guard and the shadow calls."""
+        """Stop the guard, the shadow calls and any snapshot re-read in flight."""
         await self.guard.close()
         await self.shadow.close()
+        await self.policies.close()
+        await self.routes.close()
