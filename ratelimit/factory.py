@@ -170,5 +170,6 @@ class RateLimitStack:
     async def aclose(self) -> None:
         """Leave the replica set, close the Redis pool."""
         await self.membership.leave()
+        await self.registry.auth.close()
         await self.usage.close()  # writes what is queued
         await self.limiter.close()

@@ -4,7 +4,10 @@ Every answer (a principal, or a failure) is reused for at most
 ``auth_cache_ttl_ms`` (failures for at most 1 s, so a new key works almost at
 once). That TTL is the bound on how long another gateway replica still
 honours a revoked key or an old policy; the replica that makes a change
-clears its own cache immediately. The hot path is one dict lookup.
+clears its own cache immediately. The hot path is one dict lookup: once a
+valid key's answer is half the TTL old, its next use is served from the cache
+and re-reads the key beside it (refresh-ahead), so a key in steady use never
+waits for the store; only an answer past the TTL is re-read on the path.
 
 Both caches are bounded LRUs, and failures live in their own: a caller
 spraying made-up keys only evicts other failures, never the valid keys.
@@ -12,6 +15,7 @@ spraying made-up keys only evicts other failures, never the valid keys.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections import OrderedDict
@@ -19,10 +23,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from common.log import get_logger
+from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.config import Tenant
 from ratelimit.errors import NotFoundError, PermissionDeniedError, UnauthenticatedError
 from ratelimit.tenancy.records import ApiKey, KeyRole, Principal, hash_key, looks_like_key
+
+log = get_logger(__name__)
 
 NEGATIVE_CACHE_MS = 1000.0
 MAX_CACHE_ENTRIES = 10_000
@@ -71,11 +79,16 @@ class KeyCache:
         self.on_use = on_use
         self._good: OrderedDict[str, tuple[float, Principal]] = OrderedDict()
         self._bad: OrderedDict[str, tuple[float, AuthFailure]] = OrderedDict()
+        self._ahead: dict[str, asyncio.Task[None]] = {}  # re-reads in flight, by digest
+        self.num_refreshed_ahead = 0
+        self._generation = 0  # bumped by clear()
 
     def clear(self) -> None:
-        """Forget every cached answer (after a local mutation)."""
+        """Forget every cached answer (after a local mutation); a re-read in flight
+        began before it, so its answer is dropped."""
         self._good.clear()
         self._bad.clear()
+        self._generation += 1
 
     def __len__(self) -> int:
         return len(self._good) + len(self._bad)
@@ -121,6 +134,8 @@ class KeyCache:
         if answer is None:
             answer = await self._resolve(digest)
             self._store(digest, now, answer)
+        elif isinstance(answer, Principal):
+            self._maybe_refresh_ahead(digest, now)
         if isinstance(answer, AuthFailure):
             metrics.AUTH_RESULTS.labels(answer.result).inc()
             raise answer.error()
@@ -136,6 +151,33 @@ class KeyCache:
         if self.on_use is not None:
             self.on_use(key)
         return principal
+
+    def _maybe_refresh_ahead(self, digest: str, now: float) -> None:
+        """Past half its TTL, re-read a valid key's answer beside this use."""
+        expires = self._good[digest][0]
+        if expires - now > self.ttl_ms / 2 or digest in self._ahead:
+            return
+        self._ahead[digest] = asyncio.get_running_loop().create_task(
+            self._refresh_ahead(digest), name="auth refresh"
+        )
+
+    async def _refresh_ahead(self, digest: str) -> None:
+        started = self.clock()  # the new answer is as old as the read's start
+        generation = self._generation
+        try:
+            answer = await self._resolve(digest)
+        except Exception as e:  # the store is down: the cached answer lives out its TTL
+            log.warning("cannot re-read an API key ahead of its TTL", error=str(e))
+        else:
+            self.num_refreshed_ahead += 1
+            if generation == self._generation:  # not cleared meanwhile
+                self._store(digest, started, answer)
+        finally:
+            self._ahead.pop(digest, None)
+
+    async def close(self) -> None:
+        """Stop the re-reads in flight (at shutdown)."""
+        await cancel_and_wait(*self._ahead.values())
 
     async def _resolve(self, digest: str) -> Principal | AuthFailure:
         key = await self.lookup_hash(digest)

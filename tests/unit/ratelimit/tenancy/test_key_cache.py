@@ -102,3 +102,92 @@ def test_a_cached_key_is_refused_the_moment_it_expires() -> None:
     asyncio.run(run())
     assert store.lookups[digest] == 1
     assert used == ["key_0"]  # only the successful use counts
+
+
+class SlowStore(FakeStore):
+    """A FakeStore whose lookups read the record, then wait for ``gate``; can fail."""
+
+    def __init__(self, valid: list[str]) -> None:
+        super().__init__(valid)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.down = False
+
+    async def lookup_hash(self, digest: str) -> ApiKey | None:
+        self.lookups[digest] += 1
+        record = self.keys.get(digest)  # as of the read's start
+        await self.gate.wait()
+        if self.down:
+            raise ConnectionError("redis is down")
+        return record
+
+
+async def _settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_key_past_half_its_ttl_is_served_at_once_and_re_read_beside() -> None:
+    key = generate_key()
+    store = SlowStore([key])
+    now = [0.0]
+    cache = KeyCache(store.lookup_hash, store.get_tenant, ttl_ms=1000, clock=lambda: now[0])
+    await cache.authenticate(key)
+    now[0] = 400.0
+    await cache.authenticate(key)
+    await _settle()
+    assert store.lookups[hash_key(key)] == 1  # young: no re-read
+    # revoked on another replica: the re-read brings it in before the TTL
+    digest = hash_key(key)
+    store.keys[digest] = dataclasses.replace(store.keys[digest], revoked=True)
+    store.gate.clear()  # the re-read hangs: the use does not wait for it
+    now[0] = 600.0
+    assert (await cache.authenticate(key)).key.key_id == "key_0"
+    assert (await cache.authenticate(key)).key.key_id == "key_0"
+    await _settle()
+    assert store.lookups[hash_key(key)] == 2  # one re-read, not one per use
+    store.gate.set()
+    await _settle()
+    now[0] = 700.0
+    with pytest.raises(PermissionDeniedError, match="revoked"):
+        await cache.authenticate(key)
+    assert cache.num_refreshed_ahead == 1
+    await cache.close()
+
+
+async def test_a_failed_re_read_keeps_the_answer_until_its_ttl_only() -> None:
+    key = generate_key()
+    store = SlowStore([key])
+    now = [0.0]
+    cache = KeyCache(store.lookup_hash, store.get_tenant, ttl_ms=1000, clock=lambda: now[0])
+    await cache.authenticate(key)
+    store.down = True
+    now[0] = 600.0
+    await cache.authenticate(key)  # served; the re-read beside it fails
+    await _settle()
+    assert store.lookups[hash_key(key)] == 2
+    now[0] = 1000.0  # past the TTL: the store is asked on the path, and is down
+    with pytest.raises(ConnectionError):
+        await cache.authenticate(key)
+    await cache.close()
+
+
+async def test_a_re_read_that_began_before_clear_is_dropped() -> None:
+    key = generate_key()
+    store = SlowStore([key])
+    now = [0.0]
+    cache = KeyCache(store.lookup_hash, store.get_tenant, ttl_ms=1000, clock=lambda: now[0])
+    await cache.authenticate(key)
+    store.gate.clear()
+    now[0] = 600.0
+    await cache.authenticate(key)  # a re-read starts and hangs with the old record
+    await _settle()
+    digest = hash_key(key)
+    cache.clear()  # this replica revoked the key
+    store.keys[digest] = dataclasses.replace(store.keys[digest], revoked=True)
+    store.gate.set()
+    await _settle()
+    assert len(cache) == 0  # the stale answer was not put back
+    with pytest.raises(PermissionDeniedError, match="revoked"):
+        await cache.authenticate(key)
+    await cache.close()
