@@ -9,6 +9,7 @@ attempt and are never detokenized or sent twice.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from gateway.domain import Chunk
 from gateway.request.stop_strings import StopMatcher
@@ -41,9 +42,22 @@ class TextStream:
         self.dispatched = False  # the prompt was sent to an engine (prefill may be running)
         self.first_token_at: float | None = None
         self.attempt_started_at = 0.0
+        # called once an engine call is out, or the request is about to wait for one
+        self.on_dispatch: Callable[[], None] | None = None
         self.model = ""
         self.model_version = ""
         self._sent_first = False
+
+    def mark_dispatched(self) -> None:
+        """An engine call carrying the prompt was made (its send is queued)."""
+        self.dispatched = True
+        self.mark_waiting()
+
+    def mark_waiting(self) -> None:
+        """No engine call goes out at once (the request waits for capacity): what
+        waits for the engine call's send need not wait longer."""
+        if self.on_dispatch is not None:
+            self.on_dispatch()
 
     @property
     def finished(self) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ class _Admitted:
     budget_hold: BudgetHold | None = None
     # the reservation (and budget charge) still in flight while the engine starts
     pending: asyncio.Task[tuple[Reservation | None, BudgetHold | None]] | None = None
+    # opened once the engine call is out (or the stream ends without one): the
+    # admission above waits for it, so the engine request is sent first
+    gate: asyncio.Future[None] | None = None
     # how that admission failed (refused, Redis down): the request fails, nothing is charged
     error: BaseException | None = None
 
@@ -97,6 +101,11 @@ class _Labels:
     prompt_tokens: int = 0  # what the request was charged (set when it settles)
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
+
+
+def _open(gate: asyncio.Future[None]) -> None:
+    if not gate.done():
+        gate.set_result(None)
 
 
 class Pipeline:
@@ -390,8 +399,10 @@ class Pipeline:
                 tenant, job, max_tokens, admitted.reservation, call
             )
         elif self.config.overlap_admission and self.limiter.claim_headroom(tenant, num_tokens):
-            admitted.pending = asyncio.get_running_loop().create_task(
-                self._reserve_and_charge(tenant, job, num_tokens, max_tokens, call)
+            loop = asyncio.get_running_loop()
+            gate = admitted.gate = loop.create_future()
+            admitted.pending = loop.create_task(
+                self._reserve_after(gate, tenant, job, num_tokens, max_tokens, call)
             )
             metrics.OVERLAPPED_ADMISSIONS.inc()
         else:
@@ -409,6 +420,20 @@ class Pipeline:
         metrics.STAGE_RESERVE.observe(time.perf_counter() - t0)
         hold = await self._charge_budgets(tenant, job, max_tokens, reservation, call)
         return reservation, hold
+
+    async def _reserve_after(
+        self,
+        gate: asyncio.Future[None],
+        tenant: Tenant,
+        job: EngineJob,
+        num_tokens: int,
+        max_tokens: int,
+        call: CallContext,
+    ) -> tuple[Reservation | None, BudgetHold | None]:
+        """The admission beside the engine, once the engine call is on its way: the
+        request's send goes first on this loop and the round trip during the prefill."""
+        await gate
+        return await self._reserve_and_charge(tenant, job, num_tokens, max_tokens, call)
 
     async def _charge_budgets(
         self,
@@ -523,6 +548,8 @@ class Pipeline:
                 job.stop_strings,
                 len(job.prompt_token_ids),
             )
+            if admitted.gate is not None:
+                text.on_dispatch = functools.partial(_open, admitted.gate)
             with stage(job.trace, "gateway.stream"):
                 async with contextlib.AsyncExitStack() as scope:
                     if admitted.pending is None:
@@ -571,10 +598,13 @@ class Pipeline:
             await self._confirm(admitted)
             raise
 
-    async def _confirm(self, admitted: _Admitted) -> None:
+    async def _confirm(self, admitted: _Admitted, *, go: bool = True) -> None:
         """Wait for the admission that runs beside the engine (if any is still in
         flight); raise how it failed. Safe to call from several tasks: the first to see
-        it done takes its result."""
+        it done takes its result. ``go``: the admission may start now even if no engine
+        call went out (the stream got its first chunk, failed or ended)."""
+        if go and admitted.gate is not None:
+            _open(admitted.gate)
         pending = admitted.pending
         if pending is not None:
             try:
@@ -615,7 +645,7 @@ class Pipeline:
 
         async def follow() -> None:
             with contextlib.suppress(Exception):  # the relay reports how it failed
-                await self._confirm(admitted)
+                await self._confirm(admitted, go=False)
             if admitted.error is None and not stop.is_set():  # not for a stream already over
                 async with contextlib.AsyncExitStack() as scope:
                     await self._admission_confirmed(admitted, scope)
