@@ -433,6 +433,9 @@ class Pipeline:
         """The admission beside the engine, once the engine call is on its way: the
         request's send goes first on this loop and the round trip during the prefill."""
         await gate
+        # the gate may have opened before this task's first step: the call's send task,
+        # queued when it opened, goes ahead of this one by one turn of the loop
+        await asyncio.sleep(0)
         return await self._reserve_and_charge(tenant, job, num_tokens, max_tokens, call)
 
     async def _charge_budgets(

@@ -127,6 +127,32 @@ async def test_retry_on_another_replica_before_the_first_token(tokenizer: TextTo
     assert (sent.tenant_id, sent.tenant_weight) == ("t", 3.0)
 
 
+async def test_the_dispatch_hook_runs_once_each_engine_call_is_made_and_before_its_send(
+    tokenizer: TextTokenizer,
+) -> None:
+    """What waits for the engine call (the admission beside it) is released as each
+    call is made: before the engine has it (its send is queued behind the hook's
+    caller) and never before the first call exists."""
+    dispatcher, engines, servers = await setup(["unavailable", "ok"])
+    seen: list[tuple[int, int]] = []  # (engine 0's requests, engine 1's) at each call
+    text = TextStream("r1", tokenizer, [], 3)
+    text.on_dispatch = lambda: seen.append((len(engines[0].requests), len(engines[1].requests)))
+    assert not text.dispatched
+    ids: list[int] = []
+    try:
+        async for chunk in dispatcher.run(job(), text):
+            assert seen  # released before any chunk
+            ids.extend(chunk.token_ids)
+    finally:
+        await dispatcher.pool.close()
+        for s in servers:
+            await s.stop(0)
+    assert ids == TOKENS
+    # each attempt's hook ran before that engine had the request
+    assert seen == [(0, 0), (1, 0)]
+    assert text.dispatched
+
+
 async def test_every_replica_full_is_resource_exhausted_with_retry_after(
     tokenizer: TextTokenizer,
 ) -> None:
