@@ -476,7 +476,7 @@ def summarize(samples: list[Sample], gateway_cpu_s: float = math.nan) -> dict[st
 
 
 def start_stack(
-    log_dir: Path, redis: RedisServer, admin_key: str
+    log_dir: Path, redis: RedisServer, admin_key: str, engine_dtype: str = "float32"
 ) -> tuple[list[ManagedProcess], dict[str, str]]:
     model_dir = str(default_model_dir())
     common = ["--port", "0", "--metrics-port", "0", "--log-format", "json"]
@@ -491,7 +491,7 @@ def start_stack(
         module="engine_svc",
         log_dir=log_dir,
         args=[*common, "--model-dir", model_dir, "--max-num-seqs", "32"],
-        env={"LLM_ENGINE_CORE_DEVICE": "cpu", "LLM_ENGINE_CORE_DTYPE": "float32"},
+        env={"LLM_ENGINE_CORE_DEVICE": "cpu", "LLM_ENGINE_CORE_DTYPE": engine_dtype},
     ).start(300)
     http_port = free_port()
     gw = ManagedProcess(
@@ -675,6 +675,13 @@ def main() -> None:
         help="a tenant with no limits (no token check: one Redis call)",
     )
     parser.add_argument(
+        "--engine-dtype",
+        default="float32",
+        help="the engine's weight dtype (float32, as the tests; auto: its own choice, as "
+        "`make run`). The engine's step-to-step jitter is the noise every paired "
+        "difference carries",
+    )
+    parser.add_argument(
         "--pairs",
         type=int,
         default=100,
@@ -682,9 +689,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     admin_key = "sk-llm-" + secrets.token_urlsafe(32)
+    loadavg_before = os.getloadavg()
     ids = TextTokenizer(default_model_dir()).encode(PROMPT)
     with RedisServer() as redis:
-        procs, addresses = start_stack(Path(tempfile.mkdtemp(prefix="gw-bench-")), redis, admin_key)
+        procs, addresses = start_stack(
+            Path(tempfile.mkdtemp(prefix="gw-bench-")), redis, admin_key, args.engine_dtype
+        )
         try:
             key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
             for side in SIDES:  # warm every path
@@ -702,7 +712,8 @@ def main() -> None:
         "tenant_limits": "none" if args.unlimited_tenant else str(BENCH_LIMITS).strip(),
         "prompt_tokens": len(ids),
         "requests": {"c1": args.requests_c1, "c32": args.requests_c32},
-        "machine": {"python": platform.python_version()},
+        "machine": {"python": platform.python_version(), "loadavg_before": loadavg_before},
+        "engine_dtype": args.engine_dtype,
         "note": "all services and the client share a 2-core CPU machine; figures are "
         "noisy. added = gateway (gRPC) - engine (per token); http_vs_grpc and "
         "openai_vs_grpc = HTTP front (aiohttp / openai client) - gRPC front, "
