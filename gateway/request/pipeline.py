@@ -659,6 +659,8 @@ class Pipeline:
             yield
         finally:
             stop.set()
+            if admitted.gate is not None:  # the stream is over, engine call or not
+                _open(admitted.gate)
             await asyncio.shield(task)  # bounded: the admission has its own timeouts
 
     async def _admission_confirmed(

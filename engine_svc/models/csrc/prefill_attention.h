@@ -24,10 +24,19 @@
 //      last row are never visited; items go to threads longest first, round
 //      robin, so the causal triangle's uneven rows balance.
 // Tiles: 0 B operand (Q^T, P^T), 4 A operand (K, V^T), 2-3 and 6-7 S^T, 1 and 5 O^T.
+// The op's argument checks use these on every CPU; the kernel only with AMX.
+constexpr int64_t kKeyBlock = 64;   // keys per step of the online softmax
+
+struct PrefillSeq {
+  int64_t row, len, computed;
+  const int64_t* table;
+  int64_t kpad;       // context padded to a multiple of kKeyBlock
+  BFloat16* vt;       // Hkv x V^T tiles, each kpad * D
+};
+
 #if defined(LLM_HAVE_AMX) && defined(LLM_HAVE_AVX512BF16)
 #define LLM_HAVE_AMX_PREFILL 1
 
-constexpr int64_t kKeyBlock = 64;   // keys per step of the online softmax
 constexpr float kLazyMax = 8.f;     // log2 headroom before the running max is raised
 
 // 2^t on 16 lanes for t <= kLazyMax: a cubic for 2^f (relative error ~1e-4,
@@ -51,13 +60,6 @@ void amx_configure_square() {
   }
   _tile_loadconfig(&cfg);
 }
-
-struct PrefillSeq {
-  int64_t row, len, computed;
-  const int64_t* table;
-  int64_t kpad;       // context padded to a multiple of kKeyBlock
-  BFloat16* vt;       // Hkv x V^T tiles, each kpad * D
-};
 
 // V^T tiles of keys [t0, t1) (multiples of 32) of one (sequence, KV head):
 // tile (key block kb of 32, dims 16 dc .. 16 dc + 15) = [16 dims][32 keys]

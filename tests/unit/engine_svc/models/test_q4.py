@@ -92,6 +92,7 @@ def test_q4_amx_path_equals_the_bf16_amx_kernel_bit_for_bit() -> None:
     assert torch.equal(ops.q4_linear(x, packed), dense(x))  # same bf16 weights, same tiles
 
 
+@needs_q4
 def test_q4_linear_refuses_what_it_cannot_run() -> None:
     packed = q4_pack(q4_weight(32, 64, 4))
     assert packed is not None
