@@ -122,17 +122,24 @@ class SlowStore(FakeStore):
         return record
 
 
+async def _authenticated_once() -> tuple[str, SlowStore, list[float], KeyCache]:
+    """A key, its store, the cache's clock (ms; set now[0]) and a cache (TTL 1 s) that
+    resolved the key once at time 0."""
+    key = generate_key()
+    store = SlowStore([key])
+    now = [0.0]
+    cache = KeyCache(store.lookup_hash, store.get_tenant, ttl_ms=1000, clock=lambda: now[0])
+    await cache.authenticate(key)
+    return key, store, now, cache
+
+
 async def _settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
 
 
 async def test_a_key_past_half_its_ttl_is_served_at_once_and_re_read_beside() -> None:
-    key = generate_key()
-    store = SlowStore([key])
-    now = [0.0]
-    cache = KeyCache(store.lookup_hash, store.get_tenant, ttl_ms=1000, clock=lambda: now[0])
-    await cache.authenticate(key)
+    key, store, now, cache = await _authenticated_once()
     now[0] = 400.0
     await cache.authenticate(key)
     await _settle()
@@ -156,11 +163,7 @@ async def test_a_key_past_half_its_ttl_is_served_at_once_and_re_read_beside() ->
 
 
 async def test_a_failed_re_read_keeps_the_answer_until_its_ttl_only() -> None:
-    key = generate_key()
-    store = SlowStore([key])
-    now = [0.0]
-    cache = KeyCache(store.lookup_hash, store.get_tenant, ttl_ms=1000, clock=lambda: now[0])
-    await cache.authenticate(key)
+    key, store, now, cache = await _authenticated_once()
     store.down = True
     now[0] = 600.0
     await cache.authenticate(key)  # served; the re-read beside it fails
@@ -173,11 +176,7 @@ async def test_a_failed_re_read_keeps_the_answer_until_its_ttl_only() -> None:
 
 
 async def test_a_re_read_that_began_before_clear_is_dropped() -> None:
-    key = generate_key()
-    store = SlowStore([key])
-    now = [0.0]
-    cache = KeyCache(store.lookup_hash, store.get_tenant, ttl_ms=1000, clock=lambda: now[0])
-    await cache.authenticate(key)
+    key, store, now, cache = await _authenticated_once()
     store.gate.clear()
     now[0] = 600.0
     await cache.authenticate(key)  # a re-read starts and hangs with the old record
