@@ -65,6 +65,11 @@ def cpu_signature() -> str:
     return f"{platform.machine()} {model} {flags}"
 
 
+def find_compiler() -> str | None:
+    """The C++ compiler the kernels build with: ``$CXX``, else g++ or c++ on PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def _compile(cmd: list[str], lib: Path) -> Path:
     """Run ``cmd`` (which writes ``{out}``) into a temp file, then publish it atomically."""
     if lib.is_file():
@@ -94,19 +99,9 @@ def _digest(*parts: str | bytes) -> str:
 def _ops_command(compiler: str) -> list[str]:
     from torch.utils import cpp_extension
 
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     lib_dirs = cpp_extension.library_paths()
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        compiler,
-        *C_FLAGS,
-        "-std=c++17",
-        "-fopenmp",
-        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        "-DTORCH_API_INCLUDE_EXTENSION_H",
-        *includes,
-        f"-I{CSRC}",
-        str(OPS_SOURCE),
+        *_ops_compile_command(compiler),
         "-o",
         "{out}",
         *[f"-L{p}" for p in lib_dirs],
@@ -118,13 +113,42 @@ def _ops_command(compiler: str) -> list[str]:
     ]
 
 
+def _ops_compile_command(compiler: str, march: str = "native") -> list[str]:
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = [f"-march={march}" if f == "-march=native" else f for f in C_FLAGS]
+    return [
+        compiler,
+        *flags,
+        "-std=c++17",
+        "-fopenmp",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *includes,
+        f"-I{CSRC}",
+        str(OPS_SOURCE),
+    ]
+
+
+def syntax_check_command(compiler: str, march: str) -> list[str]:
+    """The kernels' compile command for another CPU (``-march=march``), checking syntax only.
+
+    Each ISA tier (AVX2; AVX-512; AVX-512 with BF16; with AMX) compiles different
+    ``#if`` branches, and a machine builds only its own: this lets one machine check
+    that the source still compiles for the others.
+    """
+    return [*_ops_compile_command(compiler, march), "-fsyntax-only"]
+
+
 def build_ops_library() -> Path:
     """Compile ``cpu_ops.cpp`` against the installed torch (cached).
 
     Raises:
         RuntimeError: no C++ compiler, or the build failed.
     """
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = find_compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++/c++) on PATH")
     cmd = _ops_command(compiler)
