@@ -146,7 +146,7 @@ class Dispatcher:
         queue = self.queues.of(job.model) if self.queues is not None else None
         waited = False  # it had a turn: refused again, it goes first in its tenant's line
         if queue is not None and queue.num_waiting:  # others wait for this model: no barging
-            text.mark_waiting()
+            text.release_admission()
             if not await self._turn(queue, job, False):
                 raise self._queue_full(job, queue)
             waited = True
@@ -198,7 +198,7 @@ class Dispatcher:
     ) -> bool:
         """Every replica is full (nothing streamed yet): wait in the fair queue for a turn
         (True) or give up (False: the caller raises ``error``)."""
-        text.mark_waiting()
+        text.release_admission()
         if queue is None or error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or text.token_ids:
             return False
         return await self._turn(queue, job, waited)

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 from common.log import get_logger
-from common.tasks import cancel_and_wait
+from common.tasks import BackgroundOnce
 from ratelimit.errors import StoreError
 from ratelimit.redis_client import RedisClient
 from ratelimit.tenancy.registry import redis_errors
@@ -70,7 +70,7 @@ class SnapshotCache(Generic[V]):
         self._fresh_until = 0.0  # past this, a lookup re-reads the store first
         self._refresh_after = 0.0  # past this, a lookup starts a re-read beside it
         self._lock = asyncio.Lock()
-        self._ahead: asyncio.Task[None] | None = None
+        self._ahead = BackgroundOnce[None](f"refresh {what}")  # the re-read beside lookups
         self.num_refreshes = 0  # store reads (on a request's path or ahead of it)
         self.num_waited = 0  # of them, the ones a lookup waited for
 
@@ -89,10 +89,8 @@ class SnapshotCache(Generic[V]):
         if now < self._refresh_after:
             return
         if now < self._fresh_until:  # half its age left: re-read beside this lookup
-            if self._ahead is None and not self._lock.locked():
-                self._ahead = asyncio.get_running_loop().create_task(
-                    self._refresh_ahead(), name=f"refresh {self.what}"
-                )
+            if not self._lock.locked():
+                self._ahead.start(None, self._refresh_ahead)
             return
         async with self._lock:
             if self._clock() < self._fresh_until:
@@ -108,8 +106,6 @@ class SnapshotCache(Generic[V]):
                 await self._refresh()
         except Exception:  # no request waits on this task to see it: log it
             log.exception(f"refreshing {self.what} failed; keeping the last good ones")
-        finally:
-            self._ahead = None
 
     async def _refresh(self) -> None:
         """Read the store (the caller holds the lock)."""
@@ -124,8 +120,7 @@ class SnapshotCache(Generic[V]):
 
     async def close(self) -> None:
         """Stop a re-read in flight (at shutdown)."""
-        if self._ahead is not None:
-            await cancel_and_wait(self._ahead)
+        await self._ahead.close()
 
     def set_local(self, name: str, value: V | None) -> None:
         """Apply a write this replica made (None = deleted) without waiting for a refresh."""

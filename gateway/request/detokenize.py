@@ -42,8 +42,9 @@ class TextStream:
         self.dispatched = False  # the prompt was sent to an engine (prefill may be running)
         self.first_token_at: float | None = None
         self.attempt_started_at = 0.0
-        # called once an engine call is out, or the request is about to wait for one
-        self.on_dispatch: Callable[[], None] | None = None
+        # what waits for the engine call's send (the admission beside it): called once
+        # an engine call is out, or the request is about to wait for one
+        self.on_release_admission: Callable[[], None] | None = None
         self.model = ""
         self.model_version = ""
         self._sent_first = False
@@ -51,13 +52,14 @@ class TextStream:
     def mark_dispatched(self) -> None:
         """An engine call carrying the prompt was made (its send is queued)."""
         self.dispatched = True
-        self.mark_waiting()
+        self.release_admission()
 
-    def mark_waiting(self) -> None:
-        """No engine call goes out at once (the request waits for capacity): what
-        waits for the engine call's send need not wait longer."""
-        if self.on_dispatch is not None:
-            self.on_dispatch()
+    def release_admission(self) -> None:
+        """Let the admission beside the engine call go: the call is out (its send runs
+        first), or none goes out at once (the request waits for capacity, and its lease
+        must be held while it waits)."""
+        if self.on_release_admission is not None:
+            self.on_release_admission()
 
     @property
     def finished(self) -> bool:

@@ -552,7 +552,7 @@ class Pipeline:
                 len(job.prompt_token_ids),
             )
             if admitted.gate is not None:
-                text.on_dispatch = functools.partial(_open, admitted.gate)
+                text.on_release_admission = functools.partial(_open, admitted.gate)
             with stage(job.trace, "gateway.stream"):
                 async with contextlib.AsyncExitStack() as scope:
                     if admitted.pending is None:

@@ -15,7 +15,7 @@ spraying made-up keys only evicts other failures, never the valid keys.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import hmac
 import time
 from collections import OrderedDict
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.log import get_logger
-from common.tasks import cancel_and_wait
+from common.tasks import BackgroundOnce
 from ratelimit import metrics
 from ratelimit.config import Tenant
 from ratelimit.errors import NotFoundError, PermissionDeniedError, UnauthenticatedError
@@ -79,7 +79,7 @@ class KeyCache:
         self.on_use = on_use
         self._good: OrderedDict[str, tuple[float, Principal]] = OrderedDict()
         self._bad: OrderedDict[str, tuple[float, AuthFailure]] = OrderedDict()
-        self._ahead: dict[str, asyncio.Task[None]] = {}  # re-reads in flight, by digest
+        self._ahead = BackgroundOnce[str]("auth refresh")  # re-reads in flight, by digest
         self.num_refreshed_ahead = 0
         self._generation = 0  # bumped by clear()
 
@@ -102,11 +102,18 @@ class KeyCache:
         return hit is not None and hit[0] > self.clock() and not hit[1].key.expired(self.wall())
 
     def _cached(self, digest: str, now: float) -> Principal | AuthFailure | None:
-        for cache in (self._good, self._bad):
-            hit = cache.get(digest)
-            if hit is not None and hit[0] > now:
-                cache.move_to_end(digest)
-                return hit[1]
+        """The live answer for ``digest``; a valid key's past half its TTL is re-read
+        beside this use (refresh-ahead)."""
+        hit = self._good.get(digest)
+        if hit is not None and hit[0] > now:
+            self._good.move_to_end(digest)
+            if hit[0] - now <= self.ttl_ms / 2:
+                self._ahead.start(digest, functools.partial(self._refresh_ahead, digest))
+            return hit[1]
+        miss = self._bad.get(digest)
+        if miss is not None and miss[0] > now:
+            self._bad.move_to_end(digest)
+            return miss[1]
         return None
 
     def _store(self, digest: str, now: float, answer: Principal | AuthFailure) -> None:
@@ -134,8 +141,6 @@ class KeyCache:
         if answer is None:
             answer = await self._resolve(digest)
             self._store(digest, now, answer)
-        elif isinstance(answer, Principal):
-            self._maybe_refresh_ahead(digest, now)
         if isinstance(answer, AuthFailure):
             metrics.AUTH_RESULTS.labels(answer.result).inc()
             raise answer.error()
@@ -152,15 +157,6 @@ class KeyCache:
             self.on_use(key)
         return principal
 
-    def _maybe_refresh_ahead(self, digest: str, now: float) -> None:
-        """Past half its TTL, re-read a valid key's answer beside this use."""
-        expires = self._good[digest][0]
-        if expires - now > self.ttl_ms / 2 or digest in self._ahead:
-            return
-        self._ahead[digest] = asyncio.get_running_loop().create_task(
-            self._refresh_ahead(digest), name="auth refresh"
-        )
-
     async def _refresh_ahead(self, digest: str) -> None:
         started = self.clock()  # the new answer is as old as the read's start
         generation = self._generation
@@ -172,12 +168,10 @@ class KeyCache:
             self.num_refreshed_ahead += 1
             if generation == self._generation:  # not cleared meanwhile
                 self._store(digest, started, answer)
-        finally:
-            self._ahead.pop(digest, None)
 
     async def close(self) -> None:
         """Stop the re-reads in flight (at shutdown)."""
-        await cancel_and_wait(*self._ahead.values())
+        await self._ahead.close()
 
     async def _resolve(self, digest: str) -> Principal | AuthFailure:
         key = await self.lookup_hash(digest)

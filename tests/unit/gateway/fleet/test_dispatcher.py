@@ -127,7 +127,7 @@ async def test_retry_on_another_replica_before_the_first_token(tokenizer: TextTo
     assert (sent.tenant_id, sent.tenant_weight) == ("t", 3.0)
 
 
-async def test_the_dispatch_hook_runs_once_each_engine_call_is_made_and_before_its_send(
+async def test_the_admission_release_hook_runs_once_each_engine_call_is_made_and_before_its_send(
     tokenizer: TextTokenizer,
 ) -> None:
     """What waits for the engine call (the admission beside it) is released as each
@@ -136,7 +136,9 @@ async def test_the_dispatch_hook_runs_once_each_engine_call_is_made_and_before_i
     dispatcher, engines, servers = await setup(["unavailable", "ok"])
     seen: list[tuple[int, int]] = []  # (engine 0's requests, engine 1's) at each call
     text = TextStream("r1", tokenizer, [], 3)
-    text.on_dispatch = lambda: seen.append((len(engines[0].requests), len(engines[1].requests)))
+    text.on_release_admission = lambda: seen.append(
+        (len(engines[0].requests), len(engines[1].requests))
+    )
     assert not text.dispatched
     ids: list[int] = []
     try:
