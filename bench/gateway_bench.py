@@ -2,7 +2,8 @@
 and through its OpenAI-compatible HTTP front (SSE), side by side.
 
     python -m bench.gateway_bench [--rounds 3] [--requests-c1 16] [--requests-c32 64]
-                                  [--max-tokens 16]
+                                  [--max-tokens 16] [--pairs 100] [--engine model|stub]
+                                  [--stub-first-token-ms 0]
 
 Starts Redis, tokenizer_svc, one engine replica and ``python -m gateway`` on
 free ports, creates an unlimited tenant, then for concurrency 1 and 32 runs
@@ -39,6 +40,14 @@ far less than latency on a shared machine, and every cycle of it competes with
 the engine's own threads here. On the engine side it is the gateway's
 background work during that run (health watch, stats polls), the baseline the
 other sides include.
+
+``--engine stub`` runs the engine service with no model behind it
+(``bench.gatewaylib.stub_engine``: its gRPC server, servicer and checks, tokens at
+once) under both the direct side and the gateway. The paired difference is then the
+gateway's cost alone, without the model's step-to-step jitter, and it includes what
+a real prefill would hide: the first chunk waits for the admission's Redis answer.
+It measures the proxy the way proxies publish their overhead (against a fake
+upstream), never the stack's serving speed.
 
 Writes bench/reports/gateway_bench.json and .png.
 """
@@ -475,8 +484,16 @@ def summarize(samples: list[Sample], gateway_cpu_s: float = math.nan) -> dict[st
     }
 
 
+ENGINE_MODULES = {"model": "engine_svc", "stub": "bench.gatewaylib.stub_engine"}
+
+
 def start_stack(
-    log_dir: Path, redis: RedisServer, admin_key: str, engine_dtype: str = "float32"
+    log_dir: Path,
+    redis: RedisServer,
+    admin_key: str,
+    engine_dtype: str = "float32",
+    engine: str = "model",
+    stub_first_token_ms: float = 0.0,
 ) -> tuple[list[ManagedProcess], dict[str, str]]:
     model_dir = str(default_model_dir())
     common = ["--port", "0", "--metrics-port", "0", "--log-format", "json"]
@@ -488,10 +505,14 @@ def start_stack(
     ).start(60)
     eng = ManagedProcess(
         name="engine",
-        module="engine_svc",
+        module=ENGINE_MODULES[engine],
         log_dir=log_dir,
         args=[*common, "--model-dir", model_dir, "--max-num-seqs", "32"],
-        env={"LLM_ENGINE_CORE_DEVICE": "cpu", "LLM_ENGINE_CORE_DTYPE": engine_dtype},
+        env={
+            "LLM_ENGINE_CORE_DEVICE": "cpu",
+            "LLM_ENGINE_CORE_DTYPE": engine_dtype,
+            "STUB_FIRST_TOKEN_MS": str(stub_first_token_ms),
+        },
     ).start(300)
     http_port = free_port()
     gw = ManagedProcess(
@@ -682,6 +703,22 @@ def main() -> None:
         "difference carries",
     )
     parser.add_argument(
+        "--engine",
+        choices=sorted(ENGINE_MODULES),
+        default="model",
+        help="model: the real engine; stub: the engine service with no model behind it "
+        "(tokens at once), so both sides differ by the gateway alone, without the "
+        "model's jitter (bench.gatewaylib.stub_engine)",
+    )
+    parser.add_argument(
+        "--stub-first-token-ms",
+        type=float,
+        default=0.0,
+        help="with --engine stub: hold each first token this long (a prefill's wait, no "
+        "CPU), so what the gateway overlaps with the engine's start is hidden as behind "
+        "a real model",
+    )
+    parser.add_argument(
         "--pairs",
         type=int,
         default=100,
@@ -693,7 +730,12 @@ def main() -> None:
     ids = TextTokenizer(default_model_dir()).encode(PROMPT)
     with RedisServer() as redis:
         procs, addresses = start_stack(
-            Path(tempfile.mkdtemp(prefix="gw-bench-")), redis, admin_key, args.engine_dtype
+            Path(tempfile.mkdtemp(prefix="gw-bench-")),
+            redis,
+            admin_key,
+            args.engine_dtype,
+            args.engine,
+            args.stub_first_token_ms,
         )
         try:
             key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
@@ -714,6 +756,8 @@ def main() -> None:
         "requests": {"c1": args.requests_c1, "c32": args.requests_c32},
         "machine": {"python": platform.python_version(), "loadavg_before": loadavg_before},
         "engine_dtype": args.engine_dtype,
+        "engine": args.engine,
+        "stub_first_token_ms": args.stub_first_token_ms if args.engine == "stub" else None,
         "note": "all services and the client share a 2-core CPU machine; figures are "
         "noisy. added = gateway (gRPC) - engine (per token); http_vs_grpc and "
         "openai_vs_grpc = HTTP front (aiohttp / openai client) - gRPC front, "

@@ -17,7 +17,7 @@ import hashlib
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -115,7 +115,12 @@ async def warm_up(backend: Backend) -> None:
     log.info("warm-up batch done", tokens=sum(tokens))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(
+    argv: Sequence[str] | None = None,
+    backend_factory: Callable[[EngineServiceConfig, EngineConfig], Backend] = make_backend,
+) -> None:
+    """Serve until SIGTERM. ``backend_factory`` builds the backend from the configs (the
+    benches swap in a no-compute one to time everything but the model)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m engine_svc", description=__doc__)
     add_service_args(parser)
@@ -149,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     model_dir = Path(core.model_dir or default_model_dir())
     core.model_dir = str(model_dir)
     version = svc.model_version or model_version(model_dir)
-    backend = make_backend(svc, core)
+    backend = backend_factory(svc, core)
     servicer = EngineServicer(
         backend,
         model_name=svc.model_name,

@@ -1,0 +1,1 @@
+"""Helpers of bench.gateway_bench."""
