@@ -41,6 +41,14 @@ the engine's own threads here. On the engine side it is the gateway's
 background work during that run (health watch, stats polls), the baseline the
 other sides include.
 
+The ``floor`` side is a bare grpc.aio relay in front of the same engine
+(``bench.gatewaylib.relay_floor``: the stack's own server set-up, one engine call per
+request, headers with the first chunk, every chunk written back, nothing else). No
+gRPC gateway in Python can add less than it, so ``floor - engine`` is the transport's
+share of what the gateway adds (one more hop each way and its thread handoffs) and
+``gateway - floor`` the gateway's own work on the request path; both are reported per
+round and per pair.
+
 ``--engine stub`` runs the engine service with no model behind it
 (``bench.gatewaylib.stub_engine``: its gRPC server, servicer and checks, tokens at
 once) under both the direct side and the gateway. The paired difference is then the
@@ -89,7 +97,9 @@ from llm.v1 import (
 from tokenizer_svc.tokenizer import TextTokenizer
 
 PROMPT = "Write a short poem about the sea and the wind, in four lines."
-SIDES = ["engine", "gateway", "http", "openai"] + (["curl"] if shutil.which("curl") else [])
+SIDES = ["engine", "floor", "gateway", "http", "openai"] + (
+    ["curl"] if shutil.which("curl") else []
+)
 # seconds: time to the first token, mean gap per token, mean gap per text event, time to
 # the first text event
 Sample = tuple[float, float, float, float]
@@ -144,9 +154,10 @@ async def side_client(
 ) -> AsyncIterator[OneRequest]:
     """A client for ``side`` (its channel or session open, one untimed request done
     where the side keeps a connection), yielding the function that makes one timed
-    request: ``engine`` and ``gateway`` over gRPC; ``http`` (aiohttp), ``openai``
-    (the official client, httpx) and ``curl`` (``curl -N``) through the HTTP front."""
-    if side in ("engine", "gateway"):
+    request: ``engine``, ``floor`` (the bare relay) and ``gateway`` over gRPC; ``http``
+    (aiohttp), ``openai`` (the official client, httpx) and ``curl`` (``curl -N``) through
+    the HTTP front."""
+    if side in ("engine", "floor", "gateway"):
         async with grpc.aio.insecure_channel(addresses[side]) as channel:
             yield _grpc_one(side, channel, key, ids, max_tokens)
     elif side == "http":
@@ -514,6 +525,12 @@ def start_stack(
             "STUB_FIRST_TOKEN_MS": str(stub_first_token_ms),
         },
     ).start(300)
+    floor = ManagedProcess(
+        name="floor",
+        module="bench.gatewaylib.relay_floor",
+        log_dir=log_dir,
+        args=[*common, "--engine", eng.address, "--model-dir", model_dir],
+    ).start(60)
     http_port = free_port()
     gw = ManagedProcess(
         name="gateway",
@@ -534,8 +551,9 @@ def start_stack(
         ],
         env={"ADMIN_KEY": admin_key},
     ).start(120)
-    return [gw, eng, tok], {
+    return [gw, floor, eng, tok], {
         "engine": eng.address,
+        "floor": floor.address,
         "gateway": gw.address,
         "http": f"http://127.0.0.1:{http_port}",
         "gateway_metrics": f"http://127.0.0.1:{gw.metrics_port}/metrics",
@@ -574,6 +592,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax = axes[-1]
         rows = {
             "gateway - engine\n(first token)": paired["gateway_minus_engine_ttft"]["gateway"],
+            "bare relay - engine\n(first token)": paired["floor_minus_engine_ttft"]["floor"],
+            "gateway - bare relay\n(first token)": paired["gateway_minus_floor_ttft"]["gateway"],
             **{
                 f"{side} - gRPC front\n(first text)": d
                 for side, d in paired["front_minus_grpc_first_text"].items()
@@ -599,13 +619,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
         for i, (side, label) in enumerate(
             (
                 ("engine", "engine"),
+                ("floor", "bare grpc.aio relay"),
                 ("gateway", "gateway gRPC"),
                 ("http", "gateway HTTP (aiohttp client)"),
                 ("openai", "gateway HTTP (openai client)"),
             )
         ):
             ax.bar(
-                [x + (i - 1.5) * 0.2 for x in xs], [res[side][m] for m in metrics], 0.2, label=label
+                [x + (i - 2) * 0.16 for x in xs], [res[side][m] for m in metrics], 0.16, label=label
             )
         ax.set_xticks(list(xs), [m.replace("_ms", "") for m in metrics])
         ax.set_ylabel("ms")
@@ -653,6 +674,9 @@ def measure(
             if rounds
         }
         med["added"] = round_differences(by_side["gateway"], by_side["engine"])
+        # what one more grpc.aio hop costs, and the gateway's own work above it
+        med["floor_added"] = round_differences(by_side["floor"], by_side["engine"])
+        med["gateway_vs_floor"] = round_differences(by_side["gateway"], by_side["floor"])
         for front in (f for f in ("http", "openai", "curl") if f in med):  # the HTTP front
             med[f"{front}_vs_grpc"] = round_differences(
                 by_side[front],
@@ -668,7 +692,7 @@ def measure(
         paired, cpu_ms = asyncio.run(
             run_paired(SIDES, addresses, key, ids, args.pairs, args.max_tokens, gateway_pid)
         )
-        fronts = {s: paired[s] for s in SIDES if s != "engine"}
+        fronts = {s: paired[s] for s in SIDES if s not in ("engine", "floor")}
         results["c1_paired"] = {
             "pairs": args.pairs,
             "sides": {s: summarize(rows) for s, rows in paired.items()},
@@ -677,6 +701,14 @@ def measure(
             # the gRPC front over the engine: time to the first token
             "gateway_minus_engine_ttft": paired_differences(
                 {"engine": paired["engine"], "gateway": paired["gateway"]}, "engine", 0
+            ),
+            # the bare relay over the engine (the transport's floor), and the gateway over
+            # the bare relay (its own work on the request path): time to the first token
+            "floor_minus_engine_ttft": paired_differences(
+                {"engine": paired["engine"], "floor": paired["floor"]}, "engine", 0
+            ),
+            "gateway_minus_floor_ttft": paired_differences(
+                {"floor": paired["floor"], "gateway": paired["gateway"]}, "floor", 0
             ),
             # each HTTP client over the gRPC front: time to the first text event
             "front_minus_grpc_first_text": paired_differences(fronts, "gateway", 3),
@@ -787,6 +819,8 @@ def main() -> None:
         print(f"c1 paired ({p['pairs']} pairs), per-pair differences in ms:")
         for name, diffs in (
             ("gateway gRPC - engine, first token", p["gateway_minus_engine_ttft"]),
+            ("bare relay (floor) - engine, first token", p["floor_minus_engine_ttft"]),
+            ("gateway gRPC - bare relay (floor), first token", p["gateway_minus_floor_ttft"]),
             ("HTTP front - gRPC front, first text event", p["front_minus_grpc_first_text"]),
         ):
             for side, d in diffs.items():

@@ -1,0 +1,133 @@
+"""The transport floor of any gRPC gateway here: ``python -m bench.gatewaylib.relay_floor``.
+
+A bare ``llm.v1.Gateway/Generate`` relay in front of one engine, built the way
+every service of the stack is (``common.server.run_service``: grpc.aio on uvloop
+where installed, the shared interceptors, health) and doing only what a proxy
+cannot skip: accept the call, make one ``Engine/Generate`` call with the prompt's
+token ids, send headers with the first chunk, and write every engine chunk back
+as it arrives. No authentication, limits, tokenizing on the request path (each
+distinct prompt is encoded once and remembered), routing, detokenization,
+retries or settling.
+
+``bench.gateway_bench`` runs it as the ``floor`` side beside the engine and the
+gateway: ``floor - engine`` is what one more grpc.aio hop costs on this machine
+(the part of the gateway's added latency no gateway logic can remove), and
+``gateway - floor`` is the gateway's own work on the request path. It is a
+benchmark device, never a serving mode: it trusts every caller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from collections.abc import Sequence
+
+import grpc
+
+from common.config import ServiceConfig, add_service_args, default_model_dir, service_overrides
+from common.log import configure_logging
+from common.server import Context, ServiceHooks, run, run_service
+from common.service_auth import read_service_token, token_metadata
+from gateway.fleet.replica import CHANNEL_OPTIONS
+from llm.v1 import engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from tokenizer_svc.tokenizer import TextTokenizer
+
+MAX_REMEMBERED_PROMPTS = 64  # the bench sends one prompt; a bound keeps memory flat anyway
+
+
+class RelayFloor(gateway_pb2_grpc.GatewayServicer):
+    """Gateway.Generate as a bare relay to one engine.
+
+    Args:
+        engine: The engine's stub (its channel is the caller's).
+        tokenizer: Encodes a prompt the first time it is seen.
+        call_metadata: Sent on every engine call beside ``x-request-id``.
+    """
+
+    def __init__(
+        self,
+        engine: engine_pb2_grpc.EngineAsyncStub,
+        tokenizer: TextTokenizer,
+        call_metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.call_metadata = call_metadata  # the service token, as the gateway sends it
+        self._ids: dict[str, list[int]] = {}
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """The prompt's token ids, encoded once per distinct prompt."""
+        ids = self._ids.get(prompt)
+        if ids is None:
+            ids = self.tokenizer.encode(prompt)
+            if len(self._ids) >= MAX_REMEMBERED_PROMPTS:
+                self._ids.clear()
+            self._ids[prompt] = ids
+        return ids
+
+    async def Generate(  # type: ignore[override]  # streams with context.write
+        self, request: gateway_pb2.GenerateRequest, context: Context
+    ) -> None:
+        """Relay one engine stream; an engine error ends the call with the engine's status."""
+        if not request.prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the floor relays prompts only")
+        request_id = request.request_id or uuid.uuid4().hex
+        call = self.engine.Generate(
+            engine_pb2.EngineGenerateRequest(
+                request_id=request_id,
+                prompt_token_ids=self.prompt_ids(request.prompt),
+                sampling=engine_pb2.EngineSamplingParams(
+                    max_tokens=request.sampling.max_tokens, ignore_eos=request.sampling.ignore_eos
+                ),
+            ),
+            timeout=context.time_remaining(),
+            metadata=(("x-request-id", request_id), *self.call_metadata),
+        )
+        sent_headers = False
+        try:
+            async for resp in call:
+                if not sent_headers:  # as the gateway's front: headers with the first chunk
+                    await context.send_initial_metadata((("x-request-id", request_id),))
+                    sent_headers = True
+                await context.write(
+                    gateway_pb2.GenerateResponse(
+                        request_id=request_id,
+                        token_ids=resp.token_ids,
+                        finish_reason=resp.finish_reason,
+                    )
+                )
+        except grpc.aio.AioRpcError as e:
+            await context.abort(e.code(), e.details() or "")
+        finally:
+            if not call.done():  # the client left: the engine frees the request at once
+                call.cancel()
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: Context
+    ) -> gateway_pb2.ListModelsResponse:
+        """The floor keeps no catalog."""
+        return gateway_pb2.ListModelsResponse()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.gatewaylib.relay_floor")
+    add_service_args(parser)
+    parser.add_argument("--engine", required=True, help="the engine's host:port")
+    parser.add_argument("--model-dir", help="the tokenizer's model directory")
+    args = parser.parse_args(argv)
+    cfg = ServiceConfig(**{k: v for k, v in service_overrides(args).items() if v is not None})
+    configure_logging("relay-floor", cfg.log_level, cfg.log_format)
+    tokenizer = TextTokenizer(args.model_dir or default_model_dir())
+
+    def register(server: grpc.aio.Server) -> list[str]:
+        channel = grpc.aio.insecure_channel(args.engine, options=CHANNEL_OPTIONS)
+        token = token_metadata(read_service_token(cfg.service_token_file))
+        floor = RelayFloor(engine_pb2_grpc.EngineStub(channel), tokenizer, token)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(floor, server)
+        return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
+
+    run(run_service("relay-floor", cfg, ServiceHooks(register=register)))
+
+
+if __name__ == "__main__":
+    main()
