@@ -3,7 +3,7 @@ and through its OpenAI-compatible HTTP front (SSE), side by side.
 
     python -m bench.gateway_bench [--rounds 3] [--requests-c1 16] [--requests-c32 64]
                                   [--max-tokens 16] [--pairs 100] [--engine model|stub]
-                                  [--stub-first-token-ms 0]
+                                  [--stub-first-token-ms 0] [--engine-cores 0]
 
 Starts Redis, tokenizer_svc, one engine replica and ``python -m gateway`` on
 free ports, creates an unlimited tenant, then for concurrency 1 and 32 runs
@@ -57,6 +57,13 @@ a real prefill would hide: the first chunk waits for the admission's Redis answe
 It measures the proxy the way proxies publish their overhead (against a fake
 upstream), never the stack's serving speed.
 
+``--engine-cores N`` pins the engine to N CPUs (one torch thread each) and everything
+else (Redis, the tokenizer service, the bare relay, the gateway, this client) to the
+rest, as a deployment gives a proxy cores of its own. By default every process shares
+every core, so each millisecond of gateway CPU during an engine step is taken from the
+engine's threads and stretches that step for the whole batch: at concurrency 32 that,
+not the gateway's latency, is most of what the gateway adds on a small machine.
+
 Writes bench/reports/gateway_bench.json and .png.
 """
 
@@ -74,7 +81,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -502,6 +509,35 @@ def summarize(samples: list[Sample], gateway_cpu_s: float = math.nan) -> dict[st
 ENGINE_MODULES = {"model": "engine_svc", "stub": "bench.gatewaylib.stub_engine"}
 
 
+@contextlib.contextmanager
+def on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """Run the block (and whatever it spawns: children inherit it) on ``cpus``; None =
+    leave the affinity alone."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def split_cpus(engine_cores: int) -> tuple[set[int], set[int]] | None:
+    """(the engine's CPUs, everyone else's) out of this process's own: the engine gets
+    the first ``engine_cores``; None when ``engine_cores`` is 0 (all share every core)."""
+    if engine_cores <= 0:
+        return None
+    mine = sorted(os.sched_getaffinity(0))
+    if engine_cores >= len(mine):
+        raise SystemExit(
+            f"--engine-cores {engine_cores}: this process may use {len(mine)} CPU(s) "
+            "and needs at least one left for the gateway, Redis and the client"
+        )
+    return set(mine[:engine_cores]), set(mine[engine_cores:])
+
+
 def start_stack(
     log_dir: Path,
     redis: RedisServer,
@@ -509,7 +545,11 @@ def start_stack(
     engine_dtype: str = "float32",
     engine: str = "model",
     stub_first_token_ms: float = 0.0,
+    engine_cpus: set[int] | None = None,
 ) -> tuple[list[ManagedProcess], dict[str, str]]:
+    """Tokenizer, engine, bare relay and gateway on free ports. With ``engine_cpus`` the
+    engine runs on those CPUs alone, one torch thread per CPU; the rest inherit the
+    caller's affinity."""
     model_dir = str(default_model_dir())
     common = ["--port", "0", "--metrics-port", "0", "--log-format", "json"]
     tok = ManagedProcess(
@@ -518,17 +558,20 @@ def start_stack(
         log_dir=log_dir,
         args=[*common, "--model-dir", model_dir],
     ).start(60)
-    eng = ManagedProcess(
-        name="engine",
-        module=ENGINE_MODULES[engine],
-        log_dir=log_dir,
-        args=[*common, "--model-dir", model_dir, "--max-num-seqs", "32"],
-        env={
-            "LLM_ENGINE_CORE_DEVICE": "cpu",
-            "LLM_ENGINE_CORE_DTYPE": engine_dtype,
-            "STUB_FIRST_TOKEN_MS": str(stub_first_token_ms),
-        },
-    ).start(300)
+    threads = {"LLM_ENGINE_CORE_NUM_THREADS": str(len(engine_cpus))} if engine_cpus else {}
+    with on_cpus(engine_cpus):
+        eng = ManagedProcess(
+            name="engine",
+            module=ENGINE_MODULES[engine],
+            log_dir=log_dir,
+            args=[*common, "--model-dir", model_dir, "--max-num-seqs", "32"],
+            env={
+                "LLM_ENGINE_CORE_DEVICE": "cpu",
+                "LLM_ENGINE_CORE_DTYPE": engine_dtype,
+                "STUB_FIRST_TOKEN_MS": str(stub_first_token_ms),
+                **threads,
+            },
+        ).start(300)
     floor = ManagedProcess(
         name="floor",
         module="bench.gatewaylib.relay_floor",
@@ -760,7 +803,18 @@ def main() -> None:
         default=100,
         help="concurrency-1 paired requests (every side back to back, order rotated); 0 = skip",
     )
+    parser.add_argument(
+        "--engine-cores",
+        type=int,
+        default=0,
+        help="pin the engine to this many CPUs (one torch thread each) and Redis, the "
+        "tokenizer, the bare relay, the gateway and this client to the rest, as a "
+        "deployment gives a proxy cores of its own; 0 = everything shares every core",
+    )
     args = parser.parse_args()
+    split = split_cpus(args.engine_cores)
+    if split is not None:
+        os.sched_setaffinity(0, split[1])  # Redis and every later child inherit it
     admin_key = "sk-llm-" + secrets.token_urlsafe(32)
     loadavg_before = os.getloadavg()
     ids = TextTokenizer(default_model_dir()).encode(PROMPT)
@@ -772,6 +826,7 @@ def main() -> None:
             args.engine_dtype,
             args.engine,
             args.stub_first_token_ms,
+            split[0] if split else None,
         )
         try:
             key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
@@ -794,9 +849,14 @@ def main() -> None:
         "engine_dtype": args.engine_dtype,
         "engine": args.engine,
         "stub_first_token_ms": args.stub_first_token_ms if args.engine == "stub" else None,
-        "note": "all services and the client share a 2-core CPU machine; figures are "
-        "noisy. added = gateway (gRPC) - engine (per token); http_vs_grpc and "
-        "openai_vs_grpc = HTTP front (aiohttp / openai client) - gRPC front, "
+        "placement": (
+            {"engine_cpus": sorted(split[0]), "others_cpus": sorted(split[1])}
+            if split
+            else "every process on every core"
+        ),
+        "note": "all services and the client on one machine (see placement and "
+        "machine); figures are noisy. added = gateway (gRPC) - engine (per token); "
+        "http_vs_grpc and openai_vs_grpc = HTTP front (aiohttp / openai client) - gRPC front, "
         "time to the first text-bearing event and the gap between such events; "
         "each is the median over rounds of that round's difference (an SSE client "
         "sees text events only; the incremental detokenizer holds back tokens that "

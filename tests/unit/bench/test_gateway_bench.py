@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
-from bench.gateway_bench import paired_differences, pct, round_differences
+import pytest
+
+from bench.gateway_bench import on_cpus, paired_differences, pct, round_differences, split_cpus
 
 
 def test_paired_differences_subtract_pair_by_pair() -> None:
@@ -83,3 +88,27 @@ def test_round_differences_take_the_median_of_each_rounds_difference() -> None:
     assert round_differences(gateway, engine) == {"ttft": 5.0}
     two = [{"a": 1.0, "b": 2.0}]
     assert round_differences(two, [{"a": 0.5, "b": 0.0}], ("a",)) == {"a": 0.5}
+
+
+def test_split_cpus_gives_the_engine_the_first_cores_and_keeps_one_for_the_rest() -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    assert split_cpus(0) is None
+    with pytest.raises(SystemExit, match="needs at least one left"):
+        split_cpus(len(mine))
+    if len(mine) < 2:
+        pytest.skip("one CPU: nothing to split")
+    engine, others = split_cpus(1) or (set(), set())
+    assert engine == {mine[0]}
+    assert others == set(mine[1:])
+
+
+def test_a_child_started_on_cpus_inherits_them_and_the_caller_gets_its_own_back() -> None:
+    before = os.sched_getaffinity(0)
+    one = {min(before)}
+    probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    with on_cpus(one):
+        inside = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+    assert inside.strip() == str(sorted(one))
+    assert os.sched_getaffinity(0) == before
+    with on_cpus(None):
+        assert os.sched_getaffinity(0) == before
