@@ -34,12 +34,13 @@ overhead before the engine attempt; its TTFT and time per output token), scraped
 from its /metrics before and after each run, as count, mean and interpolated p50 /
 p99 of what that run added.
 
-The gateway process's CPU time per request (user + system, from
-``/proc/<pid>/stat``, every thread of it) is reported per side too: it moves
-far less than latency on a shared machine, and every cycle of it competes with
-the engine's own threads here. On the engine side it is the gateway's
-background work during that run (health watch, stats polls), the baseline the
-other sides include.
+The proxy's CPU time per request (user + system, from ``/proc/<pid>/stat``,
+every thread of it) is reported per side too: the gateway process's on the
+gateway, HTTP, openai and curl sides, the bare relay's on the floor side. It
+moves far less than latency on a shared machine, and every cycle of it
+competes with the engine's own threads here. On the engine side it is the
+gateway's background work during that run (health watch, stats polls), the
+baseline the gateway's sides include.
 
 The ``floor`` side is a bare grpc.aio relay in front of the same engine
 (``bench.gatewaylib.relay_floor``: the stack's own server set-up, one engine call per
@@ -81,7 +82,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -333,31 +334,30 @@ async def run_paired(
     ids: list[int],
     num_pairs: int,
     max_tokens: int,
-    gateway_pid: int | None = None,
+    cpu_pids: Mapping[str, int] | None = None,
 ) -> tuple[dict[str, list[Sample]], dict[str, float]]:
     """Concurrency 1, one request per side back to back, ``num_pairs`` times, the order
     rotated each time: the sides of one pair meet the same machine state, so their
     difference is the front's cost with most of the machine's drift taken out.
 
-    Returns the samples and, per side, the gateway process's CPU ms per request
-    (read around each request; NaN without ``gateway_pid``)."""
+    Returns the samples and, per side, the CPU ms per request of the process
+    ``cpu_pids`` names for it (read around each request; NaN for a side it does not
+    name)."""
     async with contextlib.AsyncExitStack() as stack:
         ones = {
             s: await stack.enter_async_context(side_client(s, addresses, key, ids, max_tokens))
             for s in sides
         }
         out: dict[str, list[Sample]] = {s: [] for s in sides}
+        pids = cpu_pids or {}
         cpu = dict.fromkeys(sides, 0.0)
         for i in range(num_pairs):
             k = i % len(sides)
             for s in sides[k:] + sides[:k]:
-                c0 = process_cpu_seconds(gateway_pid) if gateway_pid else math.nan
+                c0 = process_cpu_seconds(pids[s]) if s in pids else math.nan
                 out[s].append(await ones[s]())
-                if gateway_pid:
-                    cpu[s] += process_cpu_seconds(gateway_pid) - c0
-        per_request = {
-            s: cpu[s] / num_pairs * 1000 if gateway_pid and num_pairs else math.nan for s in sides
-        }
+                cpu[s] += process_cpu_seconds(pids[s]) - c0 if s in pids else math.nan
+        per_request = {s: cpu[s] / num_pairs * 1000 if num_pairs else math.nan for s in sides}
         return out, per_request
 
 
@@ -484,9 +484,9 @@ def stage_figures(histos: dict[str, Histo]) -> dict[str, dict[str, float]]:
     }
 
 
-def summarize(samples: list[Sample], gateway_cpu_s: float = math.nan) -> dict[str, float]:
+def summarize(samples: list[Sample], proxy_cpu_s: float = math.nan) -> dict[str, float]:
     """Quantiles of one run's samples (ms), and the gateway's CPU ms per request in it
-    (``gateway_cpu_s``: what the gateway process used during the run)."""
+    (``proxy_cpu_s``: what the process in front of the engine used during the run)."""
     ttft = [s[0] * 1000 for s in samples]
     itl = [s[1] * 1000 for s in samples]
     event = [s[2] * 1000 for s in samples]
@@ -502,7 +502,7 @@ def summarize(samples: list[Sample], gateway_cpu_s: float = math.nan) -> dict[st
         "event_gap_p99_ms": pct(event, 0.99),
         "first_text_p50_ms": pct(first_text, 0.5),
         "first_text_p99_ms": pct(first_text, 0.99),
-        "gateway_cpu_ms_per_request": gateway_cpu_s / max(1, len(samples)) * 1000,
+        "proxy_cpu_ms_per_request": proxy_cpu_s / max(1, len(samples)) * 1000,
     }
 
 
@@ -689,7 +689,7 @@ def measure(
     addresses: dict[str, str],
     key: str,
     ids: list[int],
-    gateway_pid: int | None = None,
+    cpu_pids: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     runs = {"c1": (1, args.requests_c1), "c32": (32, args.requests_c32)}
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
@@ -704,11 +704,12 @@ def measure(
                 sides = SIDES[k:] + SIDES[:k]  # rotate so drift hits every side
                 before = scrape_histograms(metrics_url)
                 for name in sides:
-                    c0 = process_cpu_seconds(gateway_pid) if gateway_pid else math.nan
+                    pid = (cpu_pids or {}).get(name)
+                    c0 = process_cpu_seconds(pid) if pid else math.nan
                     samples = asyncio.run(
                         run_side(name, addresses, key, ids, n_req, n_conc, args.max_tokens)
                     )
-                    cpu = process_cpu_seconds(gateway_pid) - c0 if gateway_pid else math.nan
+                    cpu = process_cpu_seconds(pid) - c0 if pid else math.nan
                     per_round[conc][name].append(summarize(samples, cpu))
                     bar.update(1)
                 after = scrape_histograms(metrics_url)
@@ -737,14 +738,14 @@ def measure(
         }
     if args.pairs:
         paired, cpu_ms = asyncio.run(
-            run_paired(SIDES, addresses, key, ids, args.pairs, args.max_tokens, gateway_pid)
+            run_paired(SIDES, addresses, key, ids, args.pairs, args.max_tokens, cpu_pids)
         )
         fronts = {s: paired[s] for s in SIDES if s not in ("engine", "floor")}
         results["c1_paired"] = {
             "pairs": args.pairs,
             "sides": {s: summarize(rows) for s, rows in paired.items()},
-            # the gateway process's CPU per request of each side (engine: its background)
-            "gateway_cpu_ms_per_request": cpu_ms,
+            # the proxy's CPU per request of each side (engine: the gateway's background)
+            "proxy_cpu_ms_per_request": cpu_ms,
             # the gRPC front over the engine: time to the first token
             "gateway_minus_engine_ttft": paired_differences(
                 {"engine": paired["engine"], "gateway": paired["gateway"]}, "engine", 0
@@ -832,9 +833,12 @@ def main() -> None:
             key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
             for side in SIDES:  # warm every path
                 asyncio.run(run_side(side, addresses, key, ids, 4, 4, 4))
-            results = measure(
-                args, addresses, key, ids, procs[0].proc.pid if procs[0].proc else None
-            )
+            gw_proc, floor_proc = procs[0].proc, procs[1].proc
+            assert gw_proc is not None  # started above
+            assert floor_proc is not None
+            # whose CPU each side is charged: the process in front of the engine there
+            cpu_pids = {s: floor_proc.pid if s == "floor" else gw_proc.pid for s in SIDES}
+            results = measure(args, addresses, key, ids, cpu_pids)
         finally:
             for p in procs:
                 p.stop()
@@ -867,10 +871,10 @@ def main() -> None:
     for conc in ("c1", "c32"):
         res = {k: d for k, d in results[conc].items() if k not in ("gateway_stages", "by_round")}
         print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()} for k, d in res.items()}))
-        cpu = {s: results[conc][s]["gateway_cpu_ms_per_request"] for s in SIDES}
+        cpu = {s: results[conc][s]["proxy_cpu_ms_per_request"] for s in SIDES}
         print(
-            f"  {conc} gateway CPU ms per request (engine side: background): "
-            + "  ".join(f"{s} {v:.2f}" for s, v in cpu.items())
+            f"  {conc} proxy CPU ms per request (floor: the bare relay's; engine: the "
+            "gateway's background): " + "  ".join(f"{s} {v:.2f}" for s, v in cpu.items())
         )
         print(f"  {conc} gateway stages (its own histograms; ms):")
         for label, d in results[conc]["gateway_stages"].items():
@@ -893,8 +897,8 @@ def main() -> None:
                     f"p50 {d['p50_ms']:.2f}  p90 {d['p90_ms']:.2f}  p99 {d['p99_ms']:.2f}"
                 )
         print(
-            "  gateway CPU ms per request: "
-            + "  ".join(f"{s} {v:.2f}" for s, v in p["gateway_cpu_ms_per_request"].items())
+            "  proxy CPU ms per request: "
+            + "  ".join(f"{s} {v:.2f}" for s, v in p["proxy_cpu_ms_per_request"].items())
         )
 
 

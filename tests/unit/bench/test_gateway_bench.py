@@ -71,12 +71,12 @@ def test_process_cpu_seconds_grows_with_work_and_is_nan_for_no_process() -> None
     assert math.isnan(process_cpu_seconds(2**31 - 1))  # no such process
 
 
-def test_summarize_divides_the_gateway_cpu_by_the_requests() -> None:
+def test_summarize_divides_the_proxy_cpu_by_the_requests() -> None:
     from bench.gateway_bench import summarize
 
     rows = [(0.010, 0.001, 0.001, 0.010)] * 4
-    assert abs(summarize(rows, 0.008)["gateway_cpu_ms_per_request"] - 2.0) < 1e-9
-    assert math.isnan(summarize(rows)["gateway_cpu_ms_per_request"])
+    assert abs(summarize(rows, 0.008)["proxy_cpu_ms_per_request"] - 2.0) < 1e-9
+    assert math.isnan(summarize(rows)["proxy_cpu_ms_per_request"])
 
 
 def test_round_differences_take_the_median_of_each_rounds_difference() -> None:
