@@ -656,7 +656,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
                 label=q.replace("_ms", ""),
             )
         ax.axhline(0, color="black", linewidth=0.5)
-        ax.set_xticks(list(xs), list(rows), fontsize=7)
+        ax.set_xticks(list(xs), list(rows), fontsize=7, rotation=25, ha="right")
         ax.set_ylabel("ms added")
         ax.set_title(f"concurrency 1, {paired['pairs']} paired requests")
         ax.legend()
@@ -679,7 +679,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("ms")
         ax.set_title(f"concurrency {conc[1:]} (median of {report['rounds']} rounds)")
         ax.legend()
-    fig.suptitle("Gateway added latency (2-core CPU box: noisy)")
+    m = report.get("machine", {})
+    placement = report.get("placement")
+    where = (
+        f"engine on CPU {placement['engine_cpus']}, the rest on {placement['others_cpus']}"
+        if isinstance(placement, dict)
+        else "every process on every core"
+    )
+    fig.suptitle(
+        f"Gateway added latency, {report.get('engine', 'model')} engine: "
+        f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {where}, "
+        f"load {m.get('loadavg_at_save', [math.nan])[0]:.1f}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
