@@ -29,7 +29,7 @@ incremental detokenizer sends no event for a token that completes no
 character). HTTP-vs-gRPC comparisons use the per-event figures of both.
 
 Beside the client-side figures, the gateway's own view per concurrency: its stage
-histograms (``gateway_stage_seconds``: auth, reserve, encode, route, take; the
+histograms (``gateway_stage_seconds``: auth, reserve, reserve_beside, encode, route, take; the
 overhead before the engine attempt; its TTFT and time per output token), scraped
 from its /metrics before and after each run, as count, mean and interpolated p50 /
 p99 of what that run added.
@@ -401,7 +401,7 @@ def paired_differences(
 STAGE_SERIES = {
     **{
         stage: ("gateway_stage_seconds", {"stage": stage})
-        for stage in ("auth", "reserve", "encode", "route", "take")
+        for stage in ("auth", "reserve", "reserve_beside", "encode", "route", "take")
     },
     "overhead (to the engine attempt)": ("gateway_overhead_seconds", {}),
     "ttft (gateway's view)": ("gateway_time_to_first_token_seconds", {}),

@@ -98,14 +98,25 @@ OVERHEAD = Histogram(
 )
 STAGE = Histogram(
     "gateway_stage_seconds",
-    "Time of each step before the engine call: auth, reserve (request unit + "
-    "lease), encode (tokenize), take (tokens), route, budget (tenant budgets)",
+    "Time of each admission step: auth, reserve (request unit + lease, and tokens "
+    "on the one-call path), encode (tokenize), take (tokens), route, budget (tenant "
+    "budgets), all before the engine call; reserve_beside: the one-call reservation "
+    "when it runs beside the engine's start (overlapped admission), not before it",
     ["stage"],
     buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5),
 )
 # bound once: the per-request path does no label lookup
-STAGE_AUTH, STAGE_RESERVE, STAGE_ENCODE, STAGE_ROUTE, STAGE_TAKE, STAGE_BUDGET = (
-    STAGE.labels(s) for s in ("auth", "reserve", "encode", "route", "take", "budget")
+(
+    STAGE_AUTH,
+    STAGE_RESERVE,
+    STAGE_RESERVE_BESIDE,
+    STAGE_ENCODE,
+    STAGE_ROUTE,
+    STAGE_TAKE,
+    STAGE_BUDGET,
+) = (
+    STAGE.labels(s)
+    for s in ("auth", "reserve", "reserve_beside", "encode", "route", "take", "budget")
 )
 LIMIT_CALLS = Counter(
     "gateway_ratelimit_admissions_total",

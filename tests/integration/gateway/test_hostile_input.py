@@ -331,9 +331,14 @@ def test_a_prompt_longer_than_any_context_could_hold_is_refused_before_tokenizin
     assert_idle(gateway, tid, engines)
 
 
+def stage_count(gateway: GatewayProcess, name: str) -> float:
+    """How many times the gateway recorded admission stage ``name``."""
+    return gateway.metric("gateway_stage_seconds_count", stage=name)
+
+
 def gateway_encodes(gateway: GatewayProcess) -> float:
     """Prompts the gateway tokenized (in process or through tokenizer_svc)."""
-    return gateway.metric("gateway_stage_seconds_count", stage="encode")
+    return stage_count(gateway, "encode")
 
 
 def test_an_over_rate_tenant_costs_no_tokenizing(
@@ -439,9 +444,14 @@ def test_an_overlapped_admission_that_redis_refuses_sends_nothing_and_charges_no
     )
     overlapped = gateway.metric("gateway_ratelimit_overlapped_admissions_total")
     refused = gateway.metric("gateway_ratelimit_overlap_refusals_total")
+    reserve, beside = stage_count(gateway, "reserve"), stage_count(gateway, "reserve_beside")
     assert gateway.generate(key, chat("Hi", 1))  # two calls: this replica sees the levels
+    assert stage_count(gateway, "reserve") == reserve + 1  # before the tokenizer
     assert gateway.generate(key, chat("Hi", 1))  # one call, beside the engine's start
     assert gateway.metric("gateway_ratelimit_overlapped_admissions_total") == overlapped + 1
+    # its time is recorded apart: it is not a stage on the request's path
+    assert stage_count(gateway, "reserve") == reserve + 1
+    assert stage_count(gateway, "reserve_beside") == beside + 1
     left = gateway.usage(tid).tokens_available
     assert other.generate(key, chat("hello " * int(left - 120), 1))  # spends all but ~100
     before = gateway.usage(tid)
