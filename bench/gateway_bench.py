@@ -128,9 +128,11 @@ def sample(t0: float, token_stamps: list[float], event_stamps: list[float]) -> S
     return token_stamps[0] - t0, gap(token_stamps), gap(events), events[0] - t0
 
 
-def process_cpu_seconds(pid: int) -> float:
+def process_cpu_seconds(pid: int | None) -> float:
     """User + system CPU seconds of process ``pid`` so far, all its threads (Linux
-    ``/proc``; NaN where there is none)."""
+    ``/proc``; NaN where there is none, or for no pid)."""
+    if pid is None:
+        return math.nan
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -354,9 +356,9 @@ async def run_paired(
         for i in range(num_pairs):
             k = i % len(sides)
             for s in sides[k:] + sides[:k]:
-                c0 = process_cpu_seconds(pids[s]) if s in pids else math.nan
+                c0 = process_cpu_seconds(pids.get(s))
                 out[s].append(await ones[s]())
-                cpu[s] += process_cpu_seconds(pids[s]) - c0 if s in pids else math.nan
+                cpu[s] += process_cpu_seconds(pids.get(s)) - c0
         per_request = {s: cpu[s] / num_pairs * 1000 if num_pairs else math.nan for s in sides}
         return out, per_request
 
@@ -485,7 +487,7 @@ def stage_figures(histos: dict[str, Histo]) -> dict[str, dict[str, float]]:
 
 
 def summarize(samples: list[Sample], proxy_cpu_s: float = math.nan) -> dict[str, float]:
-    """Quantiles of one run's samples (ms), and the gateway's CPU ms per request in it
+    """Quantiles of one run's samples (ms), and the proxy's CPU ms per request in it
     (``proxy_cpu_s``: what the process in front of the engine used during the run)."""
     ttft = [s[0] * 1000 for s in samples]
     itl = [s[1] * 1000 for s in samples]
@@ -716,11 +718,11 @@ def measure(
                 before = scrape_histograms(metrics_url)
                 for name in sides:
                     pid = (cpu_pids or {}).get(name)
-                    c0 = process_cpu_seconds(pid) if pid else math.nan
+                    c0 = process_cpu_seconds(pid)
                     samples = asyncio.run(
                         run_side(name, addresses, key, ids, n_req, n_conc, args.max_tokens)
                     )
-                    cpu = process_cpu_seconds(pid) - c0 if pid else math.nan
+                    cpu = process_cpu_seconds(pid) - c0
                     per_round[conc][name].append(summarize(samples, cpu))
                     bar.update(1)
                 after = scrape_histograms(metrics_url)
@@ -825,12 +827,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     split = split_cpus(args.engine_cores)
-    if split is not None:
-        os.sched_setaffinity(0, split[1])  # Redis and every later child inherit it
     admin_key = "sk-llm-" + secrets.token_urlsafe(32)
     loadavg_before = os.getloadavg()
     ids = TextTokenizer(default_model_dir()).encode(PROMPT)
-    with RedisServer() as redis:
+    # this client, Redis and every later child on the others' CPUs (the engine's own
+    # are set around its start)
+    with on_cpus(split[1] if split else None), RedisServer() as redis:
         procs, addresses = start_stack(
             Path(tempfile.mkdtemp(prefix="gw-bench-")),
             redis,

@@ -61,14 +61,13 @@ def test_paired_differences_report_both_tails() -> None:
 
 
 def test_process_cpu_seconds_grows_with_work_and_is_nan_for_no_process() -> None:
-    import os
-
     from bench.gateway_bench import process_cpu_seconds
 
     before = process_cpu_seconds(os.getpid())
     sum(i * i for i in range(2_000_000))  # some CPU time of this process
     assert process_cpu_seconds(os.getpid()) > before
     assert math.isnan(process_cpu_seconds(2**31 - 1))  # no such process
+    assert math.isnan(process_cpu_seconds(None))  # a side with no proxy process
 
 
 def test_summarize_divides_the_proxy_cpu_by_the_requests() -> None:
