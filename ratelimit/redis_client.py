@@ -36,13 +36,16 @@ RedisClient: TypeAlias = Redis | RedisCluster
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, RedisClusterException)
 # ...and what the asyncio client leaks when a connection is closed under a call (a node
 # killed while the cluster client still writes to it: ``_writer`` is None, or the
-# transport's internals are: a known redis-py asyncio defect). They count as a failed
-# call only when raised inside redis-py or asyncio (``leaked_by_the_client``): the same
+# transport's internals are: a known redis-py asyncio defect; under uvloop the write
+# meets a closed handle, a RuntimeError). They count as a failed call only when raised
+# inside redis-py, asyncio or uvloop's transports (``leaked_by_the_client``): the same
 # error raised by our own code is a bug, and stays one.
-LEAKED_TRANSPORT_ERRORS: tuple[type[Exception], ...] = (AttributeError, TypeError)
+LEAKED_TRANSPORT_ERRORS: tuple[type[Exception], ...] = (AttributeError, TypeError, RuntimeError)
 # everything ``store_errors`` looks at (OSError: a socket error the client did not wrap)
 STORE_FAILURES: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError, *LEAKED_TRANSPORT_ERRORS)
 _CLIENT_CODE = tuple(str(Path(m.__file__).parent) + "/" for m in (redis, asyncio) if m.__file__)
+# uvloop's compiled transports name their source relative to the package
+_UVLOOP_HANDLES = "uvloop/handles/"
 
 
 def _innermost(tb: TracebackType | None) -> TracebackType | None:
@@ -52,12 +55,18 @@ def _innermost(tb: TracebackType | None) -> TracebackType | None:
 
 
 def leaked_by_the_client(exc: BaseException) -> bool:
-    """True for an AttributeError or TypeError raised inside redis-py or asyncio's
-    transports (a closed connection under a call), not in the caller's own code."""
+    """True for an AttributeError or TypeError raised inside redis-py or asyncio, or a
+    RuntimeError raised by a uvloop transport (a closed connection under a call); not
+    for the same errors raised in the caller's own code."""
     if not isinstance(exc, LEAKED_TRANSPORT_ERRORS):
         return False
     tb = _innermost(exc.__traceback__)
-    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_CLIENT_CODE)
+    if tb is None:
+        return False
+    where = tb.tb_frame.f_code.co_filename
+    if isinstance(exc, RuntimeError):  # only uvloop's "the handler is closed"
+        return where.startswith(_UVLOOP_HANDLES)
+    return where.startswith(_CLIENT_CODE)
 
 
 def is_store_failure(exc: BaseException) -> bool:

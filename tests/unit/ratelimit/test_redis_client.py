@@ -1,9 +1,13 @@
 """The config switch between one Redis and a Redis Cluster (no server needed: neither
-client connects before its first command), and which errors count as a failed call."""
+client connects before its first command), and which errors count as a failed call (a
+real uvloop transport on a loopback socket for the one uvloop raises)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+import uvloop
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
@@ -87,6 +91,43 @@ def test_store_errors_maps_every_failed_call_to_store_error(error: Exception | s
     match = f"redis authenticate failed: {type(exc).__name__}"
     with pytest.raises(StoreError, match=match), store_errors("authenticate"):
         raise exc
+
+
+def _raised_by_a_closed_uvloop_transport() -> RuntimeError:
+    """What a write meets under uvloop when the node closed the connection under the
+    call: a real uvloop TCP transport to a real socket, closed, then written to."""
+
+    async def write_after_close() -> RuntimeError:
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+        try:
+            _, writer = await asyncio.open_connection(
+                "127.0.0.1", server.sockets[0].getsockname()[1]
+            )
+            writer.transport.close()
+            await asyncio.sleep(0)  # the close takes effect on the next turn of the loop
+            try:
+                writer.writelines([b"PING\r\n"])
+            except RuntimeError as exc:
+                return exc
+            raise AssertionError("uvloop accepted a write on a closed transport")
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(write_after_close())
+
+
+def test_a_write_on_a_uvloop_transport_closed_under_the_call_is_a_store_failure() -> None:
+    exc = _raised_by_a_closed_uvloop_transport()
+    assert leaked_by_the_client(exc)
+    with (
+        pytest.raises(StoreError, match="redis settle failed: RuntimeError"),
+        store_errors("settle"),
+    ):
+        raise exc
+    with pytest.raises(RuntimeError), store_errors("settle"):  # our own: still a bug
+        raise RuntimeError("an event loop mistake of the caller's code")
 
 
 def test_an_attribute_error_of_our_own_code_stays_a_bug() -> None:
