@@ -53,6 +53,9 @@ class ServiceConfig:
     # largest gRPC message accepted or sent; a bigger request is RESOURCE_EXHAUSTED before
     # any handler runs (a prompt of the largest context is well under 1 MiB)
     max_message_bytes: int = 4 * 1024 * 1024
+    # share the listening ports with sibling processes (SO_REUSEPORT): set by a supervisor
+    # for its workers; off otherwise, so a second process on a taken port fails to start
+    reuse_port: bool = False
 
 
 C = TypeVar("C")

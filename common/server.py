@@ -114,9 +114,11 @@ class BoundPorts:
     metrics: int | None
 
 
-def _write_port_file(path: str, ports: BoundPorts) -> None:
+def write_port_file(path: str, ports: BoundPorts, **extra: Any) -> None:
+    """The bound ports (and ``extra`` fields) as JSON at ``path``, with this process's pid."""
     tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps({"grpc": ports.grpc, "metrics": ports.metrics, "pid": os.getpid()}))
+    data = {"grpc": ports.grpc, "metrics": ports.metrics, "pid": os.getpid(), **extra}
+    tmp.write_text(json.dumps(data))
     tmp.replace(path)  # atomic: a reader never sees half a file
 
 
@@ -153,7 +155,7 @@ async def _serve(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if config.reuse_port else 0),
         ],
     )
     names = list(hooks.register(server))
@@ -190,7 +192,7 @@ async def _serve(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
         for svc in ["", *names]:
             await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
         if config.port_file:
-            _write_port_file(config.port_file, BoundPorts(port, metrics_port))
+            write_port_file(config.port_file, BoundPorts(port, metrics_port))
         log.info(
             "serving",
             host=config.host,

@@ -9,15 +9,18 @@ same process. Config sections ``gateway`` and ``ratelimit`` (YAML < env < flags)
 keys call Gateway; the admin key (``[ratelimit] admin_key``, ``$ADMIN_KEY`` or
 ``--admin-key-file``) calls RateLimitAdmin and RoutingAdmin (model versions,
 canary weights, rollback). SIGTERM: health NOT_SERVING, new
-requests UNAVAILABLE, streams in flight get ``grace_seconds``.
+requests UNAVAILABLE, streams in flight get ``grace_seconds``. ``--workers N`` (``[gateway]
+workers``) runs N such processes on the same ports under a supervisor (``gateway.workers``).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 import grpc
+import structlog
 
 from common.config import add_service_args, load_config, service_overrides
 from common.log import configure_logging
@@ -28,6 +31,7 @@ from gateway.fronts import grpc_servicer as service
 from gateway.fronts.http import HttpFront
 from gateway.release import routing_admin
 from gateway.request.authenticate import ReflectionAuthInterceptor
+from gateway.workers import Supervisor, become_worker
 from ratelimit.admin.servicer import add_to_server as add_admin_to_server
 from ratelimit.config import RateLimitConfig
 
@@ -51,6 +55,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--http-port", type=int, help="OpenAI-compatible HTTP port (0 = ephemeral, -1 = off)"
     )
+    parser.add_argument(
+        "--workers", type=int, help="processes sharing the ports (SO_REUSEPORT); 1 = this one"
+    )
     return parser.parse_args(argv)
 
 
@@ -68,6 +75,7 @@ def load_configs(args: argparse.Namespace) -> tuple[GatewayConfig, RateLimitConf
             "model_dir": args.model_dir,
             "failover": failover,
             "http_port": args.http_port,
+            "workers": args.workers,
         },
     )
     rl = load_config(
@@ -97,7 +105,9 @@ async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
             *routing_admin.add_to_server(app.release.servicer(), server),
         ]
 
-    http = HttpFront(app.pipeline, config.host, config.http_port) if config.http_port >= 0 else None
+    http = None
+    if config.http_port >= 0:
+        http = HttpFront(app.pipeline, config.host, config.http_port, reuse_port=config.reuse_port)
 
     async def ready() -> None:
         await app.start()
@@ -122,9 +132,15 @@ async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point."""
+    """Entry point: one gateway process, or with ``workers`` > 1 their supervisor."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     config, rl_config = load_configs(parse_args(argv))
     configure_logging("gateway", config.log_level, config.log_format)
+    if config.workers > 1:
+        raise SystemExit(Supervisor(config, argv).run())
+    index = become_worker()
+    if index is not None:
+        structlog.contextvars.bind_contextvars(worker=index)
     run(serve(config, rl_config))
 
 

@@ -82,6 +82,12 @@ class GatewayConfig(ServiceConfig):
         shadow_max_in_flight: Shadow copies allowed at once per gateway replica.
         http_port: The OpenAI-compatible HTTP front (``gateway.fronts.http``) on ``host``
             (0 = an ephemeral port, -1 = no HTTP front).
+        workers: Processes serving this replica's ports (``gateway.workers``): 1 = this
+            process serves them; N > 1 = a supervisor and N worker processes sharing the
+            gRPC and HTTP ports (SO_REUSEPORT: the kernel spreads connections, not the
+            streams of one HTTP/2 connection), each one a replica in every other way
+            (its own admission view, breakers and queues), the metrics of all of them
+            on the supervisor's metrics port with a ``worker`` label.
         prices: USD per million tokens per model, for cost budgets (model ->
             ``{prompt_per_million, completion_per_million}``; ``"*"`` = every other
             model; a YAML/JSON string from the environment). Unpriced models cost 0.
@@ -132,6 +138,7 @@ class GatewayConfig(ServiceConfig):
     guard_interval_s: float = 2.0
     shadow_max_in_flight: int = 8
     http_port: int = 8000
+    workers: int = 1
     prices: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -162,6 +169,7 @@ class GatewayConfig(ServiceConfig):
             "auth_failure_burst",
             "queue_max_waiting",
             "queue_max_waiting_per_tenant",
+            "workers",
         )
         for name in positive:
             if getattr(self, name) <= 0:

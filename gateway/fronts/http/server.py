@@ -112,13 +112,20 @@ class HttpFront:
         port: Listen port (0 = ephemeral).
         shutdown_timeout_s: How long ``stop`` waits for handlers still running
             (the pipeline's drain already gave streams their grace period).
+        reuse_port: Share the port with sibling worker processes (SO_REUSEPORT).
     """
 
     def __init__(
-        self, pipeline: Pipeline, host: str, port: int, shutdown_timeout_s: float = 1.0
+        self,
+        pipeline: Pipeline,
+        host: str,
+        port: int,
+        shutdown_timeout_s: float = 1.0,
+        reuse_port: bool = False,
     ) -> None:
         self.host = host
         self.port = port
+        self.reuse_port = reuse_port
         self.app = web.Application(middlewares=[openai_middleware], client_max_size=MAX_BODY_BYTES)
         self.app.on_response_prepare.append(_request_id_header)
         OpenAIRoutes(pipeline).add_to(self.app)
@@ -134,7 +141,9 @@ class HttpFront:
     async def start(self) -> int:
         """Bind and serve; returns the bound port."""
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        site = web.TCPSite(
+            self._runner, self.host, self.port, reuse_address=True, reuse_port=self.reuse_port
+        )
         await site.start()
         self.port = int(self._runner.addresses[0][1])
         log.info(
