@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -129,8 +130,9 @@ def sample(t0: float, token_stamps: list[float], event_stamps: list[float]) -> S
 
 
 def process_cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds of process ``pid`` so far, all its threads (Linux
-    ``/proc``; NaN where there is none, or for no pid)."""
+    """User + system CPU seconds of process ``pid`` and its child processes so far (a
+    gateway's workers), all their threads (Linux ``/proc``; NaN where there is none, or
+    for no pid)."""
     if pid is None:
         return math.nan
     try:
@@ -138,7 +140,12 @@ def process_cpu_seconds(pid: int | None) -> float:
     except OSError:
         return math.nan
     fields = stat.rsplit(")", 1)[1].split()  # the name may hold spaces; it ends at ")"
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        kids = [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        kids = []
+    return own + sum(c for c in map(process_cpu_seconds, kids) if not math.isnan(c))
 
 
 def pct(values: list[float], q: float) -> float:
@@ -164,16 +171,36 @@ OneRequest = Callable[[], Awaitable[Sample]]
 
 @contextlib.asynccontextmanager
 async def side_client(
-    side: str, addresses: dict[str, str], key: str, ids: list[int], max_tokens: int
+    side: str,
+    addresses: dict[str, str],
+    key: str,
+    ids: list[int],
+    max_tokens: int,
+    connections: int = 1,
 ) -> AsyncIterator[OneRequest]:
     """A client for ``side`` (its channel or session open, one untimed request done
     where the side keeps a connection), yielding the function that makes one timed
     request: ``engine``, ``floor`` (the bare relay) and ``gateway`` over gRPC; ``http``
     (aiohttp), ``openai`` (the official client, httpx) and ``curl`` (``curl -N``) through
-    the HTTP front."""
+    the HTTP front. The gRPC sides spread their requests over ``connections`` channels,
+    each its own TCP connection (as many clients, or Envoy's per-thread upstream
+    connections, would), so a gateway's workers all get some."""
     if side in ("engine", "floor", "gateway"):
-        async with grpc.aio.insecure_channel(addresses[side]) as channel:
-            yield _grpc_one(side, channel, key, ids, max_tokens)
+        async with contextlib.AsyncExitStack() as stack:
+            own = [("grpc.use_local_subchannel_pool", 1)] if connections > 1 else []
+            channels = [
+                await stack.enter_async_context(grpc.aio.insecure_channel(addresses[side], own))
+                for _ in range(connections)
+            ]
+            ones = [_grpc_one(side, ch, key, ids, max_tokens) for ch in channels]
+            turn = itertools.count()
+            for one in ones[1:]:
+                await one()  # opens that channel's connection (the first opens on its own)
+
+            async def spread() -> Sample:
+                return await ones[next(turn) % len(ones)]()
+
+            yield spread if connections > 1 else ones[0]
     elif side == "http":
         import aiohttp
 
@@ -323,9 +350,10 @@ async def run_side(
     num_requests: int,
     concurrency: int,
     max_tokens: int,
+    connections: int = 1,
 ) -> list[Sample]:
     """``num_requests`` requests with ``concurrency`` in flight; one sample each."""
-    async with side_client(side, addresses, key, ids, max_tokens) as one:
+    async with side_client(side, addresses, key, ids, max_tokens, connections) as one:
         return await limited(one, num_requests, concurrency)
 
 
@@ -548,6 +576,7 @@ def start_stack(
     engine: str = "model",
     stub_first_token_ms: float = 0.0,
     engine_cpus: set[int] | None = None,
+    gateway_workers: int = 1,
 ) -> tuple[list[ManagedProcess], dict[str, str]]:
     """Tokenizer, engine, bare relay and gateway on free ports. With ``engine_cpus`` the
     engine runs on those CPUs alone, one torch thread per CPU; the rest inherit the
@@ -597,6 +626,8 @@ def start_stack(
             "warning",
             "--http-port",
             str(http_port),
+            "--workers",
+            str(gateway_workers),
         ],
         env={"ADMIN_KEY": admin_key},
     ).start(120)
@@ -691,6 +722,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.suptitle(
         f"Gateway added latency, {report.get('engine', 'model')} engine: "
         f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {where}, "
+        f"{report.get('gateway_workers', 1)} gateway worker(s), "
+        f"{report.get('connections_c32', 1)} connection(s) at 32, "
         f"load {m.get('loadavg_at_save', [math.nan])[0]:.1f}"
     )
     fig.tight_layout()
@@ -720,7 +753,16 @@ def measure(
                     pid = (cpu_pids or {}).get(name)
                     c0 = process_cpu_seconds(pid)
                     samples = asyncio.run(
-                        run_side(name, addresses, key, ids, n_req, n_conc, args.max_tokens)
+                        run_side(
+                            name,
+                            addresses,
+                            key,
+                            ids,
+                            n_req,
+                            n_conc,
+                            args.max_tokens,
+                            args.connections if n_conc > 1 else 1,
+                        )
                     )
                     cpu = process_cpu_seconds(pid) - c0
                     per_round[conc][name].append(summarize(samples, cpu))
@@ -825,6 +867,20 @@ def main() -> None:
         "tokenizer, the bare relay, the gateway and this client to the rest, as a "
         "deployment gives a proxy cores of its own; 0 = everything shares every core",
     )
+    parser.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        help="the gateway's worker processes ([gateway] workers; its CPU figures are "
+        "the supervisor's and its workers' together)",
+    )
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="at concurrency 32, the gRPC sides' requests spread over this many "
+        "connections (workers share connections, not the streams of one)",
+    )
     args = parser.parse_args()
     split = split_cpus(args.engine_cores)
     admin_key = "sk-llm-" + secrets.token_urlsafe(32)
@@ -841,6 +897,7 @@ def main() -> None:
             args.engine,
             args.stub_first_token_ms,
             split[0] if split else None,
+            args.gateway_workers,
         )
         try:
             key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
@@ -865,6 +922,8 @@ def main() -> None:
         "machine": {"python": platform.python_version(), "loadavg_before": loadavg_before},
         "engine_dtype": args.engine_dtype,
         "engine": args.engine,
+        "gateway_workers": args.gateway_workers,
+        "connections_c32": args.connections,
         "stub_first_token_ms": args.stub_first_token_ms if args.engine == "stub" else None,
         "placement": (
             {"engine_cpus": sorted(split[0]), "others_cpus": sorted(split[1])}

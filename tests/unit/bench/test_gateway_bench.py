@@ -111,3 +111,25 @@ def test_a_child_started_on_cpus_inherits_them_and_the_caller_gets_its_own_back(
     assert os.sched_getaffinity(0) == before
     with on_cpus(None):
         assert os.sched_getaffinity(0) == before
+
+
+def test_process_cpu_seconds_counts_the_child_processes() -> None:
+    """A gateway with workers is charged its workers' CPU: a busy child's seconds are in
+    its parent's figure while it runs."""
+    import time
+
+    from bench.gateway_bench import process_cpu_seconds
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 30: pass"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        deadline = time.monotonic() + 20
+        while process_cpu_seconds(child.pid) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        own_alone = time.process_time()  # this process, without its children
+        child_cpu = process_cpu_seconds(child.pid)
+        assert child_cpu >= 0.5
+        assert process_cpu_seconds(os.getpid()) >= own_alone + child_cpu - 0.05
+    finally:
+        child.kill()
+        child.wait()
