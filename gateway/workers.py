@@ -199,7 +199,7 @@ class Supervisor:
             for w in self.workers:
                 self._spawn(w)
             if not self._wait_ready():
-                return 1
+                return 0 if self._stopping else 1  # asked to stop while starting: not a failure
             metrics_port = None
             if self.config.metrics_port >= 0:
                 metrics_server, _ = start_http_server(
