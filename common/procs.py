@@ -47,11 +47,13 @@ class ManagedProcess(LoggedChild):
     ``cwd`` the repository root, e.g. to run a service from an image's file layout.
     """
 
-    stop_timeout = 15.0  # services drain in-flight work on SIGTERM
     start_error = ServiceStartError
 
     name: str
     module: str
+    # SIGTERM lets a service drain in-flight work for its grace period: give it that
+    # long and a margin before SIGKILL (a kill loses streams and unsettled usage)
+    stop_timeout: float = 15.0
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None

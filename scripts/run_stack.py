@@ -37,6 +37,7 @@ from types import FrameType
 import grpc
 
 from common.config import ROOT, load_config
+from common.pgroup import tail
 from common.procs import ManagedProcess, ServiceStartError
 from common.redis_server import RedisServer
 from common.service_auth import read_secret_file
@@ -106,6 +107,8 @@ class Stack:
         for p in reversed(self.procs):
             rc = p.stop()
             print(f"  {p.name} stopped (exit code {rc})", flush=True)
+            if rc != 0:  # killed after its grace, or failed: show why
+                print(f"  {p.name}'s log ({p.log_path}) ends:\n{tail(p.log_path)}", flush=True)
         if self.redis is not None:
             self.redis.stop()
             print("  redis stopped", flush=True)
@@ -185,6 +188,7 @@ def bring_up(stack: Stack, second_model: str = "") -> None:
             name="tokenizer",
             module="tokenizer_svc",
             log_dir=stack.log_dir,
+            stop_timeout=stop_after(tok.grace_seconds),
             host=tok.host,
             args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port), *common],
         )
@@ -198,6 +202,7 @@ def bring_up(stack: Stack, second_model: str = "") -> None:
                 name=name,
                 module="engine_svc",
                 log_dir=stack.log_dir,
+                stop_timeout=stop_after(eng.grace_seconds),
                 host=eng.host,
                 env={"LLM_ENGINE_MODEL_NAME": model},
                 args=["--port", str(port), "--metrics-port", str(metrics_port), *common],
@@ -209,6 +214,7 @@ def bring_up(stack: Stack, second_model: str = "") -> None:
             name="gateway",
             module="gateway",
             log_dir=stack.log_dir,
+            stop_timeout=stop_after(gw.grace_seconds),
             host=gw.host,
             args=[
                 "--port",
@@ -256,6 +262,12 @@ def bring_up(stack: Stack, second_model: str = "") -> None:
             stack.envoy.listener_address(), stack.admin_key, tls.ca_cert.read_bytes()
         )
     )
+
+
+def stop_after(grace_seconds: float) -> float:
+    """How long `make run` waits after SIGTERM before SIGKILL: the service's own grace
+    period (it drains in-flight streams that long) and a margin for closing up."""
+    return grace_seconds + 15.0
 
 
 def _next(port: int) -> int:

@@ -730,5 +730,10 @@ class Pipeline:
         """Refuse new requests; wait up to ``grace_s`` for the ones in flight."""
         self.draining = True
         log.info("draining", in_flight=self.num_in_flight, grace_seconds=grace_s)
+        started = time.monotonic()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), grace_s)
+        if self.num_in_flight:
+            log.warning("drain timed out", in_flight=self.num_in_flight, grace_seconds=grace_s)
+        else:
+            log.info("drained", seconds=round(time.monotonic() - started, 3))
