@@ -4,6 +4,7 @@ and through its OpenAI-compatible HTTP front (SSE), side by side.
     python -m bench.gateway_bench [--rounds 3] [--requests-c1 16] [--requests-c32 64]
                                   [--max-tokens 16] [--pairs 100] [--engine model|stub]
                                   [--stub-first-token-ms 0] [--engine-cores 0]
+                                  [--proxy-cores 0]
 
 Starts Redis, tokenizer_svc, one engine replica and ``python -m gateway`` on
 free ports, creates an unlimited tenant, then for concurrency 1 and 32 runs
@@ -64,6 +65,9 @@ rest, as a deployment gives a proxy cores of its own. By default every process s
 every core, so each millisecond of gateway CPU during an engine step is taken from the
 engine's threads and stretches that step for the whole batch: at concurrency 32 that,
 not the gateway's latency, is most of what the gateway adds on a small machine.
+``--proxy-cores N`` gives the gateway (with its workers) and the bare relay the last N
+CPUs, so neither competes with the client, Redis or a stub engine for a core: what a
+proxy with cores of its own adds (the two options combine when there are CPUs enough).
 
 Writes bench/reports/gateway_bench.json and .png.
 """
@@ -85,7 +89,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from tqdm import tqdm
@@ -554,18 +558,36 @@ def on_cpus(cpus: set[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def split_cpus(engine_cores: int) -> tuple[set[int], set[int]] | None:
-    """(the engine's CPUs, everyone else's) out of this process's own: the engine gets
-    the first ``engine_cores``; None when ``engine_cores`` is 0 (all share every core)."""
-    if engine_cores <= 0:
+class CpuSplit(NamedTuple):
+    """Where each part of the bench runs: the engine, the proxies in front of it (the
+    gateway with its workers, the bare relay) and the rest (Redis, the tokenizer
+    service, this client). A part given no cores of its own runs on the rest's."""
+
+    engine: set[int]
+    proxy: set[int]
+    rest: set[int]
+
+
+def split_cpus(engine_cores: int, proxy_cores: int = 0) -> CpuSplit | None:
+    """Split this process's CPUs: the engine gets the first ``engine_cores``, the
+    proxies the last ``proxy_cores`` and the rest what lies between (at least one).
+    None when both are 0 (every process shares every core)."""
+    engine_cores, proxy_cores = max(0, engine_cores), max(0, proxy_cores)
+    if not engine_cores and not proxy_cores:
         return None
     mine = sorted(os.sched_getaffinity(0))
-    if engine_cores >= len(mine):
+    if engine_cores + proxy_cores >= len(mine):
         raise SystemExit(
-            f"--engine-cores {engine_cores}: this process may use {len(mine)} CPU(s) "
-            "and needs at least one left for the gateway, Redis and the client"
+            f"--engine-cores {engine_cores} --proxy-cores {proxy_cores}: this process may "
+            f"use {len(mine)} CPU(s) and needs at least one left for Redis, the tokenizer "
+            "and the client"
         )
-    return set(mine[:engine_cores]), set(mine[engine_cores:])
+    rest = set(mine[engine_cores : len(mine) - proxy_cores])
+    return CpuSplit(
+        engine=set(mine[:engine_cores]) or rest,
+        proxy=set(mine[len(mine) - proxy_cores :]) if proxy_cores else rest,
+        rest=rest,
+    )
 
 
 def start_stack(
@@ -577,10 +599,12 @@ def start_stack(
     stub_first_token_ms: float = 0.0,
     engine_cpus: set[int] | None = None,
     gateway_workers: int = 1,
+    proxy_cpus: set[int] | None = None,
 ) -> tuple[list[ManagedProcess], dict[str, str]]:
     """Tokenizer, engine, bare relay and gateway on free ports. With ``engine_cpus`` the
-    engine runs on those CPUs alone, one torch thread per CPU; the rest inherit the
-    caller's affinity."""
+    engine runs on those CPUs alone, one torch thread per CPU; with ``proxy_cpus`` the
+    bare relay and the gateway (its workers inherit them) on those; the rest inherit
+    the caller's affinity."""
     model_dir = str(default_model_dir())
     common = ["--port", "0", "--metrics-port", "0", "--log-format", "json"]
     tok = ManagedProcess(
@@ -603,34 +627,35 @@ def start_stack(
                 **threads,
             },
         ).start(300)
-    floor = ManagedProcess(
-        name="floor",
-        module="bench.gatewaylib.relay_floor",
-        log_dir=log_dir,
-        args=[*common, "--engine", eng.address, "--model-dir", model_dir],
-    ).start(60)
     http_port = free_port()
-    gw = ManagedProcess(
-        name="gateway",
-        module="gateway",
-        log_dir=log_dir,
-        args=[
-            *common,
-            "--engines",
-            eng.address,
-            "--tokenizer",
-            tok.address,
-            "--redis-url",
-            redis.url,
-            "--log-level",
-            "warning",
-            "--http-port",
-            str(http_port),
-            "--workers",
-            str(gateway_workers),
-        ],
-        env={"ADMIN_KEY": admin_key},
-    ).start(120)
+    with on_cpus(proxy_cpus):  # the gateway's workers inherit it
+        floor = ManagedProcess(
+            name="floor",
+            module="bench.gatewaylib.relay_floor",
+            log_dir=log_dir,
+            args=[*common, "--engine", eng.address, "--model-dir", model_dir],
+        ).start(60)
+        gw = ManagedProcess(
+            name="gateway",
+            module="gateway",
+            log_dir=log_dir,
+            args=[
+                *common,
+                "--engines",
+                eng.address,
+                "--tokenizer",
+                tok.address,
+                "--redis-url",
+                redis.url,
+                "--log-level",
+                "warning",
+                "--http-port",
+                str(http_port),
+                "--workers",
+                str(gateway_workers),
+            ],
+            env={"ADMIN_KEY": admin_key},
+        ).start(120)
     return [gw, floor, eng, tok], {
         "engine": eng.address,
         "floor": floor.address,
@@ -715,7 +740,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     m = report.get("machine", {})
     placement = report.get("placement")
     where = (
-        f"engine on CPU {placement['engine_cpus']}, the rest on {placement['others_cpus']}"
+        f"engine on CPU {placement['engine_cpus']}, proxies on "
+        f"{placement.get('proxy_cpus', placement['others_cpus'])}, the rest on "
+        f"{placement['others_cpus']}"
         if isinstance(placement, dict)
         else "every process on every core"
     )
@@ -868,6 +895,15 @@ def main() -> None:
         "deployment gives a proxy cores of its own; 0 = everything shares every core",
     )
     parser.add_argument(
+        "--proxy-cores",
+        type=int,
+        default=0,
+        help="pin the gateway (and its workers) and the bare relay to this many CPUs of "
+        "their own, the last ones, and the client, Redis and the tokenizer (and the "
+        "engine, without --engine-cores) to the rest: the proxy's latency when it does "
+        "not compete with the client for a core; 0 = no cores of its own",
+    )
+    parser.add_argument(
         "--gateway-workers",
         type=int,
         default=1,
@@ -882,13 +918,13 @@ def main() -> None:
         "connections (workers share connections, not the streams of one)",
     )
     args = parser.parse_args()
-    split = split_cpus(args.engine_cores)
+    split = split_cpus(args.engine_cores, args.proxy_cores)
     admin_key = "sk-llm-" + secrets.token_urlsafe(32)
     loadavg_before = os.getloadavg()
     ids = TextTokenizer(default_model_dir()).encode(PROMPT)
     # this client, Redis and every later child on the others' CPUs (the engine's own
     # are set around its start)
-    with on_cpus(split[1] if split else None), RedisServer() as redis:
+    with on_cpus(split.rest if split else None), RedisServer() as redis:
         procs, addresses = start_stack(
             Path(tempfile.mkdtemp(prefix="gw-bench-")),
             redis,
@@ -896,8 +932,9 @@ def main() -> None:
             args.engine_dtype,
             args.engine,
             args.stub_first_token_ms,
-            split[0] if split else None,
+            split.engine if split and args.engine_cores else None,
             args.gateway_workers,
+            split.proxy if split and args.proxy_cores else None,
         )
         try:
             key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
@@ -926,7 +963,11 @@ def main() -> None:
         "connections_c32": args.connections,
         "stub_first_token_ms": args.stub_first_token_ms if args.engine == "stub" else None,
         "placement": (
-            {"engine_cpus": sorted(split[0]), "others_cpus": sorted(split[1])}
+            {
+                "engine_cpus": sorted(split.engine),
+                "proxy_cpus": sorted(split.proxy),
+                "others_cpus": sorted(split.rest),
+            }
             if split
             else "every process on every core"
         ),

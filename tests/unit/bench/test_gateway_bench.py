@@ -92,13 +92,30 @@ def test_round_differences_take_the_median_of_each_rounds_difference() -> None:
 def test_split_cpus_gives_the_engine_the_first_cores_and_keeps_one_for_the_rest() -> None:
     mine = sorted(os.sched_getaffinity(0))
     assert split_cpus(0) is None
+    assert split_cpus(0, 0) is None
     with pytest.raises(SystemExit, match="needs at least one left"):
         split_cpus(len(mine))
+    with pytest.raises(SystemExit, match="needs at least one left"):
+        split_cpus(0, len(mine))
     if len(mine) < 2:
         pytest.skip("one CPU: nothing to split")
-    engine, others = split_cpus(1) or (set(), set())
-    assert engine == {mine[0]}
-    assert others == set(mine[1:])
+    split = split_cpus(1)
+    assert split is not None
+    assert split.engine == {mine[0]}
+    assert split.rest == set(mine[1:])
+    assert split.proxy == split.rest  # no cores of their own: the proxies share the rest's
+    split = split_cpus(0, 1)
+    assert split is not None
+    assert split.proxy == {mine[-1]}  # the proxies take the last core
+    assert split.rest == set(mine[:-1])
+    assert split.engine == split.rest
+    assert not split.proxy & split.rest
+    if len(mine) >= 3:
+        split = split_cpus(1, 1)
+        assert split is not None
+        assert (split.engine, split.proxy, split.rest) == ({mine[0]}, {mine[-1]}, set(mine[1:-1]))
+    with pytest.raises(SystemExit, match="needs at least one left"):
+        split_cpus(1, len(mine) - 1)
 
 
 def test_a_child_started_on_cpus_inherits_them_and_the_caller_gets_its_own_back() -> None:
