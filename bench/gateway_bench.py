@@ -561,10 +561,10 @@ def on_cpus(cpus: set[int] | None) -> Iterator[None]:
 class CpuSplit(NamedTuple):
     """Where each part of the bench runs: the engine, the proxies in front of it (the
     gateway with its workers, the bare relay) and the rest (Redis, the tokenizer
-    service, this client). A part given no cores of its own runs on the rest's."""
+    service, this client). None: no cores of its own, it runs on the rest's."""
 
-    engine: set[int]
-    proxy: set[int]
+    engine: set[int] | None
+    proxy: set[int] | None
     rest: set[int]
 
 
@@ -584,8 +584,8 @@ def split_cpus(engine_cores: int, proxy_cores: int = 0) -> CpuSplit | None:
         )
     rest = set(mine[engine_cores : len(mine) - proxy_cores])
     return CpuSplit(
-        engine=set(mine[:engine_cores]) or rest,
-        proxy=set(mine[len(mine) - proxy_cores :]) if proxy_cores else rest,
+        engine=set(mine[:engine_cores]) if engine_cores else None,
+        proxy=set(mine[len(mine) - proxy_cores :]) if proxy_cores else None,
         rest=rest,
     )
 
@@ -741,7 +741,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     placement = report.get("placement")
     where = (
         f"engine on CPU {placement['engine_cpus']}, proxies on "
-        f"{placement.get('proxy_cpus', placement['others_cpus'])}, the rest on "
+        f"{placement['proxy_cpus']}, the rest on "
         f"{placement['others_cpus']}"
         if isinstance(placement, dict)
         else "every process on every core"
@@ -932,9 +932,9 @@ def main() -> None:
             args.engine_dtype,
             args.engine,
             args.stub_first_token_ms,
-            split.engine if split and args.engine_cores else None,
+            split.engine if split else None,
             args.gateway_workers,
-            split.proxy if split and args.proxy_cores else None,
+            split.proxy if split else None,
         )
         try:
             key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
@@ -964,8 +964,8 @@ def main() -> None:
         "stub_first_token_ms": args.stub_first_token_ms if args.engine == "stub" else None,
         "placement": (
             {
-                "engine_cpus": sorted(split.engine),
-                "proxy_cpus": sorted(split.proxy),
+                "engine_cpus": sorted(split.engine or split.rest),
+                "proxy_cpus": sorted(split.proxy or split.rest),
                 "others_cpus": sorted(split.rest),
             }
             if split

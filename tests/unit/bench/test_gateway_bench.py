@@ -103,12 +103,12 @@ def test_split_cpus_gives_the_engine_the_first_cores_and_keeps_one_for_the_rest(
     assert split is not None
     assert split.engine == {mine[0]}
     assert split.rest == set(mine[1:])
-    assert split.proxy == split.rest  # no cores of their own: the proxies share the rest's
+    assert split.proxy is None  # no cores of their own: the proxies run on the rest's
     split = split_cpus(0, 1)
     assert split is not None
     assert split.proxy == {mine[-1]}  # the proxies take the last core
     assert split.rest == set(mine[:-1])
-    assert split.engine == split.rest
+    assert split.engine is None
     assert not split.proxy & split.rest
     if len(mine) >= 3:
         split = split_cpus(1, 1)
