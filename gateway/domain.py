@@ -1,5 +1,8 @@
 """Front-agnostic values of the pipeline: call context, chunks, errors, deadlines, traces.
 
+The bottom floor of the gateway: this module imports nothing from its packages
+(``Trace`` is the shape of ``gateway.spans.RequestTrace``, which sits beside it).
+
 A front (the gRPC servicer today, the OpenAI-compatible HTTP front later)
 builds a ``CallContext`` from its headers, iterates ``Pipeline.generate`` and
 turns ``Chunk``s and ``GatewayError``s into its own wire format. Status codes
@@ -9,20 +12,22 @@ are ``grpc.StatusCode`` values because they are the contract's vocabulary
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from llm.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from gateway.request.spans import RequestTrace
+    from opentelemetry.trace import Span
+
     from ratelimit.budget.policy import Budget
     from ratelimit.config import Tenant
 
@@ -30,6 +35,22 @@ _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
 _TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 RETRY_AFTER_KEY = "retry-after-ms"
 Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+class Trace(Protocol):
+    """The spans of one request while tracing is on (``gateway.spans.RequestTrace``)."""
+
+    def record(self, name: str, start: float, end: float) -> None:
+        """A finished child span between two ``time.perf_counter()`` readings."""
+
+    def stage(self, name: str) -> contextlib.AbstractContextManager[object]:
+        """A child span around a block."""
+
+    def engine_call(self, replica: str, request_id: str, resumed_tokens: int) -> Span:
+        """The CLIENT span of one engine attempt."""
+
+    def finish(self, code: grpc.StatusCode, attributes: dict[str, str | int]) -> None:
+        """End the request span with its final status and what it used."""
 
 
 class GatewayError(Exception):
@@ -140,7 +161,7 @@ class CallContext:
     key_id: str = field(default="", init=False)
     key_budgets: tuple[Budget, ...] = field(default=(), init=False)
     auth_at: tuple[float, float] | None = field(default=None, init=False)
-    trace: RequestTrace | None = field(default=None, init=False)
+    trace: Trace | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.request_id and not _REQUEST_ID_RE.match(self.request_id):

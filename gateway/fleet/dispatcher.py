@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -27,17 +27,14 @@ from google.protobuf import timestamp_pb2
 from common.breaker import Ticket
 from common.log import get_logger
 from gateway import metrics
-from gateway.domain import Chunk, Deadline, GatewayError
+from gateway.domain import Chunk, Deadline, GatewayError, Trace
 from gateway.fleet.fair_queue import FairQueue, FairQueues
 from gateway.fleet.replica import Replica
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy, breaker_verdict, is_retryable
 from gateway.request.detokenize import TextStream
-from gateway.request.spans import end_engine_call, engine_call
+from gateway.spans import end_engine_call, engine_call
 from llm.v1 import common_pb2, engine_pb2
-
-if TYPE_CHECKING:
-    from gateway.request.spans import RequestTrace
 
 log = get_logger(__name__)
 FAILOVER_CODES = frozenset(
@@ -73,7 +70,7 @@ class EngineJob:
     fallback_versions: tuple[str, ...] = ()  # tried in order when model_version has none
     correlation_id: str = ""
     tenant_weight: float = 1.0  # the tenant's fair share in the engines' scheduling
-    trace: RequestTrace | None = None
+    trace: Trace | None = None
 
 
 class EngineCallError(Exception):

@@ -62,7 +62,7 @@ from gateway.request.params import (
     validate_sampling,
     validate_stop_token_ids,
 )
-from gateway.request.spans import RequestTrace, stage
+from gateway.spans import RequestTrace, stage
 from llm.v1 import gateway_pb2
 from ratelimit.budget.ledger import BudgetHold
 from ratelimit.budget.policy import PriceTable

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from gateway.domain import CallContext, GatewayError, parent_span_id
-from gateway.request.spans import RequestTrace, end_engine_call, engine_call, stage
+from gateway.spans import RequestTrace, end_engine_call, engine_call, stage
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

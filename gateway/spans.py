@@ -13,9 +13,10 @@
                                whose engine.generate (queue, prefill, decode) hangs below
       gateway.settle           Redis: refund, release the lease, budgets
 
-A ``RequestTrace`` exists only while tracing is on (``common.tracing.tracer()``);
-the pipeline tests ``call.trace`` and does nothing else when it is None. Attributes
-are ids, names and counts: never the API key, the prompt or the output text.
+A ``RequestTrace`` (the ``gateway.domain.Trace`` of a call) exists only while tracing
+is on (``common.tracing.tracer()``); the pipeline tests ``call.trace`` and does nothing
+else when it is None. Attributes are ids, names and counts: never the API key, the
+prompt or the output text.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import grpc
 from opentelemetry import trace
 
 from common import tracing
-from gateway.domain import GatewayError, parent_span_id
+from gateway.domain import GatewayError, Trace, parent_span_id
 
 if TYPE_CHECKING:
     from gateway.domain import CallContext
@@ -125,13 +126,13 @@ class RequestTrace:
             self.span.end()
 
 
-def stage(rt: RequestTrace | None, name: str) -> contextlib.AbstractContextManager[object]:
+def stage(rt: Trace | None, name: str) -> contextlib.AbstractContextManager[object]:
     """``rt.stage(name)``, or a shared no-op while tracing is off."""
     return _NO_SPAN if rt is None else rt.stage(name)
 
 
 def engine_call(
-    rt: RequestTrace | None, replica: str, request_id: str, resumed_tokens: int, traceparent: str
+    rt: Trace | None, replica: str, request_id: str, resumed_tokens: int, traceparent: str
 ) -> tuple[trace.Span | None, str]:
     """An engine attempt's span and the traceparent to send it (while tracing is off:
     no span, and ``traceparent``, the call's, as it is)."""
