@@ -12,7 +12,7 @@ and formation returns once every node reports ``cluster_state:ok`` and every
 replica's link to its primary is up. Every server is stopped by its own pid and
 its files removed by ``close``.
 
-With ``password`` every node runs the stack's ACL (``ratelimit.redis_acl``,
+With ``password`` every node runs the stack's ACL (``common.redis_acl``,
 ``ClusterAcl``): ``default`` off, the service user (``username``) on its key
 prefix plus the slot map, a replication user every node authenticates to its
 primary with, and an operator user; ``client(i)`` is the operator's, the
@@ -51,10 +51,10 @@ from redis import Redis
 from redis.crc import key_slot
 from redis.exceptions import RedisError
 
+from common.redis_acl import ADMIN_USER, SERVICE_USER, ClusterAcl
+from common.redis_nodes import parse_node
 from common.redis_server import RedisServer, free_ports, serve_in_foreground
 from common.service_auth import read_secret_file
-from ratelimit.redis_acl import ADMIN_USER, SERVICE_USER, ClusterAcl
-from ratelimit.redis_client import parse_node
 
 NUM_SLOTS = 16384
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 from common.pgroup import LoggedChild
-from ratelimit.redis_acl import SERVICE_USER, ClusterAcl, acl_file
+from common.redis_acl import SERVICE_USER, ClusterAcl, acl_file
 
 
 def find_server_binary() -> str:
@@ -75,7 +75,7 @@ def free_ports(num: int, host: str = "127.0.0.1") -> list[int]:
 class RedisServer(LoggedChild):
     """One Redis-protocol server subprocess on a free port (no persistence).
 
-    With ``password`` the server runs the stack's ACL (``ratelimit.redis_acl``):
+    With ``password`` the server runs the stack's ACL (``common.redis_acl``):
     no anonymous access, one service user (``username``) limited to keys under
     ``key_prefix`` and to non-dangerous commands; with ``cluster_acl`` too, the
     replication and operator users of a cluster node, and the node authenticates

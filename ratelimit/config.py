@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 
 from common.config import ServiceConfig
+from common.redis_nodes import parse_node
 from ratelimit.budget.policy import Budget, validate_budgets
-from ratelimit.redis_client import parse_node
 
 # Levels are doubles in Lua and Python; integers up to 2**53 stay exact.
 MAX_LIMIT = 2**53

@@ -28,6 +28,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
+from common.redis_nodes import parse_node
 from ratelimit.errors import StoreError
 
 RedisClient: TypeAlias = Redis | RedisCluster
@@ -89,15 +90,6 @@ def store_errors(op: str) -> Iterator[None]:
         if not is_store_failure(exc):
             raise
         raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def parse_node(text: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) -> (host, port), or ValueError."""
-    host, sep, port = text.strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"a Redis node must be host:port, got {text!r}")
-    return host, int(port)
 
 
 def connect(

@@ -39,6 +39,7 @@ import grpc
 from common.config import ROOT, load_config
 from common.pgroup import tail
 from common.procs import ManagedProcess, ServiceStartError
+from common.redis_acl import SERVICE_USER
 from common.redis_server import RedisServer
 from common.service_auth import read_secret_file
 from deploy.envoy import EnvoyProcess, render_config_file
@@ -48,7 +49,6 @@ from engine_svc.config import EngineServiceConfig
 from gateway.config import GatewayConfig
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from ratelimit.config import RateLimitConfig
-from ratelimit.redis_acl import SERVICE_USER
 from ratelimit.tenancy.records import generate_key
 from tokenizer_svc.config import TokenizerConfig
 

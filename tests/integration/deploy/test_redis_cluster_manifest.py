@@ -29,11 +29,11 @@ from redis.exceptions import NoPermissionError, RedisError
 
 from common.config import load_config
 from common.pgroup import LoggedChild
+from common.redis_acl import ADMIN_USER, SERVICE_USER
 from common.redis_cluster import Cluster
 from common.redis_server import find_server_binary, free_ports
 from ratelimit.config import LimitPolicy, RateLimitConfig, Tenant
 from ratelimit.factory import RateLimitStack
-from ratelimit.redis_acl import ADMIN_USER, SERVICE_USER
 from ratelimit.tenancy.records import KeyRole
 from tests.unit.deploy.helpers import DEPLOY
 from tests.unit.deploy.kustomize import render

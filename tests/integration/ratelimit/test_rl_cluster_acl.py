@@ -1,6 +1,6 @@
 """The stack's ACL on a real Redis Cluster (3 primaries, 1 replica each).
 
-Every node runs ``ratelimit.redis_acl``'s cluster model: ``default`` off, the
+Every node runs ``common.redis_acl``'s cluster model: ``default`` off, the
 service user on its keys plus the slot map, a replication user the replicas
 sync with, an operator user that formed the cluster. Checked here: the
 service user reads the slot map and nothing else of ``CLUSTER``, and is
@@ -25,8 +25,8 @@ from redis import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
+from common.redis_acl import ADMIN_USER, REPLICATION_USER, acl_file
 from common.redis_cluster import RedisClusterServers
-from ratelimit.redis_acl import ADMIN_USER, REPLICATION_USER, acl_file
 from tests.integration.ratelimit.conftest import CLUSTER_KEY_PREFIX, acl_denials
 
 pytestmark = pytest.mark.integration

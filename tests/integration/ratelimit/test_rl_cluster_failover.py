@@ -8,7 +8,7 @@ admission times), how many calls failed or were answered locally during the gap.
 Checked after recovery: reservations taken before the crash (another tenant on the
 same shard) still hold their leases and exactly their tokens, and settle exactly.
 
-The cluster runs the stack's ACL (``ratelimit.redis_acl``): the limiter connects as
+The cluster runs the stack's ACL (``common.redis_acl``): the limiter connects as
 the service user (its password from a file, as deployed), the replicas sync as the
 replication user, and no node refused any command of either (its ACL log is empty).
 """

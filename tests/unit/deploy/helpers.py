@@ -62,10 +62,10 @@ def acl_printf_lines(script: str) -> list[str]:
 
 
 def cluster_acl_lines(key_prefix: str) -> list[str]:
-    """The ACL file of a cluster node, as ratelimit.redis_acl words it, with ``>%s`` for
+    """The ACL file of a cluster node, as common.redis_acl words it, with ``>%s`` for
     each password (the scripts fill them in from the secrets in this order: the service
     user's, the replication user's, the operator's)."""
-    from ratelimit.redis_acl import (
+    from common.redis_acl import (
         ADMIN_RULES,
         ADMIN_USER,
         REPLICATION_RULES,

@@ -4,7 +4,7 @@ them (no Docker engine here) and checked by structure.
 The merge follows Compose's rules for what the override uses: maps merge, lists
 of secrets, ports and volumes are joined, a ``!override`` value replaces the
 base's. The merged file passes the base file's own reference and port checks;
-its nodes render the same ACL as the Kubernetes nodes (ratelimit.redis_acl's
+its nodes render the same ACL as the Kubernetes nodes (common.redis_acl's
 cluster model), the create service's arguments parse with the real command and
 name every node, and the gateways, seeded by every node, start only after it.
 """
@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from common.config import load_config
+from common.redis_acl import ADMIN_USER, SERVICE_USER
 from common.redis_cluster import create_parser
 from ratelimit.config import RateLimitConfig
-from ratelimit.redis_acl import ADMIN_USER, SERVICE_USER
 from tests.unit.deploy import test_docker_compose as base_checks
 from tests.unit.deploy.helpers import DEPLOY, REDIS_PORT, acl_printf_lines, cluster_acl_lines
 

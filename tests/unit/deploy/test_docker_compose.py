@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import yaml
 
+from common.redis_acl import SERVICE_USER, service_rules
 from deploy.envoy.config import CONTAINER_PRESET, CONTAINER_TLS_DIR, render_config, tls_context
 from ratelimit.config import RateLimitConfig
-from ratelimit.redis_acl import SERVICE_USER, service_rules
 from tests.unit.deploy.helpers import (
     DEPLOY,
     ENVOY_PUBLIC_PORT,
@@ -240,7 +240,7 @@ def test_internal_services_share_the_service_token_secret(compose: dict[str, Any
 
 
 def test_redis_has_an_acl_user_and_the_gateway_uses_it(compose: dict[str, Any]) -> None:
-    """No anonymous Redis: ratelimit.redis_acl's rules, the password a compose secret."""
+    """No anonymous Redis: common.redis_acl's rules, the password a compose secret."""
     assert compose["secrets"]["redis_password"] == {"environment": "REDIS_PASSWORD"}
     redis = compose["services"]["redis"]
     script = " ".join(redis["command"])

@@ -12,6 +12,7 @@ import yaml
 from kubernetes_validate import utils as kv_utils  # type: ignore[import-untyped]
 
 from common.config import load_config
+from common.redis_acl import SERVICE_USER, service_rules
 from deploy.envoy.config import (
     CONTAINER_PRESET,
     CONTAINER_TLS_DIR,
@@ -20,7 +21,6 @@ from deploy.envoy.config import (
     tls_context,
 )
 from ratelimit.config import RateLimitConfig
-from ratelimit.redis_acl import SERVICE_USER, service_rules
 from tests.unit.deploy.helpers import DEPLOY, HEALTH_SERVICE, load_yaml_docs, service_ports
 
 K8S = DEPLOY / "k8s"
@@ -302,7 +302,7 @@ def test_pods_run_as_non_root(docs: list[Doc]) -> None:
 
 
 def test_redis_has_an_acl_user_and_the_gateway_uses_it(docs: list[Doc]) -> None:
-    """No anonymous Redis: the ACL the StatefulSet renders is ratelimit.redis_acl's, the
+    """No anonymous Redis: the ACL the StatefulSet renders is common.redis_acl's, the
     password comes from one Secret that both Redis and the gateway mount."""
     redis = find(docs, "StatefulSet", "redis")
     script = " ".join(container(redis, "redis")["args"])

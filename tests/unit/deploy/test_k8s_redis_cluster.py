@@ -3,7 +3,7 @@
 The overlay is rendered here (``tests.unit.deploy.kustomize``, compared with
 ``kubectl kustomize`` where kubectl is installed), every object validated
 against the Kubernetes schemas, and cross-checked: the ACL the nodes render is
-ratelimit.redis_acl's cluster model, each password comes from a Secret only the
+common.redis_acl's cluster model, each password comes from a Secret only the
 users that need it mount, the gateways' config loads with the real config class
 and seeds every node, the create Job's arguments parse with the real command
 and name every node, the PodDisruptionBudget lets one node go at a time, and the
@@ -24,13 +24,10 @@ import yaml
 from redis.asyncio.cluster import RedisCluster
 
 from common.config import load_config
+from common.redis_acl import ADMIN_USER, SERVICE_USER
 from common.redis_cluster import create_parser
 from ratelimit.config import RateLimitConfig
 from ratelimit.factory import make_client
-from ratelimit.redis_acl import (
-    ADMIN_USER,
-    SERVICE_USER,
-)
 from tests.unit.deploy.helpers import DEPLOY, REDIS_PORT, acl_printf_lines, cluster_acl_lines
 from tests.unit.deploy.kustomize import render
 from tests.unit.deploy.test_k8s import VERSION, _allowed, container, find, pod_spec

@@ -17,12 +17,7 @@ from common.config import load_config
 from ratelimit.config import RateLimitConfig
 from ratelimit.errors import StoreError
 from ratelimit.factory import make_client
-from ratelimit.redis_client import (
-    is_store_failure,
-    leaked_by_the_client,
-    parse_node,
-    store_errors,
-)
+from ratelimit.redis_client import is_store_failure, leaked_by_the_client, store_errors
 
 
 def test_one_server_by_default() -> None:
@@ -59,11 +54,6 @@ def test_startup_nodes_need_cluster_mode() -> None:
 def test_a_bad_seed_is_named(bad: str) -> None:
     with pytest.raises(ValueError, match="host:port"):
         RateLimitConfig(redis_cluster=True, redis_startup_nodes=[bad])
-
-
-def test_parse_node() -> None:
-    assert parse_node(" redis-0.redis:6379 ") == ("redis-0.redis", 6379)
-    assert parse_node("[::1]:7000") == ("::1", 7000)
 
 
 def _raised_inside_redis_py() -> AttributeError:
