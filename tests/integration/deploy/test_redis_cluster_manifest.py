@@ -30,7 +30,7 @@ from redis.exceptions import NoPermissionError, RedisError
 from common.config import load_config
 from common.pgroup import LoggedChild
 from common.redis_acl import ADMIN_USER, SERVICE_USER
-from common.redis_cluster import Cluster
+from common.redis_cluster_formation import Cluster
 from common.redis_server import find_server_binary, free_ports
 from ratelimit.config import LimitPolicy, RateLimitConfig, Tenant
 from ratelimit.factory import RateLimitStack

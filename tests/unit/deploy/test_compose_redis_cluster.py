@@ -18,7 +18,7 @@ import yaml
 
 from common.config import load_config
 from common.redis_acl import ADMIN_USER, SERVICE_USER
-from common.redis_cluster import create_parser
+from common.redis_cluster_formation import create_parser
 from ratelimit.config import RateLimitConfig
 from tests.unit.deploy import test_docker_compose as base_checks
 from tests.unit.deploy.helpers import DEPLOY, REDIS_PORT, acl_printf_lines, cluster_acl_lines

@@ -25,7 +25,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from common.config import load_config
 from common.redis_acl import ADMIN_USER, SERVICE_USER
-from common.redis_cluster import create_parser
+from common.redis_cluster_formation import create_parser
 from ratelimit.config import RateLimitConfig
 from ratelimit.factory import make_client
 from tests.unit.deploy.helpers import DEPLOY, REDIS_PORT, acl_printf_lines, cluster_acl_lines
