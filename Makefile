@@ -83,10 +83,11 @@ test-unit: setup promtool ## quick loop: unit tests only (no servers)
 test-integration: setup ## integration tests only (real servers)
 	$(PY) -m pytest -q tests/integration
 
-lint: setup ## ruff (lint and format) + mypy
+lint: setup ## ruff (lint and format), mypy, and the import layers (lint-imports)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy .
+	$(VENV)/bin/lint-imports
 
 check-all: lint test ## lint and the whole suite
 
