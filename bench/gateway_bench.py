@@ -94,6 +94,7 @@ from typing import Any, NamedTuple
 import grpc
 from tqdm import tqdm
 
+from bench.loadlib.stats import percentile
 from bench.report import save_report
 from common.config import default_model_dir
 from common.procs import ManagedProcess
@@ -150,12 +151,6 @@ def process_cpu_seconds(pid: int | None) -> float:
     except OSError:
         kids = []
     return own + sum(c for c in map(process_cpu_seconds, kids) if not math.isnan(c))
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile (nearest rank) of ``values``."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
 async def timed_stream(stream: Any) -> Sample:
@@ -422,11 +417,11 @@ def paired_differences(
             continue
         diffs = [(a[field] - b[field]) * 1000 for a, b in zip(rows, samples[base], strict=True)]
         out[side] = {
-            "p1_ms": pct(diffs, 0.01),
-            "p10_ms": pct(diffs, 0.1),
-            "p50_ms": pct(diffs, 0.5),
-            "p90_ms": pct(diffs, 0.9),
-            "p99_ms": pct(diffs, 0.99),
+            "p1_ms": percentile(diffs, 1),
+            "p10_ms": percentile(diffs, 10),
+            "p50_ms": percentile(diffs, 50),
+            "p90_ms": percentile(diffs, 90),
+            "p99_ms": percentile(diffs, 99),
         }
     return out
 
@@ -528,14 +523,14 @@ def summarize(samples: list[Sample], proxy_cpu_s: float = math.nan) -> dict[str,
     if any(math.isnan(x) for x in itl):  # curl: no gaps
         itl = event = [math.nan]
     return {
-        "ttft_p50_ms": pct(ttft, 0.5),
-        "ttft_p99_ms": pct(ttft, 0.99),
-        "itl_p50_ms": pct(itl, 0.5),
-        "itl_p99_ms": pct(itl, 0.99),
-        "event_gap_p50_ms": pct(event, 0.5),
-        "event_gap_p99_ms": pct(event, 0.99),
-        "first_text_p50_ms": pct(first_text, 0.5),
-        "first_text_p99_ms": pct(first_text, 0.99),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "itl_p50_ms": percentile(itl, 50),
+        "itl_p99_ms": percentile(itl, 99),
+        "event_gap_p50_ms": percentile(event, 50),
+        "event_gap_p99_ms": percentile(event, 99),
+        "first_text_p50_ms": percentile(first_text, 50),
+        "first_text_p99_ms": percentile(first_text, 99),
         "proxy_cpu_ms_per_request": proxy_cpu_s / max(1, len(samples)) * 1000,
     }
 

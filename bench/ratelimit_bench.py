@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.loadlib.stats import percentile
 from bench.report import REPORT_DIR
 from common.redis_cluster import RedisClusterServers
 from common.redis_server import RedisServer
@@ -42,14 +43,6 @@ from ratelimit.loadgen import HammerResult, HammerSpec, hammer
 MODES = ("fixed_window", "lua", "bucket", "bucket_settle")
 # Generous limits: the benchmark measures the cost of a decision, not denials.
 POLICY = LimitPolicy(requests_per_minute=10**9, tokens_per_minute=10**12, max_concurrent=10**6)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) of ``values`` by nearest rank."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def summarize(mode: str, num_processes: int, results: list[HammerResult]) -> dict[str, Any]:
@@ -62,8 +55,8 @@ def summarize(mode: str, num_processes: int, results: list[HammerResult]) -> dic
         "processes": num_processes,
         "decisions": decisions,
         "decisions_per_s": decisions / elapsed,
-        "p50_ms": percentile(latencies, 0.50) * 1000,
-        "p99_ms": percentile(latencies, 0.99) * 1000,
+        "p50_ms": percentile(latencies, 50) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
         "errors": sum(r.num_errors for r in results),
     }
 

@@ -38,7 +38,8 @@ class Slo:
 
 
 def percentile(values: Sequence[float], pct: float) -> float:
-    """The ``pct``-th percentile (0-100) with linear interpolation; nan when empty."""
+    """The ``pct``-th percentile (0-100) with linear interpolation between the order
+    statistics (numpy's default); nan when empty. Every bench's percentiles are this one."""
     if not values:
         return float("nan")
     xs = sorted(values)

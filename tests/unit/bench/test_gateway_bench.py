@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.gateway_bench import on_cpus, paired_differences, pct, round_differences, split_cpus
+from bench.gateway_bench import on_cpus, paired_differences, round_differences, split_cpus
 
 
 def test_paired_differences_subtract_pair_by_pair() -> None:
@@ -27,12 +27,6 @@ def test_paired_differences_subtract_pair_by_pair() -> None:
         )
         < 1e-9
     )
-
-
-def test_pct_is_nearest_rank() -> None:
-    assert pct([5.0, 1.0, 3.0], 0.5) == 3.0
-    assert pct([5.0, 1.0, 3.0], 0.99) == 5.0
-    assert pct([5.0, 1.0, 3.0], 0.0) == 1.0
 
 
 def test_stage_figures_are_what_a_run_added_to_the_gateway_histograms() -> None:
