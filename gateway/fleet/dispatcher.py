@@ -10,6 +10,10 @@ Every attempt goes to a replica this request has not tried. Whatever ends an
 attempt (done, error, stop string, client cancel) cancels its engine call at
 once, so the engine frees the KV blocks, and reports the outcome to the
 replica's breaker.
+
+The caller hands in the request's ``TokenStream`` (engine chunks -> client chunks,
+the request pipeline's ``TextStream``), an ``AttemptProgress`` the attempts
+write (sent, answered, which replica's model), and an ``on_dispatched`` callback.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -32,7 +36,6 @@ from gateway.fleet.fair_queue import FairQueue, FairQueues
 from gateway.fleet.replica import Replica
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy, breaker_verdict, is_retryable
-from gateway.request.detokenize import TextStream
 from gateway.spans import end_engine_call, engine_call
 from llm.v1 import common_pb2, engine_pb2
 
@@ -46,6 +49,41 @@ FAILOVER_CODES = frozenset(
         grpc.StatusCode.DATA_LOSS,
     }
 )
+
+
+class TokenStream(Protocol):
+    """The output of one request across its attempts: the tokens received so far are
+    a failover's resumed output, and each engine chunk becomes a client chunk."""
+
+    token_ids: list[int]
+
+    @property
+    def finished(self) -> bool:
+        """True once the last chunk was built."""
+
+    def on_engine_chunk(self, resp: engine_pb2.EngineGenerateResponse) -> Chunk | None:
+        """The client chunk of one engine chunk (None: nothing new to send)."""
+
+
+@dataclass(slots=True)
+class AttemptProgress:
+    """What the engine attempts of one request did so far: the dispatcher writes it,
+    the pipeline reads it (the gateway's overhead, the version that served, what to
+    charge when it settles)."""
+
+    dispatched: bool = False  # the prompt was sent to an engine (prefill may be running)
+    engine_answered: bool = False  # an engine accepted the request (prefill ran)
+    attempt_started_at: float = 0.0  # time.perf_counter() at the latest attempt's start
+    model: str = ""  # of the latest attempt's replica
+    model_version: str = ""
+    num_chunks: int = 0  # client chunks built
+
+    def count(self, chunk: Chunk) -> Chunk:
+        """Count a client chunk; the first names the model and version that served it."""
+        if not self.num_chunks:
+            chunk.model, chunk.model_version = self.model, self.model_version
+        self.num_chunks += 1
+        return chunk
 
 
 @dataclass(slots=True)
@@ -101,6 +139,10 @@ def _retry_after(e: grpc.aio.AioRpcError) -> int | None:
     return None
 
 
+def _nothing() -> None:
+    pass
+
+
 class Dispatcher:
     """Runs a job's engine attempts and yields client chunks.
 
@@ -134,8 +176,21 @@ class Dispatcher:
         # token in seconds or None); the per-version stats of the canary guard.
         self.on_attempt: Callable[[Replica, bool | None, float | None], None] | None = None
 
-    async def run(self, job: EngineJob, text: TextStream) -> AsyncGenerator[Chunk, None]:
-        """Stream the job to the end, or raise ``GatewayError``."""
+    async def run(
+        self,
+        job: EngineJob,
+        text: TokenStream,
+        progress: AttemptProgress,
+        on_dispatched: Callable[[], None] | None = None,
+    ) -> AsyncGenerator[Chunk, None]:
+        """Stream the job to the end, or raise ``GatewayError``.
+
+        ``on_dispatched`` is called as each engine call is made (its send is queued
+        ahead of what the callback starts) and when the request waits for capacity
+        instead: what waits for the engine's start (the overlapped admission, whose
+        lease must be held while the request waits) goes then.
+        """
+        notify = on_dispatched or _nothing
         self.budget.record_request()
         tried: list[str] = []
         errors: list[EngineCallError] = []
@@ -143,7 +198,7 @@ class Dispatcher:
         queue = self.queues.of(job.model) if self.queues is not None else None
         waited = False  # it had a turn: refused again, it goes first in its tenant's line
         if queue is not None and queue.num_waiting:  # others wait for this model: no barging
-            text.release_admission()
+            notify()
             if not await self._turn(queue, job, False):
                 raise self._queue_full(job, queue)
             waited = True
@@ -151,6 +206,7 @@ class Dispatcher:
             try:
                 replica, ticket = self._pick(job, tried, errors)
             except GatewayError as e:
+                notify()
                 if not await self._wait_for_capacity(e, queue, job, text, waited):
                     raise
                 tried, errors, num_retries, waited = [], [], 0, True
@@ -159,13 +215,14 @@ class Dispatcher:
             try:
                 # aclosing: a client gone mid-stream closes the attempt (cancel the engine
                 # call, release the replica) now, not when the generator is collected
-                async with contextlib.aclosing(self._attempt(replica, ticket, job, text)) as chunks:
+                attempt = self._attempt(replica, ticket, job, text, progress, notify)
+                async with contextlib.aclosing(attempt) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 return
             except EngineCallError as e:
                 errors.append(e)
-                if e.num_tokens == 0 and self._may_retry(e, job, num_retries, text):
+                if e.num_tokens == 0 and self._may_retry(e, job, num_retries):
                     num_retries += 1
                     metrics.RETRIES.inc()
                     delay = min(self.policy.backoff(num_retries - 1), job.deadline.remaining())
@@ -181,6 +238,7 @@ class Dispatcher:
                     )
                 else:
                     final = self._final_error(e, errors, text, job)
+                    notify()
                     if not await self._wait_for_capacity(final, queue, job, text, waited):
                         raise final from None
                     tried, errors, num_retries, waited = [], [], 0, True
@@ -190,12 +248,11 @@ class Dispatcher:
         error: GatewayError,
         queue: FairQueue | None,
         job: EngineJob,
-        text: TextStream,
+        text: TokenStream,
         waited: bool,
     ) -> bool:
         """Every replica is full (nothing streamed yet): wait in the fair queue for a turn
         (True) or give up (False: the caller raises ``error``)."""
-        text.release_admission()
         if queue is None or error.code != grpc.StatusCode.RESOURCE_EXHAUSTED or text.token_ids:
             return False
         return await self._turn(queue, job, waited)
@@ -216,9 +273,7 @@ class Dispatcher:
             retry_after_ms=1000,
         )
 
-    def _may_retry(
-        self, e: EngineCallError, job: EngineJob, num_retries: int, text: TextStream
-    ) -> bool:
+    def _may_retry(self, e: EngineCallError, job: EngineJob, num_retries: int) -> bool:
         # Before the first token of this attempt: only the first attempt (nothing sent yet)
         # or a failover's resubmission may be retried, within the attempts cap and budget.
         return (
@@ -250,7 +305,7 @@ class Dispatcher:
         self,
         last: EngineCallError,
         errors: list[EngineCallError],
-        text: TextStream | None,
+        text: TokenStream | None,
         job: EngineJob,
     ) -> GatewayError:
         sent = len(text.token_ids) if text is not None else 0
@@ -283,7 +338,9 @@ class Dispatcher:
             f"no engine replica could serve the request ({history}); retry shortly",
         )
 
-    def _engine_request(self, job: EngineJob, text: TextStream) -> engine_pb2.EngineGenerateRequest:
+    def _engine_request(
+        self, job: EngineJob, text: TokenStream
+    ) -> engine_pb2.EngineGenerateRequest:
         deadline = timestamp_pb2.Timestamp()
         deadline.FromNanoseconds(int(job.deadline.wall_time * 1e9))
         return engine_pb2.EngineGenerateRequest(
@@ -299,7 +356,13 @@ class Dispatcher:
         )
 
     async def _attempt(
-        self, replica: Replica, ticket: Ticket, job: EngineJob, text: TextStream
+        self,
+        replica: Replica,
+        ticket: Ticket,
+        job: EngineJob,
+        text: TokenStream,
+        progress: AttemptProgress,
+        on_dispatched: Callable[[], None],
     ) -> AsyncGenerator[Chunk, None]:
         # ``replica`` was acquired by _pick: from here every path ends in release()
         verdict: bool | None = None
@@ -309,9 +372,9 @@ class Dispatcher:
         span = None
         failure = grpc.StatusCode.CANCELLED.name  # until it finishes or fails otherwise
         try:
-            text.attempt_started_at = time.perf_counter()
+            progress.attempt_started_at = time.perf_counter()
             if replica.info is not None:
-                text.model, text.model_version = replica.info.model, replica.info.version
+                progress.model, progress.model_version = replica.info.model, replica.info.version
             span, traceparent = engine_call(
                 job.trace, replica.address, job.request_id, len(text.token_ids), job.traceparent
             )
@@ -323,7 +386,8 @@ class Dispatcher:
             call = replica.stub.Generate(
                 self._engine_request(job, text), timeout=job.deadline.remaining(), metadata=metadata
             )
-            text.mark_dispatched()  # after the call is made: its send runs first
+            progress.dispatched = True
+            on_dispatched()  # after the call is made: its send runs first
             async for resp in call:
                 if resp.finish_reason == common_pb2.ERROR:
                     raise EngineCallError(
@@ -333,11 +397,12 @@ class Dispatcher:
                         num_tokens,
                     )
                 if ttft is None and resp.token_ids:
-                    ttft = time.perf_counter() - text.attempt_started_at
+                    ttft = time.perf_counter() - progress.attempt_started_at
                 num_tokens += len(resp.token_ids)
+                progress.engine_answered = True
                 chunk = text.on_engine_chunk(resp)
                 if chunk is not None:
-                    yield chunk
+                    yield progress.count(chunk)
                 if text.finished:
                     verdict, failure = True, ""
                     return

@@ -3,13 +3,12 @@
 One ``TextStream`` per request lives across every engine attempt, so after a
 mid-stream failover the text continues exactly where it stopped: the token
 ids already received are the ``resumed_output_token_ids`` of the next
-attempt and are never detokenized or sent twice.
+attempt and are never detokenized or sent twice. It only turns tokens into text:
+what the attempts did (sent, answered, which replica) is the dispatcher's
+``AttemptProgress``.
 """
 
 from __future__ import annotations
-
-import time
-from collections.abc import Callable
 
 from gateway.domain import Chunk
 from gateway.request.stop_strings import StopMatcher
@@ -38,28 +37,6 @@ class TextStream:
         self.token_ids: list[int] = []  # every output token received, across attempts
         self.finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
         self.num_cached_tokens = 0
-        self.engine_answered = False  # an engine accepted the request (prefill ran)
-        self.dispatched = False  # the prompt was sent to an engine (prefill may be running)
-        self.first_token_at: float | None = None
-        self.attempt_started_at = 0.0
-        # what waits for the engine call's send (the admission beside it): called once
-        # an engine call is out, or the request is about to wait for one
-        self.on_release_admission: Callable[[], None] | None = None
-        self.model = ""
-        self.model_version = ""
-        self._sent_first = False
-
-    def mark_dispatched(self) -> None:
-        """An engine call carrying the prompt was made (its send is queued)."""
-        self.dispatched = True
-        self.release_admission()
-
-    def release_admission(self) -> None:
-        """Let the admission beside the engine call go: the call is out (its send runs
-        first), or none goes out at once (the request waits for capacity, and its lease
-        must be held while it waits)."""
-        if self.on_release_admission is not None:
-            self.on_release_admission()
 
     @property
     def finished(self) -> bool:
@@ -68,7 +45,6 @@ class TextStream:
 
     def on_engine_chunk(self, resp: engine_pb2.EngineGenerateResponse) -> Chunk | None:
         """Consume one engine chunk; the client chunk to send, or None when nothing is new."""
-        self.engine_answered = True
         ids = list(resp.token_ids)
         self.token_ids.extend(ids)
         text = self._detok.add(ids)
@@ -86,11 +62,6 @@ class TextStream:
         chunk = Chunk(
             request_id=self.request_id, text=out, token_ids=ids, logprobs=self._logprobs(resp)
         )
-        if ids and self.first_token_at is None:
-            self.first_token_at = time.perf_counter()
-        if not self._sent_first:
-            self._sent_first = True
-            chunk.model, chunk.model_version = self.model, self.model_version
         if finish:
             self.finish_reason = finish
             chunk.finish_reason = finish

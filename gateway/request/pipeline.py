@@ -35,7 +35,7 @@ import contextlib
 import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -45,7 +45,7 @@ from common.log import get_logger
 from gateway import metrics
 from gateway.config import GatewayConfig
 from gateway.domain import CallContext, Chunk, Deadline, GatewayError, engine_request_id
-from gateway.fleet.dispatcher import Dispatcher, EngineJob
+from gateway.fleet.dispatcher import AttemptProgress, Dispatcher, EngineJob
 from gateway.fleet.replica_pool import ModelEntry, ReplicaPool
 from gateway.fleet.tokenizers import TokenizerSet
 from gateway.release.shadow import ShadowMirror
@@ -92,6 +92,7 @@ class _Admitted:
     gate: asyncio.Future[None] | None = None
     # how that admission failed (refused, Redis down): the request fails, nothing is charged
     error: BaseException | None = None
+    progress: AttemptProgress = field(default_factory=AttemptProgress)  # the engine attempts'
 
 
 @dataclass(slots=True)
@@ -563,8 +564,6 @@ class Pipeline:
                 job.stop_strings,
                 len(job.prompt_token_ids),
             )
-            if admitted.gate is not None:
-                text.on_release_admission = functools.partial(_open, admitted.gate)
             with stage(job.trace, "gateway.stream"):
                 async with contextlib.AsyncExitStack() as scope:
                     if admitted.pending is None:
@@ -575,13 +574,14 @@ class Pipeline:
                         contextlib.aclosing(self._relay(admitted, text))
                     )
                     async for chunk in relay:
-                        labels.version = text.model_version or labels.version
+                        labels.version = admitted.progress.model_version or labels.version
                         if first_at is None and chunk.token_ids:
                             first_at = time.perf_counter()
                             metrics.TTFT.labels(tenant, job.model, labels.version).observe(
                                 first_at - start
                             )
-                            metrics.OVERHEAD.observe(max(0.0, text.attempt_started_at - start))
+                            started = admitted.progress.attempt_started_at
+                            metrics.OVERHEAD.observe(max(0.0, started - start))
                             if job.trace is not None:
                                 job.trace.record("gateway.first_token", start, first_at)
                         yield chunk
@@ -602,8 +602,11 @@ class Pipeline:
         """The engine's chunks; none before the admission that runs beside it passed
         (a refusal closes the engine call and is the error, even over the engine's)."""
         confirmed = False  # once, before the first chunk: not on every token's path
+        gate = admitted.gate
+        dispatched = functools.partial(_open, gate) if gate is not None else None
+        chunks = self.dispatcher.run(admitted.job, text, admitted.progress, dispatched)
         try:
-            async with contextlib.aclosing(self.dispatcher.run(admitted.job, text)) as chunks:
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     if not confirmed:
                         await self._confirm(admitted)
@@ -704,7 +707,9 @@ class Pipeline:
         prompt = 0
         if admitted.error is not None:  # refused while the engine started: work undone
             text = None
-        elif text is not None and (text.engine_answered or (text.dispatched and client_left)):
+        elif text is not None and (
+            (progress := admitted.progress).engine_answered or (progress.dispatched and client_left)
+        ):
             prompt = text.num_prompt_tokens
         completion = len(text.token_ids) if text is not None else 0
         labels.prompt_tokens, labels.completion_tokens = prompt, completion

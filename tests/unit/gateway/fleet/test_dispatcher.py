@@ -15,7 +15,7 @@ import pytest
 
 from common.breaker import BreakerPolicy
 from gateway.domain import Deadline, GatewayError
-from gateway.fleet.dispatcher import Dispatcher, EngineJob
+from gateway.fleet.dispatcher import AttemptProgress, Dispatcher, EngineJob
 from gateway.fleet.replica_pool import ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy
 from gateway.request.detokenize import TextStream
@@ -100,13 +100,16 @@ def job() -> EngineJob:
 
 
 async def run(
-    dispatcher: Dispatcher, servers: list[grpc.aio.Server], tokenizer: TextTokenizer
+    dispatcher: Dispatcher,
+    servers: list[grpc.aio.Server],
+    tokenizer: TextTokenizer,
+    progress: AttemptProgress | None = None,
 ) -> tuple[list[int], str, TextStream]:
     text = TextStream("r1", tokenizer, [], 3)
     ids: list[int] = []
     out = ""
     try:
-        async for chunk in dispatcher.run(job(), text):
+        async for chunk in dispatcher.run(job(), text, progress or AttemptProgress()):
             ids.extend(chunk.token_ids)
             out += chunk.text
     finally:
@@ -118,8 +121,12 @@ async def run(
 
 async def test_retry_on_another_replica_before_the_first_token(tokenizer: TextTokenizer) -> None:
     dispatcher, engines, servers = await setup(["unavailable", "ok"])
-    ids, out, _ = await run(dispatcher, servers, tokenizer)
+    progress = AttemptProgress()
+    ids, out, _ = await run(dispatcher, servers, tokenizer, progress)
     assert ids == TOKENS
+    assert (progress.dispatched, progress.engine_answered) == (True, True)
+    assert (progress.model, progress.model_version) == ("m", "v1")
+    assert progress.attempt_started_at > 0
     assert out == tokenizer.decode(TOKENS)
     assert [len(e.requests) for e in engines] == [1, 1]
     assert dispatcher.budget.num_retries == 1
@@ -127,32 +134,38 @@ async def test_retry_on_another_replica_before_the_first_token(tokenizer: TextTo
     assert (sent.tenant_id, sent.tenant_weight) == ("t", 3.0)
 
 
-async def test_the_admission_release_hook_runs_once_each_engine_call_is_made_and_before_its_send(
+async def test_the_on_dispatched_callback_runs_once_each_engine_call_is_made_and_before_its_send(
     tokenizer: TextTokenizer,
 ) -> None:
-    """What waits for the engine call (the admission beside it) is released as each
-    call is made: before the engine has it (its send is queued behind the hook's
+    """What waits for the engine call (the overlapped admission) is released as each
+    call is made: before the engine has it (its send is queued behind the callback's
     caller) and never before the first call exists."""
     dispatcher, engines, servers = await setup(["unavailable", "ok"])
-    seen: list[tuple[int, int]] = []  # (engine 0's requests, engine 1's) at each call
+    seen: list[tuple[int, int, bool]] = []  # (engine 0's requests, engine 1's, dispatched)
+    progress = AttemptProgress()
     text = TextStream("r1", tokenizer, [], 3)
-    text.on_release_admission = lambda: seen.append(
-        (len(engines[0].requests), len(engines[1].requests))
-    )
-    assert not text.dispatched
-    ids: list[int] = []
+    chunks = []
     try:
-        async for chunk in dispatcher.run(job(), text):
+        async for chunk in dispatcher.run(
+            job(),
+            text,
+            progress,
+            lambda: seen.append(
+                (len(engines[0].requests), len(engines[1].requests), progress.dispatched)
+            ),
+        ):
             assert seen  # released before any chunk
-            ids.extend(chunk.token_ids)
+            chunks.append(chunk)
     finally:
         await dispatcher.pool.close()
         for s in servers:
             await s.stop(0)
-    assert ids == TOKENS
-    # each attempt's hook ran before that engine had the request
-    assert seen == [(0, 0), (1, 0)]
-    assert text.dispatched
+    assert [t for c in chunks for t in c.token_ids] == TOKENS
+    # each attempt's callback ran before that engine had the request, once it was sent
+    assert seen == [(0, 0, True), (1, 0, True)]
+    # the first chunk names the model and version of the replica that served it
+    assert [(c.model, c.model_version) for c in chunks[:2]] == [("m", "v1"), ("", "")]
+    assert progress.num_chunks == len(chunks)
 
 
 async def test_every_replica_full_is_resource_exhausted_with_retry_after(
@@ -168,10 +181,13 @@ async def test_every_replica_full_is_resource_exhausted_with_retry_after(
 
 async def test_invalid_argument_is_not_retried(tokenizer: TextTokenizer) -> None:
     dispatcher, engines, servers = await setup(["invalid", "ok"])
+    progress = AttemptProgress()
     with pytest.raises(GatewayError) as info:
-        await run(dispatcher, servers, tokenizer)
+        await run(dispatcher, servers, tokenizer, progress)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert [len(e.requests) for e in engines] == [1, 0]
+    # sent, never answered: a refusal charges no prompt
+    assert (progress.dispatched, progress.engine_answered) == (True, False)
 
 
 async def test_no_retry_when_the_budget_is_spent(tokenizer: TextTokenizer) -> None:
