@@ -8,8 +8,9 @@ nothing flagged dangerous or administrative (FLUSHALL, CONFIG, KEYS, DEBUG,
 ACL, MONITOR, SHUTDOWN, ...), nor ``SCRIPT FLUSH`` / ``KILL`` (it loads and runs
 scripts, it never needs to drop or stop them).
 
-A Redis Cluster (``ratelimit.redis_cluster``) runs the same model on every
-node, with three differences (``ClusterAcl``):
+A Redis Cluster (the services' ``ratelimit.redis_cluster`` setting; local ones from
+``common.redis_cluster``, formed by ``common.redis_cluster_formation``) runs the same
+model on every node, with three differences (``ClusterAcl``):
 
 - the service user may also read the slot map (``CLUSTER SLOTS``, ``CLUSTER
   SHARDS``: the cluster client asks a seed for it at start and after a
@@ -21,9 +22,9 @@ node, with three differences (``ClusterAcl``):
   command, with its own password that no service holds.
 
 ``acl_file`` renders the server's ``--aclfile`` (passwords stored as their
-SHA-256, never in clear); ``make run``'s Redis and ``common.redis_cluster``
-use it, and deploy/ renders the same rules from a mounted secret (a test keeps
-them in step).
+SHA-256, never in clear); ``common.redis_server`` (``make run``'s Redis) and
+``common.redis_cluster`` use it, and deploy/ renders the same rules from a mounted
+secret (a test keeps them in step).
 """
 
 from __future__ import annotations

@@ -25,9 +25,14 @@ bucket math; ``lua``: the Redis script; ``storage/``: the ``Store`` protocol, Re
 and memory stores; ``store_guard``: time budget and circuit breaker; ``rate_limiter``:
 reserve/settle/leases, fail modes; ``decision``, ``denials``, ``membership``),
 ``tenancy/`` (``records``, ``registry``, ``key_cache``: cached authentication,
-``audit``), ``admin/`` (the RateLimitAdmin servicer and its converters), ``errors``,
-``status`` (gRPC statuses), ``factory``, ``loadgen`` (multi-process load for tests
-and the benchmark). The Redis server launcher is ``common.redis_server``.
+``bearer``: the credential parser, ``audit``), ``budget/`` (``policy``: budgets and
+prices; ``ledger``: reserve/settle in Redis), ``usage/`` (``records``: usage per
+tenant, key, model, version and day), ``admin/`` (the RateLimitAdmin servicer, its
+calls and converters), ``redis_client`` (one server or a cluster, and which errors
+are the store's), ``errors``, ``status`` (gRPC statuses), ``metrics``, ``factory``,
+``__main__`` (the admin service alone), ``loadgen`` (multi-process load for tests
+and the benchmark). The Redis server launchers and the ACL are ``common.redis_server``,
+``common.redis_cluster`` and ``common.redis_acl``.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -64,6 +64,8 @@ class Registry:
         prefix: Key prefix shared with the limiter's store.
         auth_cache_ttl_ms: How long an authentication answer is reused.
         clock: Monotonic milliseconds (cache expiry).
+        wall: Unix seconds: key expiry (checked on every authentication and when a key
+            is created, updated or rotated) and the times the registry records.
     """
 
     def __init__(
@@ -73,11 +75,18 @@ class Registry:
         prefix: str = "rl:",
         auth_cache_ttl_ms: int = 5000,
         clock: Callable[[], float] | None = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.client = client
         self.prefix = prefix
+        self.wall = wall
         self.auth = KeyCache(
-            self.lookup_hash, self.get_tenant, auth_cache_ttl_ms, clock, on_use=self.note_use
+            self.lookup_hash,
+            self.get_tenant,
+            auth_cache_ttl_ms,
+            clock,
+            wall=wall,
+            on_use=self.note_use,
         )
         self._last_written: dict[str, float] = {}  # key id -> monotonic time of the write
         self._background: set[asyncio.Task[None]] = set()
@@ -90,7 +99,7 @@ class Registry:
 
     async def upsert_tenant(self, tenant: Tenant) -> Tenant:
         """Create or replace a tenant; keeps ``created_at`` of an existing one."""
-        now = time.time()
+        now = self.wall()
         with redis_errors("upsert tenant"):
             raw = await self._get(self._tenant_key(tenant.tenant_id))
             created = tenant_from_json(raw).created_at if raw else now
@@ -153,7 +162,7 @@ class Registry:
         """
         validate_key_text(name=name, owner=owner, description=description)
         validate_budgets(f"API key {name!r}", budgets)
-        if expires_at and expires_at <= time.time():
+        if expires_at and expires_at <= self.wall():
             raise ValueError("expires_at is in the past; give a future time (or 0 = never)")
         role = KeyRole.TENANT if role == KeyRole.UNSPECIFIED else role
         if role == KeyRole.TENANT:
@@ -192,7 +201,7 @@ class Registry:
         validate_key_text(name=updated.name, owner=updated.owner, description=updated.description)
         validate_budgets(f"API key {key_id}", updated.budgets)
         updated = dataclasses.replace(updated, budgets=_owned(updated.budgets, key_id))
-        if "expires_at" in changes and updated.expires_at and updated.expires_at <= time.time():
+        if "expires_at" in changes and updated.expires_at and updated.expires_at <= self.wall():
             raise ValueError("expires_at is in the past; revoke the key to end it now")
         await self._save_key(updated, "update key")
         return updated
@@ -209,7 +218,7 @@ class Registry:
         if grace_s < 0:
             raise ValueError(f"grace_seconds must be >= 0, got {grace_s}")
         old = await self.get_key(key_id)
-        now = time.time()
+        now = self.wall()
         if old.revoked or old.expired(now):
             raise ValueError(f"API key {key_id} is revoked or expired; create a new key instead")
         plaintext = generate_key()
@@ -239,7 +248,7 @@ class Registry:
 
         async def write() -> None:
             try:
-                await self.client.hset(f"{self.prefix}key_last_used", key.key_id, time.time())
+                await self.client.hset(f"{self.prefix}key_last_used", key.key_id, self.wall())
             except Exception as exc:  # dropped, unless it is not the store's failure
                 if not is_store_failure(exc):
                     raise
@@ -277,7 +286,7 @@ class Registry:
             budgets=_owned(template.budgets, key_id),
             display_prefix=plaintext[:DISPLAY_PREFIX_LEN],
             key_hash=digest,
-            created_at=time.time(),
+            created_at=self.wall(),
         )
         tenant_id = key.tenant_id
         index = self._tenant_keys_key(tenant_id) if tenant_id else f"{self.prefix}admin_keys"
@@ -301,7 +310,7 @@ class Registry:
         """Revoke a key (idempotent). Other replicas stop accepting it within the cache TTL."""
         key = await self.get_key(key_id)
         if not key.revoked:
-            key = dataclasses.replace(key, revoked=True, revoked_at=time.time())
+            key = dataclasses.replace(key, revoked=True, revoked_at=self.wall())
             await self._save_key(key, "revoke key")
         self.auth.clear()
         return key

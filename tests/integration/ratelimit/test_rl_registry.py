@@ -10,6 +10,7 @@ from ratelimit.errors import NotFoundError, PermissionDeniedError, Unauthenticat
 from ratelimit.tenancy.audit import AuditLog
 from ratelimit.tenancy.records import KeyRole, hash_key
 from ratelimit.tenancy.registry import Registry
+from tests.support.clock import FakeClock
 
 pytestmark = pytest.mark.integration
 
@@ -111,6 +112,28 @@ async def test_revocation_reaches_other_replicas_within_the_cache_ttl(
     with pytest.raises(PermissionDeniedError, match="was revoked"):
         await replica_b.authenticate(plaintext)
     assert (await replica_a.revoke_key(key.key_id)).revoked  # idempotent
+
+
+async def test_keys_expire_on_the_injected_wall_clock(redis_client: Redis, prefix: str) -> None:
+    wall = FakeClock(1_800_000_000.0)
+    reg = Registry(redis_client, prefix=prefix, wall=wall)
+    await reg.upsert_tenant(ACME)
+    with pytest.raises(ValueError, match="in the past"):
+        await reg.create_key("acme", "late", KeyRole.TENANT, expires_at=wall.now)
+    plaintext, key = await reg.create_key("acme", "app", KeyRole.TENANT, expires_at=wall.now + 60)
+    assert key.created_at == wall.now
+    new_plaintext, new, old = await reg.rotate_key(key.key_id, grace_s=30)
+    assert old.expires_at == wall.now + 30  # the grace ends before the key's own expiry
+    wall.advance(29)
+    await reg.authenticate(plaintext)  # inside the grace, and cached from here on
+    wall.advance(1)
+    with pytest.raises(PermissionDeniedError, match=f"expired.*{new.key_id}"):
+        await reg.authenticate(plaintext)  # the cached answer expires on time too
+    with pytest.raises(ValueError, match="revoked or expired"):
+        await reg.rotate_key(key.key_id, grace_s=10)
+    with pytest.raises(ValueError, match="in the past"):
+        await reg.update_key(new.key_id, {"expires_at": wall.now - 1})
+    assert (await reg.authenticate(new_plaintext)).tenant is not None
 
 
 async def test_delete_tenant_revokes_its_keys(redis_client: Redis, prefix: str) -> None:
