@@ -12,7 +12,7 @@ from prometheus_client import Counter, Histogram
 
 from common.log import get_logger
 from common.server import Context
-from llm.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from llm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import Message
 from tokenizer_svc.tokenizer import TextTokenizer, TokenizerInputError
 
@@ -209,10 +209,3 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             )
 
         return await self._guard("GetTokenizerInfo", context, info)
-
-
-def chat_messages(pairs: list[tuple[str, str]]) -> common_pb2.ChatMessages:
-    """Build ChatMessages from (role, content) pairs (for clients and tests)."""
-    return common_pb2.ChatMessages(
-        messages=[common_pb2.ChatMessage(role=r, content=c) for r, c in pairs]
-    )

@@ -92,14 +92,6 @@ class EnvoyProcess(LoggedChild):
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
-    @property
-    def base_id(self) -> int | None:
-        """The base id Envoy chose (known once it started)."""
-        try:
-            return int(self.base_id_path.read_text().strip())
-        except (FileNotFoundError, ValueError):
-            return None
-
     def command(self) -> list[str]:
         return [
             self.binary,
