@@ -33,12 +33,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.loadlib.hammer import HammerResult, HammerSpec, hammer
 from bench.loadlib.stats import percentile
 from bench.report import REPORT_DIR
 from common.redis_cluster import RedisClusterServers
 from common.redis_server import RedisServer
 from ratelimit.config import LimitPolicy
-from ratelimit.loadgen import HammerResult, HammerSpec, hammer
 
 MODES = ("fixed_window", "lua", "bucket", "bucket_settle")
 # Generous limits: the benchmark measures the cost of a decision, not denials.

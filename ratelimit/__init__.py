@@ -30,9 +30,9 @@ prices; ``ledger``: reserve/settle in Redis), ``usage/`` (``records``: usage per
 tenant, key, model, version and day), ``admin/`` (the RateLimitAdmin servicer, its
 calls and converters), ``redis_client`` (one server or a cluster, and which errors
 are the store's), ``errors``, ``status`` (gRPC statuses), ``metrics``, ``factory``,
-``__main__`` (the admin service alone), ``loadgen`` (multi-process load for tests
-and the benchmark). The Redis server launchers and the ACL are ``common.redis_server``,
-``common.redis_cluster`` and ``common.redis_acl``.
+``__main__`` (the admin service alone). The Redis server launchers and the ACL are
+``common.redis_server``, ``common.redis_cluster`` and ``common.redis_acl``; the load
+generator of the exactness tests and the benchmark is ``bench.loadlib.hammer``.
 """
 
 from typing import TYPE_CHECKING, Any

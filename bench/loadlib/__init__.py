@@ -9,4 +9,5 @@ plots.py     latency CDFs, queue and KV usage over time, sweep curves
 spawn.py     real services on ephemeral ports, stopped by pid
 sweep.py     rate sweep that finds the knee
 fairness.py  fairness and priority experiments against the gateway
+hammer.py    processes x coroutines hammering one tenant's limiter (rate-limit bench, tests)
 """

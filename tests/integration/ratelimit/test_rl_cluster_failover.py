@@ -26,13 +26,13 @@ from typing import Any
 
 import pytest
 
+from bench.loadlib.hammer import excess_over_policy
 from common.redis_cluster import RedisClusterServers
 from ratelimit.config import LimitPolicy, RateLimitConfig, Tenant
 from ratelimit.errors import LimiterUnavailableError, StoreError
 from ratelimit.factory import RateLimitStack
 from ratelimit.limiter.decision import Reservation
 from ratelimit.limiter.storage.redis import bucket_keys
-from ratelimit.loadgen import excess_over_policy
 from ratelimit.tenancy.records import KeyRole, hash_key
 from tests.integration.ratelimit.conftest import acl_cluster, acl_denials
 

@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 from redis.exceptions import MovedError
 
+from bench.loadlib.hammer import HammerSpec, excess_over_policy, hammer
 from common.redis_cluster import RedisClusterServers
 from common.redis_server import RedisServer
 from ratelimit.config import LimitPolicy
 from ratelimit.limiter.storage.memory import MemoryStore
 from ratelimit.limiter.storage.redis import RedisStore, bucket_keys
-from ratelimit.loadgen import HammerSpec, excess_over_policy, hammer
 
 pytestmark = pytest.mark.integration
 
