@@ -87,21 +87,20 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import grpc
 from tqdm import tqdm
 
+from bench.loadlib.spawn import Stack, StackSpec, admin_client, on_cpus, tenant_key
 from bench.loadlib.stats import percentile
 from bench.report import save_report
 from common.config import default_model_dir
-from common.procs import ManagedProcess
-from common.redis_server import RedisServer, free_port
+from common.redis_server import free_port
 from llm.v1 import (
     admin_pb2,
-    admin_pb2_grpc,
     common_pb2,
     engine_pb2,
     engine_pb2_grpc,
@@ -538,21 +537,6 @@ def summarize(samples: list[Sample], proxy_cpu_s: float = math.nan) -> dict[str,
 ENGINE_MODULES = {"model": "engine_svc", "stub": "bench.gatewaylib.stub_engine"}
 
 
-@contextlib.contextmanager
-def on_cpus(cpus: set[int] | None) -> Iterator[None]:
-    """Run the block (and whatever it spawns: children inherit it) on ``cpus``; None =
-    leave the affinity alone."""
-    if cpus is None:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 class CpuSplit(NamedTuple):
     """Where each part of the bench runs: the engine, the proxies in front of it (the
     gateway with its workers, the bare relay) and the rest (Redis, the tokenizer
@@ -587,76 +571,49 @@ def split_cpus(engine_cores: int, proxy_cores: int = 0) -> CpuSplit | None:
 
 def start_stack(
     log_dir: Path,
-    redis: RedisServer,
-    admin_key: str,
     engine_dtype: str = "float32",
     engine: str = "model",
     stub_first_token_ms: float = 0.0,
     engine_cpus: set[int] | None = None,
     gateway_workers: int = 1,
     proxy_cpus: set[int] | None = None,
-) -> tuple[list[ManagedProcess], dict[str, str]]:
-    """Tokenizer, engine, bare relay and gateway on free ports. With ``engine_cpus`` the
-    engine runs on those CPUs alone, one torch thread per CPU; with ``proxy_cpus`` the
-    bare relay and the gateway (its workers inherit them) on those; the rest inherit
-    the caller's affinity."""
+) -> tuple[Stack, dict[str, str]]:
+    """Redis, tokenizer, engine, gateway and bare relay on free ports
+    (``bench.loadlib.spawn.Stack``), and the address of each side. With ``engine_cpus``
+    the engine runs on those CPUs alone, one torch thread per CPU; with ``proxy_cpus``
+    the bare relay and the gateway (its workers inherit them) on those; the rest
+    inherit the caller's affinity."""
     model_dir = str(default_model_dir())
-    common = ["--port", "0", "--metrics-port", "0", "--log-format", "json"]
-    tok = ManagedProcess(
-        name="tokenizer",
-        module="tokenizer_svc",
-        log_dir=log_dir,
-        args=[*common, "--model-dir", model_dir],
-    ).start(60)
-    threads = {"LLM_ENGINE_CORE_NUM_THREADS": str(len(engine_cpus))} if engine_cpus else {}
-    with on_cpus(engine_cpus):
-        eng = ManagedProcess(
-            name="engine",
-            module=ENGINE_MODULES[engine],
-            log_dir=log_dir,
-            args=[*common, "--model-dir", model_dir, "--max-num-seqs", "32"],
-            env={
-                "LLM_ENGINE_CORE_DEVICE": "cpu",
-                "LLM_ENGINE_CORE_DTYPE": engine_dtype,
-                "STUB_FIRST_TOKEN_MS": str(stub_first_token_ms),
-                **threads,
-            },
-        ).start(300)
-    http_port = free_port()
-    with on_cpus(proxy_cpus):  # the gateway's workers inherit it
-        floor = ManagedProcess(
-            name="floor",
-            module="bench.gatewaylib.relay_floor",
-            log_dir=log_dir,
-            args=[*common, "--engine", eng.address, "--model-dir", model_dir],
-        ).start(60)
-        gw = ManagedProcess(
-            name="gateway",
-            module="gateway",
-            log_dir=log_dir,
-            args=[
-                *common,
-                "--engines",
-                eng.address,
-                "--tokenizer",
-                tok.address,
-                "--redis-url",
-                redis.url,
-                "--log-level",
-                "warning",
-                "--http-port",
-                str(http_port),
-                "--workers",
-                str(gateway_workers),
-            ],
-            env={"ADMIN_KEY": admin_key},
-        ).start(120)
-    return [gw, floor, eng, tok], {
-        "engine": eng.address,
+    spec = StackSpec(
+        Path(model_dir),
+        log_dir,
+        gateway=True,
+        engine_module=ENGINE_MODULES[engine],
+        engine_env={
+            "LLM_ENGINE_CORE_DEVICE": "cpu",
+            "LLM_ENGINE_CORE_DTYPE": engine_dtype,
+            "STUB_FIRST_TOKEN_MS": str(stub_first_token_ms),
+        },
+        engine_args=["--max-num-seqs", "32"],
+        gateway_env={},
+        gateway_args=["--log-level", "warning", "--workers", str(gateway_workers)],
+        http_port=free_port(),
+        engine_cpus=engine_cpus,
+        proxy_cpus=proxy_cpus,
+    )
+    stack = Stack(spec).start()
+    try:
+        relay = ["--engine", stack.engines[0], "--model-dir", model_dir]
+        floor = stack.service("floor", "bench.gatewaylib.relay_floor", relay, proxy=True)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack, {
+        "engine": stack.engines[0],
         "floor": floor.address,
-        "gateway": gw.address,
-        "http": f"http://127.0.0.1:{http_port}",
-        "gateway_metrics": f"http://127.0.0.1:{gw.metrics_port}/metrics",
+        "gateway": stack.gateway,
+        "http": stack.http,
+        "gateway_metrics": stack.metrics_url("bench-gateway"),
     }
 
 
@@ -670,13 +627,9 @@ BENCH_LIMITS = admin_pb2.LimitPolicy(
 def make_key(address: str, admin_key: str, limited: bool = True) -> str:
     """An API key of the bench tenant: with ``BENCH_LIMITS``, or with no limit at all
     (then the gateway skips the token check: one Redis call before the engine)."""
-    with grpc.insecure_channel(address) as ch:
-        admin = admin_pb2_grpc.RateLimitAdminStub(ch)
-        md = (("authorization", f"Bearer {admin_key}"),)
-        limits = BENCH_LIMITS if limited else admin_pb2.LimitPolicy()
-        admin.UpsertTenant(admin_pb2.Tenant(id="bench", limits=limits), metadata=md)
-        req = admin_pb2.CreateApiKeyRequest(tenant_id="bench", name="bench")
-        return str(admin.CreateApiKey(req, metadata=md).key)
+    limits = BENCH_LIMITS if limited else admin_pb2.LimitPolicy()
+    with admin_client(address) as admin:
+        return tenant_key(admin, admin_key, admin_pb2.Tenant(id="bench", limits=limits))
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -914,16 +867,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     split = split_cpus(args.engine_cores, args.proxy_cores)
-    admin_key = "sk-llm-" + secrets.token_urlsafe(32)
     loadavg_before = os.getloadavg()
     ids = TextTokenizer(default_model_dir()).encode(PROMPT)
     # this client, Redis and every later child on the others' CPUs (the engine's own
     # are set around its start)
-    with on_cpus(split.rest if split else None), RedisServer() as redis:
-        procs, addresses = start_stack(
+    with on_cpus(split.rest if split else None):
+        stack, addresses = start_stack(
             Path(tempfile.mkdtemp(prefix="gw-bench-")),
-            redis,
-            admin_key,
             args.engine_dtype,
             args.engine,
             args.stub_first_token_ms,
@@ -932,18 +882,17 @@ def main() -> None:
             split.proxy if split else None,
         )
         try:
-            key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
+            key = make_key(addresses["gateway"], stack.admin_key, not args.unlimited_tenant)
             for side in SIDES:  # warm every path
                 asyncio.run(run_side(side, addresses, key, ids, 4, 4, 4))
-            gw_proc, floor_proc = procs[0].proc, procs[1].proc
+            gw_proc, floor_proc = stack.procs["bench-gateway"].proc, stack.procs["floor"].proc
             assert gw_proc is not None  # started above
             assert floor_proc is not None
             # whose CPU each side is charged: the process in front of the engine there
             cpu_pids = {s: floor_proc.pid if s == "floor" else gw_proc.pid for s in SIDES}
             results = measure(args, addresses, key, ids, cpu_pids)
         finally:
-            for p in procs:
-                p.stop()
+            stack.stop()
     report = {
         "benchmark": "gateway_bench",
         "rounds": args.rounds,

@@ -31,7 +31,7 @@ from typing import Any
 from bench.loadlib import fairness, plots
 from bench.loadlib.driver import RunConfig
 from bench.loadlib.runner import Endpoint, Phase, run_phase_sync
-from bench.loadlib.spawn import Stack, StackSpec, setup_tenants
+from bench.loadlib.spawn import BENCH_ENGINE_ENV, Stack, StackSpec, setup_tenants
 from bench.loadlib.stats import Slo, format_table
 from bench.loadlib.sweep import SweepConfig, run_sweep
 from bench.loadlib.workload import SHAPES, Caps, TenantSpec, TextPool
@@ -66,7 +66,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="engine env for --spawn, e.g. LLM_ENGINE_CORE_MAX_NUM_SEQS=32",
+        help="engine env for --spawn, e.g. LLM_ENGINE_CORE_SCHEDULER_MAX_NUM_SEQS=32",
     )
     g.add_argument("--model-dir", default=str(default_model_dir()))
     w = p.add_argument_group("workload")
@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.num_engines,
         gateway=args.command == "fairness" or args.target != "engine",
         envoy=args.target == "envoy",
-        engine_env=dict(kv.split("=", 1) for kv in args.engine_env),
+        engine_env={**BENCH_ENGINE_ENV, **dict(kv.split("=", 1) for kv in args.engine_env)},
     )
     with Stack(spec) as stack:
         print(

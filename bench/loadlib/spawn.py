@@ -7,13 +7,19 @@
     gateway            python -m gateway, with a fresh admin key
     Envoy              deploy.envoy.EnvoyProcess on a rendered config (envoy target)
 
-Everything is stopped in reverse start order, each by its own pid, even when
-start-up fails half-way.
+The engine module may be a stand-in with the engine's server (bench.gatewaylib's stub),
+the engines and the proxies (the gateway with its workers, any relay added with
+``Stack.service``) may run on CPUs of their own, and ``tenant_key`` / ``setup_tenants``
+create tenants and their API keys through the admin API. Everything is stopped in
+reverse start order, each by its own pid, even when start-up fails half-way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -27,8 +33,8 @@ from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 BENCH_ENGINE_ENV = {
     "LLM_ENGINE_CORE_DEVICE": "cpu",
     "LLM_ENGINE_CORE_NUM_KV_BLOCKS": "512",  # 8192 tokens: long contexts feel KV pressure
-    "LLM_ENGINE_CORE_MAX_NUM_SEQS": "16",
-    "LLM_ENGINE_CORE_MAX_NUM_BATCHED_TOKENS": "512",
+    "LLM_ENGINE_CORE_SCHEDULER_MAX_NUM_SEQS": "16",
+    "LLM_ENGINE_CORE_SCHEDULER_MAX_NUM_BATCHED_TOKENS": "512",
     "LLM_ENGINE_CORE_MAX_MODEL_LEN": "2048",
     "LLM_ENGINE_GRACE_SECONDS": "2",
 }
@@ -41,15 +47,40 @@ class _Stoppable(Protocol):
 
 @dataclass(slots=True)
 class StackSpec:
-    """What to start."""
+    """What to start. ``engine_env`` and ``gateway_env`` replace the defaults (the load
+    bench's pool and batch limits, a fast stats poll); ``http_port`` is the gateway's
+    HTTP front (-1: none); ``engine_cpus`` runs the engines on those CPUs alone, one
+    torch thread each, and ``proxy_cpus`` the gateway (its workers inherit them) and
+    any ``Stack.service`` started with ``proxy=True``; the rest keep the caller's."""
 
     model_dir: Path
     work_dir: Path
     num_engines: int = 1
     gateway: bool = False
     envoy: bool = False
-    engine_env: dict[str, str] = field(default_factory=dict)
-    gateway_env: dict[str, str] = field(default_factory=dict)
+    engine_env: dict[str, str] = field(default_factory=lambda: dict(BENCH_ENGINE_ENV))
+    gateway_env: dict[str, str] = field(default_factory=lambda: dict(GATEWAY_ENV))
+    engine_module: str = "engine_svc"
+    engine_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
+    http_port: int = -1
+    engine_cpus: set[int] | None = None
+    proxy_cpus: set[int] | None = None
+
+
+@contextlib.contextmanager
+def on_cpus(cpus: set[int] | None) -> Iterator[None]:
+    """Run the block (and whatever it spawns: children inherit it) on ``cpus``; None =
+    leave the affinity alone."""
+    if cpus is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 class Stack:
@@ -62,20 +93,36 @@ class Stack:
         self.tokenizer = ""
         self.gateway = ""
         self.envoy = ""
+        self.http = ""  # the gateway's HTTP front, http://host:port, when it has one
+        self.procs: dict[str, ManagedProcess] = {}  # by name: bench-gateway, ...
         self._started: list[_Stoppable] = []
 
-    def _proc(
-        self, name: str, module: str, args: list[str], env: dict[str, str], timeout: float
+    def service(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
+        proxy: bool = False,
     ) -> ManagedProcess:
+        """Start ``python -m module`` on free ports (``proxy``: on the spec's
+        ``proxy_cpus``); it is stopped with the stack."""
         proc = ManagedProcess(
             name=name,
             module=module,
-            env=env,
+            env=env or {},
             log_dir=self.spec.work_dir,
             args=["--port", "0", "--metrics-port", "0", "--log-format", "json", *args],
         )
         self._started.append(proc)
-        return proc.start(timeout=timeout)
+        self.procs[name] = proc
+        with on_cpus(self.spec.proxy_cpus if proxy else None):
+            return proc.start(timeout=timeout)
+
+    def metrics_url(self, name: str) -> str:
+        """The /metrics page of the service started as ``name``."""
+        return f"http://127.0.0.1:{self.procs[name].metrics_port}/metrics"
 
     def start(self) -> Stack:
         """Start everything the spec asks for; on failure stop what started, then raise."""
@@ -88,34 +135,29 @@ class Stack:
 
     def _start(self) -> None:
         spec, md = self.spec, ["--model-dir", str(self.spec.model_dir)]
-        for i in range(spec.num_engines):
-            env = {**BENCH_ENGINE_ENV, **spec.engine_env}
-            self.engines.append(self._proc(f"bench-engine-{i}", "engine_svc", md, env, 240).address)
+        env = dict(spec.engine_env)
+        if spec.engine_cpus:
+            env["LLM_ENGINE_CORE_NUM_THREADS"] = str(len(spec.engine_cpus))
+        with on_cpus(spec.engine_cpus):
+            for i in range(spec.num_engines):
+                args = [*md, *spec.engine_args]
+                engine = self.service(f"bench-engine-{i}", spec.engine_module, args, env, 300)
+                self.engines.append(engine.address)
         if not spec.gateway and not spec.envoy:
             return
-        self.tokenizer = self._proc("bench-tokenizer", "tokenizer_svc", md, {}, 90).address
+        self.tokenizer = self.service("bench-tokenizer", "tokenizer_svc", md, {}, 90).address
         from common.redis_server import RedisServer
 
         redis = RedisServer().start()
         self._started.append(redis)
-        gw_env = {**GATEWAY_ENV, **spec.gateway_env, "ADMIN_KEY": self.admin_key}
-        self.gateway = self._proc(
-            "bench-gateway",
-            "gateway",
-            [
-                "--engines",
-                ",".join(self.engines),
-                "--tokenizer",
-                self.tokenizer,
-                "--redis-url",
-                redis.url,
-                "--http-port",
-                "-1",
-                *md,
-            ],
-            gw_env,
-            120,
-        ).address
+        gw_env = {**spec.gateway_env, "ADMIN_KEY": self.admin_key}
+        gw_args = ["--engines", ",".join(self.engines), "--tokenizer", self.tokenizer]
+        gw_args += ["--redis-url", redis.url, "--http-port", str(spec.http_port), *md]
+        gw_args += spec.gateway_args
+        gateway = self.service("bench-gateway", "gateway", gw_args, gw_env, 120, proxy=True)
+        self.gateway = gateway.address
+        if spec.http_port > 0:
+            self.http = f"http://127.0.0.1:{spec.http_port}"
         if spec.envoy:
             from deploy.envoy import EnvoyProcess, render_config_file
 
@@ -146,6 +188,33 @@ class Stack:
         self.stop()
 
 
+@contextlib.contextmanager
+def admin_client(
+    address: str, ca_cert: bytes | None = None
+) -> Iterator[admin_pb2_grpc.RateLimitAdminStub]:
+    """The admin API at ``address``: over TLS trusting ``ca_cert`` (Envoy), else plaintext."""
+    channel = (
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(ca_cert))
+        if ca_cert
+        else grpc.insecure_channel(address)
+    )
+    with channel:
+        yield admin_pb2_grpc.RateLimitAdminStub(channel)
+
+
+def tenant_key(
+    admin: admin_pb2_grpc.RateLimitAdminStub,
+    admin_key: str,
+    tenant: admin_pb2.Tenant,
+    key_name: str = "bench",
+) -> str:
+    """Upsert ``tenant`` (its limits, priority, name) and return a fresh API key of it."""
+    md = (("authorization", f"Bearer {admin_key}"),)
+    admin.UpsertTenant(tenant, metadata=md, timeout=10)
+    req = admin_pb2.CreateApiKeyRequest(tenant_id=tenant.id, name=key_name)
+    return str(admin.CreateApiKey(req, metadata=md, timeout=10).key)
+
+
 def setup_tenants(
     admin_address: str,
     admin_key: str,
@@ -158,34 +227,18 @@ def setup_tenants(
     Tenant ids get ``run_tag`` appended so repeated runs on one Redis start
     from full buckets. ``ca_cert``: over TLS trusting that CA (Envoy), else plaintext.
     """
-    md = (("authorization", f"Bearer {admin_key}"),)
-    channel = (
-        grpc.secure_channel(admin_address, grpc.ssl_channel_credentials(ca_cert))
-        if ca_cert
-        else grpc.insecure_channel(admin_address)
-    )
-    with channel:
-        admin = admin_pb2_grpc.RateLimitAdminStub(channel)
+    with admin_client(admin_address, ca_cert) as admin:
         for t in tenants:
-            tid = t.name + run_tag
             limits = admin_pb2.LimitPolicy(
                 requests_per_minute=t.rpm,
                 tokens_per_minute=t.tpm,
                 max_concurrent=t.max_concurrent,
                 request_burst=t.request_burst,
             )
-            admin.UpsertTenant(
-                admin_pb2.Tenant(
-                    id=tid,
-                    limits=limits,
-                    display_name=f"load test {t.name}",
-                    priority=common_pb2.Priority.ValueType(t.priority_value),
-                ),
-                metadata=md,
-                timeout=10,
+            tenant = admin_pb2.Tenant(
+                id=t.name + run_tag,
+                limits=limits,
+                display_name=f"load test {t.name}",
+                priority=common_pb2.Priority.ValueType(t.priority_value),
             )
-            t.key = admin.CreateApiKey(
-                admin_pb2.CreateApiKeyRequest(tenant_id=tid, name="bench-load"),
-                metadata=md,
-                timeout=10,
-            ).key
+            t.key = tenant_key(admin, admin_key, tenant, "bench-load")

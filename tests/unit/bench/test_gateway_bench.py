@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.gateway_bench import on_cpus, paired_differences, round_differences, split_cpus
+from bench.gateway_bench import paired_differences, round_differences, split_cpus
 
 
 def test_paired_differences_subtract_pair_by_pair() -> None:
@@ -110,18 +110,6 @@ def test_split_cpus_gives_the_engine_the_first_cores_and_keeps_one_for_the_rest(
         assert (split.engine, split.proxy, split.rest) == ({mine[0]}, {mine[-1]}, set(mine[1:-1]))
     with pytest.raises(SystemExit, match="needs at least one left"):
         split_cpus(1, len(mine) - 1)
-
-
-def test_a_child_started_on_cpus_inherits_them_and_the_caller_gets_its_own_back() -> None:
-    before = os.sched_getaffinity(0)
-    one = {min(before)}
-    probe = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
-    with on_cpus(one):
-        inside = subprocess.run(probe, capture_output=True, text=True, check=True).stdout
-    assert inside.strip() == str(sorted(one))
-    assert os.sched_getaffinity(0) == before
-    with on_cpus(None):
-        assert os.sched_getaffinity(0) == before
 
 
 def test_process_cpu_seconds_counts_the_child_processes() -> None:
