@@ -13,8 +13,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import grpc
+
 from common.log import get_logger
 from gateway import metrics
+from gateway.domain import GatewayError
 from gateway.fleet.replica_pool import ModelEntry, ReplicaPool
 from gateway.release.model_routes import RouteCache, RouteTarget
 from llm.v1 import engine_pb2
@@ -143,3 +146,32 @@ class ModelChooser:
                 to_model=str(ordered[0][0]),
             )
         return Choice(name, targets, same)
+
+    def unknown(self, name: str, version: str, choice: Choice) -> GatewayError:
+        """The answer to a request whose ``choice`` has no candidate: what is known."""
+        known = self.pool.catalog()
+        if not known:
+            return GatewayError(
+                grpc.StatusCode.UNAVAILABLE,
+                "no engine replica is reachable yet, so no model is known: "
+                + self.pool.explain(name, version, set()),
+            )
+        if choice.is_route:
+            return GatewayError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model route {name!r} sends requests to "
+                f"{', '.join(str(t) for t in choice.targets)}, and no engine replica serves "
+                f"any of them; available: {', '.join(e.model for e in known)}",
+            )
+        if version and any(e.model == name for e in known):
+            versions = sorted(v for e in known if e.model == name for v in e.versions)
+            return GatewayError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {name!r} has no version {version!r}; known versions: "
+                f"{', '.join(versions)} (leave model_version empty for any)",
+            )
+        return GatewayError(
+            grpc.StatusCode.NOT_FOUND,
+            f"unknown model {name!r}; available: "
+            f"{', '.join(e.model for e in known)} (empty = the default)",
+        )
