@@ -15,6 +15,7 @@ COPY common common
 COPY ratelimit ratelimit
 COPY tokenizer_svc tokenizer_svc
 COPY gateway gateway
+COPY llm_client llm_client
 COPY deploy/__init__.py deploy/healthcheck.py deploy/
 COPY config config
 RUN pip install grpcio-tools mypy-protobuf googleapis-common-protos \

@@ -229,7 +229,7 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
             [
                 sys.executable,
                 "-m",
-                "gateway.fronts.cli",
+                "llm_client",
                 "--address",
                 addr["envoy"],
                 "chat",
@@ -245,7 +245,7 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
         )
         assert client.returncode == 0, client.stderr  # TLS, trusting make run's CA by itself
         assert "completion 4" in client.stderr or "[STOP]" in client.stderr
-        export_cmd = [sys.executable, "-m", "gateway.fronts.cli", "--address", addr["envoy"]]
+        export_cmd = [sys.executable, "-m", "llm_client", "--address", addr["envoy"]]
         export_cmd += ["admin", "usage-export", "--tenant", "demo"]
         for _ in range(50):  # usage records are written in the background, every 0.5 s
             export = subprocess.run(

@@ -215,7 +215,7 @@ def cli(edge: TlsEdge, run_dir: Path, *flags: str) -> subprocess.CompletedProces
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LLM_RUN_DIR": str(run_dir)}
     env["LLM_API_KEY"] = edge.key
     env.pop("LLM_CA_CERT", None)
-    cmd = [sys.executable, "-m", "gateway.fronts.cli", "--address", f"localhost:{edge.port}"]
+    cmd = [sys.executable, "-m", "llm_client", "--address", f"localhost:{edge.port}"]
     return subprocess.run(
         [*cmd, *flags, "chat", "Hi", "--max-tokens", "3"],
         cwd=ROOT,

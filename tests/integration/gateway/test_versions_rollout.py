@@ -33,10 +33,10 @@ from grpc_health.v1 import health, health_pb2_grpc
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
 from deploy.envoy import EnvoyProcess, render_config_file
-from gateway.fronts import cli
 from gateway.release.policy import RoutingPolicy, pick_version
 from gateway.release.version_router import sticky_key
 from llm.v1 import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc, gateway_pb2
+from llm_client import cli
 from tests.conftest import engine_running
 from tests.integration.gateway.conftest import (
     ADMIN_KEY,

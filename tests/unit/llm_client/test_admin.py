@@ -10,8 +10,10 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
-from gateway.fronts.cli import _admin_calls, duration_s, key_update, parser
 from llm.v1 import admin_pb2, common_pb2
+from llm_client.admin import _admin_calls, key_update
+from llm_client.admin_args import duration_s
+from llm_client.cli import parser
 
 
 class NotFound(grpc.RpcError):
