@@ -100,8 +100,8 @@ STAGE = Histogram(
     "gateway_stage_seconds",
     "Time of each admission step: auth, reserve (request unit + lease, and tokens "
     "on the one-call path), encode (tokenize), take (tokens), route, budget (tenant "
-    "budgets), all before the engine call; reserve_beside: the one-call reservation "
-    "when it runs beside the engine's start (overlapped admission), not before it",
+    "budgets), all before the engine call; reserve_overlap: the one-call reservation "
+    "when it overlaps the engine's start (overlapped admission), not before it",
     ["stage"],
     buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.5),
 )
@@ -109,14 +109,14 @@ STAGE = Histogram(
 (
     STAGE_AUTH,
     STAGE_RESERVE,
-    STAGE_RESERVE_BESIDE,
+    STAGE_RESERVE_OVERLAP,
     STAGE_ENCODE,
     STAGE_ROUTE,
     STAGE_TAKE,
     STAGE_BUDGET,
 ) = (
     STAGE.labels(s)
-    for s in ("auth", "reserve", "reserve_beside", "encode", "route", "take", "budget")
+    for s in ("auth", "reserve", "reserve_overlap", "encode", "route", "take", "budget")
 )
 LIMIT_CALLS = Counter(
     "gateway_ratelimit_admissions_total",
@@ -126,7 +126,7 @@ LIMIT_CALLS = Counter(
 )
 OVERLAPPED_ADMISSIONS = Counter(
     "gateway_ratelimit_overlapped_admissions_total",
-    "One-call admissions whose Redis reservation ran beside the engine's start (the "
+    "One-call admissions whose Redis reservation overlapped the engine's start (the "
     "tenant had headroom for the request, its lease and its tokens)",
 )
 OVERLAP_REFUSALS = Counter(

@@ -25,7 +25,7 @@ on the tenant's headroom at its last admission here (``RateLimiter.has_headroom`
 admission's answer on); ``refusal`` maps a limiter decision to the GatewayError the
 caller gets. Each stage's time is a ``gateway_stage_seconds`` label: ``reserve``,
 ``take`` and ``budget`` on the request's path, ``reserve_overlap`` for the overlapped
-reservation that runs beside the engine's start.
+reservation that overlaps the engine's start.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class Admission:
         limiter: Tenant limits on Redis.
         budgets: Tenant budgets (None = not enforced).
         overlap: ``gateway.overlap_admission``: a tenant with headroom for the request
-            has its one call run beside the engine's start.
+            has its one call overlap the engine's start.
     """
 
     def __init__(
@@ -184,7 +184,7 @@ class Admission:
     ) -> None:
         """The admission's last steps: the budgets (after the two-call path's take), or
         the one call and the budgets, or, when the tenant's headroom makes a refusal all
-        but impossible, both started beside the engine: the engine starts now, the round
+        but impossible, both overlap the engine's start: the engine starts now, the round
         trip runs during its prefill, and ``confirmed`` waits for it before the first
         chunk. From here on ``settle`` runs on every ending."""
         metrics.LIMIT_CALLS.labels("one" if ticket.one_call else "two").inc()
@@ -216,12 +216,12 @@ class Admission:
         overlapped: bool = False,
     ) -> _Held:
         """The one-call path's admission: request unit, lease and tokens, then budgets.
-        ``overlapped``: it runs beside the engine's start, so its time is recorded apart
+        ``overlapped``: it overlaps the engine's start, so its time is recorded apart
         from the stages on the request's path."""
         t0 = time.perf_counter()
         with stage(call.trace, "gateway.reserve"):
             reservation = await self._reserve(tenant, num_tokens, call, tokens=True)
-        (metrics.STAGE_RESERVE_BESIDE if overlapped else metrics.STAGE_RESERVE).observe(
+        (metrics.STAGE_RESERVE_OVERLAP if overlapped else metrics.STAGE_RESERVE).observe(
             time.perf_counter() - t0
         )
         hold = await self._charge_budgets(tenant, job, max_tokens, reservation, call)

@@ -444,14 +444,14 @@ def test_an_overlapped_admission_that_redis_refuses_sends_nothing_and_charges_no
     )
     overlapped = gateway.metric("gateway_ratelimit_overlapped_admissions_total")
     refused = gateway.metric("gateway_ratelimit_overlap_refusals_total")
-    reserve, beside = stage_count(gateway, "reserve"), stage_count(gateway, "reserve_beside")
+    reserve, overlap = stage_count(gateway, "reserve"), stage_count(gateway, "reserve_overlap")
     assert gateway.generate(key, chat("Hi", 1))  # two calls: this replica sees the levels
     assert stage_count(gateway, "reserve") == reserve + 1  # before the tokenizer
-    assert gateway.generate(key, chat("Hi", 1))  # one call, beside the engine's start
+    assert gateway.generate(key, chat("Hi", 1))  # one call, overlapping the engine's start
     assert gateway.metric("gateway_ratelimit_overlapped_admissions_total") == overlapped + 1
     # its time is recorded apart: it is not a stage on the request's path
     assert stage_count(gateway, "reserve") == reserve + 1
-    assert stage_count(gateway, "reserve_beside") == beside + 1
+    assert stage_count(gateway, "reserve_overlap") == overlap + 1
     left = gateway.usage(tid).tokens_available
     assert other.generate(key, chat("hello " * int(left - 120), 1))  # spends all but ~100
     before = gateway.usage(tid)
