@@ -6,40 +6,29 @@ Each step, under ``max_num_batched_tokens`` and ``max_num_seqs``:
 2. running requests still in (chunked) prefill;
 3. waiting requests in priority order (with aging), while blocks remain.
 
-Within a priority class, requests are ordered by their tenant's fair-share
-counter (``FairShare``: the service each tenant has received, weighted), then
-by arrival: the tenant served least goes first, so one tenant's flood of long
-prompts queues behind itself, not in front of everyone else. While prompts of
-two or more tenants wait for prefill, each prefill chunk is capped at
-``fair_prefill_chunk`` tokens so that every tenant's prompt advances each step;
-in a step that admits a whole prompt under that cap, the prefills after it share
-one chunk, so the step that gives the newcomer its first token stays short.
+The order (priority classes with aging, fair share between tenants, the
+priority-isolation floor, the waiting order) is ``request_order.RequestOrder``,
+made by ``create_request_order``; the scheduler asks it which request comes
+first and keeps the queues, the budgets and the blocks. While prompts of two or
+more tenants wait for prefill, each prefill chunk is capped (``prefill_cap``);
+in a step that admits a whole prompt under that cap, the prefills after it
+share one chunk, so the step that gives the newcomer its first token stays short.
 
 When the pool runs dry the least urgent running request (lowest effective
 priority, latest arrival) is preempted by recompute: its blocks are freed and
 it goes back to waiting with its progress reset. No new request is admitted in
 a step that preempted for lack of blocks, so admission never causes thrashing.
 
-Optionally (``priority_isolation``, off by default), a step that admits a
-request of a higher priority class than every running request runs that class
-alone: the lower classes wait one step, so a CRITICAL arrival's first token
-comes after its own prefill, not after a batch of LOW decodes and prompts. With
-``priority_window_s`` > 0, for that long after a request of some class arrives,
-lower classes' prefill chunks are capped at ``fair_prefill_chunk``, which keeps
-short the step already in flight when the next one arrives. (If the urgent
-request cannot be admitted, the step runs as usual, so isolation never stalls
-the engine.)
+Optionally (``priority_isolation``) a step that admits a request of a higher
+class than every running one runs that class alone, and (``priority_window_s``)
+lower classes' prefill chunks are capped for a while after an urgent arrival.
+(If the urgent request cannot be admitted, the step runs as usual, so isolation
+never stalls the engine.)
 
 A step in flight can be interrupted (``interrupt_max_tokens``): between two of
-its layers the engine asks ``schedule_interrupt`` whether a request that
-arrived meanwhile outranks every prompt that step is prefilling (a higher
-class, or under fair share another tenant served no more than they were, when
-the step carries a long prefill) and has a short whole prompt; if so that
-request runs at once in a step of its own and gets its first token, and the
-step in flight resumes where it stopped. Nothing running is touched: on a full
-batch a request a whole class above a running one still interrupts, and the
-next step preempts the least urgent running request to bring the batch back
-to ``max_num_seqs``.
+its layers, a request that arrived meanwhile, outranks every prompt of that step
+and has a short whole prompt runs at once in a step of its own and gets its
+first token (``schedule_interrupt``); the step in flight then resumes.
 
 When the batch is full (``max_num_seqs``) and the most urgent waiting request
 outranks the least urgent running one by a whole priority class (aging
@@ -54,8 +43,6 @@ scheduled as ``1 + len(drafts)`` tokens, verified in the same forward pass.
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -65,6 +52,7 @@ from engine_svc.core.fair_share import FairShare
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.ngram_proposer import NgramProposer
 from engine_svc.core.request import Request, RequestStatus
+from engine_svc.core.request_order import create_request_order
 from engine_svc.core.sched_output import ScheduledRequest, SchedulerOutput
 from engine_svc.core.stop_checker import check_stop
 
@@ -98,13 +86,16 @@ class Scheduler:
         self.num_draft_tokens_total = 0
         self.num_accepted_tokens_total = 0
         self._watermark_blocks = int(config.watermark * kv_cache_manager.block_pool.num_blocks)
-        self.fair = FairShare() if config.fair_share else None
+        self.order = create_request_order(config)
         self._chunk_cap = 0  # this step's cap on one request's prefill chunk (0 = none)
         self._floor: int | None = None  # this step runs only classes >= this (isolation)
         self._urgent_class = 0  # lower classes' prefill chunks are capped this step
-        self._now = 0.0  # this step's clock reading
-        self._class_seen: dict[int, float] = {}  # base priority -> last arrival (clock)
         self.num_arrivals = 0  # requests queued since start (an interruption looks for new ones)
+
+    @property
+    def fair(self) -> FairShare | None:
+        """The tenants' fair-share counters, None when fair share is off."""
+        return self.order.fair
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""
@@ -123,10 +114,8 @@ class Scheduler:
             return False
         self.requests[request.request_id] = request
         self.waiting.append(request)
-        self._class_seen[request.priority] = self.clock()
+        self.order.queued(request, self.clock())
         self.num_arrivals += 1
-        if self.fair is not None:
-            self.fair.admit(request.tenant_id)
         return True
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -148,45 +137,7 @@ class Scheduler:
         req.finished_time = self.clock()
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
-        if self.fair is not None:
-            self.fair.release(req.tenant_id)
-
-    def _aged(self, req: Request, now: float) -> float:
-        waited = max(0.0, now - req.arrival_time)  # aging never lowers a class
-        return req.priority + waited / self.config.priority_aging_seconds
-
-    def _urgency(self, req: Request, now: float) -> tuple[float, float, float]:
-        """Sort key, most urgent first: priority class (aged), then fair share, then
-        arrival. Without fair share the aged priority itself orders."""
-        if self.fair is None:
-            return (-self._aged(req, now), 0.0, req.arrival_time)
-        counter = self.fair.counter(req.tenant_id)
-        return (-math.floor(self._aged(req, now)), counter, req.arrival_time)
-
-    def _charge(self, req: Request, num_new: int, sign: int = 1) -> None:
-        if self.fair is not None:
-            decode = req.num_tokens - req.num_computed_tokens <= 1 + len(req.spec_token_ids)
-            self.fair.charge(
-                req.tenant_id,
-                0 if decode else sign * num_new,
-                sign * num_new if decode else 0,
-                req.tenant_weight,
-            )
-
-    def _prefill_cap(self) -> int:
-        """This step's chunk cap: ``fair_prefill_chunk`` while prompts of two or more
-        tenants wait for prefill (running or waiting), else none: a tenant alone, or
-        one whose prompt nobody else waits beside, keeps the whole budget."""
-        if self.fair is None or self.config.fair_prefill_chunk <= 0:
-            return 0
-        prompts = itertools.chain(
-            self.waiting, (r for r in self.running if r.num_tokens - r.num_computed_tokens > 1)
-        )
-        first = next(prompts, None)
-        # stops at the second tenant: this runs every step, over every waiting request
-        if first is not None and any(r.tenant_id != first.tenant_id for r in prompts):
-            return self.config.fair_prefill_chunk
-        return 0
+        self.order.released(req)
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -197,38 +148,6 @@ class Scheduler:
         if req.priority < self._urgent_class and self.config.fair_prefill_chunk > 0:
             n = min(n, self.config.fair_prefill_chunk)  # a higher class is about
         return n
-
-    def _recent_top_class(self, now: float) -> int:
-        """The highest base class with an arrival in the last ``priority_window_s``;
-        lower classes' prefill chunks are capped this step (0 = none recent)."""
-        window = self.config.priority_window_s
-        if window <= 0:
-            return 0
-        recent = [c for c, t in self._class_seen.items() if now - t <= window]
-        return max(recent, default=0)
-
-    def _isolation_floor(self, now: float) -> int | None:
-        """The class (aged) to run alone this step: that of the most urgent waiting
-        request when it is above every running request's, else None. Aging counts,
-        so a request that has waited long enough is never held back by a newer
-        urgent one."""
-        if not self.config.priority_isolation or not self.waiting:
-            return None
-        classes = [self._class(r, now) for r in self.waiting]
-        top = max(classes)
-        if self.running:
-            if top <= max(self._class(r, now) for r in self.running):
-                return None
-        elif min(classes) == top:
-            return None  # nothing of a lower class to hold back
-        return top
-
-    def _class(self, req: Request, now: float) -> int:
-        return math.floor(self._aged(req, now))
-
-    def _isolated(self, req: Request) -> bool:
-        """True when this step holds ``req`` back (its class is below the floor)."""
-        return self._floor is not None and self._class(req, self._now) < self._floor
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -245,24 +164,23 @@ class Scheduler:
         """Preempt the least urgent running request for a waiting one a class above it."""
         if not self.waiting or len(self.running) < self.config.max_num_seqs:
             return
-        head = min(self.waiting, key=lambda r: self._urgency(r, now))
+        head = min(self.waiting, key=lambda r: self.order.urgency(r, now))
         victim = self.running[-1]  # sorted most urgent first
-        if self._aged(head, now) - self._aged(victim, now) >= 1.0:
+        if self.order.outranks_by_class(head, victim, now):
             self._preempt(victim, out)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch. See the module docstring for the order."""
         now = self.clock()
         out = SchedulerOutput()
-        self.running.sort(key=lambda r: self._urgency(r, now))
-        self._chunk_cap = self._prefill_cap()
-        self._urgent_class = self._recent_top_class(now)
+        self.running.sort(key=lambda r: self.order.urgency(r, now))
+        self._chunk_cap = self.order.prefill_cap(self.waiting, self.running)
+        self._urgent_class = self.order.recent_top_class(now)
         self._trim_batch(out)
         self._make_room_for_priority(now, out)
         num_priority_preemptions = out.num_preempted_for_room = len(out.preempted_req_ids)
         chosen: dict[str, ScheduledRequest] = {}
-        self._now = now
-        self._floor = self._isolation_floor(now)
+        self._floor = self.order.isolation_floor(self.waiting, self.running, now)
         self._fill(now, chosen, out, num_priority_preemptions)
         if self._floor is not None and not chosen:
             self._floor = None  # the urgent request cannot start now: run the step as usual
@@ -289,26 +207,19 @@ class Scheduler:
         if budget <= 0 or not self.waiting or not prompts:
             return None
         now = self.clock()
-        keys = [self._urgency(e.request, now) for e in prompts]
-        top = min(k[0] for k in keys)  # the most urgent class in flight (negated)
-        tenants = {e.request.tenant_id for e in prompts}
-        least = min(k[1] for k in keys if k[0] == top)
         by_share = (  # not in a step short of blocks: a level tenant must not cause thrashing
             self.fair is not None
             and not in_flight.short_of_blocks
             and sum(e.num_new_tokens for e in prompts) > self.config.interrupt_max_tokens
         )
+        outranks = self.order.outranks_in_flight([e.request for e in prompts], by_share, now)
         cap = self.config.long_prefill_token_threshold or budget
         self._chunk_cap, self._urgent_class = 0, 0
         chosen: dict[str, ScheduledRequest] = {}
-        for req in sorted(self.waiting, key=lambda r: self._urgency(r, now)):
+        for req in sorted(self.waiting, key=lambda r: self.order.urgency(r, now)):
             if budget <= 0 or not self._has_seat(req, now):
                 break
-            klass, counter, _ = self._urgency(req, now)
-            outranks = klass < top or (
-                by_share and klass == top and counter <= least and req.tenant_id not in tenants
-            )
-            if not outranks or req.num_tokens > min(budget, cap):
+            if not outranks(req) or req.num_tokens > min(budget, cap):
                 continue  # a partial prompt would give no first token
             admitted = self._admit(req, budget, now, chosen)
             if admitted == 0:
@@ -333,8 +244,7 @@ class Scheduler:
         over = len(self.running) - self.config.max_num_seqs
         if over < 0:
             return True
-        aged = self._aged(req, now)
-        return sum(1 for r in self.running if aged - self._aged(r, now) >= 1.0) > over
+        return sum(1 for r in self.running if self.order.outranks_by_class(req, r, now)) > over
 
     def _trim_batch(self, out: SchedulerOutput) -> None:
         """Preempt the least urgent running requests past ``max_num_seqs`` (left there
@@ -352,11 +262,7 @@ class Scheduler:
         """Decodes, then prefills and admissions, into ``chosen`` under the step's budget;
         classes below the isolation floor (if any) are left out."""
         budget = self.config.max_num_batched_tokens
-        live = (
-            self.running
-            if self._floor is None
-            else [r for r in self.running if not self._isolated(r)]
-        )
+        live = self.order.eligible(self._floor, self.running, now)
         decodes = [r for r in live if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in live if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes:
@@ -376,7 +282,7 @@ class Scheduler:
         ):
             num_new += len(req.spec_token_ids)
             chosen[req.request_id] = self._entry(req, num_new)
-            self._charge(req, num_new)
+            self.order.charge(req, num_new)
             return budget - num_new
         req.spec_token_ids = []
         while self.kv_cache_manager.allocate_slots(req, num_new) is None:
@@ -384,12 +290,12 @@ class Scheduler:
             undone = chosen.pop(victim.request_id, None)
             if undone is not None:
                 budget += undone.num_new_tokens
-                self._charge(victim, undone.num_new_tokens, -1)  # before its progress resets
+                self.order.charge(victim, undone.num_new_tokens, -1)  # before its progress resets
             self._preempt(victim, out)
             if victim is req:
                 return budget
         chosen[req.request_id] = self._entry(req, num_new)
-        self._charge(req, num_new)
+        self.order.charge(req, num_new)
         return budget - num_new
 
     def _propose(self, req: Request, budget: int) -> list[int]:
@@ -402,41 +308,6 @@ class Scheduler:
             self.config.max_model_len - req.num_tokens - 1,
         )
         return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
-
-    def _waiting_order(self, now: float) -> Callable[[], Request | None]:
-        """The next waiting request to admit, re-chosen after every admission: each
-        tenant's waiting requests in their own order, the most urgent tenant head
-        first (admitting a request charges its tenant, which may change who that is)."""
-        self.waiting.sort(key=lambda r: self._urgency(r, now))
-        eligible = (
-            self.waiting
-            if self._floor is None
-            else [r for r in self.waiting if not self._isolated(r)]
-        )
-        if self.fair is None:
-            return lambda: next((r for r in eligible if r.status != RequestStatus.RUNNING), None)
-        per_tenant: dict[str, deque[Request]] = {}
-        for r in eligible:
-            per_tenant.setdefault(r.tenant_id, deque()).append(r)
-        live = {r.tenant_id for r in self.running}
-
-        def key(r: Request) -> tuple[float, float, bool, float]:
-            # level tenants: the one with nothing running yet (just lifted) goes first
-            klass, counter, arrival = self._urgency(r, now)
-            return (klass, counter, r.tenant_id in live, arrival)
-
-        def pick() -> Request | None:
-            while per_tenant:
-                head = min((q[0] for q in per_tenant.values()), key=key)
-                if head.status != RequestStatus.RUNNING:
-                    return head
-                queue = per_tenant[head.tenant_id]
-                queue.popleft()  # admitted since the last pick
-                if not queue:
-                    del per_tenant[head.tenant_id]
-            return None
-
-        return pick
 
     def _schedule_prefills(
         self,
@@ -455,7 +326,7 @@ class Scheduler:
         prompt of another tenant would get. Nothing is admitted once this step has
         preempted for lack of blocks (admission must not cause thrashing)."""
         running = deque(prefills)
-        pick = self._waiting_order(now)
+        pick = self.order.waiting_order(self.waiting, self.running, now, self._floor)
         head = pick()
         while budget > 0:
             while running and running[0].status != RequestStatus.RUNNING:
@@ -465,7 +336,11 @@ class Scheduler:
                 and len(out.preempted_req_ids) == num_priority_preemptions
                 and len(self.running) < self.config.max_num_seqs
             )
-            if head is not None and admit and (not running or self._ahead(head, running[0], now)):
+            if (
+                head is not None
+                and admit
+                and (not running or self.order.ahead(head, running[0], now))
+            ):
                 admitted = self._admit(head, budget, now, chosen)
                 if admitted == 0:
                     head = None  # the most urgent one does not fit: admit no other
@@ -483,16 +358,6 @@ class Scheduler:
                     head = pick()  # that charge may have put another tenant's request first
             else:
                 break
-
-    def _ahead(self, waiting: Request, prefilling: Request, now: float) -> bool:
-        """A waiting request takes budget before a running prefill only under fair share:
-        when more urgent, or level with another tenant's (a tenant that just became
-        active is lifted level with the least served: it goes first on that tie); by
-        arrival, running prefills always go first."""
-        if self.fair is None:
-            return False
-        w, p = self._urgency(waiting, now), self._urgency(prefilling, now)
-        return w < p or (w[:2] == p[:2] and waiting.tenant_id != prefilling.tenant_id)
 
     def _admit(
         self, req: Request, budget: int, now: float, chosen: dict[str, ScheduledRequest]
@@ -516,7 +381,7 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
         chosen[req.request_id] = self._entry(req, num_new)
-        self._charge(req, num_new)
+        self.order.charge(req, num_new)
         return num_new
 
     @staticmethod

@@ -10,18 +10,11 @@ from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
+from tests.support.clock import FakeClock
 
 from ..helpers import plan, run_step
 
 LOW, NORMAL, CRITICAL = 1, 2, 3
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make(

@@ -7,36 +7,34 @@ from collections.abc import Callable
 import pytest
 
 from engine_svc.models.timing import compare_ms
+from tests.support.clock import FakeClock
 
 
-class FakeClock:
+class WorkClock(FakeClock):
     """Seconds that advance only when work 'runs'; a burst window adds load."""
 
     def __init__(self) -> None:
-        self.now = 0.0
+        super().__init__()
         self.burst: tuple[float, float] | None = None  # (start, end) of extra load
-
-    def __call__(self) -> float:
-        return self.now
 
     def work(self, cost: float) -> Callable[[], None]:
         def run() -> None:
             slow = self.burst is not None and self.burst[0] <= self.now < self.burst[1]
-            self.now += cost * (10.0 if slow else 1.0)
+            self.advance(cost * (10.0 if slow else 1.0))
 
         return run
 
 
 def test_rounds_interleave_and_rotate() -> None:
     order: list[str] = []
-    clock = FakeClock()
+    clock = WorkClock()
     runs = {n: (lambda n=n: order.append(n)) for n in "abc"}
     compare_ms(runs, rounds=3, warmup=2, clock=clock)
     assert order == list("aabbcc") + list("abc") + list("bca") + list("cab")
 
 
 def test_a_burst_of_load_cannot_make_the_slower_candidate_win() -> None:
-    clock = FakeClock()
+    clock = WorkClock()
     fast, slow = clock.work(2.0), clock.work(3.0)
     # load arrives during the first timed rounds: run one after the other, the fast
     # candidate would be timed entirely inside it and the slow one outside
@@ -48,7 +46,7 @@ def test_a_burst_of_load_cannot_make_the_slower_candidate_win() -> None:
 
 
 def test_prepare_runs_before_every_run_and_is_not_timed() -> None:
-    clock = FakeClock()
+    clock = WorkClock()
     prepared: list[str] = []
 
     def prepare(name: str) -> None:
