@@ -159,7 +159,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Real LLMEngine runs in this process on CPU (fp32 attention and KV, as served today)."""
     import torch
 
-    from engine_svc.core.config import EngineConfig
+    from engine_svc.core.config import EngineConfig, SchedulerConfig
     from engine_svc.core.llm_engine import LLMEngine
 
     torch.set_num_threads(max(1, args.measure_threads))
@@ -171,8 +171,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             device="cpu",
             block_size=args.block_size,
             num_kv_blocks=args.measure_blocks,
-            max_num_seqs=args.measure_max_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            scheduler=SchedulerConfig(
+                max_num_seqs=args.measure_max_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            ),
             max_model_len=max(contexts) + 16,
         )
     )

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from bench.report import save_report
 from common.config import default_model_dir
-from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
+from engine_svc.core import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 FIGURES = ("decode_1_stream", "prefill_512", "mixed_64")
 
@@ -63,8 +63,7 @@ class Ours:
                 model_dir=str(model_dir),
                 dtype="bfloat16",
                 kv_cache_memory_bytes=3 << 30,
-                max_num_seqs=32,
-                max_num_batched_tokens=512,
+                scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
                 enable_prefix_caching=False,  # repeated prompts must be recomputed
             )
         )

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from bench.report import save_report
 from common.config import default_model_dir
 from common.procs import ManagedProcess
-from engine_svc.core.config import EngineConfig
+from engine_svc.core.config import EngineConfig, SchedulerConfig
 from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.sampling_params import SamplingParams
 from llm.v1 import engine_pb2, engine_pb2_grpc
@@ -38,7 +38,7 @@ from llm.v1 import engine_pb2, engine_pb2_grpc
 CORE_ENV = {
     "LLM_ENGINE_CORE_DEVICE": "cpu",
     "LLM_ENGINE_CORE_NUM_KV_BLOCKS": "2048",
-    "LLM_ENGINE_CORE_MAX_NUM_SEQS": "32",
+    "LLM_ENGINE_CORE_SCHEDULER_MAX_NUM_SEQS": "32",
     "LLM_ENGINE_CORE_MAX_MODEL_LEN": "2048",
 }
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             device="cpu",
             num_kv_blocks=2048,
-            max_num_seqs=32,
+            scheduler=SchedulerConfig(max_num_seqs=32),
             max_model_len=2048,
         )
     )

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from bench.report import save_report
 from common.config import default_model_dir
-from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
+from engine_svc.core import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from engine_svc.core.model_runner import determine_num_blocks
 from engine_svc.models.fp8 import Fp8Weight
 
@@ -117,8 +117,7 @@ def kv_capacity(model_dir: str, kv_dtype: str, args: argparse.Namespace) -> dict
             dtype="bfloat16",
             kv_cache_dtype=kv_dtype,
             kv_cache_memory_bytes=args.verify_mib * MIB,
-            max_num_seqs=256,
-            max_num_batched_tokens=2048,
+            scheduler=SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048),
             max_model_len=args.context + args.hold_tokens + 16,
             enable_prefix_caching=False,
         )

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from bench.report import save_report
 from common.config import ROOT, default_model_dir
-from engine_svc.core import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine_svc.core import EngineConfig, LLMEngine, RequestOutput, SamplingParams, SchedulerConfig
 
 DATA = ROOT / "tests" / "data" / "quality"
 PATTERNS = ("sequential", "batch")
@@ -148,8 +148,7 @@ def main() -> None:
                     device="cpu",
                     dtype=args.dtype,
                     num_kv_blocks=1024,
-                    max_num_seqs=32,
-                    max_num_batched_tokens=512,
+                    scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=512),
                     enable_prefix_caching=caching,
                 )
             )

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from bench.report import machine_facts, save_report
-from engine_svc.core import STEP_PHASES, EngineConfig, LLMEngine, SamplingParams
+from engine_svc.core import STEP_PHASES, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 
 def profile_batch(
@@ -31,7 +31,7 @@ def profile_batch(
 ) -> dict[str, Any]:
     rng = random.Random(batch)
     # the first prompts decode while later ones prefill: room for those steps too
-    prefill_steps = -(-batch * context // engine.config.max_num_batched_tokens)
+    prefill_steps = -(-batch * context // engine.config.scheduler.max_num_batched_tokens)
     for i in range(batch):
         prompt = [rng.randrange(100, 40000) for _ in range(context)]
         params = SamplingParams(max_tokens=2 * steps + 8 + prefill_steps, ignore_eos=True)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             kv_cache_memory_bytes=2 << 30,
-            max_num_seqs=max(args.batch),
+            scheduler=SchedulerConfig(max_num_seqs=max(args.batch)),
             enable_prefix_caching=False,
         )
     )

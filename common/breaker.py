@@ -38,7 +38,19 @@ class BreakerState(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class BreakerPolicy:
-    """Thresholds of one breaker (see the ``breaker_*`` keys of ``GatewayConfig``)."""
+    """Thresholds of one breaker (the gateway's per-replica breakers: ``gateway.breaker``).
+
+    Attributes:
+        window_s: Rolling window, in seconds, the error ratio is measured over.
+        min_calls: Calls the window must hold before the error ratio can trip the breaker.
+        error_ratio: Share of failed calls in the window that trips the breaker.
+        consecutive_failures: Failures in a row that trip the breaker, whatever the ratio.
+        open_s: How long the first trip keeps the breaker open; each further trip
+            without a recovery doubles it.
+        max_open_s: The longest an open period grows to.
+        half_open_probes: Calls let through after the open period; all of them must
+            succeed to close the breaker, one failure opens it again.
+    """
 
     window_s: float = 10.0
     min_calls: int = 10
@@ -47,6 +59,14 @@ class BreakerPolicy:
     open_s: float = 5.0
     max_open_s: float = 60.0
     half_open_probes: int = 1
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first threshold out of range."""
+        for name in ("min_calls", "consecutive_failures", "open_s", "half_open_probes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.error_ratio <= 1.0:
+            raise ValueError(f"error_ratio must be in [0, 1], got {self.error_ratio}")
 
     @classmethod
     def consecutive(cls, failures: int, open_s: float) -> BreakerPolicy:

@@ -9,10 +9,11 @@ else ``config/stack.yaml`` at the repository root.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -38,27 +39,98 @@ def default_model_dir() -> Path:
 
 @dataclasses.dataclass(slots=True)
 class ServiceConfig:
-    """Fields every gRPC service has."""
+    """Fields every gRPC service has.
+
+    Attributes:
+        host: Address the gRPC server binds.
+        port: gRPC port (0 = an ephemeral port).
+        metrics_port: Prometheus ``/metrics`` port (0 = an ephemeral port, -1 = no
+            metrics endpoint).
+        grace_seconds: On SIGTERM, how long calls in flight get to finish.
+        log_level: ``debug``, ``info``, ``warning`` or ``error``.
+        log_format: ``auto`` (JSON unless stderr is a TTY), ``json`` or ``console``.
+        port_file: Where to write the bound ports as JSON once serving, for
+            supervisors ("" = nowhere).
+        service_token_file: File with the shared secret of internal calls
+            (``common.service_auth``): engines and tokenizers require it, the gateway
+            sends it ("" = open; development and tests only).
+        max_message_bytes: Largest gRPC message accepted or sent; a bigger request is
+            RESOURCE_EXHAUSTED before any handler runs.
+        reuse_port: Share the listening ports with sibling processes (SO_REUSEPORT);
+            set by a supervisor for its workers; off otherwise, so a second process on
+            a taken port fails to start.
+    """
 
     host: str = "127.0.0.1"
     port: int = 0
-    metrics_port: int = 0  # 0 = an ephemeral port, -1 = no metrics endpoint
+    metrics_port: int = 0
     grace_seconds: float = 10.0
     log_level: str = "info"
-    log_format: str = "auto"  # auto (JSON unless a TTY) | json | console
-    port_file: str = ""  # where to write the bound ports as JSON (for supervisors)
-    # the shared secret of internal calls (common/service_auth.py): engines and tokenizers
-    # require it, the gateway sends it; "" = open (development and tests only)
+    log_format: str = "auto"
+    port_file: str = ""
     service_token_file: str = ""
-    # largest gRPC message accepted or sent; a bigger request is RESOURCE_EXHAUSTED before
-    # any handler runs (a prompt of the largest context is well under 1 MiB)
     max_message_bytes: int = 4 * 1024 * 1024
-    # share the listening ports with sibling processes (SO_REUSEPORT): set by a supervisor
-    # for its workers; off otherwise, so a second process on a taken port fails to start
     reuse_port: bool = False
 
 
 C = TypeVar("C")
+
+log = logging.getLogger(__name__)
+
+# field metadata keys (set through ``deprecated_flat_names`` and ``NOT_A_KEY``)
+_CONFIG_KEY = "config_key"
+_FLAT_PREFIX = "deprecated_flat_prefix"
+
+NOT_A_KEY: Mapping[str, Any] = types.MappingProxyType({_CONFIG_KEY: False})
+"""Field metadata of a field the loader never reads (the program derives it)."""
+
+
+def deprecated_flat_names(prefix: str) -> Mapping[str, Any]:
+    """Field metadata of a sub-section whose knobs used to be flat keys of the parent
+    section named ``<prefix><knob>``: those names are still read (YAML and env), with a
+    warning naming the new key.
+
+    A field whose type is a dataclass is a sub-section: ``<section>.<field>.<knob>`` in
+    YAML, ``LLM_<SECTION>_<FIELD>_<KNOB>`` in the environment.
+    """
+    return types.MappingProxyType({_FLAT_PREFIX: prefix})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ConfigKey:
+    """One key a config class reads: ``path`` is dotted below the section."""
+
+    path: str
+    env: str
+    type: Any
+    field: dataclasses.Field[Any]
+    owner: type
+
+
+def config_keys(cls: type, section: str) -> list[ConfigKey]:
+    """Every key of ``cls`` loaded as ``section``, nested sub-sections flattened, in
+    declaration order."""
+    return list(_walk(cls, "", f"LLM_{section.upper()}_"))
+
+
+def _walk(cls: type, path: str, env_prefix: str) -> Iterator[ConfigKey]:
+    hints = typing.get_type_hints(cls)
+    for f in _fields(cls).values():
+        tp = hints[f.name]
+        if _is_section(tp):
+            yield from _walk(tp, f"{path}{f.name}.", f"{env_prefix}{f.name.upper()}_")
+        else:
+            yield ConfigKey(path + f.name, env_prefix + f.name.upper(), tp, f, cls)
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    return {
+        f.name: f for f in dataclasses.fields(cls) if f.metadata.get(_CONFIG_KEY, True) and f.init
+    }
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
 def _coerce(raw: Any, tp: Any, where: str) -> Any:
@@ -101,38 +173,144 @@ def load_config(
 ) -> C:
     """Build ``cls`` (a dataclass) from defaults, the YAML section, env and overrides.
 
+    A field whose type is a dataclass is a nested section: a mapping in YAML, env vars
+    ``LLM_<SECTION>_<FIELD>_<KNOB>``, and in ``overrides`` a mapping or dotted
+    ``"<field>.<knob>"`` names.
+
     Raises:
         ValueError: unknown keys, or values of the wrong type, naming the key.
     """
     env = os.environ if env is None else env
     cfg_path = Path(path or env.get("LLM_CONFIG") or DEFAULT_CONFIG_PATH)
-    data: dict[str, Any] = {}
+    data: Any = {}
     if cfg_path.exists():
         doc = yaml.safe_load(cfg_path.read_text()) or {}
         if not isinstance(doc, dict):
             raise ValueError(f"{cfg_path}: expected a mapping of sections at the top level")
-        data = dict(doc.get(section) or {})
+        data = doc.get(section) or {}
     elif path is not None:
         raise ValueError(f"config file {cfg_path} does not exist")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    unknown = sorted(set(data) - set(names))
-    if unknown:
-        raise ValueError(
-            f"{cfg_path} [{section}]: unknown key(s) {unknown}; valid keys: {sorted(names)}"
-        )
-    prefix = f"LLM_{section.upper()}_"
-    for name in names:
-        key = prefix + name.upper()
-        if key in env:
-            data[name] = env[key]
-    for name, value in (overrides or {}).items():
-        if name not in names:
-            raise ValueError(f"unknown option {name!r} for [{section}]")
-        if value is not None:
-            data[name] = value
-    kwargs = {k: _coerce(v, hints[k], f"[{section}] {k}") for k, v in data.items()}
-    return cls(**kwargs)
+    loader = _Loader(cfg_path, env)
+    built: C = loader.build(cls, section, data, f"LLM_{section.upper()}_", overrides or {})
+    return built
+
+
+@dataclasses.dataclass(slots=True)
+class _Loader:
+    source: Path
+    env: Mapping[str, str]
+
+    def build(
+        self,
+        cls: type[C],
+        where: str,
+        data: Any,
+        env_prefix: str,
+        overrides: Mapping[str, Any],
+    ) -> C:
+        if not isinstance(data, dict):
+            raise ValueError(f"{self.source} [{where}]: expected a mapping, got {data!r}")
+        hints = typing.get_type_hints(cls)
+        fields = _fields(cls)
+        data = dict(data)
+        subs = {n: hints[n] for n in fields if _is_section(hints[n])}
+        for name in subs:
+            self._read_flat_names(where, data, env_prefix, name, fields[name], subs[name])
+        env_values = {
+            n: self.env[env_prefix + n.upper()]
+            for n in fields
+            if n not in subs and env_prefix + n.upper() in self.env
+        }
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(
+                f"{self.source} [{where}]: unknown key(s) {unknown}; valid keys: {sorted(fields)}"
+            )
+        nested_overrides, overrides = _split_overrides(overrides, subs, where)
+        values: dict[str, Any] = {**data, **env_values}
+        for name, value in overrides.items():
+            if name not in fields:
+                raise ValueError(f"unknown option {name!r} for [{where}]")
+            if value is not None:
+                values[name] = value
+        kwargs: dict[str, Any] = {}
+        for name, raw in values.items():
+            if name not in subs:
+                kwargs[name] = _coerce(raw, hints[name], f"[{where}] {name}")
+        for name, sub in subs.items():
+            kwargs[name] = self.build(
+                sub,
+                f"{where}.{name}",
+                data.get(name) or {},
+                f"{env_prefix}{name.upper()}_",
+                nested_overrides.get(name, {}),
+            )
+        return cls(**kwargs)
+
+    def _read_flat_names(
+        self,
+        where: str,
+        data: dict[str, Any],
+        env_prefix: str,
+        name: str,
+        field: dataclasses.Field[Any],
+        sub: type,
+    ) -> None:
+        """Move the deprecated flat names of sub-section ``name``'s knobs (YAML keys and
+        env vars) to where the new names are read, warning about each one."""
+        prefix = field.metadata.get(_FLAT_PREFIX)
+        if prefix is None:
+            return
+        nested = data.get(name) or {}
+        if not isinstance(nested, dict):
+            return  # build() reports it
+        nested = data[name] = dict(nested)
+        for knob in _fields(sub):
+            old, new = prefix + knob, f"{where}.{name}.{knob}"
+            new_env = f"{env_prefix}{name.upper()}_{knob.upper()}"
+            if old in data:
+                if knob in nested:
+                    raise ValueError(
+                        f"{self.source} [{where}]: both {old} and {name}.{knob} are set; "
+                        f"keep only {new}"
+                    )
+                nested[knob] = data.pop(old)
+                _warn_renamed(f"{where}.{old}", new, f"{self.source}")
+            old_env = env_prefix + old.upper()
+            if old_env != new_env and old_env in self.env:
+                if new_env in self.env:
+                    raise ValueError(f"both {old_env} and {new_env} are set; keep only {new_env}")
+                self.env = {**self.env, new_env: self.env[old_env]}
+                _warn_renamed(old_env, new_env, "the environment")
+
+
+def _warn_renamed(old: str, new: str, where: str) -> None:
+    log.warning(
+        "config: %s (in %s) is deprecated and read for this release only; use %s",
+        old,
+        where,
+        new,
+    )
+
+
+def _split_overrides(
+    overrides: Mapping[str, Any], subs: Mapping[str, type], where: str
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Overrides of sub-sections (a mapping, or dotted names) apart from the others."""
+    nested: dict[str, dict[str, Any]] = {name: {} for name in subs}
+    flat: dict[str, Any] = {}
+    for key, value in overrides.items():
+        head, dot, rest = key.partition(".")
+        if dot and head in subs:
+            nested[head][rest] = value
+        elif key in subs:
+            if value is not None:
+                if not isinstance(value, Mapping):
+                    raise ValueError(f"option {key!r} for [{where}] must be a mapping")
+                nested[key].update(value)
+        else:
+            flat[key] = value
+    return nested, flat
 
 
 def add_service_args(parser: Any) -> None:

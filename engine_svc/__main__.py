@@ -147,7 +147,7 @@ def main(
         overrides={
             "model_dir": args.model_dir,
             "num_kv_blocks": args.num_kv_blocks,
-            "max_num_seqs": args.max_num_seqs,
+            "scheduler.max_num_seqs": args.max_num_seqs,
         },
     )
     configure_logging("engine", svc.log_level, svc.log_format)

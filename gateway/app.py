@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.breaker import BreakerPolicy
 from common.log import get_logger
 from common.service_auth import read_service_token
 from gateway.config import GatewayConfig
@@ -31,19 +30,6 @@ from ratelimit.factory import RateLimitStack
 from tokenizer_svc.tokenizer import TextTokenizer
 
 log = get_logger(__name__)
-
-
-def breaker_policy(c: GatewayConfig) -> BreakerPolicy:
-    """The breaker thresholds of the config."""
-    return BreakerPolicy(
-        window_s=c.breaker_window_s,
-        min_calls=c.breaker_min_calls,
-        error_ratio=c.breaker_error_ratio,
-        consecutive_failures=c.breaker_consecutive_failures,
-        open_s=c.breaker_open_s,
-        max_open_s=c.breaker_max_open_s,
-        half_open_probes=c.breaker_half_open_probes,
-    )
 
 
 @dataclass(slots=True)
@@ -68,7 +54,7 @@ class GatewayApp:
         tokenizers = TokenizerSet(TextTokenizer(config.model_dir) if config.model_dir else None)
         pool = ReplicaPool(
             config.engines,
-            breaker_policy(config),
+            config.breaker,
             max_ejected_fraction=config.max_ejected_fraction,
             stats_interval_s=config.stats_interval_s,
             queue_weight=config.queue_weight,

@@ -13,11 +13,9 @@ from typing import Any
 import yaml
 
 from common.breaker import BreakerPolicy
-from common.config import ServiceConfig
+from common.config import ServiceConfig, deprecated_flat_names
 from gateway.release.policy import policies_from_config
 from ratelimit.budget.policy import PriceTable
-
-_BREAKER = BreakerPolicy()  # the breaker's defaults are written once, there
 
 
 @dataclass(slots=True)
@@ -62,7 +60,9 @@ class GatewayConfig(ServiceConfig):
             is refused (0 = refuse at once).
         queue_max_waiting / queue_max_waiting_per_tenant: Requests waiting at most, in
             all and per tenant, per model (past that: refused at once).
-        breaker_*: Per-replica circuit breaker (see ``common.breaker``).
+        breaker: Per-replica circuit breaker thresholds (``common.breaker.BreakerPolicy``);
+            its knobs were the flat ``breaker_<knob>`` keys of this section before
+            (still read, with a deprecation warning, for this release).
         max_ejected_fraction: At most this share of replicas (at least one) open at once.
         stats_interval_s: How often each replica's GetStats is polled.
         queue_weight / kv_weight: Routing score weights (see ``gateway.fleet.replica_pool``).
@@ -119,13 +119,9 @@ class GatewayConfig(ServiceConfig):
     queue_max_wait_ms: int = 2000
     queue_max_waiting: int = 1024
     queue_max_waiting_per_tenant: int = 256
-    breaker_window_s: float = _BREAKER.window_s
-    breaker_min_calls: int = _BREAKER.min_calls
-    breaker_error_ratio: float = _BREAKER.error_ratio
-    breaker_consecutive_failures: int = _BREAKER.consecutive_failures
-    breaker_open_s: float = _BREAKER.open_s
-    breaker_max_open_s: float = _BREAKER.max_open_s
-    breaker_half_open_probes: int = _BREAKER.half_open_probes
+    breaker: BreakerPolicy = field(
+        default_factory=BreakerPolicy, metadata=deprecated_flat_names("breaker_")
+    )
     max_ejected_fraction: float = 0.5
     stats_interval_s: float = 0.5
     queue_weight: float = 1.0
@@ -159,10 +155,6 @@ class GatewayConfig(ServiceConfig):
             "request_timeout_s",
             "encode_timeout_s",
             "max_attempts",
-            "breaker_min_calls",
-            "breaker_consecutive_failures",
-            "breaker_open_s",
-            "breaker_half_open_probes",
             "stats_interval_s",
             "retry_budget_window_s",
             "guard_interval_s",
@@ -191,11 +183,18 @@ class GatewayConfig(ServiceConfig):
                 raise ValueError(f"[gateway] {name} must be >= 0, got {getattr(self, name)}")
         if self.http_port < -1:
             raise ValueError(f"[gateway] http_port must be >= -1 (-1 = off), got {self.http_port}")
-        for name in ("retry_budget_ratio", "breaker_error_ratio", "max_ejected_fraction"):
+        for name in ("retry_budget_ratio", "max_ejected_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"[gateway] {name} must be in [0, 1], got {getattr(self, name)}")
+        self._validate_breaker()
         self._parse_routing_policies()
         self._parse_prices()
+
+    def _validate_breaker(self) -> None:
+        try:
+            self.breaker.validate()
+        except ValueError as e:
+            raise ValueError(f"[gateway.breaker] {e}") from None
 
     def _parse_prices(self) -> None:
         if isinstance(self.prices, str):

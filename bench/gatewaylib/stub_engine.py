@@ -38,7 +38,7 @@ class StubBackend:
 
     def __init__(self, core: EngineConfig, first_token_s: float = 0.0) -> None:
         self.first_token_s = first_token_s
-        self.max_num_seqs = core.max_num_seqs
+        self.max_num_seqs = core.scheduler.max_num_seqs
         self.max_context = 8192
         self.running = 0
         self.requests = 0

@@ -91,8 +91,8 @@ def llm_kwargs(cfg: EngineConfig, kv_cache_dtype: str = "fp8") -> dict[str, Any]
         "enable_chunked_prefill": True,
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "pipeline_parallel_size": cfg.pipeline_parallel_size,
-        "max_batch_size": cfg.max_num_seqs,
-        "max_num_tokens": cfg.max_num_batched_tokens,
+        "max_batch_size": cfg.scheduler.max_num_seqs,
+        "max_num_tokens": cfg.scheduler.max_num_batched_tokens,
         **({"max_seq_len": cfg.max_model_len} if cfg.max_model_len else {}),
         "enable_iter_perf_stats": True,
     }
@@ -255,7 +255,7 @@ class TrtLlmBackend:
         self._priority_arg = "priority" in inspect.signature(self._llm.generate_async).parameters
         self._info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg, kv_dtype)
         self._stats = stats_from_iteration(
-            {}, self._cfg.max_num_seqs, self._cfg.max_waiting, self._totals
+            {}, self._cfg.scheduler.max_num_seqs, self._cfg.scheduler.max_waiting, self._totals
         )
         self._poller = asyncio.create_task(self._poll_stats())
 
@@ -278,8 +278,8 @@ class TrtLlmBackend:
             running=self._llm is not None,
             live=self._live,
             engine="TensorRT-LLM",
-            max_num_seqs=self._cfg.max_num_seqs,
-            max_waiting=self._cfg.max_waiting,
+            max_num_seqs=self._cfg.scheduler.max_num_seqs,
+            max_waiting=self._cfg.scheduler.max_waiting,
         )
         params = self._trt.SamplingParams(
             **sampling_kwargs(inp.sampling_params, info.eos_token_ids, len(state.resumed))
@@ -325,7 +325,10 @@ class TrtLlmBackend:
             for it in records or []:
                 rec = it if isinstance(it, dict) else {}
                 self._stats = stats_from_iteration(
-                    rec, self._cfg.max_num_seqs, self._cfg.max_waiting, self._totals
+                    rec,
+                    self._cfg.scheduler.max_num_seqs,
+                    self._cfg.scheduler.max_waiting,
+                    self._totals,
                 )
             self._rates.record(self._totals["prompt"], self._totals["generation"])
             await asyncio.sleep(STATS_POLL_S)

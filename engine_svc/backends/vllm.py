@@ -45,8 +45,8 @@ def vllm_engine_args(cfg: EngineConfig) -> dict[str, Any]:
         "model": cfg.model_dir,
         "skip_tokenizer_init": True,
         "dtype": "auto" if cfg.dtype == "auto" else cfg.dtype,
-        "max_num_seqs": cfg.max_num_seqs,
-        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_num_seqs": cfg.scheduler.max_num_seqs,
+        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "scheduling_policy": "priority",
         "seed": cfg.seed,
@@ -215,8 +215,8 @@ class VllmBackend:
             running=self._llm is not None,
             live=self._live,
             engine="vLLM",
-            max_num_seqs=self._cfg.max_num_seqs,
-            max_waiting=self._cfg.max_waiting,
+            max_num_seqs=self._cfg.scheduler.max_num_seqs,
+            max_waiting=self._cfg.scheduler.max_waiting,
         )
         from vllm.inputs import TokensPrompt
 
@@ -280,8 +280,8 @@ class VllmBackend:
             num_steps_total=s.steps,
             prefix_cache_queries=s.queries,
             prefix_cache_hits=s.hits,
-            max_num_seqs=self._cfg.max_num_seqs,
-            max_waiting=self._cfg.max_waiting,
+            max_num_seqs=self._cfg.scheduler.max_num_seqs,
+            max_waiting=self._cfg.scheduler.max_waiting,
         )
         return BackendStats(stats, *self._rates.rates())
 

@@ -1,18 +1,23 @@
-"""Engine and scheduler configuration."""
+"""Engine and scheduler configuration: the ``engine_core`` section and its ``scheduler``
+sub-section."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+
+from common.config import NOT_A_KEY, deprecated_flat_names
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Limits the scheduler enforces every step.
+    """Limits the scheduler enforces every step (the ``engine_core.scheduler`` section).
 
     Attributes:
         max_num_seqs: requests in the running batch.
         max_num_batched_tokens: new tokens per step (decodes + prefill chunks).
-        max_model_len: prompt + output tokens of one request.
+        max_model_len: prompt + output tokens of one request; not a config key: the
+            engine sets it from ``engine_core.max_model_len`` and the model's context.
         max_waiting: waiting-queue bound beyond the running batch: add_request reports
             "queue full" when running + waiting reach max_num_seqs + max_waiting.
         long_prefill_token_threshold: cap on one request's prefill chunk per
@@ -46,7 +51,7 @@ class SchedulerConfig:
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    max_model_len: int = 8192
+    max_model_len: int = field(default=8192, metadata=NOT_A_KEY)
     max_waiting: int = 1024
     long_prefill_token_threshold: int = 0
     priority_aging_seconds: float = 10.0
@@ -73,13 +78,9 @@ class SchedulerConfig:
             raise ValueError(f"interrupt_max_tokens must be >= 0, got {self.interrupt_max_tokens}")
 
 
-# the scheduler's limits are defaulted once, in SchedulerConfig
-_SCHED = SchedulerConfig()
-
-
 @dataclass(slots=True)
 class EngineConfig:
-    """Everything an ``LLMEngine`` is built from; flat, so a YAML section maps onto it.
+    """Everything an ``LLMEngine`` is built from (the ``engine_core`` section).
 
     Attributes:
         model_dir: HF checkpoint directory; empty = ``common.config.default_model_dir()``.
@@ -91,7 +92,11 @@ class EngineConfig:
         kv_cache_memory_bytes: KV budget in bytes; 0 = use the fraction.
         kv_cache_memory_fraction: share of free memory (CPU MemAvailable or
             free GPU memory) given to the KV cache.
-        max_model_len: 0 = the model's max_position_embeddings.
+        max_model_len: prompt + output tokens of one request, capped at the model's
+            context; 0 = the model's max_position_embeddings.
+        scheduler: the scheduler's limits and ordering policy (``SchedulerConfig``);
+            its knobs were flat keys of this section before (still read, with a
+            deprecation warning, for this release).
         enable_prefix_caching: share full KV blocks between requests with
             the same prefix (hash chain, ref counts, LRU eviction).
         enable_speculative_decoding: default of requests that do not say
@@ -126,17 +131,10 @@ class EngineConfig:
     num_kv_blocks: int = 0
     kv_cache_memory_bytes: int = 0
     kv_cache_memory_fraction: float = 0.2
-    max_num_seqs: int = _SCHED.max_num_seqs
-    max_num_batched_tokens: int = _SCHED.max_num_batched_tokens
     max_model_len: int = 0
-    max_waiting: int = _SCHED.max_waiting
-    long_prefill_token_threshold: int = _SCHED.long_prefill_token_threshold
-    priority_aging_seconds: float = _SCHED.priority_aging_seconds
-    fair_share: bool = _SCHED.fair_share
-    fair_prefill_chunk: int = _SCHED.fair_prefill_chunk
-    priority_isolation: bool = _SCHED.priority_isolation
-    priority_window_s: float = _SCHED.priority_window_s
-    interrupt_max_tokens: int = _SCHED.interrupt_max_tokens
+    scheduler: SchedulerConfig = field(
+        default_factory=SchedulerConfig, metadata=deprecated_flat_names("")
+    )
     enable_prefix_caching: bool = True
     enable_speculative_decoding: bool = False
     num_speculative_tokens: int = 4
@@ -151,19 +149,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
 
+    def __post_init__(self) -> None:
+        try:
+            self.scheduler.validate()
+        except ValueError as e:
+            raise ValueError(f"[engine_core.scheduler] {e}") from None
+
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         """The scheduler's limits, with ``max_model_len`` resolved against the model."""
         max_len = min(self.max_model_len or model_max_len, model_max_len)
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=max_len,
-            max_waiting=self.max_waiting,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            priority_aging_seconds=self.priority_aging_seconds,
-            fair_share=self.fair_share,
-            fair_prefill_chunk=self.fair_prefill_chunk,
-            priority_isolation=self.priority_isolation,
-            priority_window_s=self.priority_window_s,
-            interrupt_max_tokens=self.interrupt_max_tokens,
-        )
+        return dataclasses.replace(self.scheduler, max_model_len=max_len)

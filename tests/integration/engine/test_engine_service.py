@@ -391,8 +391,8 @@ def small_engine(
         model_dir,
         tmp_path_factory.mktemp("small-engine"),
         env={
-            "LLM_ENGINE_CORE_MAX_NUM_SEQS": "1",
-            "LLM_ENGINE_CORE_MAX_WAITING": "1",
+            "LLM_ENGINE_CORE_SCHEDULER_MAX_NUM_SEQS": "1",
+            "LLM_ENGINE_CORE_SCHEDULER_MAX_WAITING": "1",
             # the drain below must not race a loaded machine
             "LLM_ENGINE_GRACE_SECONDS": "60",
         },

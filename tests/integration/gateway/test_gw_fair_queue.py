@@ -34,7 +34,10 @@ def small_engine(
         "gw-small-engine",
         model_dir,
         tmp_path_factory.mktemp("gw-small-engine"),
-        env={"LLM_ENGINE_CORE_MAX_NUM_SEQS": "1", "LLM_ENGINE_CORE_MAX_WAITING": "1"},
+        env={
+            "LLM_ENGINE_CORE_SCHEDULER_MAX_NUM_SEQS": "1",
+            "LLM_ENGINE_CORE_SCHEDULER_MAX_WAITING": "1",
+        },
     ) as proc:
         yield proc
 

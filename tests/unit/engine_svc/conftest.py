@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine_svc.core import EngineConfig, LLMEngine
+from engine_svc.core import EngineConfig, LLMEngine, SchedulerConfig
+from tests.support.engine_config import engine_config
 
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -82,7 +83,8 @@ EngineFactory = Callable[..., LLMEngine]
 
 @pytest.fixture
 def make_tiny_engine(tiny_model_dir: Path) -> EngineFactory:
-    """Build an fp32 CPU engine on the tiny model; keyword args override EngineConfig."""
+    """Build an fp32 CPU engine on the tiny model; keyword args override EngineConfig
+    (the scheduler's knobs among them: ``tests.support.engine_config``)."""
 
     def make(**kwargs: Any) -> LLMEngine:
         base: dict[str, Any] = {
@@ -93,7 +95,7 @@ def make_tiny_engine(tiny_model_dir: Path) -> EngineFactory:
             "num_kv_blocks": 128,
             "max_num_batched_tokens": 64,
         }
-        return LLMEngine(EngineConfig(**(base | kwargs)))
+        return LLMEngine(engine_config(**(base | kwargs)))
 
     return make
 
@@ -107,7 +109,7 @@ def real_engine(model_dir: Path) -> Iterator[LLMEngine]:
             dtype="float32",
             device="cpu",
             num_kv_blocks=256,
-            max_num_batched_tokens=256,
+            scheduler=SchedulerConfig(max_num_batched_tokens=256),
         )
     )
     yield engine

@@ -29,7 +29,7 @@ from typing import Any
 
 from engine_svc.backends.base import GenerateInput
 from engine_svc.backends.native import NativeBackend
-from engine_svc.core import EngineConfig, LLMEngine
+from engine_svc.core import EngineConfig, LLMEngine, SchedulerConfig
 from engine_svc.core.request import FinishReason
 from engine_svc.core.sampling_params import SamplingParams as OurParams
 
@@ -178,8 +178,9 @@ class LLM:
             device="cpu",
             block_size=kv_cache_config.tokens_per_block,
             num_kv_blocks=128,
-            max_num_seqs=max_batch_size,
-            max_num_batched_tokens=max_num_tokens,
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_batch_size, max_num_batched_tokens=max_num_tokens
+            ),
             max_model_len=max_seq_len or 0,
             enable_prefix_caching=kv_cache_config.enable_block_reuse,
         )

@@ -20,7 +20,7 @@ import pytest
 
 from engine_svc.backends.base import Backend, GenerateInput, QueueFullError
 from engine_svc.backends.native import NativeBackend
-from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
+from engine_svc.core import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.request import FinishReason
 from tests.unit.engine_svc.helpers import run_to_completion, tokens_of
@@ -40,10 +40,10 @@ def engine_config(model_dir: Path) -> EngineConfig:
         device=device,
         block_size=4,
         num_kv_blocks=128,
-        max_num_batched_tokens=64,
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=64, max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING
+        ),
         enable_prefix_caching=False,
-        max_num_seqs=MAX_NUM_SEQS,
-        max_waiting=MAX_WAITING,
     )
 
 
@@ -103,10 +103,10 @@ def _trtllm(model_dir: Path) -> Backend:  # pragma: no cover - NVIDIA GPUs only
             model_dir=str(model_dir),
             device="cuda",
             block_size=4,
-            max_num_batched_tokens=64,
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=64, max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING
+            ),
             enable_prefix_caching=False,
-            max_num_seqs=MAX_NUM_SEQS,
-            max_waiting=MAX_WAITING,
         )
     )
 
@@ -129,10 +129,10 @@ def _trtllm_fake(model_dir: Path) -> Backend:
         EngineConfig(
             model_dir=str(model_dir),
             block_size=4,
-            max_num_batched_tokens=64,
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=64, max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING
+            ),
             enable_prefix_caching=False,
-            max_num_seqs=MAX_NUM_SEQS,
-            max_waiting=MAX_WAITING,
         ),
         runtime=fake_trtllm.runtime,
         fp8=False,
@@ -152,11 +152,11 @@ def _vllm(model_dir: Path) -> Backend:  # pragma: no cover - in vLLM's venv only
         EngineConfig(
             model_dir=str(default_model_dir()),
             dtype="float32",
-            max_num_batched_tokens=512,
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=512, max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING
+            ),
             max_model_len=1024,
             enable_prefix_caching=False,
-            max_num_seqs=MAX_NUM_SEQS,
-            max_waiting=MAX_WAITING,
         ),
         engine_args={"enforce_eager": True},
     )  # no graph compile at start

@@ -14,11 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_svc.core import LLMEngine, RequestOutput
-from engine_svc.core.config import EngineConfig, SchedulerConfig
+from engine_svc.core.config import SchedulerConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.request import FinishReason, Request, RequestStatus
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.scheduler import Scheduler
+from tests.support.engine_config import engine_config
 
 from ..conftest import write_tiny_model
 from ..helpers import plan, run_to_completion, tokens_of
@@ -185,7 +186,7 @@ def engine(model_dir: Path, **kw: int | bool) -> LLMEngine:
         "interrupt_max_tokens": 16,
         "enable_prefix_caching": True,
     }
-    return LLMEngine(EngineConfig(**(cfg | kw)))  # type: ignore[arg-type]
+    return LLMEngine(engine_config(**(cfg | kw)))
 
 
 def greedy(n: int) -> SamplingParams:
