@@ -15,19 +15,12 @@ from common.redis_server import RedisServer
 from ratelimit.budget.ledger import BudgetLedger
 from ratelimit.budget.policy import Budget, Metric, Period, Price
 from ratelimit.limiter.store_guard import StoreGuard
+from tests.support.clock import FakeClock
 
 FREE = Price()
 
 
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def ledger(client: Redis, prefix: str, clock: Clock) -> BudgetLedger:
+def ledger(client: Redis, prefix: str, clock: FakeClock) -> BudgetLedger:
     return BudgetLedger(client, StoreGuard(2000), prefix=prefix, clock=clock)
 
 
@@ -38,7 +31,7 @@ async def open_holds(client: Redis, prefix: str, tenant: str) -> int:
 async def test_calendar_day_budget_refuses_then_resets_at_midnight(
     redis_client: Redis, prefix: str
 ) -> None:
-    clock = Clock(datetime(2026, 12, 1, 22, 0, tzinfo=UTC).timestamp())  # 23:00 in Berlin
+    clock = FakeClock(datetime(2026, 12, 1, 22, 0, tzinfo=UTC).timestamp())  # 23:00 in Berlin
     led = ledger(redis_client, prefix, clock)
     day = Budget("daily", Metric.TOKENS, Period.DAY, 1000, timezone="Europe/Berlin")
     first = await led.charge("t1", [day], FREE, prompt_tokens=100, max_tokens=700)
@@ -59,7 +52,7 @@ async def test_calendar_day_budget_refuses_then_resets_at_midnight(
     assert "'daily'" in msg
     assert "150 tokens used" in msg
     assert "2026-12-01T23:00:00Z" in msg
-    clock.t += 3600  # exactly the period's end
+    clock.advance(3600)  # exactly the period's end
     third = await led.charge("t1", [day], FREE, prompt_tokens=100, max_tokens=800)
     assert third.allowed
     assert third.levels[0].used == 0
@@ -73,20 +66,20 @@ async def test_rolling_hour_frees_room_as_old_slots_age_out(
     redis_client: Redis, prefix: str
 ) -> None:
     t0 = 1_800_000_000.0  # on a minute boundary
-    clock = Clock(t0)
+    clock = FakeClock(t0)
     led = ledger(redis_client, prefix, clock)
     hour = Budget("hourly", Metric.TOKENS, Period.HOUR, 100, rolling=True)
     a = await led.charge("t", [hour], FREE, prompt_tokens=60, max_tokens=0)
     assert a.allowed
-    clock.t = t0 + 30 * 60
+    clock.now = t0 + 30 * 60
     b = await led.charge("t", [hour], FREE, prompt_tokens=40, max_tokens=0)
     assert b.allowed
-    clock.t = t0 + 59 * 60
+    clock.now = t0 + 59 * 60
     c = await led.charge("t", [hour], FREE, prompt_tokens=50, max_tokens=0)
     assert not c.allowed
     # the first charge stops counting 61 minutes after its slot began
     assert c.retry_after_ms == 2 * 60_000
-    clock.t = t0 + 61 * 60
+    clock.now = t0 + 61 * 60
     d = await led.charge("t", [hour], FREE, prompt_tokens=50, max_tokens=0)
     assert d.allowed
     assert d.levels[0].used == 40
@@ -95,7 +88,7 @@ async def test_rolling_hour_frees_room_as_old_slots_age_out(
 async def test_cost_budget_and_every_budget_all_or_nothing(
     redis_client: Redis, prefix: str
 ) -> None:
-    led = ledger(redis_client, prefix, Clock(1_800_000_000.0))
+    led = ledger(redis_client, prefix, FakeClock(1_800_000_000.0))
     price = Price(prompt_per_million=1.0, completion_per_million=2.0)
     usd = Budget("usd", Metric.COST, Period.MONTH, 0.001)  # 1000 prompt tokens' worth
     tok = Budget("tok", Metric.TOKENS, Period.DAY, 10_000)
@@ -117,7 +110,7 @@ async def test_cost_budget_and_every_budget_all_or_nothing(
 
 
 async def test_shadow_mode_charges_and_admits_over_budget(redis_client: Redis, prefix: str) -> None:
-    led = ledger(redis_client, prefix, Clock(1_800_000_000.0))
+    led = ledger(redis_client, prefix, FakeClock(1_800_000_000.0))
     b = Budget("d", Metric.TOKENS, Period.DAY, 10)
     d = await led.charge("t", [b], FREE, prompt_tokens=20, max_tokens=0, shadow=True)
     assert d.allowed
@@ -131,7 +124,7 @@ async def test_concurrent_gateways_never_overspend(redis_server: RedisServer, pr
     admitted, and after every hold settles the used total equals the admitted usage."""
     clients = [Redis.from_url(redis_server.url, decode_responses=True) for _ in range(4)]
     try:
-        clock = Clock(1_800_000_000.0)
+        clock = FakeClock(1_800_000_000.0)
         ledgers = [ledger(c, prefix, clock) for c in clients]
         b = Budget("d", Metric.TOKENS, Period.DAY, 1000)
 
@@ -168,7 +161,7 @@ async def test_settled_usage_is_exact_and_no_hold_stays_open(
     """Whatever mix of admitted and refused requests: after settling every hold the
     budget holds exactly the tokens used, and no hold is left open."""
     tenant = f"h{abs(hash(tuple(requests))) % 10**9}"
-    led = ledger(redis_client, prefix, Clock(1_800_000_000.0))
+    led = ledger(redis_client, prefix, FakeClock(1_800_000_000.0))
     b = Budget("d", Metric.TOKENS, Period.DAY, 300)
     used = 0
     for prompt, max_new, produced in requests:

@@ -19,16 +19,9 @@ from common.redis_server import RedisServer
 from ratelimit.config import LimitPolicy
 from ratelimit.limiter.storage.memory import MemoryStore
 from ratelimit.limiter.storage.redis import RedisStore, bucket_keys
+from tests.support.clock import FakeClock
 
 pytestmark = pytest.mark.integration
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 op = st.tuples(
@@ -47,14 +40,14 @@ policies = st.builds(
 async def _compare(
     url: str, prefix: str, policy: LimitPolicy, ops: list[tuple[str, float, int]]
 ) -> None:
-    clock = Clock(1_700_000_000_123.25)
+    clock = FakeClock(1_700_000_000_123.25)
     client = Redis.from_url(url, decode_responses=True)
     try:
         redis_store = RedisStore(client, prefix=prefix, lease_ttl_ms=2000, clock=clock)
         mem = MemoryStore(lease_ttl_ms=2000, concurrency_retry_ms=1000, clock=clock)
         leases: list[tuple[str, int]] = []
         for i, (kind, advance, n) in enumerate(ops):
-            clock.now += advance
+            clock.advance(advance)
             if kind == "reserve":
                 a = await redis_store.reserve(
                     "t", policy, num_tokens=n, lease_id=f"l{i}", shadow=False
@@ -108,13 +101,13 @@ def test_lua_matches_the_python_algorithm(
 
 
 async def test_no_double_burst_at_a_minute_boundary(redis_client: Redis, prefix: str) -> None:
-    clock = Clock(60_000 * 28_333_333 - 100.0)  # 100 ms before a minute starts
+    clock = FakeClock(60_000 * 28_333_333 - 100.0)  # 100 ms before a minute starts
     store = RedisStore(redis_client, prefix=prefix, clock=clock)
     policy = LimitPolicy(requests_per_minute=600)  # capacity 600, 10/s
     admitted = 0
     for i in range(1300):
         if i == 650:
-            clock.now += 200  # cross the minute boundary
+            clock.advance(200)  # cross the minute boundary
         o = await store.reserve("t", policy, num_tokens=0, lease_id=f"{i}", shadow=False)
         admitted += o.taken
     # a fixed window would admit 600 + 600; the bucket admits 600 + 200 ms of refill

@@ -23,14 +23,6 @@ ACME = Tenant(
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def test_tenant_crud(redis_client: Redis, prefix: str) -> None:
     reg = Registry(redis_client, prefix=prefix)
     stored = await reg.upsert_tenant(ACME)
@@ -97,7 +89,7 @@ async def test_roles_are_separate(redis_client: Redis, prefix: str) -> None:
 async def test_revocation_reaches_other_replicas_within_the_cache_ttl(
     redis_client: Redis, prefix: str
 ) -> None:
-    clock = Clock()
+    clock = FakeClock()
     replica_a = Registry(redis_client, prefix=prefix, auth_cache_ttl_ms=2000, clock=clock)
     replica_b = Registry(redis_client, prefix=prefix, auth_cache_ttl_ms=2000, clock=clock)
     await replica_a.upsert_tenant(ACME)

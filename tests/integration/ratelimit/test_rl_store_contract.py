@@ -11,6 +11,7 @@ from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.limiter.storage import Store
 from ratelimit.limiter.storage.memory import MemoryStore
 from ratelimit.limiter.storage.redis import RedisStore, bucket_keys
+from tests.support.clock import FakeClock
 
 pytestmark = pytest.mark.integration
 
@@ -19,22 +20,14 @@ POLICY = LimitPolicy(
 )
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> FakeClock:
+    return FakeClock(1_700_000_000_000.0)
 
 
 @pytest.fixture(params=["memory", "redis"])
 async def store(
-    request: pytest.FixtureRequest, clock: Clock, redis_client: Redis, prefix: str
+    request: pytest.FixtureRequest, clock: FakeClock, redis_client: Redis, prefix: str
 ) -> AsyncIterator[Store]:
     if request.param == "memory":
         yield MemoryStore(lease_ttl_ms=1000, concurrency_retry_ms=700, clock=clock)
@@ -44,7 +37,7 @@ async def store(
         )
 
 
-async def test_all_or_nothing_and_retry_after(store: Store, clock: Clock) -> None:
+async def test_all_or_nothing_and_retry_after(store: Store, clock: FakeClock) -> None:
     o = await store.reserve("t", POLICY, num_tokens=5000, lease_id="a", shadow=False)
     assert o.taken
     assert (o.requests_left, o.tokens_left, o.num_leases) == (2.0, 1000.0, 1)
@@ -55,29 +48,29 @@ async def test_all_or_nothing_and_retry_after(store: Store, clock: Clock) -> Non
     u = await store.usage("t", POLICY)
     assert (u.requests_available, u.tokens_available, u.concurrent_in_use) == (2.0, 1000.0, 1)
     assert u.requests_denied_total == 1
-    clock.now += 10_000
+    clock.advance(10_000)
     o = await store.reserve("t", POLICY, num_tokens=2000, lease_id="b", shadow=False)
     assert o.taken
 
 
-async def test_leases_expire_and_heartbeat_extends(store: Store, clock: Clock) -> None:
+async def test_leases_expire_and_heartbeat_extends(store: Store, clock: FakeClock) -> None:
     for lease in ("a", "b"):
         assert (await store.reserve("t", POLICY, num_tokens=1, lease_id=lease, shadow=False)).taken
     o = await store.reserve("t", POLICY, num_tokens=1, lease_id="c", shadow=False)
     assert o.denied == Dimension.CONCURRENCY
     assert o.retry_after_ms == 700  # min(hint, time until the first lease expires)
-    clock.now += 600
+    clock.advance(600)
     assert await store.heartbeat("t", "a")
     o = await store.reserve("t", POLICY, num_tokens=1, lease_id="c", shadow=False)
     assert o.retry_after_ms == 400
-    clock.now += 400  # "b" expired, "a" was extended to +1600
+    clock.advance(400)  # "b" expired, "a" was extended to +1600
     assert not await store.heartbeat("t", "b")
     o = await store.reserve("t", POLICY, num_tokens=1, lease_id="c", shadow=False)
     assert o.taken
     assert o.num_leases == 2
 
 
-async def test_settle_refunds_up_to_capacity_and_counts(store: Store, clock: Clock) -> None:
+async def test_settle_refunds_up_to_capacity_and_counts(store: Store, clock: FakeClock) -> None:
     o = await store.reserve("t", POLICY, num_tokens=4000, lease_id="a", shadow=False)
     assert o.tokens_left == 2000
     held = await store.settle(
@@ -88,7 +81,7 @@ async def test_settle_refunds_up_to_capacity_and_counts(store: Store, clock: Clo
     assert u.tokens_available == 5000
     assert u.concurrent_in_use == 0
     assert (u.prompt_tokens_total, u.completion_tokens_total, u.requests_total) == (600, 400, 1)
-    clock.now += 60_000
+    clock.advance(60_000)
     await store.settle(
         "t", POLICY, lease_id="a", refund_tokens=9999, prompt_tokens=0, completion_tokens=0
     )
@@ -167,7 +160,9 @@ async def test_settle_only_if_held_refunds_exactly_once(store: Store) -> None:
     assert (u.tokens_available, u.concurrent_in_use) == (6000.0, 0)
 
 
-async def test_an_overrun_to_exactly_minus_one_is_not_unlimited(store: Store, clock: Clock) -> None:
+async def test_an_overrun_to_exactly_minus_one_is_not_unlimited(
+    store: Store, clock: FakeClock
+) -> None:
     """A level driven to -1 by an overrun (settled usage above the reservation) stays a
     debt; it is not read back as the "unlimited" a dimension without a limit reports."""
     policy = LimitPolicy(tokens_per_minute=6000)
@@ -186,7 +181,7 @@ async def test_an_overrun_to_exactly_minus_one_is_not_unlimited(store: Store, cl
     assert o.retry_after_ms == 20  # the debt of 1 and the token asked for, at 100/s
 
 
-async def test_a_clock_stepping_back_credits_nothing(store: Store, clock: Clock) -> None:
+async def test_a_clock_stepping_back_credits_nothing(store: Store, clock: FakeClock) -> None:
     """Back 30 s then forward again: no refill for the interval seen twice."""
     policy = LimitPolicy(tokens_per_minute=6000)
     assert (await store.reserve("t", policy, num_tokens=6000, lease_id="a", shadow=False)).taken
@@ -201,7 +196,7 @@ async def test_a_clock_stepping_back_credits_nothing(store: Store, clock: Clock)
     assert u.tokens_available == pytest.approx(3100.0)  # the refund + 1 s at 100/s, not 31 s
 
 
-async def test_take_after_reserve_then_settle_is_exact(store: Store, clock: Clock) -> None:
+async def test_take_after_reserve_then_settle_is_exact(store: Store, clock: FakeClock) -> None:
     """The gateway's two steps: 1 request + lease before tokenizing, tokens after.
     Settle gives back what take took (remembered by lease), whatever the caller knew."""
     policy = LimitPolicy(requests_per_minute=60, tokens_per_minute=6000)

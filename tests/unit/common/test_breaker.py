@@ -3,15 +3,7 @@
 from __future__ import annotations
 
 from common.breaker import BreakerGroup, BreakerPolicy, BreakerState, CircuitBreaker
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
+from tests.support.clock import FakeClock
 
 POLICY = BreakerPolicy(
     window_s=10,
@@ -24,7 +16,7 @@ POLICY = BreakerPolicy(
 )
 
 
-def breaker(clock: Clock, policy: BreakerPolicy = POLICY) -> CircuitBreaker:
+def breaker(clock: FakeClock, policy: BreakerPolicy = POLICY) -> CircuitBreaker:
     return CircuitBreaker("r", policy, clock=clock)
 
 
@@ -39,7 +31,7 @@ def call(b: CircuitBreaker, ok: bool | None) -> None:
 
 
 def test_consecutive_failures_open_then_half_open_probe_closes() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     b = breaker(clock)
     for _ in range(2):
         call(b, False)
@@ -47,7 +39,7 @@ def test_consecutive_failures_open_then_half_open_probe_closes() -> None:
     call(b, False)
     assert state(b) == BreakerState.OPEN
     assert not b.available()
-    clock.now += 5
+    clock.advance(5)
     assert state(b) == BreakerState.HALF_OPEN
     probe = b.admit()  # the one probe
     assert probe
@@ -57,21 +49,21 @@ def test_consecutive_failures_open_then_half_open_probe_closes() -> None:
 
 
 def test_failed_probe_reopens_with_doubled_open_time() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     b = breaker(clock)
     for _ in range(3):
         call(b, False)
-    clock.now += 5
+    clock.advance(5)
     call(b, False)  # probe fails
     assert state(b) == BreakerState.OPEN
-    clock.now += 9.9
+    clock.advance(9.9)
     assert state(b) == BreakerState.OPEN  # 10 s now
-    clock.now += 0.1
+    clock.advance(0.1)
     assert state(b) == BreakerState.HALF_OPEN
 
 
 def test_error_ratio_needs_min_calls_and_uses_a_rolling_window() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     b = breaker(
         clock, BreakerPolicy(window_s=10, min_calls=4, error_ratio=0.5, consecutive_failures=100)
     )
@@ -89,7 +81,7 @@ def test_error_ratio_needs_min_calls_and_uses_a_rolling_window() -> None:
     call(b2, False)
     call(b2, False)
     call(b2, True)
-    clock.now += 11  # the old calls leave the window
+    clock.advance(11)  # the old calls leave the window
     call(b2, True)
     call(b2, True)
     call(b2, True)
@@ -98,7 +90,7 @@ def test_error_ratio_needs_min_calls_and_uses_a_rolling_window() -> None:
 
 
 def test_neutral_outcomes_do_not_count() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     b = breaker(clock)
     for _ in range(10):
         call(b, None)
@@ -106,7 +98,7 @@ def test_neutral_outcomes_do_not_count() -> None:
 
 
 def test_group_ejects_at_most_half_and_always_one() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     changes: list[tuple[str, BreakerState]] = []
     group = BreakerGroup(POLICY, 0.5, clock=clock, on_change=lambda n, s: changes.append((n, s)))
     bs = [group.add(f"r{i}") for i in range(4)]
@@ -126,7 +118,7 @@ def test_group_ejects_at_most_half_and_always_one() -> None:
 def test_only_the_admitted_probe_decides_the_half_open_state() -> None:
     """A stream admitted before the trip that ends during half-open is not the probe:
     neither its success closes the breaker nor its failure reopens it."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     b = breaker(clock)
     old_ok, old_bad = b.admit(), b.admit()
     assert old_ok
@@ -134,7 +126,7 @@ def test_only_the_admitted_probe_decides_the_half_open_state() -> None:
     for _ in range(3):
         call(b, False)
     assert state(b) == BreakerState.OPEN
-    clock.now += 5
+    clock.advance(5)
     probe = b.admit()
     assert probe
     assert probe.probe > 0
@@ -148,7 +140,7 @@ def test_only_the_admitted_probe_decides_the_half_open_state() -> None:
 
 
 def test_a_probe_of_an_earlier_half_open_period_does_not_count() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     b = breaker(
         clock,
         BreakerPolicy(
@@ -163,13 +155,13 @@ def test_a_probe_of_an_earlier_half_open_period_does_not_count() -> None:
     )
     for _ in range(3):
         call(b, False)
-    clock.now += 5
+    clock.advance(5)
     p1, p2 = b.admit(), b.admit()
     assert p1
     assert p2
     b.record(False, p1)  # a probe fails: open again, for 10 s
     assert state(b) == BreakerState.OPEN
-    clock.now += 10
+    clock.advance(10)
     assert state(b) == BreakerState.HALF_OPEN  # a new half-open period
     b.record(True, p2)  # the earlier period's other probe ends now: says nothing
     assert state(b) == BreakerState.HALF_OPEN
@@ -185,10 +177,10 @@ def test_a_probe_of_an_earlier_half_open_period_does_not_count() -> None:
 def test_a_replica_that_never_fails_keeps_only_its_window_of_calls() -> None:
     """The error-ratio window forgets calls as they age out, not only when a failure
     is judged: a healthy replica must not keep every call it ever served."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     b = breaker(clock)
     for _ in range(5000):
-        clock.now += 0.01
+        clock.advance(0.01)
         call(b, True)
     # 10 s window at one call per 10 ms
     assert len(b._calls) <= 1001  # the memory bound is the point

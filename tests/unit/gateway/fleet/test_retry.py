@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 
 from gateway.fleet.retry import RetryBudget, RetryPolicy, breaker_verdict, is_retryable
+from tests.support.clock import FakeClock
 
 
 def test_only_unavailable_and_engine_queue_full_are_retryable() -> None:
@@ -40,34 +41,26 @@ def test_backoff_is_full_jitter_and_capped() -> None:
     assert p.backoff(3, rng=lambda: 0.0) == 0.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_budget_allows_ratio_plus_floor_in_window() -> None:
-    clock = Clock()
+    clock = FakeClock()
     budget = RetryBudget(ratio=0.2, min_retries=2, window_s=10, clock=clock)
     for _ in range(100):
         budget.record_request()
     allowed = sum(budget.try_withdraw() for _ in range(50))
     assert allowed == 22  # 2 + 20% of 100
     assert budget.num_retries == 22
-    clock.now += 10.5  # the window moves on: nothing recorded, only the floor
+    clock.advance(10.5)  # the window moves on: nothing recorded, only the floor
     assert budget.try_withdraw()
     assert budget.try_withdraw()
     assert not budget.try_withdraw()
 
 
 def test_budget_without_floor_never_exceeds_ratio() -> None:
-    clock = Clock()
+    clock = FakeClock()
     budget = RetryBudget(ratio=0.2, min_retries=0, window_s=10, clock=clock)
     retries = requests = 0
     for _ in range(1000):
-        clock.now += 0.01
+        clock.advance(0.01)
         budget.record_request()
         requests += 1
         while budget.try_withdraw():  # every request wants retries (an outage)

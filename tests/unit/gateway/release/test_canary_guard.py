@@ -11,19 +11,12 @@ from gateway.release.rollout import GUARD_ACTOR, RolloutManager
 from gateway.release.routing_admin import policy_from_proto, policy_to_proto
 from gateway.release.version_stats import VersionStats
 from ratelimit.errors import ConflictError, NotFoundError
+from tests.support.clock import FakeClock
 
 MODEL = "m"
 GUARD = GuardPolicy(
     enabled=True, max_error_rate_increase=0.1, max_ttft_p95_ratio=1.5, min_requests=10, window_s=60
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def canary(**kw: object) -> RoutingPolicy:
@@ -43,7 +36,7 @@ def feed(stats: VersionStats, version: str, n: int, errors: int, ttft: float) ->
 
 
 def test_judge_error_rate_ttft_and_minimum() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     stats = VersionStats(clock)
     p = canary(updated_at=clock.now - 1)
     feed(stats, "v1", 40, 1, 0.10)
@@ -65,10 +58,10 @@ def test_judge_error_rate_ttft_and_minimum() -> None:
 
 
 def test_judge_counts_only_samples_since_the_policy_changed() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     stats = VersionStats(clock)
     feed(stats, "v2", 20, 20, 0.1)
-    clock.now += 5
+    clock.advance(5)
     assert judge(canary(updated_at=clock.now - 1), stats) is None
     assert judge(canary(updated_at=clock.now - 10), stats) is not None
 

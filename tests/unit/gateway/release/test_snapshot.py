@@ -11,22 +11,15 @@ from hypothesis import strategies as st
 
 from gateway.release.snapshot import SnapshotCache
 from ratelimit.errors import StoreError
+from tests.support.clock import FakeClock
 
 TTL = 1.0
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Store:
     """Each read answers the read's number, as of the moment the read started."""
 
-    def __init__(self, clock: Clock, delay: asyncio.Event | None = None) -> None:
+    def __init__(self, clock: FakeClock, delay: asyncio.Event | None = None) -> None:
         self.clock = clock
         self.reads: list[float] = []  # when each read started
         self.fail = False
@@ -42,8 +35,8 @@ class Store:
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> FakeClock:
+    return FakeClock(1000.0)
 
 
 async def settle() -> None:
@@ -52,20 +45,20 @@ async def settle() -> None:
 
 
 async def test_the_first_lookup_waits_then_half_the_ttl_is_served_without_a_read(
-    clock: Clock,
+    clock: FakeClock,
 ) -> None:
     store = Store(clock)
     cache = SnapshotCache(store.load, TTL, "t", clock)
     assert await cache.get("k") == 1000.0
     assert (cache.num_refreshes, cache.num_waited) == (1, 1)
-    clock.now += TTL / 2 - 0.01
+    clock.advance(TTL / 2 - 0.01)
     assert await cache.get("k") == 1000.0
     await settle()
     assert cache.num_refreshes == 1  # young enough: no read at all
 
 
 async def test_past_half_the_ttl_a_lookup_answers_at_once_and_reads_beside_it(
-    clock: Clock,
+    clock: FakeClock,
 ) -> None:
     gate = asyncio.Event()
     gate.set()
@@ -73,7 +66,7 @@ async def test_past_half_the_ttl_a_lookup_answers_at_once_and_reads_beside_it(
     cache = SnapshotCache(store.load, TTL, "t", clock)
     await cache.get("k")
     gate.clear()  # the next read hangs until released
-    clock.now += TTL * 0.6
+    clock.advance(TTL * 0.6)
     assert await cache.get("k") == 1000.0  # answered from the snapshot it has
     assert await cache.get("k") == 1000.0
     await settle()
@@ -84,38 +77,38 @@ async def test_past_half_the_ttl_a_lookup_answers_at_once_and_reads_beside_it(
     assert (cache.num_refreshes, cache.num_waited) == (2, 1)  # nobody waited for it
 
 
-async def test_past_the_ttl_a_lookup_waits_for_the_store(clock: Clock) -> None:
+async def test_past_the_ttl_a_lookup_waits_for_the_store(clock: FakeClock) -> None:
     store = Store(clock)
     cache = SnapshotCache(store.load, TTL, "t", clock)
     await cache.get("k")
-    clock.now += TTL + 0.01
+    clock.advance(TTL + 0.01)
     assert await cache.get("k") == clock.now  # read on the path, new value at once
     assert cache.num_waited == 2
 
 
-async def test_a_failed_read_ahead_keeps_the_last_good_snapshot(clock: Clock) -> None:
+async def test_a_failed_read_ahead_keeps_the_last_good_snapshot(clock: FakeClock) -> None:
     store = Store(clock)
     cache = SnapshotCache(store.load, TTL, "t", clock)
     await cache.get("k")
     store.fail = True
-    clock.now += TTL * 0.7
+    clock.advance(TTL * 0.7)
     assert await cache.get("k") == 1000.0
     await settle()
     assert len(store.reads) == 2
-    clock.now += TTL * 0.2  # a failed read counts as a read: no retry storm
+    clock.advance(TTL * 0.2)  # a failed read counts as a read: no retry storm
     assert await cache.get("k") == 1000.0
     await settle()
     assert len(store.reads) == 2
 
 
-async def test_close_stops_a_read_in_flight(clock: Clock) -> None:
+async def test_close_stops_a_read_in_flight(clock: FakeClock) -> None:
     gate = asyncio.Event()
     gate.set()
     store = Store(clock, gate)
     cache = SnapshotCache(store.load, TTL, "t", clock)
     await cache.get("k")
     gate.clear()
-    clock.now += TTL * 0.6
+    clock.advance(TTL * 0.6)
     await cache.get("k")
     await settle()
     assert len(cache._ahead) == 1
@@ -123,11 +116,11 @@ async def test_close_stops_a_read_in_flight(clock: Clock) -> None:
     assert len(cache._ahead) == 0
 
 
-async def test_invalidate_reads_again_on_the_next_lookup(clock: Clock) -> None:
+async def test_invalidate_reads_again_on_the_next_lookup(clock: FakeClock) -> None:
     store = Store(clock)
     cache = SnapshotCache(store.load, TTL, "t", clock)
     await cache.get("k")
-    clock.now += 0.01
+    clock.advance(0.01)
     cache.invalidate()
     assert await cache.get("k") == clock.now
     assert cache.num_waited == 2
@@ -148,13 +141,13 @@ def test_no_lookup_answers_from_a_snapshot_older_than_the_ttl(
     the next lookup or not, every answer was read at most ``ttl_s`` before it."""
 
     async def run() -> None:
-        clock = Clock()
+        clock = FakeClock(1000.0)
         gate = asyncio.Event()
         gate.set()
         store = Store(clock, gate)
         cache = SnapshotCache(store.load, TTL, "t", clock)
         for gap, reads_finish in steps:
-            clock.now += gap
+            clock.advance(gap)
             if reads_finish:
                 gate.set()
             else:

@@ -5,14 +5,7 @@ from __future__ import annotations
 
 from common.breaker import BreakerState, CircuitBreaker, Ticket
 from ratelimit.limiter.store_guard import store_breaker
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 def state_of(breaker: CircuitBreaker) -> BreakerState:
@@ -26,7 +19,7 @@ def fail(b: CircuitBreaker) -> None:
 
 
 def test_opens_after_threshold_and_probes_once() -> None:
-    clock = Clock()
+    clock = FakeClock()
     changes: list[BreakerState] = []
     b = store_breaker(3, 1000, clock_ms=clock, on_change=lambda _, s: changes.append(s))
     for _ in range(2):
@@ -61,7 +54,7 @@ def test_opens_after_threshold_and_probes_once() -> None:
 
 
 def test_success_resets_the_failure_count_and_no_error_ratio_applies() -> None:
-    b = store_breaker(2, 1000, clock_ms=Clock())
+    b = store_breaker(2, 1000, clock_ms=FakeClock())
     for _ in range(50):  # one failure in two: a ratio rule would have opened it
         fail(b)
         ticket = b.admit()
@@ -72,7 +65,7 @@ def test_success_resets_the_failure_count_and_no_error_ratio_applies() -> None:
 
 
 def test_a_cancelled_probe_frees_the_slot() -> None:
-    clock = Clock()
+    clock = FakeClock()
     b = store_breaker(1, 10, clock_ms=clock)
     fail(b)
     clock.now = 10.0

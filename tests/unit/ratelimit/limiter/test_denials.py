@@ -10,16 +10,9 @@ from hypothesis import strategies as st
 from ratelimit.config import Dimension, LimitPolicy
 from ratelimit.limiter.decision import Decision
 from ratelimit.limiter.denials import DenialMemo, HeadroomMemo
+from tests.support.clock import FakeClock
 
 POLICY = LimitPolicy(requests_per_minute=60)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def denial(denied: Dimension, retry_after_ms: int) -> Decision:
@@ -41,22 +34,22 @@ def denial(denied: Dimension, retry_after_ms: int) -> Decision:
 
 
 def test_request_rate_denial_is_answered_locally_until_the_bucket_refills() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     memo = DenialMemo(clock)
     assert memo.check("t", POLICY) is None
     memo.record("t", POLICY, denial(Dimension.REQUESTS, 1000))
-    clock.now += 0.4
+    clock.advance(0.4)
     hit = memo.check("t", POLICY)
     assert hit is not None
     assert not hit.allowed
     assert hit.retry_after_ms == 600  # the remaining wait, not the original one
-    clock.now += 0.6
+    clock.advance(0.6)
     assert memo.check("t", POLICY) is None  # refilled: Redis decides again
     assert memo.check("other", POLICY) is None
 
 
 def test_denials_with_a_request_shortage_are_memoised_for_the_request_wait() -> None:
-    memo = DenialMemo(Clock())
+    memo = DenialMemo(FakeClock(100.0))
     for dims in (Dimension.TOKENS, Dimension.CONCURRENCY, Dimension.TOKENS | Dimension.CONCURRENCY):
         memo.record("t", POLICY, denial(dims, 1000))  # refunds/releases may end these early
         assert memo.check("t", POLICY) is None
@@ -79,14 +72,14 @@ def test_denials_with_a_request_shortage_are_memoised_for_the_request_wait() -> 
 
 
 def test_a_changed_policy_drops_the_memo() -> None:
-    memo = DenialMemo(Clock())
+    memo = DenialMemo(FakeClock(100.0))
     memo.record("t", POLICY, denial(Dimension.REQUESTS, 5000))
     assert memo.check("t", LimitPolicy(requests_per_minute=600)) is None
     assert memo.check("t", POLICY) is None  # dropped for good
 
 
 def test_memory_is_bounded() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     memo = DenialMemo(clock, max_tenants=10)
     for i in range(25):
         memo.record(f"t{i}", POLICY, denial(Dimension.REQUESTS, 1000 + i))
@@ -105,7 +98,7 @@ def admitted(requests_left: float, leases: int, policy: LimitPolicy = POLICY) ->
 
 
 def test_headroom_needs_an_admission_seen_here_under_the_same_policy() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     memo = HeadroomMemo(clock, margin=2)
     assert not memo.has_headroom("t", POLICY)  # nothing seen: the two-call path
     memo.record("t", POLICY, admitted(5, 0))
@@ -116,22 +109,22 @@ def test_headroom_needs_an_admission_seen_here_under_the_same_policy() -> None:
 
 
 def test_request_headroom_refills_at_the_policy_rate_up_to_the_burst() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     memo = HeadroomMemo(clock, margin=2)
     memo.record("t", POLICY, admitted(0.5, 0))  # 60/min: one request per second
     assert not memo.has_headroom("t", POLICY)
-    clock.now += 1.0  # 1.5 requests
+    clock.advance(1.0)  # 1.5 requests
     assert not memo.has_headroom("t", POLICY)
-    clock.now += 0.5  # 2.0
+    clock.advance(0.5)  # 2.0
     assert memo.has_headroom("t", POLICY)
     tiny = LimitPolicy(requests_per_minute=60, request_burst=1)  # never 2 in the bucket
     memo.record("u", tiny, admitted(1, 0, tiny))
-    clock.now += 100
+    clock.advance(100)
     assert not memo.has_headroom("u", tiny)
 
 
 def test_lease_headroom_and_unlimited_dimensions() -> None:
-    memo = HeadroomMemo(Clock(), margin=2)
+    memo = HeadroomMemo(FakeClock(100.0), margin=2)
     conc = LimitPolicy(max_concurrent=4)
     memo.record("t", conc, admitted(-1, 3, conc))  # one lease free
     assert not memo.has_headroom("t", conc)
@@ -143,7 +136,7 @@ def test_lease_headroom_and_unlimited_dimensions() -> None:
 
 
 def test_headroom_memory_is_bounded_and_keeps_the_newest() -> None:
-    memo = HeadroomMemo(Clock(), max_tenants=10, margin=2)
+    memo = HeadroomMemo(FakeClock(100.0), max_tenants=10, margin=2)
     for i in range(25):
         memo.record(f"t{i}", POLICY, admitted(5, 0))
     memo.record("t0", POLICY, admitted(5, 0))  # seen again: newest now
@@ -163,7 +156,7 @@ def seen_with(tokens_left: float, requests_left: float = 50, leases: int = 0) ->
 
 
 def test_a_claim_needs_headroom_and_the_tokens_and_spends_them_from_the_estimate() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     memo = HeadroomMemo(clock, margin=2)
     assert not memo.claim("t", TOKENS, 1)  # nothing seen here
     memo.record("t", TOKENS, seen_with(100))
@@ -172,7 +165,7 @@ def test_a_claim_needs_headroom_and_the_tokens_and_spends_them_from_the_estimate
     assert not memo.claim("t", TOKENS, 60)  # 40 left in the estimate
     assert memo.claim("t", TOKENS, 40)
     assert not memo.claim("t", TOKENS, 1)
-    clock.now += 1.0  # 600/min: 10 tokens a second
+    clock.advance(1.0)  # 600/min: 10 tokens a second
     assert memo.claim("t", TOKENS, 10)
     memo.record("t", TOKENS, seen_with(500))  # the store's answer replaces the estimate
     assert memo.claim("t", TOKENS, 400)
@@ -181,7 +174,7 @@ def test_a_claim_needs_headroom_and_the_tokens_and_spends_them_from_the_estimate
 
 
 def test_claims_take_leases_and_requests_from_the_estimate() -> None:
-    memo = HeadroomMemo(Clock(), margin=2)
+    memo = HeadroomMemo(FakeClock(100.0), margin=2)
     memo.record("t", TOKENS, seen_with(-1, requests_left=50, leases=3))  # 5 leases free
     claims = sum(memo.claim("t", TOKENS, 1) for _ in range(10))
     assert claims == 4  # until fewer than the margin of 2 leases are free
@@ -200,7 +193,7 @@ def test_a_burst_of_claims_never_spends_more_than_the_memo_saw(
 ) -> None:
     """Without time passing or a store answer, what every successful claim took adds up
     to no more than the last admission left: tokens, requests and leases."""
-    memo = HeadroomMemo(Clock(), margin=2)
+    memo = HeadroomMemo(FakeClock(100.0), margin=2)
     memo.record("t", TOKENS, seen_with(tokens_left, requests_left, leases))
     granted = [n for n in sizes if memo.claim("t", TOKENS, n)]
     assert sum(granted) <= tokens_left

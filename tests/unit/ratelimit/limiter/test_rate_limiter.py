@@ -15,14 +15,7 @@ from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage import UsageSnapshot
 from ratelimit.limiter.storage.memory import MemoryStore
 from ratelimit.limiter.store_guard import store_breaker
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 class BrokenStore:
@@ -82,7 +75,7 @@ def state_of(breaker: CircuitBreaker) -> BreakerState:
     return breaker.state
 
 
-def memory(clock: Clock, ttl: int = 30_000) -> MemoryStore:
+def memory(clock: FakeClock, ttl: int = 30_000) -> MemoryStore:
     return MemoryStore(lease_ttl_ms=ttl, concurrency_retry_ms=500, clock=clock)
 
 
@@ -92,7 +85,7 @@ TENANT = Tenant(
 
 
 async def test_reserve_settle_refunds_unused_tokens() -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     limiter = RateLimiter(memory(clock))
     d = await limiter.reserve(TENANT, 1000)
     assert d.allowed
@@ -108,7 +101,7 @@ async def test_reserve_settle_refunds_unused_tokens() -> None:
 
 
 async def test_reserve_then_take_then_settle_charges_exactly_the_usage() -> None:
-    limiter = RateLimiter(memory(Clock()))
+    limiter = RateLimiter(memory(FakeClock(1_000_000.0)))
     d = await limiter.reserve(TENANT, 0)  # before tokenizing: a request and a lease
     assert d.reservation is not None
     t = await limiter.take(TENANT, d.reservation, 1000)
@@ -129,7 +122,7 @@ async def test_reserve_then_take_then_settle_charges_exactly_the_usage() -> None
 
 
 async def test_a_tenant_without_a_token_limit_costs_no_store_call_to_take() -> None:
-    store = BrokenStore(memory(Clock()))
+    store = BrokenStore(memory(FakeClock(1_000_000.0)))
     limiter = RateLimiter(store)
     tenant = Tenant("free", LimitPolicy(requests_per_minute=600, max_concurrent=2))
     d = await limiter.reserve(tenant, 0)
@@ -147,7 +140,7 @@ async def test_a_tenant_without_a_token_limit_costs_no_store_call_to_take() -> N
 async def test_a_take_the_store_failed_on_settles_exactly_either_way() -> None:
     """Fail open: a take whose answer was lost admits; settle charges the exact usage
     whether the take ran (given back by lease id) or not (charged as usage)."""
-    inner = memory(Clock())
+    inner = memory(FakeClock(1_000_000.0))
     store = BrokenStore(inner)
     limiter = RateLimiter(store, fail_mode="open", timeout_ms=50)
     for ran in (False, True):
@@ -175,7 +168,7 @@ async def test_a_take_the_store_failed_on_settles_exactly_either_way() -> None:
 
 
 async def test_release_keeps_tokens_charged_and_frees_the_slot() -> None:
-    limiter = RateLimiter(memory(Clock()))
+    limiter = RateLimiter(memory(FakeClock(1_000_000.0)))
     d1 = await limiter.reserve(TENANT, 10)
     d2 = await limiter.reserve(TENANT, 10)
     d3 = await limiter.reserve(TENANT, 10)
@@ -192,7 +185,7 @@ async def test_release_keeps_tokens_charged_and_frees_the_slot() -> None:
 
 async def test_shadow_mode_admits_and_counts() -> None:
     tenant = Tenant("shadowy", LimitPolicy(requests_per_minute=1), shadow_mode=True)
-    limiter = RateLimiter(memory(Clock()))
+    limiter = RateLimiter(memory(FakeClock(1_000_000.0)))
     assert (await limiter.reserve(tenant, 0)).lease_id is not None
     d = await limiter.reserve(tenant, 0)
     assert d.shadow_denied
@@ -211,7 +204,7 @@ async def test_shadow_mode_admits_and_counts() -> None:
 
 
 async def test_fail_open_uses_the_replica_share_then_recovers() -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     store = BrokenStore(memory(clock))
     breaker = store_breaker(2, 1000, clock_ms=clock)
     tenant = Tenant("t", LimitPolicy(requests_per_minute=8, request_burst=8))
@@ -227,14 +220,14 @@ async def test_fail_open_uses_the_replica_share_then_recovers() -> None:
     assert local is not None
     await limiter.settle(local, prompt_tokens=0, completion_tokens=0)  # settles locally
     store.mode = "ok"
-    clock.now += 1000
+    clock.advance(1000)
     d = await limiter.reserve(tenant, 0)
     assert d.source == "redis"
     assert state_of(breaker) == BreakerState.CLOSED
 
 
 async def test_fail_closed_raises_unavailable() -> None:
-    store = BrokenStore(memory(Clock()))
+    store = BrokenStore(memory(FakeClock(1_000_000.0)))
     limiter = RateLimiter(store, fail_mode="closed")
     store.mode = "error"
     with pytest.raises(LimiterUnavailableError, match="fails closed"):
@@ -245,7 +238,7 @@ async def test_a_store_failure_forgets_the_tenants_headroom() -> None:
     """After a failed call nothing may start before Redis answers again: no claim, no
     one-call path, in either fail mode, until an admission is seen again."""
     for mode in ("closed", "open"):
-        store = BrokenStore(memory(Clock()))
+        store = BrokenStore(memory(FakeClock(1_000_000.0)))
         limiter = RateLimiter(store, fail_mode=mode)
         tenant = Tenant("h", LimitPolicy(requests_per_minute=600, max_concurrent=10))
         assert (await limiter.reserve(tenant, 1)).allowed
@@ -264,7 +257,7 @@ async def test_a_store_failure_forgets_the_tenants_headroom() -> None:
 
 
 async def test_slow_store_costs_only_the_timeout_budget() -> None:
-    store = BrokenStore(memory(Clock()))
+    store = BrokenStore(memory(FakeClock(1_000_000.0)))
     limiter = RateLimiter(store, timeout_ms=20, breaker=store_breaker(1, 60_000))
     store.mode = "hang"
     d = await limiter.reserve(TENANT, 1)
@@ -276,7 +269,7 @@ async def test_slow_store_costs_only_the_timeout_budget() -> None:
 
 
 async def test_settle_failure_is_swallowed_and_counted() -> None:
-    store = BrokenStore(memory(Clock()))
+    store = BrokenStore(memory(FakeClock(1_000_000.0)))
     limiter = RateLimiter(store)
     d = await limiter.reserve(TENANT, 5)
     assert d.reservation is not None
@@ -286,7 +279,7 @@ async def test_settle_failure_is_swallowed_and_counted() -> None:
 
 
 async def test_keep_alive_heartbeats_the_lease() -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     inner = memory(clock, ttl=30)
     store = BrokenStore(inner)
     limiter = RateLimiter(store)
@@ -295,18 +288,18 @@ async def test_keep_alive_heartbeats_the_lease() -> None:
     async with limiter.keep_alive(d.reservation):
         await asyncio.wait_for(store.heartbeated.wait(), 30)
     assert await limiter.heartbeat(d.reservation)
-    clock.now += 31
+    clock.advance(31)
     assert not await limiter.heartbeat(d.reservation)
 
 
 async def test_negative_tokens_are_a_value_error() -> None:
-    limiter = RateLimiter(memory(Clock()))
+    limiter = RateLimiter(memory(FakeClock(1_000_000.0)))
     with pytest.raises(ValueError, match="num_tokens must be >= 0"):
         await limiter.reserve(TENANT, -1)
 
 
 async def test_fail_open_share_still_fits_one_large_request() -> None:
-    clock = Clock()
+    clock = FakeClock(1_000_000.0)
     store = BrokenStore(memory(clock))
     store.mode = "error"
     tenant = Tenant("big", LimitPolicy(tokens_per_minute=1000))
@@ -322,7 +315,7 @@ async def test_fail_open_share_still_fits_one_large_request() -> None:
 
 
 async def test_a_request_rate_denial_is_known_until_the_bucket_refills() -> None:
-    limiter = RateLimiter(memory(Clock()))
+    limiter = RateLimiter(memory(FakeClock(1_000_000.0)))
     tenant = Tenant("rpm", LimitPolicy(requests_per_minute=60, request_burst=1))
     assert limiter.known_denial(tenant) is None
     assert (await limiter.reserve(tenant, 1)).allowed
@@ -370,7 +363,7 @@ async def assert_store_holds(store: MemoryStore, tokens: float, leases: int) -> 
 async def test_a_reserve_with_a_lost_answer_is_compensated_by_lease_id(after: str) -> None:
     """Timeout (the guard's 100 ms) or error after the script ran: the tokens and the
     lease it took in the shared store come back; the request falls back to local."""
-    inner = memory(Clock())
+    inner = memory(FakeClock(1_000_000.0))
     limiter = RateLimiter(LostReplyStore(inner, after), timeout_ms=100)  # type: ignore[arg-type]
     d = await limiter.reserve(TENANT, 1000)
     assert d.allowed  # fail-open: the local share decided
@@ -379,7 +372,7 @@ async def test_a_reserve_with_a_lost_answer_is_compensated_by_lease_id(after: st
 
 
 async def test_a_cancelled_reserve_is_compensated() -> None:
-    inner = memory(Clock())
+    inner = memory(FakeClock(1_000_000.0))
     store = LostReplyStore(inner, "hang")
     limiter = RateLimiter(store, timeout_ms=10_000)  # type: ignore[arg-type]
     task = asyncio.create_task(limiter.reserve(TENANT, 1000))
@@ -393,7 +386,7 @@ async def test_a_cancelled_reserve_is_compensated() -> None:
 
 
 async def test_compensation_never_refunds_a_reserve_that_did_not_run() -> None:
-    inner = memory(Clock())
+    inner = memory(FakeClock(1_000_000.0))
     broken = BrokenStore(inner)
     broken.mode = "error"  # fails before the script runs
     limiter = RateLimiter(broken)  # type: ignore[arg-type]
@@ -409,7 +402,7 @@ async def test_a_reserve_the_open_breaker_skipped_is_not_compensated() -> None:
     """Nothing was sent, so nothing is undone: while the breaker is open, fallback
     decisions do not queue a compensation each (thousands in an outage, all sent
     when the store comes back)."""
-    store = BrokenStore(memory(Clock()))
+    store = BrokenStore(memory(FakeClock(1_000_000.0)))
     limiter = RateLimiter(store, breaker=store_breaker(1, 60_000))
     store.mode = "error"
     await limiter.reserve(TENANT, 1)  # failed in the store: it may have run
