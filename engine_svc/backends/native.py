@@ -161,10 +161,6 @@ class NativeBackend:
         assert self._info is not None, "start() first"
         return self._info
 
-    @property
-    def num_live_requests(self) -> int:
-        return len(self._queues)
-
     def _retry_after_ms(self) -> int:
         s = self._stats
         return 1000 if s is None else retry_after_ms(s.num_waiting, s.max_num_seqs)

@@ -145,15 +145,6 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; False (nothing done) while any block is held."""
-        if self.num_used_blocks:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached_blocks.clear()
-        return True
-
     def free_block_ids(self) -> list[int]:
         """Ids in the free queue, front (next to be reused) first."""
         return list(self._free)

@@ -97,10 +97,6 @@ class Scheduler:
         """The tenants' fair-share counters, None when fair share is off."""
         return self.order.fair
 
-    def get_num_unfinished_requests(self) -> int:
-        """Requests waiting or running."""
-        return len(self.waiting) + len(self.running)
-
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return bool(self.waiting or self.running)
