@@ -230,8 +230,28 @@ def test_request_id_and_trace_reach_logs(gateway: GatewayProcess, key: str) -> N
     assert settled[0]["tenant"]
 
 
+def settled_metric(
+    gateway: GatewayProcess, name: str, labels: dict[str, str], expected: float
+) -> float:
+    """The value of a counter once it reaches ``expected`` (a request is counted as it
+    settles, just after its last chunk), or what it holds 10 s later."""
+    deadline = time.monotonic() + 10
+    value = gateway.metric(name, **labels)
+    while value < expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+        value = gateway.metric(name, **labels)
+    return value
+
+
 def test_metrics_names(gateway: GatewayProcess, key: str) -> None:
-    gateway.generate(key, chat("hi", max_tokens=2))
+    # every count is read before and after this test's own requests, so it holds
+    # whichever tests ran before it (or none)
+    requests_ok = gateway.metric("gateway_requests_total", code="OK")
+    invalid = gateway.metric("gateway_requests_total", code="INVALID_ARGUMENT")
+    completion = gateway.metric("gateway_tokens_charged_total", kind="completion")
+    gateway.generate(key, chat("hi", max_tokens=2, ignore_eos=True))
+    err = rpc_error(gateway.generate, key, chat("hi", max_tokens=65))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     text = gateway.metrics()
     for name in (
         "gateway_requests_total",
@@ -245,6 +265,10 @@ def test_metrics_names(gateway: GatewayProcess, key: str) -> None:
         "gateway_ratelimit_denials_total",
     ):
         assert name in text, name
-    assert gateway.metric("gateway_requests_total", code="OK") >= 1
-    assert gateway.metric("gateway_requests_total", code="INVALID_ARGUMENT") >= 1
-    assert gateway.metric("gateway_tokens_charged_total", kind="completion") >= 2
+    expected = {
+        ("gateway_requests_total", "code", "OK"): requests_ok + 1,
+        ("gateway_requests_total", "code", "INVALID_ARGUMENT"): invalid + 1,
+        ("gateway_tokens_charged_total", "kind", "completion"): completion + 2,
+    }
+    for (name, label, value), want in expected.items():
+        assert settled_metric(gateway, name, {label: value}, want) == want, (name, value)
