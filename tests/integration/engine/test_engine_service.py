@@ -437,7 +437,9 @@ def test_sigterm_drains_in_flight_then_exits(small_engine: ManagedProcess) -> No
 
         t = threading.Thread(target=run)
         t.start()
+        deadline = time.monotonic() + 30
         while not stub.GetStats(engine_pb2.GetStatsRequest()).num_running:
+            assert time.monotonic() < deadline, "drain-1 never started running"
             time.sleep(0.02)
         # to the main process, as Kubernetes sends it; vLLM's worker processes die at
         # once on a SIGTERM of their own, so a supervisor must not signal the group
