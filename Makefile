@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .DEFAULT_GOAL := help
-.PHONY: help setup install constraints protos model run test test-unit test-integration lint bench bench-load bench-peers peers-venv vllm-venv test-vllm profile clean check-all
+.PHONY: help setup install constraints protos model run test test-unit test-integration lint bench bench-load bench-peers peers-venv vllm-venv test-vllm profile clean check-all config-docs
 
 help: ## show this help
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}'
@@ -90,6 +90,9 @@ lint: setup ## ruff (lint and format), mypy, and the import layers (lint-imports
 	$(VENV)/bin/lint-imports
 
 check-all: lint test ## lint and the whole suite
+
+config-docs: $(STAMP) $(PROTO_STAMP) ## regenerate docs/configuration.md from the config classes' docstrings
+	$(PY) -m scripts.gen_config_docs
 
 bench: setup ## benchmarks; reports go to bench/reports/
 	$(PY) -m bench.tokenizer_bench

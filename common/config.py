@@ -13,7 +13,7 @@ import logging
 import os
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -79,21 +79,31 @@ log = logging.getLogger(__name__)
 
 # field metadata keys (set through ``deprecated_flat_names`` and ``NOT_A_KEY``)
 _CONFIG_KEY = "config_key"
-_FLAT_PREFIX = "deprecated_flat_prefix"
+_FLAT_NAMES = "deprecated_flat_names"
 
 NOT_A_KEY: Mapping[str, Any] = types.MappingProxyType({_CONFIG_KEY: False})
 """Field metadata of a field the loader never reads (the program derives it)."""
 
 
-def deprecated_flat_names(prefix: str) -> Mapping[str, Any]:
-    """Field metadata of a sub-section whose knobs used to be flat keys of the parent
-    section named ``<prefix><knob>``: those names are still read (YAML and env), with a
-    warning naming the new key.
+def deprecated_flat_names(prefix: str, knobs: Iterable[str] | None = None) -> Mapping[str, Any]:
+    """Field metadata of a sub-section whose knobs (``knobs``, default all) used to be
+    flat keys of the parent section named ``<prefix><knob>``: those names are still read
+    (YAML and env), with a warning naming the new key.
 
     A field whose type is a dataclass is a sub-section: ``<section>.<field>.<knob>`` in
     YAML, ``LLM_<SECTION>_<FIELD>_<KNOB>`` in the environment.
     """
-    return types.MappingProxyType({_FLAT_PREFIX: prefix})
+    only = None if knobs is None else tuple(knobs)
+    return types.MappingProxyType({_FLAT_NAMES: (prefix, only)})
+
+
+def _flat_names(field: dataclasses.Field[Any], sub: type) -> dict[str, str]:
+    """Old flat name -> knob, for a sub-section field declared with
+    ``deprecated_flat_names`` (empty otherwise)."""
+    if _FLAT_NAMES not in field.metadata:
+        return {}
+    prefix, only = field.metadata[_FLAT_NAMES]
+    return {prefix + k: k for k in _fields(sub) if only is None or k in only}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,6 +121,19 @@ def config_keys(cls: type, section: str) -> list[ConfigKey]:
     """Every key of ``cls`` loaded as ``section``, nested sub-sections flattened, in
     declaration order."""
     return list(_walk(cls, "", f"LLM_{section.upper()}_"))
+
+
+def deprecated_flat_renames(cls: type, section: str) -> list[tuple[str, ConfigKey]]:
+    """``(old flat name, the key that replaced it)`` for each knob of the sub-sections of
+    ``cls`` declared with ``deprecated_flat_names``."""
+    keys = {k.path: k for k in config_keys(cls, section)}
+    hints = typing.get_type_hints(cls)
+    return [
+        (old, keys[f"{f.name}.{knob}"])
+        for f in _fields(cls).values()
+        if _is_section(hints[f.name])
+        for old, knob in _flat_names(f, hints[f.name]).items()
+    ]
 
 
 def _walk(cls: type, path: str, env_prefix: str) -> Iterator[ConfigKey]:
@@ -258,15 +281,13 @@ class _Loader:
     ) -> None:
         """Move the deprecated flat names of sub-section ``name``'s knobs (YAML keys and
         env vars) to where the new names are read, warning about each one."""
-        prefix = field.metadata.get(_FLAT_PREFIX)
-        if prefix is None:
-            return
+        renames = _flat_names(field, sub)
         nested = data.get(name) or {}
-        if not isinstance(nested, dict):
-            return  # build() reports it
+        if not renames or not isinstance(nested, dict):
+            return  # build() reports a nested value that is not a mapping
         nested = data[name] = dict(nested)
-        for knob in _fields(sub):
-            old, new = prefix + knob, f"{where}.{name}.{knob}"
+        for old, knob in renames.items():
+            new = f"{where}.{name}.{knob}"
             new_env = f"{env_prefix}{name.upper()}_{knob.upper()}"
             if old in data:
                 if knob in nested:

@@ -10,10 +10,23 @@ from common.config import DEFAULT_MODEL_NAME, ServiceConfig
 
 @dataclasses.dataclass(slots=True)
 class EngineServiceConfig(ServiceConfig):
+    """The engine's gRPC service (``python -m engine_svc``).
+
+    Attributes:
+        backend: The engine behind the service: ``native`` (PyTorch, CPU or CUDA),
+            ``trtllm`` (TensorRT-LLM, NVIDIA GPUs) or ``vllm``.
+        model_name: The name the engine serves its model under (what requests ask for).
+        model_version: The served model's version; "" = ``sha-<checksum>`` of the
+            checkpoint's weights.
+        warmup: Run one small batch before reporting SERVING.
+        vllm_enforce_eager: Backend vllm: skip its graph compilation at start (a faster
+            start, slower steps).
+    """
+
     port: int = 50071
     grace_seconds: float = 30.0
-    backend: str = "native"  # native | trtllm | vllm
+    backend: str = "native"
     model_name: str = DEFAULT_MODEL_NAME
-    model_version: str = ""  # empty = derived from the checkpoint's checksum
+    model_version: str = ""
     warmup: bool = True
-    vllm_enforce_eager: bool = False  # backend vllm: no graph compile at start (faster start)
+    vllm_enforce_eager: bool = False

@@ -169,32 +169,60 @@ class RateLimitConfig(ServiceConfig):
     """The ``ratelimit`` section: Redis, timeouts, failure mode, leases, auth cache.
 
     The gateway loads the same section (``load_config(RateLimitConfig,
-    "ratelimit")``) so one place configures limits for every process.
+    "ratelimit")``) so one place configures limits for every process; the port keys
+    are those of the standalone admin service (``python -m ratelimit``).
+
+    Attributes:
+        redis_url: The Redis server (with ``redis_cluster``: one seed node of the cluster).
+        redis_username: Redis ACL user (e.g. ``llm``); "" = the URL's user, else none.
+        redis_password_file: File holding that user's password (a mounted Secret).
+        redis_cluster: Redis Cluster: redis-py's cluster client routes each call to its
+            slot's primary, ``redis_url`` being one seed node.
+        redis_startup_nodes: More seed nodes of the cluster, as ``host:port``.
+        key_prefix: Prefix of every Redis key (no ``{`` or ``}``: hash tags).
+        timeout_ms: Budget for one limiter call to Redis.
+        pool_size: Redis connections per process.
+        fail_mode: Redis unreachable: ``open`` = local buckets (each tenant's policy
+            divided by the live gateway replicas); ``closed`` = UNAVAILABLE.
+        num_replicas: The fail-open divisor until the live replica count is read from Redis.
+        replica_ttl_ms: A gateway not heard from for this long stops counting as live
+            (each refreshes its entry every third of it).
+        breaker_failures: Consecutive Redis errors that open the limiter's breaker.
+        breaker_open_ms: How long an open breaker skips Redis before one probe.
+        lease_ttl_ms: A concurrency lease not heartbeated for this long is reclaimed.
+        concurrency_retry_ms: Retry-after hint of concurrency denials.
+        auth_cache_ttl_ms: Bound on how long a revoked key or an old policy is honoured
+            (every replica re-reads within it).
+        audit_max_events: Admin audit events kept.
+        usage_retention_days: How long per-day usage records (tenant x key x model x
+            version) are kept.
+        admin_key: Bootstrap admin key (plaintext), registered at start; "" =
+            ``$ADMIN_KEY``, else the key in ``admin_key_file``.
+        admin_key_file: File holding the bootstrap admin key (read when neither
+            ``admin_key`` nor ``$ADMIN_KEY`` is set).
     """
 
     port: int = 50081
     redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_username: str = ""  # ACL user (e.g. "llm"); "" = the URL's, else none
-    redis_password_file: str = ""  # file holding that user's password (a mounted Secret)
-    # Redis Cluster: redis_url is then one seed node and redis-py's cluster client
-    # (RedisCluster) routes each call to its slot's primary; more seeds as "host:port"
+    redis_username: str = ""
+    redis_password_file: str = ""
     redis_cluster: bool = False
     redis_startup_nodes: list[str] = dataclasses.field(default_factory=list)
     key_prefix: str = "rl:"
-    timeout_ms: int = 100  # budget for one limiter call to Redis
+    timeout_ms: int = 100
     pool_size: int = 64
-    fail_mode: str = "open"  # open: local buckets (policy / num_replicas); closed: UNAVAILABLE
-    num_replicas: int = 1  # fail-open divisor until the live replica count is read from Redis
-    replica_ttl_ms: int = 15_000  # a gateway not heard from for this long stops counting
-    breaker_failures: int = 3  # consecutive store errors that open the breaker
-    breaker_open_ms: int = 2000  # how long an open breaker skips Redis before one probe
-    lease_ttl_ms: int = 30_000  # a lease not heartbeated for this long is reclaimed
-    concurrency_retry_ms: int = 1000  # retry-after hint for concurrency denials
-    auth_cache_ttl_ms: int = 5000  # bound on how long a revoked key or old policy is honoured
+    fail_mode: str = "open"
+    num_replicas: int = 1
+    replica_ttl_ms: int = 15_000
+    breaker_failures: int = 3
+    breaker_open_ms: int = 2000
+    lease_ttl_ms: int = 30_000
+    concurrency_retry_ms: int = 1000
+    auth_cache_ttl_ms: int = 5000
     audit_max_events: int = 10_000
-    usage_retention_days: int = 400  # how long per-day usage records are kept
-    admin_key: str = ""  # bootstrap admin key (plaintext); also $ADMIN_KEY
-    admin_key_file: str = ""  # file holding the bootstrap admin key
+    usage_retention_days: int = 400
+    admin_key: str = ""
+    admin_key_file: str = ""
 
     def __post_init__(self) -> None:
         if self.fail_mode not in FAIL_MODES:

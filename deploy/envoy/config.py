@@ -63,11 +63,18 @@ Config = dict[str, Any]
 
 @dataclass(slots=True)
 class EnvoyConfig:
-    """The ``envoy`` section of the stack config: where ``make run``'s Envoy listens."""
+    """The ``envoy`` section of the stack config: where ``make run``'s Envoy listens.
+
+    Attributes:
+        host: Address of the public listener.
+        port: The public listener (TLS): gRPC, the OpenAI HTTP API and the
+            ``/v1/admin/`` HTTP/JSON API.
+        admin_port: Envoy's admin interface, on the loopback address only (0 = ephemeral).
+    """
 
     host: str = "0.0.0.0"
-    port: int = 8080  # public listener (TLS): gRPC, OpenAI HTTP, /v1/admin/ HTTP/JSON
-    admin_port: int = 9901  # Envoy's admin interface, loopback only; 0 = ephemeral
+    port: int = 8080
+    admin_port: int = 9901
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,21 @@ class SchedulerConfig:
             raise ValueError(f"interrupt_max_tokens must be >= 0, got {self.interrupt_max_tokens}")
 
 
+# the scheduler's knobs that were flat keys of engine_core before its sub-section
+_WERE_FLAT = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_waiting",
+    "long_prefill_token_threshold",
+    "priority_aging_seconds",
+    "fair_share",
+    "fair_prefill_chunk",
+    "priority_isolation",
+    "priority_window_s",
+    "interrupt_max_tokens",
+)
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything an ``LLMEngine`` is built from (the ``engine_core`` section).
@@ -133,7 +148,8 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.2
     max_model_len: int = 0
     scheduler: SchedulerConfig = field(
-        default_factory=SchedulerConfig, metadata=deprecated_flat_names("")
+        default_factory=SchedulerConfig,
+        metadata=deprecated_flat_names("", knobs=_WERE_FLAT),
     )
     enable_prefix_caching: bool = True
     enable_speculative_decoding: bool = False

@@ -138,6 +138,12 @@ def test_engine_scheduler_section(tmp_path: Path, caplog: pytest.LogCaptureFixtu
         )
 
 
+def test_a_knob_that_never_was_flat_has_no_flat_name(tmp_path: Path) -> None:
+    p = write(tmp_path, "engine_core:\n  watermark: 0.1\n")
+    with pytest.raises(ValueError, match=r"\[engine_core\]: unknown key\(s\) \['watermark'\]"):
+        load_config(EngineConfig, "engine_core", path=p, env={})
+
+
 def test_gateway_breaker_section(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     p = write(tmp_path, "gateway:\n  breaker: {open_s: 2}\n")
     env = {"LLM_GATEWAY_BREAKER_CONSECUTIVE_FAILURES": "1"}  # the same name before and now
