@@ -17,22 +17,7 @@ from bench.loadlib.spawn import (
 )
 from bench.loadlib.workload import TenantSpec
 from llm.v1 import admin_pb2
-
-
-class FakeAdmin:
-    """The admin stub's two calls, recorded; keys numbered."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, Any, Any]] = []
-
-    def UpsertTenant(self, tenant: admin_pb2.Tenant, metadata: Any, timeout: float) -> None:
-        self.calls.append(("upsert", tenant, metadata))
-
-    def CreateApiKey(
-        self, req: admin_pb2.CreateApiKeyRequest, metadata: Any, timeout: float
-    ) -> admin_pb2.CreateApiKeyResponse:
-        self.calls.append(("key", req, metadata))
-        return admin_pb2.CreateApiKeyResponse(key=f"sk-{len(self.calls)}")
+from tests.unit.bench.fakes import FakeAdmin
 
 
 def test_tenant_key_upserts_the_tenant_then_returns_a_key_of_it() -> None:

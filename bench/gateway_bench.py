@@ -1,0 +1,166 @@
+"""Latency the gateway adds: engine called directly vs through the gateway's gRPC front
+and through its OpenAI-compatible HTTP front (SSE), side by side.
+
+    python -m bench.gateway_bench [--rounds 3] [--requests-c1 16] [--requests-c32 64]
+                                  [--max-tokens 16] [--pairs 100] [--engine model|stub]
+                                  [--stub-first-token-ms 0] [--engine-cores 0]
+                                  [--proxy-cores 0]
+
+Starts Redis, tokenizer_svc, one engine replica, a bare relay and ``python -m gateway``
+on free ports (``bench.gatewaylib.stack``), creates the bench tenant, then for
+concurrency 1 and 32 runs the same greedy requests against every side
+(``bench.gatewaylib.sides``: engine, floor, gateway, http, openai, curl) in alternating
+rounds so drift hits every side alike (``bench.gatewaylib.measure``). Per request it
+records TTFT (send -> first token) and the mean inter-token time; per round the p50/p99
+of each; the report holds each side's median over rounds, and what a front adds is the
+median over rounds of that round's difference (``bench.gatewaylib.stats``). The gateway
+side includes everything the gateway does: auth (cached), tokenizing (in process), the
+Redis calls (request unit + lease, then tokens; ``--unlimited-tenant`` skips the token
+call), routing, incremental detokenization, settling. http, openai and curl - gateway
+are what the HTTP front adds over the gRPC front (first text event against first text
+event).
+
+``floor - engine`` is the transport's share of what the gateway adds (one more grpc.aio
+hop, ``bench.gatewaylib.relay_floor``) and ``gateway - floor`` the gateway's own work on
+the request path; both per round and per pair. Beside the client-side figures come the
+gateway's own stage histograms (``bench.gatewaylib.scrape``) and the proxy's CPU time
+per request; ``--engine-cores`` / ``--proxy-cores`` place the processes on CPUs of their
+own (``bench.gatewaylib.placement``); ``--engine stub`` puts the engine service with no
+model behind both sides (``bench.gatewaylib.stub_engine``).
+
+Writes bench/reports/gateway_bench.json and .png (``bench.gatewaylib.report``, ``.plot``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from bench.gatewaylib.measure import measure, run_side
+from bench.gatewaylib.placement import split_cpus
+from bench.gatewaylib.plot import plot
+from bench.gatewaylib.report import build_report, print_summary
+from bench.gatewaylib.sides import PROMPT, SIDES
+from bench.gatewaylib.stack import ENGINE_MODULES, make_key, start_stack
+from bench.loadlib.spawn import on_cpus
+from bench.report import save_report
+from common.config import default_model_dir
+from tokenizer_svc.tokenizer import TextTokenizer
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The bench's flags."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests-c1", type=int, default=16)
+    parser.add_argument("--requests-c32", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--unlimited-tenant",
+        action="store_true",
+        help="a tenant with no limits (no token check: one Redis call)",
+    )
+    parser.add_argument(
+        "--engine-dtype",
+        default="float32",
+        help="the engine's weight dtype (float32, as the tests; auto: its own choice, as "
+        "`make run`). The engine's step-to-step jitter is the noise every paired "
+        "difference carries",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=sorted(ENGINE_MODULES),
+        default="model",
+        help="model: the real engine; stub: the engine service with no model behind it "
+        "(tokens at once), so both sides differ by the gateway alone, without the "
+        "model's jitter (bench.gatewaylib.stub_engine)",
+    )
+    parser.add_argument(
+        "--stub-first-token-ms",
+        type=float,
+        default=0.0,
+        help="with --engine stub: hold each first token this long (a prefill's wait, no "
+        "CPU), so what the gateway overlaps with the engine's start is hidden as behind "
+        "a real model",
+    )
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=100,
+        help="concurrency-1 paired requests (every side back to back, order rotated); 0 = skip",
+    )
+    parser.add_argument(
+        "--engine-cores",
+        type=int,
+        default=0,
+        help="pin the engine to this many CPUs (one torch thread each) and Redis, the "
+        "tokenizer, the bare relay, the gateway and this client to the rest, as a "
+        "deployment gives a proxy cores of its own; 0 = everything shares every core",
+    )
+    parser.add_argument(
+        "--proxy-cores",
+        type=int,
+        default=0,
+        help="pin the gateway (and its workers) and the bare relay to this many CPUs of "
+        "their own, the last ones, and the client, Redis and the tokenizer (and the "
+        "engine, without --engine-cores) to the rest: the proxy's latency when it does "
+        "not compete with the client for a core; 0 = no cores of its own",
+    )
+    parser.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        help="the gateway's worker processes ([gateway] workers; its CPU figures are "
+        "the supervisor's and its workers' together)",
+    )
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="at concurrency 32, the gRPC sides' requests spread over this many "
+        "connections (workers share connections, not the streams of one)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Start the stack, measure every side, save and print the report."""
+    args = parse_args(argv)
+    split = split_cpus(args.engine_cores, args.proxy_cores)
+    loadavg_before = os.getloadavg()
+    ids = TextTokenizer(default_model_dir()).encode(PROMPT)
+    # this client, Redis and every later child on the others' CPUs (the engine's own
+    # are set around its start)
+    with on_cpus(split.rest if split else None):
+        stack, addresses = start_stack(
+            Path(tempfile.mkdtemp(prefix="gw-bench-")),
+            args.engine_dtype,
+            args.engine,
+            args.stub_first_token_ms,
+            split.engine if split else None,
+            args.gateway_workers,
+            split.proxy if split else None,
+        )
+        try:
+            key = make_key(addresses["gateway"], stack.admin_key, not args.unlimited_tenant)
+            for side in SIDES:  # warm every path
+                asyncio.run(run_side(side, addresses, key, ids, 4, 4, 4))
+            gw_proc, floor_proc = stack.procs["bench-gateway"].proc, stack.procs["floor"].proc
+            assert gw_proc is not None  # started above
+            assert floor_proc is not None
+            # whose CPU each side is charged: the process in front of the engine there
+            cpu_pids = {s: floor_proc.pid if s == "floor" else gw_proc.pid for s in SIDES}
+            results = measure(args, addresses, key, ids, cpu_pids)
+        finally:
+            stack.stop()
+    report = build_report(args, split, len(ids), loadavg_before, results)
+    save_report("gateway_bench", report, lambda path: plot(report, path))
+    print_summary(results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The services ``bench.gateway_bench`` measures, on ``bench.loadlib.spawn.Stack``.
+
+``--engine stub`` runs the engine service with no model behind it
+(``bench.gatewaylib.stub_engine``: its gRPC server, servicer and checks, tokens at
+once) under both the direct side and the gateway. The paired difference is then the
+gateway's cost alone, without the model's step-to-step jitter, and it includes what a
+real prefill would hide: the first chunk waits for the admission's Redis answer. It
+measures the proxy the way proxies publish their overhead (against a fake upstream),
+never the stack's serving speed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.loadlib.spawn import Stack, StackSpec, admin_client, tenant_key
+from common.config import default_model_dir
+from common.redis_server import free_port
+from llm.v1 import admin_pb2
+
+ENGINE_MODULES = {"model": "engine_svc", "stub": "bench.gatewaylib.stub_engine"}
+
+
+def start_stack(
+    log_dir: Path,
+    engine_dtype: str = "float32",
+    engine: str = "model",
+    stub_first_token_ms: float = 0.0,
+    engine_cpus: set[int] | None = None,
+    gateway_workers: int = 1,
+    proxy_cpus: set[int] | None = None,
+) -> tuple[Stack, dict[str, str]]:
+    """Redis, tokenizer, engine, gateway and bare relay on free ports
+    (``bench.loadlib.spawn.Stack``), and the address of each side. With ``engine_cpus``
+    the engine runs on those CPUs alone, one torch thread per CPU; with ``proxy_cpus``
+    the bare relay and the gateway (its workers inherit them) on those; the rest
+    inherit the caller's affinity."""
+    model_dir = str(default_model_dir())
+    spec = StackSpec(
+        Path(model_dir),
+        log_dir,
+        gateway=True,
+        engine_module=ENGINE_MODULES[engine],
+        engine_env={
+            "LLM_ENGINE_CORE_DEVICE": "cpu",
+            "LLM_ENGINE_CORE_DTYPE": engine_dtype,
+            "STUB_FIRST_TOKEN_MS": str(stub_first_token_ms),
+        },
+        engine_args=["--max-num-seqs", "32"],
+        gateway_env={},
+        gateway_args=["--log-level", "warning", "--workers", str(gateway_workers)],
+        http_port=free_port(),
+        engine_cpus=engine_cpus,
+        proxy_cpus=proxy_cpus,
+    )
+    stack = Stack(spec).start()
+    try:
+        relay = ["--engine", stack.engines[0], "--model-dir", model_dir]
+        floor = stack.service("floor", "bench.gatewaylib.relay_floor", relay, proxy=True)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack, {
+        "engine": stack.engines[0],
+        "floor": floor.address,
+        "gateway": stack.gateway,
+        "http": stack.http,
+        "gateway_metrics": stack.metrics_url("bench-gateway"),
+    }
+
+
+# far above what the bench asks for, so nothing is denied, but every limit is checked:
+# the request unit and lease before tokenizing, the tokens after (two Redis calls)
+BENCH_LIMITS = admin_pb2.LimitPolicy(
+    requests_per_minute=1_000_000, tokens_per_minute=1_000_000_000, max_concurrent=10_000
+)
+
+
+def make_key(address: str, admin_key: str, limited: bool = True) -> str:
+    """An API key of the bench tenant: with ``BENCH_LIMITS``, or with no limit at all
+    (then the gateway skips the token check: one Redis call before the engine)."""
+    limits = BENCH_LIMITS if limited else admin_pb2.LimitPolicy()
+    with admin_client(address) as admin:
+        return tenant_key(admin, admin_key, admin_pb2.Tenant(id="bench", limits=limits))

@@ -1,0 +1,40 @@
+"""bench.gatewaylib.stack: the engine modules and the bench tenant's key."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any
+
+import pytest
+
+from bench.gatewaylib import stack
+from llm.v1 import admin_pb2
+from tests.unit.bench.fakes import FakeAdmin
+
+
+def test_every_engine_choice_is_a_runnable_module() -> None:
+    assert set(stack.ENGINE_MODULES) == {"model", "stub"}
+    for module in stack.ENGINE_MODULES.values():
+        assert importlib.util.find_spec(module) is not None
+
+
+@pytest.mark.parametrize("limited", [True, False])
+def test_make_key_gives_the_bench_tenant_its_limits_or_none(
+    monkeypatch: pytest.MonkeyPatch, limited: bool
+) -> None:
+    admin = FakeAdmin()
+    opened: list[Any] = []
+
+    def client(address: str, ca_cert: bytes | None = None) -> Any:
+        opened.append((address, ca_cert))
+        return contextlib.nullcontext(admin)
+
+    monkeypatch.setattr(stack, "admin_client", client)
+    key = stack.make_key("127.0.0.1:1", "adm", limited)
+    assert key == "sk-2"
+    assert opened == [("127.0.0.1:1", None)]  # plaintext, to the gateway
+    tenant = admin.calls[0][1]
+    assert tenant.id == "bench"
+    want = stack.BENCH_LIMITS if limited else admin_pb2.LimitPolicy()
+    assert tenant.limits == want
