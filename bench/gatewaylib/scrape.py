@@ -1,5 +1,5 @@
 """The gateway's own view in ``bench.gateway_bench``: its stage histograms
-(``gateway_stage_seconds``: auth, reserve, reserve_beside, encode, route, take; the
+(``gateway_stage_seconds``: auth, reserve, reserve_overlap, encode, route, take; the
 overhead before the engine attempt; its TTFT and time per output token), scraped from
 its /metrics before and after each run, as count, mean and interpolated p50 / p99 of
 what that run added."""
@@ -12,7 +12,7 @@ import math
 STAGE_SERIES = {
     **{
         stage: ("gateway_stage_seconds", {"stage": stage})
-        for stage in ("auth", "reserve", "reserve_beside", "encode", "route", "take")
+        for stage in ("auth", "reserve", "reserve_overlap", "encode", "route", "take")
     },
     "overhead (to the engine attempt)": ("gateway_overhead_seconds", {}),
     "ttft (gateway's view)": ("gateway_time_to_first_token_seconds", {}),

@@ -12,8 +12,8 @@ it is a benchmark device, never a serving mode, and the report says which engine
 The tokens are the prompt's own ids, cycled: real ids of the served tokenizer, so the
 gateway's detokenizer sees ordinary text. ``$STUB_FIRST_TOKEN_MS`` (0 by default) holds
 each first token that long, without using the CPU, as a prefill would: then what the
-gateway does beside the engine's start (the admission's Redis call) is hidden as it
-is behind a real model, and the difference is what a user of a real engine pays.
+gateway overlaps with the engine's start (the overlapped admission's Redis call) is
+hidden as it is behind a real model, and the difference is what a user of a real engine pays.
 """
 
 from __future__ import annotations

@@ -42,3 +42,22 @@ def test_parse_histograms_picks_each_stage_by_its_label_and_sums_the_rest() -> N
     assert got["route"] == (0.0, 0.0, {})  # never observed: no series on the page
     assert got["overhead (to the engine attempt)"][0] == 2.0  # both workers' series
     assert got["ttft (gateway's view)"] == (0.0, 0.0, {})  # no such family
+
+
+def test_the_overlapped_reservation_is_read_under_the_gateways_label() -> None:
+    """The gateway labels the reservation that overlaps the engine's start
+    ``reserve_overlap`` (gateway.metrics.STAGE_RESERVE_OVERLAP); the report says so too."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from gateway import metrics
+
+    reg = CollectorRegistry()
+    reg.register(metrics.STAGE)
+    try:
+        before = parse_histograms(generate_latest(reg).decode())["reserve_overlap"][0]
+        metrics.STAGE_RESERVE_OVERLAP.observe(0.002)
+        after = parse_histograms(generate_latest(reg).decode())["reserve_overlap"][0]
+    finally:
+        reg.unregister(metrics.STAGE)
+    assert after == before + 1
+    assert "reserve_beside" not in stage_figures(parse_histograms(""))
