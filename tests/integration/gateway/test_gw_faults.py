@@ -136,7 +136,7 @@ def test_failover_mid_stream_then_survivor_then_breaker_closes(
     assert head[-1].usage.completion_tokens == 40
     assert gw_fault.metric("gateway_failovers_total") >= 1
     victim_addr = engines.addresses[victim]
-    # ejected: OPEN, or already HALF_OPEN after breaker_open_s (it waits for a probe)
+    # ejected: OPEN, or already HALF_OPEN after breaker.open_s (it waits for a probe)
     assert gw_fault.metric("gateway_breaker_state", replica=victim_addr) >= 1
     log = gw_fault.proc.log_path.read_text()
     assert '"state": "OPEN"' in log
