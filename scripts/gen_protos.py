@@ -15,6 +15,8 @@ from pathlib import Path
 import grpc_tools
 from grpc_tools import protoc
 
+# Not common.config.ROOT: this runs before the project is installed (an image's build
+# stage, `make protos`), where neither the repository root nor PyYAML is importable.
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
 OUT_DIR = ROOT

@@ -16,8 +16,8 @@ RUN pip install grpcio-tools mypy-protobuf googleapis-common-protos "pyyaml>=6,<
 COPY protos protos
 COPY scripts/gen_protos.py scripts/gen_protos.py
 COPY deploy/__init__.py deploy/
-# the renderer and launcher import these (standard library only)
-COPY common/__init__.py common/addresses.py common/pgroup.py common/
+# the renderer and launcher import these (standard library and PyYAML, installed above)
+COPY common/__init__.py common/addresses.py common/config.py common/pgroup.py common/
 COPY deploy/envoy deploy/envoy
 RUN python scripts/gen_protos.py \
     && python -m deploy.envoy.config --preset container -o /out/envoy.yaml \

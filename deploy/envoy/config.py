@@ -43,8 +43,8 @@ from typing import Any
 import yaml
 
 from common.addresses import is_loopback
+from common.config import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 ENVOY_YAML = Path(__file__).resolve().parent / "envoy.yaml"
 ADMIN_HOST = "127.0.0.1"  # never anything else: the admin API can stop Envoy
 CONTAINER_TLS_DIR = "/etc/envoy/tls"  # a kubernetes.io/tls Secret or a directory, mounted

@@ -27,8 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from common.config import ROOT
 from common.pgroup import ChildStartError, LoggedChild
-from deploy.envoy.config import ROOT
 
 # Loopback only: never through an HTTP proxy from the environment.
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))

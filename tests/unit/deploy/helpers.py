@@ -7,7 +7,8 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[3]
+from common.config import ROOT
+
 DEPLOY = ROOT / "deploy"
 DESCRIPTOR_SET = ROOT / "build" / "llm_v1.pb"
 
