@@ -10,37 +10,30 @@ from redis.crc import key_slot
 from gateway.domain import CallContext, GatewayError, client_source
 from gateway.request.authenticate import Authenticator, FailedAuthThrottle
 from ratelimit.tenancy.registry import Registry
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import FakeClock
 
 
 def test_a_burst_of_failures_then_one_per_refill() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     throttle = FailedAuthThrottle(per_minute=60, burst=3, clock=clock)
     for _ in range(3):
         assert throttle.blocked_ms("1.2.3.4") == 0
         throttle.failure("1.2.3.4")
     assert throttle.blocked_ms("1.2.3.4") == 1000  # one failure back per second
     assert throttle.blocked_ms("5.6.7.8") == 0  # other addresses are not affected
-    clock.now += 0.25
+    clock.advance(0.25)
     assert throttle.blocked_ms("1.2.3.4") == 750
-    clock.now += 0.75
+    clock.advance(0.75)
     assert throttle.blocked_ms("1.2.3.4") == 0
     throttle.failure("1.2.3.4")  # the one that refilled
     assert throttle.blocked_ms("1.2.3.4") == 1000
     throttle.failure("1.2.3.4")  # failing while throttled does not dig deeper
-    clock.now += 1.0
+    clock.advance(1.0)
     assert throttle.blocked_ms("1.2.3.4") == 0
 
 
 def test_off_unknown_source_and_bounded_memory() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     off = FailedAuthThrottle(per_minute=0, burst=1, clock=clock)
     for _ in range(10):
         off.failure("1.2.3.4")

@@ -1,11 +1,13 @@
 """Model routes: aliases and fallback chains chosen by replica readiness, context and
-vocabulary (a fake pool; the Redis store and the gateway are covered end to end)."""
+vocabulary, and the answer when nothing serves a name (a fake pool; the Redis store and
+the gateway are covered end to end)."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any, cast
 
+import grpc
 import pytest
 from prometheus_client import REGISTRY
 
@@ -35,6 +37,15 @@ class FakePool:
 
     def candidates(self, model: str, version: str, exclude: Any) -> list[str]:
         return [f"{k}" for k in self._match(model, version) if self.served[k][2]]
+
+    def catalog(self) -> list[ModelEntry]:
+        models = sorted({m for m, _ in self.served})
+        return [
+            ModelEntry(m, 2048, {v: (1, 1) for mm, v in self.served if mm == m}) for m in models
+        ]
+
+    def explain(self, model: str, version: str, exclude: set[str]) -> str:
+        return "no replica has answered yet"
 
 
 class FakeStore:
@@ -143,3 +154,27 @@ def test_routes_show_in_the_catalog() -> None:
 def test_invalid_routes_say_what_is_wrong(name: str, targets: tuple[str, ...], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ModelRoute(name, tuple(RouteTarget(t) for t in targets))
+
+
+def test_nothing_known_is_unavailable_and_says_why() -> None:
+    ch = chooser(FakePool({}))
+    choice = asyncio.run(ch.choose("m", ""))
+    assert not choice.candidates
+    error = ch.unknown("m", "", choice)
+    assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert "no replica has answered yet" in error.message
+
+
+def test_an_unknown_name_version_or_route_is_not_found_naming_what_is_served() -> None:
+    pool = FakePool({("m", "v1"): (2048, 100, True), ("m", "v2"): (2048, 100, True)})
+    ch = chooser(pool, route("chat", "gone"))
+    for name, version, says in [
+        ("x", "", "unknown model 'x'; available: m"),
+        ("m", "v9", "known versions: v1, v2"),
+        ("chat", "", "model route 'chat' sends requests to gone"),
+    ]:
+        choice = asyncio.run(ch.choose(name, version))
+        assert not choice.candidates
+        error = ch.unknown(name, version, choice)
+        assert error.code == grpc.StatusCode.NOT_FOUND
+        assert says in error.message
