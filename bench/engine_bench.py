@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import random
 import statistics
 import time
@@ -217,7 +216,6 @@ def main() -> None:
         sides.append(("transformers", lambda: HF(model_dir)))
     report: dict[str, Any] = {
         "model": model_dir.name,
-        "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "runs": args.runs,

@@ -22,7 +22,6 @@ shared 2-core machine: quote ratios from one run.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import time
@@ -230,7 +229,6 @@ def main() -> None:
     model_dir = args.model_dir
     report: dict[str, Any] = {
         "model": Path(model_dir).name,
-        "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "kv_mib": args.kv_mib,

@@ -24,7 +24,6 @@ on a shared 2-core machine: quote ratios from one run.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -133,7 +132,6 @@ def main() -> None:
     prompts = workload(args.model_dir, args.system_tokens, args.num_requests)
     report: dict[str, Any] = {
         "model": Path(args.model_dir).name,
-        "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "num_requests": args.num_requests,

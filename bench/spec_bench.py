@@ -22,7 +22,6 @@ shared 2-core machine: quote ratios from one run.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -154,7 +153,6 @@ def main() -> None:
     generate(engine, "warm", sets["free"][0], 8, True)
     report: dict[str, Any] = {
         "model": Path(args.model_dir).name,
-        "machine": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "runs": args.runs,

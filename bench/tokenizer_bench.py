@@ -28,9 +28,9 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
+from bench.loadlib.spawn import Stack
 from bench.report import save_report
 from common.config import ROOT, default_model_dir
-from common.procs import ManagedProcess
 from llm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -79,13 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     texts = make_texts(args.num_texts)
     tok = TextTokenizer(default_model_dir())
-    server = ManagedProcess(
-        name="tokenizer-bench",
-        module="tokenizer_svc",
-        args=["--port", "0", "--metrics-port", "-1", "--log-level", "warning"],
-        log_dir=Path(tempfile.mkdtemp(prefix="tokbench-")),
-    )
-    server.start(timeout=60)
+    services = Stack.alone(Path(tempfile.mkdtemp(prefix="tokbench-")))
+    quiet = ["--metrics-port", "-1", "--log-level", "warning"]
+    server = services.service("tokenizer-bench", "tokenizer_svc", quiet)
     results: dict[str, Any] = {}
     try:
         channel = grpc.insecure_channel(server.address)
@@ -130,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
         channel.close()
     finally:
-        server.stop()
+        services.stop()
     base = results["in-process"]["texts_per_s"]
     print(f"\n{len(texts)} texts of ~1 KB, median of {args.repeats} runs")
     print(f"{'mode':<26}{'texts/s':>10}{'tokens/s':>12}{'us/text':>10}{'vs in-process':>15}")
@@ -144,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         "num_texts": len(texts),
         "text_chars": 1024,
         "repeats": args.repeats,
-        "machine": platform.machine(),
         "python": platform.python_version(),
         "results": results,
     }
