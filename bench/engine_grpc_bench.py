@@ -27,9 +27,9 @@ from typing import Any
 import grpc
 from tqdm import tqdm
 
+from bench.loadlib.spawn import Stack
 from bench.report import save_report
 from common.config import default_model_dir
-from common.procs import ManagedProcess
 from engine_svc.core.config import EngineConfig, SchedulerConfig
 from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.sampling_params import SamplingParams
@@ -120,14 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args(argv)
     model_dir = default_model_dir()
-    server = ManagedProcess(
-        name="engine-bench",
-        module="engine_svc",
-        args=["--port", "0", "--metrics-port", "-1", "--log-level", "warning"],
-        env={**CORE_ENV, "LLM_ENGINE_CORE_DTYPE": args.dtype},
-        log_dir=Path(tempfile.mkdtemp(prefix="engbench-")),
-    )
-    server.start(timeout=180)
+    services = Stack.alone(Path(tempfile.mkdtemp(prefix="engbench-")))
+    quiet = ["--metrics-port", "-1", "--log-level", "warning"]
+    env = {**CORE_ENV, "LLM_ENGINE_CORE_DTYPE": args.dtype}
+    server = services.service("engine-bench", "engine_svc", quiet, env, 180)
     engine = LLMEngine(
         EngineConfig(
             model_dir=str(model_dir),
@@ -157,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             }
     finally:
         bar.close()
-        server.stop()
+        services.stop()
     print(f"\nmax_tokens={args.max_tokens}, dtype={args.dtype}, median of {args.repeats}")
     print(
         f"{'conc':>5} {'mode':<8}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"

@@ -97,6 +97,12 @@ class Stack:
         self.procs: dict[str, ManagedProcess] = {}  # by name: bench-gateway, ...
         self._started: list[_Stoppable] = []
 
+    @classmethod
+    def alone(cls, work_dir: Path) -> Stack:
+        """An unstarted stack for services started one by one with ``service`` (a
+        bench of one service), logging to ``work_dir``; ``stop`` stops them."""
+        return cls(StackSpec(work_dir, work_dir, num_engines=0))
+
     def service(
         self,
         name: str,

@@ -88,29 +88,15 @@ async def _grpc_workload(address: str, reqs: list[Request], tag: str) -> tuple[f
 def run_ours_grpc(
     workloads: dict[str, Any], dtype: str, device: str, backend: str
 ) -> dict[str, Any]:
-    from common.procs import ManagedProcess
+    from bench.loadlib.spawn import Stack
 
     env = {"LLM_ENGINE_CORE_ENABLE_PREFIX_CACHING": "false", "LLM_ENGINE_CORE_DEVICE": device}
     if dtype != "auto":
         env["LLM_ENGINE_CORE_DTYPE"] = dtype
-    server = ManagedProcess(
-        name="peer-engine",
-        module="engine_svc",
-        args=[
-            "--port",
-            "0",
-            "--metrics-port",
-            "-1",
-            "--log-level",
-            "warning",
-            "--backend",
-            backend,
-        ],
-        env=env,
-        log_dir=Path(tempfile.mkdtemp(prefix="peers-")),
-    )
+    services = Stack.alone(Path(tempfile.mkdtemp(prefix="peers-")))
+    args = ["--metrics-port", "-1", "--log-level", "warning", "--backend", backend]
     t0 = time.perf_counter()
-    server.start(timeout=300)
+    server = services.service("peer-engine", "engine_svc", args, env, 300)
     load_s = time.perf_counter() - t0
     try:
         asyncio.run(_grpc_workload(server.address, [([1, 2, 3, 4, 5, 6, 7, 8], 8)], "warm"))
@@ -119,7 +105,7 @@ def run_ours_grpc(
             wall, generated = asyncio.run(_grpc_workload(server.address, wl["requests"], name))
             results[name] = {"wall_s": wall, "generated": generated}
     finally:
-        server.stop()
+        services.stop()
     return {"load_s": load_s, "results": results}
 
 

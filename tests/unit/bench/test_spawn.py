@@ -67,3 +67,25 @@ def test_a_child_started_on_cpus_inherits_them_and_the_caller_gets_its_own_back(
     assert os.sched_getaffinity(0) == before
     with on_cpus(None):
         assert os.sched_getaffinity(0) == before
+
+
+def test_a_service_alone_starts_on_free_ports_and_stops_with_its_stack(
+    tmp_path: Any, model_dir: Any
+) -> None:
+    """The one launcher for a bench of one service (tokenizer_bench, engine_grpc_bench,
+    the peers' worker): flags after the stack's own win (no metrics server here)."""
+    from bench.loadlib.spawn import Stack
+    from common.procs import check_health
+
+    stack = Stack.alone(tmp_path)
+    quiet = ["--metrics-port", "-1", "--log-level", "warning", "--model-dir", str(model_dir)]
+    try:
+        server = stack.service("tok", "tokenizer_svc", quiet, timeout=60)
+        assert check_health(server.address)
+        assert stack.procs["tok"] is server
+        assert server.metrics_port is None  # --metrics-port -1 won over the stack's 0
+    finally:
+        stack.stop()
+    assert server.proc is not None
+    assert server.proc.poll() is not None  # stopped
+    assert (tmp_path / "tok.log").is_file()
