@@ -14,7 +14,7 @@ import yaml
 
 from common.breaker import BreakerPolicy
 from common.config import ServiceConfig, deprecated_flat_names
-from gateway.release.policy import policies_from_config
+from gateway.routing_policy import policies_from_config
 from ratelimit.budget.policy import PriceTable
 
 
@@ -74,7 +74,7 @@ class GatewayConfig(ServiceConfig):
         discovery_interval_s: How often engine entries that are DNS names are
             resolved again (each address is a replica; see ``gateway.fleet.discovery``).
         routing_policies: Initial routing policy per model (model -> mapping, see
-            ``gateway.release.policy``; a YAML/JSON string from the environment). Seeded
+            ``gateway.routing_policy``; a YAML/JSON string from the environment). Seeded
             into Redis for models without a policy there; the admin API changes it.
         routing_policy_cache_ms: Longest time a replica routes by a policy or a model
             route without re-reading Redis (another replica's change takes effect within it).

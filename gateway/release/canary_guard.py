@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable
 
 from common.log import get_logger
 from common.tasks import cancel_and_wait
-from gateway.release.policy import RoutingPolicy
 from gateway.release.policy_store import PolicyCache
 from gateway.release.version_stats import VersionStats, VersionSummary
+from gateway.routing_policy import RoutingPolicy
 from ratelimit.errors import ConflictError
 
 log = get_logger(__name__)

@@ -17,8 +17,8 @@ import time
 from typing import Protocol
 
 from common.log import get_logger
-from gateway.release.policy import RoutingPolicy, from_dict
 from gateway.release.snapshot import SnapshotCache, read_json_hash
+from gateway.routing_policy import RoutingPolicy, from_dict
 from ratelimit.errors import ConflictError
 from ratelimit.redis_client import RedisClient
 from ratelimit.tenancy.registry import redis_errors

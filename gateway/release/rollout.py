@@ -20,8 +20,8 @@ from typing import Any
 
 from common.log import get_logger
 from gateway import metrics
-from gateway.release.policy import RoutingPolicy
 from gateway.release.policy_store import PolicyCache
+from gateway.routing_policy import RoutingPolicy
 from ratelimit.errors import ConflictError, NotFoundError
 from ratelimit.tenancy.audit import AuditLog
 

@@ -19,9 +19,9 @@ import grpc
 from common.log import get_logger
 from gateway.fleet.replica_pool import ReplicaPool
 from gateway.release.model_routes import ModelRoute, RouteManager, RouteTarget
-from gateway.release.policy import GuardPolicy, RoutingPolicy
 from gateway.release.rollout import RolloutManager
 from gateway.release.version_stats import VersionStats
+from gateway.routing_policy import GuardPolicy, RoutingPolicy
 from llm.v1 import admin_pb2, admin_pb2_grpc
 from ratelimit.admin.calls import run_admin_call
 from ratelimit.tenancy.registry import Registry

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from gateway import metrics
 from gateway.fleet.replica import Replica
 from gateway.fleet.replica_pool import ModelEntry, ReplicaPool
-from gateway.release.policy import RoutingPolicy, pick_version
 from gateway.release.policy_store import PolicyCache
 from gateway.release.version_stats import VersionStats
+from gateway.routing_policy import RoutingPolicy, pick_version
 
 
 @dataclass(frozen=True, slots=True)

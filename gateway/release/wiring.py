@@ -24,13 +24,13 @@ from gateway.fleet.dispatcher import Dispatcher
 from gateway.fleet.replica_pool import ReplicaPool
 from gateway.release.canary_guard import CanaryGuard, judge
 from gateway.release.model_routes import RouteCache, RouteManager, RouteStore
-from gateway.release.policy import policies_from_config
 from gateway.release.policy_store import PolicyCache, RedisPolicyStore
 from gateway.release.rollout import RolloutManager
 from gateway.release.routing_admin import RoutingAdminServicer
 from gateway.release.shadow import ShadowMirror
 from gateway.release.version_router import VersionRouter
 from gateway.release.version_stats import VersionStats
+from gateway.routing_policy import policies_from_config
 from ratelimit.errors import StoreError
 from ratelimit.factory import RateLimitStack
 

@@ -21,8 +21,8 @@ from redis.exceptions import RedisClusterException, ResponseError
 from common.redis_cluster import RedisClusterServers
 from gateway.release import policy_store
 from gateway.release.model_routes import ModelRoute, RouteStore, RouteTarget
-from gateway.release.policy import RoutingPolicy
 from gateway.release.policy_store import RedisPolicyStore
+from gateway.routing_policy import RoutingPolicy
 from ratelimit.budget import ledger
 from ratelimit.budget.ledger import BudgetLedger
 from ratelimit.budget.policy import Budget, Metric, Period, Price

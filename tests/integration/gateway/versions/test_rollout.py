@@ -11,8 +11,8 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.release.policy import RoutingPolicy, pick_version
 from gateway.release.version_router import sticky_key
+from gateway.routing_policy import RoutingPolicy, pick_version
 from llm.v1 import admin_pb2, engine_pb2, gateway_pb2
 from tests.integration.gateway.conftest import (
     GatewayProcess,

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from gateway.release.canary_guard import CanaryGuard, judge
-from gateway.release.policy import GuardPolicy, RoutingPolicy
 from gateway.release.policy_store import MemoryPolicyStore, PolicyCache
 from gateway.release.rollout import GUARD_ACTOR, RolloutManager
 from gateway.release.routing_admin import policy_from_proto, policy_to_proto
 from gateway.release.version_stats import VersionStats
+from gateway.routing_policy import GuardPolicy, RoutingPolicy
 from ratelimit.errors import ConflictError, NotFoundError
 from tests.support.clock import FakeClock
 

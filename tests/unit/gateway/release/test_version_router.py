@@ -11,10 +11,10 @@ import pytest
 from common.breaker import BreakerPolicy
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
 from gateway.fronts.grpc_servicer import models_to_proto
-from gateway.release.policy import RoutingPolicy
 from gateway.release.policy_store import MemoryPolicyStore, PolicyCache
 from gateway.release.version_router import VersionRouter
 from gateway.release.version_stats import VersionStats
+from gateway.routing_policy import RoutingPolicy
 from llm.v1 import engine_pb2
 
 MODEL = "m"

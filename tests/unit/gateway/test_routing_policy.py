@@ -9,7 +9,7 @@ import pytest
 
 from common.config import load_config
 from gateway.config import GatewayConfig
-from gateway.release.policy import (
+from gateway.routing_policy import (
     GuardPolicy,
     RoutingPolicy,
     bucket,
