@@ -21,9 +21,10 @@ What the gateway uses (one ``RateLimitStack`` per process)::
     stack.servicer()                                      # RateLimitAdmin to mount
 
 Module map: ``config`` (policies, settings), ``limiter/`` (``algorithm``: pure
-bucket math; ``lua``: the Redis script; ``storage/``: the ``Store`` protocol, Redis
-and memory stores; ``store_guard``: time budget and circuit breaker; ``rate_limiter``:
-reserve/settle/leases, fail modes; ``decision``, ``denials``, ``membership``),
+bucket math; ``lua``: the Redis scripts; ``storage/``: the ``Store`` protocol, Redis
+and memory stores; ``rate_limiter``: reserve/settle/leases, fail modes;
+``decision``, ``denials``, ``membership``), ``store_guard`` (time budget and circuit
+breaker of every Redis call), ``redis_scripts`` (EVALSHA, reload on NOSCRIPT, batching),
 ``tenancy/`` (``records``, ``registry``, ``key_cache``: cached authentication,
 ``bearer``: the credential parser, ``audit``), ``budget/`` (``policy``: budgets and
 prices; ``ledger``: reserve/settle in Redis), ``usage/`` (``records``: usage per

@@ -32,8 +32,8 @@ from ratelimit.limiter.membership import ReplicaMembership
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage.memory import MemoryStore
 from ratelimit.limiter.storage.redis import RedisStore
-from ratelimit.limiter.store_guard import store_breaker
 from ratelimit.redis_client import RedisClient, connect
+from ratelimit.store_guard import store_breaker
 from ratelimit.tenancy.audit import AuditLog
 from ratelimit.tenancy.registry import Registry
 from ratelimit.usage.records import UsageLog

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ratelimit.budget.policy import Budget, Price, Window, amount_text, charge_of
-from ratelimit.limiter.lua import LuaScript, load_scripts, run_script
-from ratelimit.limiter.store_guard import StoreGuard
 from ratelimit.redis_client import RedisClient, store_errors
+from ratelimit.redis_scripts import LuaScript, load_scripts, run_script
+from ratelimit.store_guard import StoreGuard
 
 STALE_HOLD_MS = 86_400_000  # an open hold older than this is dropped (stays charged)
 

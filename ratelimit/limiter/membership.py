@@ -26,8 +26,9 @@ from common.log import get_logger
 from common.tasks import cancel_and_wait
 from ratelimit import metrics
 from ratelimit.errors import StoreError
-from ratelimit.limiter.lua import REPLICAS, LuaScript
+from ratelimit.limiter.lua import REPLICAS
 from ratelimit.redis_client import RedisClient, store_errors
+from ratelimit.redis_scripts import LuaScript
 
 log = get_logger(__name__)
 _SCRIPT = LuaScript("replicas", REPLICAS)

@@ -35,7 +35,7 @@ from ratelimit.limiter.decision import Decision, Reservation
 from ratelimit.limiter.denials import DenialMemo, HeadroomMemo
 from ratelimit.limiter.storage import Store, UsageSnapshot
 from ratelimit.limiter.storage.memory import MemoryStore
-from ratelimit.limiter.store_guard import StoreGuard
+from ratelimit.store_guard import StoreGuard
 
 log = get_logger(__name__)
 _DIMENSION_NAMES = (

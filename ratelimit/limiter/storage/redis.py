@@ -19,12 +19,10 @@ from ratelimit.limiter.lua import (
     SETTLE,
     TAKE,
     USAGE,
-    LuaScript,
-    ScriptBatcher,
-    load_scripts,
 )
 from ratelimit.limiter.storage import UsageSnapshot
 from ratelimit.redis_client import RedisClient, store_errors
+from ratelimit.redis_scripts import LuaScript, ScriptBatcher, load_scripts
 
 _RESERVE = LuaScript("reserve", RESERVE)
 _SETTLE = LuaScript("settle", SETTLE)

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from common.redis_server import RedisServer
 from ratelimit.budget.ledger import BudgetLedger
 from ratelimit.budget.policy import Budget, Metric, Period, Price
-from ratelimit.limiter.store_guard import StoreGuard
+from ratelimit.store_guard import StoreGuard
 from tests.support.clock import FakeClock
 
 FREE = Price()

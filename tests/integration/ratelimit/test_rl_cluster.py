@@ -29,10 +29,10 @@ from ratelimit.budget.policy import Budget, Metric, Period, Price
 from ratelimit.config import LimitPolicy, RateLimitConfig, Tenant
 from ratelimit.factory import RateLimitStack
 from ratelimit.limiter import lua, membership
-from ratelimit.limiter.lua import LuaScript
 from ratelimit.limiter.storage import redis as redis_storage
 from ratelimit.limiter.storage.redis import bucket_keys
-from ratelimit.limiter.store_guard import StoreGuard
+from ratelimit.redis_scripts import LuaScript
+from ratelimit.store_guard import StoreGuard
 from ratelimit.tenancy.records import KeyRole
 from ratelimit.usage.records import UsageEvent
 

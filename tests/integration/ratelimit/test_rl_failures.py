@@ -19,11 +19,11 @@ from common.config import ROOT
 from common.redis_server import RedisServer
 from ratelimit.config import Dimension, LimitPolicy, Tenant
 from ratelimit.errors import LimiterUnavailableError
-from ratelimit.limiter.lua import LuaScript
 from ratelimit.limiter.membership import ReplicaMembership
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage.redis import SCRIPTS, RedisStore
-from ratelimit.limiter.store_guard import store_breaker
+from ratelimit.redis_scripts import LuaScript
+from ratelimit.store_guard import store_breaker
 
 pytestmark = pytest.mark.integration
 

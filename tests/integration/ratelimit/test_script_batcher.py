@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from common.redis_server import RedisServer
-from ratelimit.limiter.lua import LuaScript, ScriptBatcher
+from ratelimit.redis_scripts import LuaScript, ScriptBatcher
 
 pytestmark = pytest.mark.integration
 

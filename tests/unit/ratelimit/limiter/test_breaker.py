@@ -4,7 +4,7 @@ consecutive-failure policy) under a fake millisecond clock."""
 from __future__ import annotations
 
 from common.breaker import BreakerState, CircuitBreaker, Ticket
-from ratelimit.limiter.store_guard import store_breaker
+from ratelimit.store_guard import store_breaker
 from tests.support.clock import FakeClock
 
 

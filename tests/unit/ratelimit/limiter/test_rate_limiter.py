@@ -14,7 +14,7 @@ from ratelimit.limiter.algorithm import Outcome
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage import UsageSnapshot
 from ratelimit.limiter.storage.memory import MemoryStore
-from ratelimit.limiter.store_guard import store_breaker
+from ratelimit.store_guard import store_breaker
 from tests.support.clock import FakeClock
 
 
