@@ -188,8 +188,11 @@ class Pipeline:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, call.request_id_error)
             admitted = await self._admit(request, call, tenant)
             labels.model, labels.version = admitted.job.model, admitted.job.model_version
-            async for chunk in self._serve(admitted, start, labels):
-                yield chunk
+            # closed here, not by the garbage collector, when the caller closes this stream:
+            # the engine call is cancelled and the request settled before the usage below
+            async with contextlib.aclosing(self._serve(admitted, start, labels)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except GatewayError as e:
             code = e.code
             raise
@@ -359,7 +362,7 @@ class Pipeline:
 
     async def _serve(
         self, admitted: _Admitted, start: float, labels: _Labels
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         job, ticket, progress = admitted.job, admitted.ticket, admitted.progress
         tenant = ticket.tenant.tenant_id
         first_at: float | None = None

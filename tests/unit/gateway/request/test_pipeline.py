@@ -145,6 +145,30 @@ async def test_a_client_gone_mid_stream_pays_for_the_prompt_and_what_it_got(
         )
 
 
+async def test_a_stream_closed_from_outside_settles_before_the_close_returns(
+    tokenizer: TextTokenizer,
+) -> None:
+    """A front that closes the stream (aclose) instead of cancelling its task: the engine
+    call is cancelled, the request settled and its usage recorded by the time the close
+    returns, not later when the garbage collector finalizes the inner stream."""
+    lim, engine = limiter(), FakeDispatcher()
+    async with pipeline_of(tokenizer, engine, lim) as pipeline:
+        stream = pipeline.generate(request(), CallContext(tenant=TENANT))
+        first = await anext(stream)
+        assert first.token_ids
+        await stream.aclose()
+        prompt = len(engine.jobs[0].prompt_token_ids)
+        assert engine.closed == 1
+        assert len(lim.settles) == 1
+        assert await totals(lim) == (6000 - prompt - 1, 0, prompt, 1)
+        event = cast(Usage, pipeline.usage).events[0]
+        assert (event.status, event.prompt_tokens, event.completion_tokens) == (
+            "CANCELLED",
+            prompt,
+            1,
+        )
+
+
 @pytest.mark.parametrize("fail_after", [0, 2])
 async def test_an_engine_failure_charges_only_what_an_engine_answered(
     tokenizer: TextTokenizer, fail_after: int
