@@ -1,10 +1,12 @@
 """CPU kernels of the native engine, compiled once on the machine that runs them.
 
-``csrc/cpu_ops.cpp`` holds torch operators (``torch.ops.llm_cpu.*``: RMSNorm,
-add+RMSNorm, SiLU-and-mul, RoPE with the KV-cache write, paged decode
-attention, the skinny and FP8 GEMMs, argmax, the whole decode step), built with
-the system C++ compiler and ``-march=native`` against the installed torch and
-cached under ``<cache>/kernels/<hash of source, flags, torch and CPU>/``. They
+``csrc/`` holds torch operators (``torch.ops.llm_cpu.*``: RMSNorm,
+add+RMSNorm, SiLU-and-mul, RoPE with the KV-cache write, paged decode and
+prefill attention, the skinny, FP8, AMX and 4-bit GEMMs, argmax, the whole
+decode step), one source per op family (``csrc/ops.h`` lists them) and their
+registration alone in ``csrc/cpu_ops.cpp``. They build into one library with
+the system C++ compiler and ``-march=native`` against the installed torch,
+cached under ``<cache>/kernels/<hash of every source, flags, torch and CPU>/``. They
 run on torch's own OpenMP pool through ``at::parallel_for`` and link torch's
 bundled libgomp, so there is one thread pool, never two.
 
@@ -34,7 +36,6 @@ from common.config import cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-OPS_SOURCE = CSRC / "cpu_ops.cpp"
 C_FLAGS = [
     "-O3",
     "-march=native",
@@ -89,6 +90,11 @@ def _compile(cmd: list[str], lib: Path) -> Path:
     return lib
 
 
+def ops_sources() -> list[Path]:
+    """Every C++ source of the library (``csrc/*.cpp``), in a fixed order."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
 def _digest(*parts: str | bytes) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -128,7 +134,7 @@ def _ops_compile_command(compiler: str, march: str = "native") -> list[str]:
         "-DTORCH_API_INCLUDE_EXTENSION_H",
         *includes,
         f"-I{CSRC}",
-        str(OPS_SOURCE),
+        *[str(f) for f in ops_sources()],
     ]
 
 
@@ -143,7 +149,9 @@ def syntax_check_command(compiler: str, march: str) -> list[str]:
 
 
 def build_ops_library() -> Path:
-    """Compile ``cpu_ops.cpp`` against the installed torch (cached).
+    """Compile the ``csrc/`` sources into one library against the installed torch (cached
+    under a key of every source and header, by name and content, so an edit to any
+    of them builds anew).
 
     Raises:
         RuntimeError: no C++ compiler, or the build failed.
@@ -152,7 +160,8 @@ def build_ops_library() -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++/c++) on PATH")
     cmd = _ops_command(compiler)
-    sources = [f.read_bytes() for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h")]
+    files = [f for f in sorted(CSRC.iterdir()) if f.suffix in (".cpp", ".h")]
+    sources = [part for f in files for part in (f.name, f.read_bytes())]
     key = _digest(*sources, " ".join(cmd), torch.__version__, cpu_signature())
     lib = cache_dir() / "kernels" / f"cpu_ops-{key}" / "libllm_cpu_ops.so"
     if not lib.is_file():

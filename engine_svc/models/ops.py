@@ -1,6 +1,6 @@
 """The decoder's small fused operators: compiled CPU kernels, or torch equivalents.
 
-Each function calls ``torch.ops.llm_cpu.*`` (``csrc/cpu_ops.cpp``) when the
+Each function calls ``torch.ops.llm_cpu.*`` (``csrc/``, one source per op family) when the
 kernels are built and the tensors are on the CPU, and otherwise runs the
 pure-torch version here, which is also the reference the kernel tests compare
 against. A layer then costs a handful of calls instead of ~40 small ones.
@@ -171,7 +171,7 @@ def decode_forward(
     num_heads: int,
     num_kv_heads: int,
 ) -> torch.Tensor:
-    """A whole decode-only step of the decoder in one compiled call (see cpu_ops.cpp).
+    """A whole decode-only step of the decoder in one compiled call (see csrc/decode_forward.cpp).
 
     ``weights`` holds qkv, o, gate_up, down of every layer in order (dense
     [N, K]); ``packed`` their packed copies (AMX tile order or oneDNN's) in the

@@ -12,7 +12,7 @@ arithmetic, rounded once to fp32, as the kernel's fused multiply-add does):
 any other weight returns None and keeps its dense path, so this never changes
 what a model computes beyond the bf16 rounding the dense path has anyway.
 
-Packed layout (the tile order ``csrc/q4_weights.h`` reads), per 16 output
+Packed layout (the tile order ``csrc/q4_linear.cpp`` reads), per 16 output
 channels ``nb`` and 32 inputs ``kb``, 320 bytes::
 
     [  0..255]  16 rows kp x 16 bytes: byte i = lane i | lane (16 + i) << 4

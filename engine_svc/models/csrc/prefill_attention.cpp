@@ -1,5 +1,4 @@
-// Prefill attention on AMX: included by cpu_ops.cpp inside its anonymous
-// namespace, after the AMX GEMM (it reuses TileConfig and amx_permitted).
+// Prefill attention on AMX (it reuses TileConfig and amx_permitted of amx.h).
 //
 // One step's prefill chunks attend to their sequence's whole context, read
 // from the paged bf16 cache through the block table (the chunk's own K/V are
@@ -24,6 +23,15 @@
 //      last row are never visited; items go to threads longest first, round
 //      robin, so the causal triangle's uneven rows balance.
 // Tiles: 0 B operand (Q^T, P^T), 4 A operand (K, V^T), 2-3 and 6-7 S^T, 1 and 5 O^T.
+
+#include "common.h"
+#include "amx.h"
+#include "ops.h"
+
+namespace llm_cpu {
+
+namespace {
+
 // The op's argument checks use these on every CPU; the kernel only with AMX.
 constexpr int64_t kKeyBlock = 64;   // keys per step of the online softmax
 
@@ -290,6 +298,8 @@ void amx_prefill(std::vector<PrefillSeq>& seqs, const BFloat16* q, int64_t q_str
 }
 #endif
 
+}  // namespace
+
 bool prefill_attention_available() {
 #ifdef LLM_HAVE_AMX_PREFILL
   return amx_permitted();
@@ -379,3 +389,5 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
 #endif
   return out;
 }
+
+}  // namespace llm_cpu

@@ -1,5 +1,4 @@
-// 4-bit weights: included by cpu_ops.cpp inside its anonymous namespace, after
-// the AMX GEMM (it reuses amx_panel).
+// 4-bit weights, on the AMX GEMM panels of amx.h (it reuses amx_panel).
 //
 // A weight whose every block of 32 inputs is exactly d * q + m (q in 0..15, d
 // and m fp16) -- what a checkpoint converted from a Q4_1 GGUF holds -- is kept
@@ -16,6 +15,15 @@
 // A dequantized row is d * q + m in fp32 rounded to bf16: bit for bit the bf16
 // weight the dense path would hold. Decode steps are bound by reading weights,
 // so streaming 3.2x fewer bytes is what makes them faster.
+
+#include "common.h"
+#include "amx.h"
+#include "ops.h"
+
+namespace llm_cpu {
+
+namespace {
+
 #ifdef LLM_HAVE_AVX512BF16
 #define LLM_HAVE_Q4 1
 constexpr int64_t kQ4TileBytes = 320;
@@ -122,6 +130,8 @@ void amx_q4_panels(const BFloat16* x, const uint8_t* packed, BFloat16* y, int64_
 #endif
 #endif
 
+}  // namespace
+
 bool q4_available() {
 #ifdef LLM_HAVE_Q4
   return true;
@@ -163,3 +173,5 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed) {
 #endif
   return y;
 }
+
+}  // namespace llm_cpu
