@@ -26,7 +26,6 @@ from engine_svc.backends.base import (
 )
 from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.request import FinishReason
-from engine_svc.core.validation import validate_request
 from engine_svc.spans import EngineTrace
 from llm.v1 import engine_pb2, engine_pb2_grpc
 from tokenizer_svc.tokenizer import tokenizer_digest
@@ -86,18 +85,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             )
         try:
             inp = convert.generate_input_from_proto(request, self._model)
-            info = self._backend.model_info()
-            # once, here, for every backend (the native engine repeats it for offline use)
-            validate_request(
-                inp.request_id,
-                inp.prompt_token_ids,
-                inp.sampling_params,
-                inp.priority,
-                inp.resumed_output_token_ids,
-                vocab_size=info.vocab_size,
-                max_model_len=info.max_context_length,
-                tenant_weight=inp.tenant_weight,
-            )
+            # once, here, for every backend (they see it validated and do not repeat it)
+            inp.validate(self._backend.model_info())
         except ValueError as e:
             await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
         structlog.contextvars.bind_contextvars(request_id=inp.request_id, tenant=inp.tenant_id)

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.core.validation import validate_request
 
 
 class QueueFullError(Exception):
@@ -44,7 +45,12 @@ class DuplicateRequestError(Exception):
 
 @dataclass(slots=True)
 class GenerateInput:
-    """One generation request in domain terms (converted from the proto)."""
+    """One generation request in domain terms (converted from the proto).
+
+    ``validate`` checks it against the model once: the engine service calls it before
+    any backend sees the request, and a backend calls it again for a direct caller
+    (free when already done). ``validated`` records that it passed.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -54,6 +60,24 @@ class GenerateInput:
     tenant_weight: float = 1.0
     resumed_output_token_ids: list[int] = field(default_factory=list)
     speculative_decoding: bool | None = None
+    validated: bool = field(default=False, compare=False)
+
+    def validate(self, info: ModelInfo) -> None:
+        """Raise ``ValueError`` (``validate_request``'s message) when this request can never
+        run on the model ``info`` describes; once it passed, a later call does nothing."""
+        if self.validated:
+            return
+        validate_request(
+            self.request_id,
+            self.prompt_token_ids,
+            self.sampling_params,
+            self.priority,
+            self.resumed_output_token_ids,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_context_length,
+            tenant_weight=self.tenant_weight,
+        )
+        self.validated = True
 
 
 @dataclass(slots=True)

@@ -128,6 +128,8 @@ class NativeBackend:
             raise DuplicateRequestError(
                 f"request_id {inp.request_id!r} is already in use by a live request"
             )
+        if self._info is not None:  # else the engine validates it (start() is not done)
+            inp.validate(self._info)  # a no-op after the engine service's
         out_q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[inp.request_id] = out_q
         finished = False
@@ -277,6 +279,7 @@ class NativeBackend:
                 speculative=inp.speculative_decoding,
                 tenant_id=inp.tenant_id,
                 tenant_weight=inp.tenant_weight,
+                validated=inp.validated,
             )
         except ValueError as e:
             self._loop.call_soon_threadsafe(_resolve, fut, None, e)

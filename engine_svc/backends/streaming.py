@@ -7,7 +7,7 @@ of a failed-over stream, and logprobs in their common format.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,6 @@ from engine_svc.core.outputs import ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason, TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.core.stop_checker import stop_holdback, stop_match
-from engine_svc.core.validation import validate_request
 
 
 def logprobs_from_stream(
@@ -186,16 +185,7 @@ def open_stream(
             f"the {engine} engine's waiting queue is full; retry later or on another replica",
             retry_after_ms(len(live) - max_num_seqs, max_num_seqs),
         )
-    validate_request(
-        inp.request_id,
-        inp.prompt_token_ids,
-        inp.sampling_params,
-        inp.priority,
-        inp.resumed_output_token_ids,
-        vocab_size=info.vocab_size,
-        max_model_len=info.max_context_length,
-        tenant_weight=inp.tenant_weight,
-    )
+    inp.validate(info)
     return StreamState(
         inp.request_id,
         len(inp.prompt_token_ids),
@@ -203,3 +193,41 @@ def open_stream(
         time.monotonic(),
         list(inp.resumed_output_token_ids),
     )
+
+
+async def relay(
+    state: StreamState,
+    chunks: AsyncIterable[Any],
+    totals: dict[str, int],
+    close: Callable[[bool], Awaitable[None]],
+    *,
+    cached_tokens: bool = False,
+) -> AsyncGenerator[RequestOutput, None]:
+    """The generate loop of an adapter: each cumulative chunk of its engine
+    (``chunk.outputs[0]`` with ``token_ids``, ``finish_reason`` and maybe ``logprobs``;
+    ``chunk.finished``) as a delta, until the request finished here or there.
+
+    ``totals["generation"]`` counts the tokens streamed. ``close(engine_done)`` runs
+    last, however the stream ends (finished, cancelled, closed early); ``engine_done``
+    False means the engine still runs the request (a stop sequence matched here
+    first, or the caller left) and ``close`` must abort it. With ``cached_tokens``
+    the chunk's ``num_cached_tokens`` (prompt tokens from the prefix cache) is read.
+    """
+    engine_done = False  # the engine ended the request itself
+    try:
+        async for chunk in chunks:
+            o = chunk.outputs[0]
+            engine_done = bool(chunk.finished)
+            out = state.advance(
+                o.token_ids,
+                o.finish_reason if chunk.finished else None,
+                time.monotonic(),
+                getattr(o, "logprobs", None),
+                getattr(chunk, "num_cached_tokens", None) if cached_tokens else None,
+            )
+            totals["generation"] += len(out.new_token_ids)
+            yield out
+            if out.finished:
+                break
+    finally:
+        await close(engine_done)

@@ -30,10 +30,10 @@ config is detected when the model loads).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
-import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from engine_svc.backends.base import (
     GenerateInput,
     RateWindow,
 )
-from engine_svc.backends.streaming import open_stream
+from engine_svc.backends.streaming import open_stream, relay
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.sampling_params import SamplingParams
@@ -290,25 +290,16 @@ class TrtLlmBackend:
         self._live[inp.request_id] = res
         self._totals["requests"] += 1
         self._totals["prompt"] += len(prompt)
-        engine_done = False  # TensorRT-LLM ended the request itself
-        try:
-            async for chunk in res:
-                o = chunk.outputs[0]
-                engine_done = bool(chunk.finished)
-                out = state.advance(
-                    o.token_ids,
-                    o.finish_reason if chunk.finished else None,
-                    time.monotonic(),
-                    getattr(o, "logprobs", None),
-                )
-                self._totals["generation"] += len(out.new_token_ids)
-                yield out
-                if out.finished:
-                    break
-        finally:
+
+        async def close(engine_done: bool) -> None:
             self._live.pop(inp.request_id, None)
             if not engine_done:  # cancelled, or a stop sequence matched here first
                 res.abort()
+
+        outs = relay(state, res, self._totals, close)
+        async with contextlib.aclosing(outs):
+            async for out in outs:
+                yield out
 
     async def abort(self, request_id: str) -> None:
         res = self._live.pop(request_id, None)

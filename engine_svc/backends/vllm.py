@@ -20,8 +20,8 @@ given no stop sequences: without a tokenizer it takes stop *strings* only).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from engine_svc.backends.base import (
     GenerateInput,
     RateWindow,
 )
-from engine_svc.backends.streaming import open_stream
+from engine_svc.backends.streaming import open_stream, relay
 from engine_svc.backends.trtllm import model_info_from_dir
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
@@ -233,27 +233,17 @@ class VllmBackend:
             inp.request_id,
             priority=vllm_priority(inp.priority),
         )
-        engine_done = False
-        try:
-            async for chunk in stream:
-                o = chunk.outputs[0]
-                engine_done = bool(chunk.finished)
-                out = state.advance(
-                    o.token_ids,
-                    o.finish_reason if chunk.finished else None,
-                    time.monotonic(),
-                    o.logprobs,
-                    getattr(chunk, "num_cached_tokens", None),
-                )
-                self._totals["generation"] += len(out.new_token_ids)
-                yield out
-                if out.finished:
-                    break
-        finally:
+
+        async def close(engine_done: bool) -> None:
             self._live.discard(inp.request_id)
             await stream.aclose()
             if not engine_done:  # cancelled, or a stop sequence matched here first
                 await asyncio.shield(self._llm.abort(inp.request_id))
+
+        outs = relay(state, stream, self._totals, close, cached_tokens=True)
+        async with contextlib.aclosing(outs):
+            async for out in outs:
+                yield out
 
     async def abort(self, request_id: str) -> None:
         if self._llm is not None and request_id in self._live:

@@ -190,6 +190,7 @@ class LLMEngine:
         speculative: bool | None = None,
         tenant_id: str = "",
         tenant_weight: float = 1.0,
+        validated: bool = False,
     ) -> bool:
         """Queue a request.
 
@@ -206,6 +207,9 @@ class LLMEngine:
             tenant_id: whose request it is: within a priority class the tenant
                 served least goes first (fair share); "" = one anonymous tenant.
             tenant_weight: that tenant's share (> 0; 2 = twice a weight-1 tenant's).
+            validated: the caller has run ``validate_request`` on these fields against
+                this engine's model (the engine service does, once per request); the
+                engine's own checks (a live id, the KV pool) run either way.
 
         Returns:
             True when queued, False when the waiting queue is full (retry later).
@@ -215,7 +219,20 @@ class LLMEngine:
         """
         params = sampling_params or SamplingParams()
         resumed = list(resumed_output_token_ids or [])
-        self._validate(request_id, prompt_token_ids, params, priority, resumed, tenant_weight)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        if not validated:
+            validate_request(
+                request_id,
+                prompt_token_ids,
+                params,
+                priority,
+                resumed,
+                vocab_size=self.model_config.vocab_size,
+                max_model_len=self.max_model_len,
+                tenant_weight=tenant_weight,
+            )
+        self._check_pool(prompt_token_ids, params)
         req = Request.create(
             request_id,
             list(prompt_token_ids),
@@ -236,27 +253,7 @@ class LLMEngine:
         self._totals["prompt"] += req.num_prompt_tokens
         return True
 
-    def _validate(
-        self,
-        request_id: str,
-        prompt: Sequence[int],
-        params: SamplingParams,
-        priority: int,
-        resumed: list[int],
-        tenant_weight: float,
-    ) -> None:
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        validate_request(
-            request_id,
-            prompt,
-            params,
-            priority,
-            resumed,
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            tenant_weight=tenant_weight,
-        )
+    def _check_pool(self, prompt: Sequence[int], params: SamplingParams) -> None:
         blocks = cdiv(len(prompt) + params.max_tokens, self.config.block_size)
         if blocks > self.runner.num_blocks:
             raise ValueError(

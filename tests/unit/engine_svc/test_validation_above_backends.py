@@ -8,8 +8,12 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from engine_svc.backends.base import BackendStats
+from engine_svc.backends import base
+from engine_svc.backends.base import BackendStats, GenerateInput
+from engine_svc.backends.streaming import open_stream
+from engine_svc.core import validation
 from engine_svc.core.outputs import ModelInfo, RequestOutput
+from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.service import EngineServicer
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
@@ -105,3 +109,28 @@ def test_invalid_requests_never_reach_a_backend(fields: dict[str, object], messa
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert message in details
     assert backend.reached == []
+
+
+def test_a_request_is_validated_once_on_its_way_to_an_adapter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The service validates; the adapter's own check (for direct callers) is then free."""
+    calls: list[str] = []
+    real = validation.validate_request
+
+    def counting(request_id: str, *args: object, **kwargs: object) -> None:
+        calls.append(request_id)
+        real(request_id, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(base, "validate_request", counting)
+    info = ModelInfo(model="m", max_context_length=64, vocab_size=100)
+    inp = GenerateInput("r1", [1, 2], SamplingParams(max_tokens=4))
+    inp.validate(info)  # the engine service
+    open_stream(inp, info, running=True, live=(), engine="x", max_num_seqs=1, max_waiting=1)
+    assert calls == ["r1"]
+    assert inp.validated
+    bad = GenerateInput("r2", [1, 500], SamplingParams(max_tokens=4))
+    for _ in range(2):  # a refused request is checked again, and refused again
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            bad.validate(info)
+    assert not bad.validated
