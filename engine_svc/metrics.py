@@ -16,8 +16,8 @@ from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFam
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from engine_svc.backends.base import BackendStats
 from engine_svc.core.outputs import RequestOutput, StepTimings
+from engine_svc.stats import BackendStats
 
 PRIORITY_NAMES = {0: "NORMAL", 1: "LOW", 2: "NORMAL", 3: "CRITICAL"}
 # the engine's own series, exported by ExportCollector with model_name (and vLLM's names)

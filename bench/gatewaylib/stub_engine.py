@@ -24,11 +24,12 @@ import os
 from collections.abc import AsyncGenerator
 
 from engine_svc.__main__ import main as engine_main
-from engine_svc.backends.base import BackendStats, BackendUnavailableError, GenerateInput
+from engine_svc.backends.base import BackendUnavailableError, GenerateInput
 from engine_svc.config import EngineServiceConfig
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason
+from engine_svc.stats import BackendStats
 
 
 class StubBackend:

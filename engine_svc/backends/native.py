@@ -27,17 +27,16 @@ from typing import Any
 from common.log import get_logger
 from engine_svc import metrics
 from engine_svc.backends.base import (
-    BackendStats,
     BackendUnavailableError,
     DuplicateRequestError,
     GenerateInput,
     QueueFullError,
-    RateWindow,
     retry_after_ms,
 )
 from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason
+from engine_svc.stats import BackendStats, RateWindow
 
 log = get_logger(__name__)
 

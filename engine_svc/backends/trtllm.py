@@ -38,16 +38,12 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine_svc.backends.base import (
-    BackendStats,
-    BackendUnavailableError,
-    GenerateInput,
-    RateWindow,
-)
+from engine_svc.backends.base import BackendUnavailableError, GenerateInput
 from engine_svc.backends.streaming import open_stream, relay
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.stats import BackendStats, RateWindow
 
 
 def trt_kv_cache_dtype(requested: str, fp8_capable: bool) -> str:

@@ -26,17 +26,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from engine_svc.backends.base import (
-    BackendStats,
-    BackendUnavailableError,
-    GenerateInput,
-    RateWindow,
-)
+from engine_svc.backends.base import BackendUnavailableError, GenerateInput
 from engine_svc.backends.streaming import open_stream, relay
 from engine_svc.backends.trtllm import model_info_from_dir
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.stats import BackendStats, RateWindow
 
 
 def vllm_engine_args(cfg: EngineConfig) -> dict[str, Any]:

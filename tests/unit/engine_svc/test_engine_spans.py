@@ -18,10 +18,11 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from common import tracing
 from engine_svc import service
-from engine_svc.backends.base import BackendStats, GenerateInput, QueueFullError
+from engine_svc.backends.base import GenerateInput, QueueFullError
 from engine_svc.core.outputs import ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason
 from engine_svc.service import EngineServicer
+from engine_svc.stats import BackendStats
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -6,9 +6,9 @@ import dataclasses
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from engine_svc.backends.base import BackendStats
 from engine_svc.core.outputs import EngineStats
 from engine_svc.metrics import StatsCollector
+from engine_svc.stats import BackendStats
 
 
 def test_totals_are_counters_and_levels_are_gauges() -> None:

@@ -9,12 +9,13 @@ import grpc
 import pytest
 
 from engine_svc.backends import base
-from engine_svc.backends.base import BackendStats, GenerateInput
+from engine_svc.backends.base import GenerateInput
 from engine_svc.backends.streaming import open_stream
 from engine_svc.core import validation
 from engine_svc.core.outputs import ModelInfo, RequestOutput
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.service import EngineServicer
+from engine_svc.stats import BackendStats
 from llm.v1 import engine_pb2, engine_pb2_grpc
 
 
