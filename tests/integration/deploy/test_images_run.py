@@ -25,6 +25,7 @@ import grpc
 import pytest
 import yaml
 
+from common.config import ROOT
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
 from common.service_auth import SERVICE_TOKEN_KEY
@@ -37,7 +38,7 @@ from llm.v1 import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from tests.unit.deploy.helpers import DEPLOY, ROOT
+from tests.unit.deploy.helpers import DEPLOY
 from tests.unit.deploy.test_docker_compose import DOCKER, parse_dockerfile
 from tokenizer_svc.tokenizer import TextTokenizer
 

@@ -25,7 +25,7 @@ from tests.integration.gateway.conftest import (
     chat,
     start_http_gateway,
 )
-from tests.integration.gateway.test_hostile_input import assert_idle
+from tests.integration.gateway.hostile_helpers import assert_idle
 
 pytestmark = pytest.mark.integration
 

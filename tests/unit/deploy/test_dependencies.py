@@ -10,7 +10,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.unit.deploy.helpers import ROOT
+from common.config import ROOT
 from tests.unit.deploy.test_docker_compose import DOCKER, parse_dockerfile
 
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

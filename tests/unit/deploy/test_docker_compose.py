@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from common.config import ROOT
 from common.redis_acl import SERVICE_USER, service_rules
 from deploy.envoy.config import CONTAINER_PRESET, CONTAINER_TLS_DIR, render_config, tls_context
 from ratelimit.config import RateLimitConfig
@@ -19,7 +20,6 @@ from tests.unit.deploy.helpers import (
     ENVOY_PUBLIC_PORT,
     ENVOY_STATS_PORT,
     HEALTH_SERVICE,
-    ROOT,
     service_ports,
 )
 

@@ -16,11 +16,11 @@ from google.api import annotations_pb2, http_pb2
 from google.protobuf import descriptor_pb2
 
 from common.addresses import host_of, is_loopback
+from common.config import ROOT
 from deploy.envoy import config as envoy_config
 from deploy.envoy.config import (
     CONTAINER_PRESET,
     ENVOY_YAML,
-    ROOT,
     Endpoint,
     cluster,
     cluster_endpoints,

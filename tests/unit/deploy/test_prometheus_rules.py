@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.unit.deploy.helpers import DEPLOY, ROOT
+from common.config import ROOT
+from tests.unit.deploy.helpers import DEPLOY
 from tests.unit.deploy.promql import RULES, recorded, rule_files, rules
 
 PROMETHEUS = DEPLOY / "prometheus"
