@@ -8,7 +8,10 @@
                              └── settle exactly once on every ending: done, error, cancel ──┘
 
 Admission (reserve, take, budgets, the overlapped admission, confirm, settle) is
-``gateway.request.admission``; this module orders the steps around it.
+``gateway.request.admission``, the engine job of a counted prompt (route target, max_tokens,
+version) ``gateway.request.job``, the outcome's usage record and trace attributes
+``gateway.request.outcome``, and the in-flight count with the drain
+``gateway.request.in_flight``; this module orders the steps around them.
 
 The model step resolves model routes (``gateway.request.models``): an alias or
 fallback chain picks its first target with a ready replica there, and moves on
@@ -46,31 +49,28 @@ from common import tracing
 from common.log import get_logger
 from gateway import metrics
 from gateway.config import GatewayConfig
-from gateway.domain import CallContext, Chunk, Deadline, GatewayError, engine_request_id
+from gateway.domain import CallContext, Chunk, Deadline, GatewayError
 from gateway.fleet.dispatcher import AttemptProgress, Dispatcher, EngineJob
 from gateway.fleet.replica_pool import ModelEntry, ReplicaPool
 from gateway.fleet.tokenizers import TokenizerSet
 from gateway.release.shadow import ShadowMirror
-from gateway.release.version_router import RouteDecision, VersionRouter
+from gateway.release.version_router import VersionRouter
 from gateway.request.admission import Admission, AdmissionTicket
 from gateway.request.authenticate import Authenticator
 from gateway.request.budgets import BudgetGate
 from gateway.request.detokenize import TextStream
 from gateway.request.encode import Encoder, check_prompt_size
-from gateway.request.models import Choice, ModelChooser
-from gateway.request.params import (
-    engine_sampling,
-    request_priority,
-    resolve_max_tokens,
-    validate_sampling,
-    validate_stop_token_ids,
-)
+from gateway.request.in_flight import InFlight
+from gateway.request.job import JobBuilder
+from gateway.request.models import ModelChooser
+from gateway.request.outcome import Outcome
+from gateway.request.params import request_priority, validate_sampling, validate_stop_token_ids
 from gateway.spans import RequestTrace, stage
-from llm.v1 import common_pb2, gateway_pb2
+from llm.v1 import gateway_pb2
 from ratelimit.budget.policy import PriceTable
 from ratelimit.config import Tenant
 from ratelimit.limiter.rate_limiter import RateLimiter
-from ratelimit.usage.records import UsageEvent, UsageLog
+from ratelimit.usage.records import UsageLog
 from tokenizer_svc.tokenizer import TextTokenizer
 
 log = get_logger(__name__)
@@ -83,15 +83,6 @@ class _Admitted:
     tokenizer: TextTokenizer
     shadow_version: str = ""
     progress: AttemptProgress = field(default_factory=AttemptProgress)  # the engine attempts'
-
-
-@dataclass(slots=True)
-class _Labels:
-    model: str = ""  # set once the model is known (no client strings as label values)
-    version: str = ""
-    prompt_tokens: int = 0  # what the request was charged (set when it settles)
-    cached_prompt_tokens: int = 0
-    completion_tokens: int = 0
 
 
 class Pipeline:
@@ -141,10 +132,8 @@ class Pipeline:
         self.admission = Admission(limiter, budgets, overlap=config.overlap_admission)
         self.usage = usage
         self.prices = prices or PriceTable()
-        self.draining = False
-        self.num_in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.jobs = JobBuilder(router, config.default_max_tokens, config.max_max_tokens)
+        self.in_flight = InFlight()
 
     async def list_models(self, call: CallContext) -> list[ModelEntry]:
         """Models the caller's tenant may use, with versions and replica counts."""
@@ -164,12 +153,12 @@ class Pipeline:
         start = time.perf_counter()
         tenant_label, code = "unauthenticated", grpc.StatusCode.OK
         tenant_id = ""  # set once authenticated: then the request is recorded
-        labels = _Labels()
+        outcome = Outcome()
         if (tracer := tracing.tracer()) is not None:
             call.trace = RequestTrace(tracer, call, start)  # its trace id is the logs' too
         structlog.contextvars.bind_contextvars(request_id=call.request_id, trace_id=call.trace_id)
         try:
-            self._enter()
+            self.in_flight.enter()
         except GatewayError as e:
             if call.trace is not None:
                 call.trace.finish(e.code, {})
@@ -187,10 +176,10 @@ class Pipeline:
             if call.request_id_error:
                 raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, call.request_id_error)
             admitted = await self._admit(request, call, tenant)
-            labels.model, labels.version = admitted.job.model, admitted.job.model_version
+            outcome.model, outcome.version = admitted.job.model, admitted.job.model_version
             # closed here, not by the garbage collector, when the caller closes this stream:
             # the engine call is cancelled and the request settled before the usage below
-            async with contextlib.aclosing(self._serve(admitted, start, labels)) as chunks:
+            async with contextlib.aclosing(self._serve(admitted, start, outcome)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except GatewayError as e:
@@ -207,57 +196,14 @@ class Pipeline:
                 f"internal gateway error; see the gateway log with request id {call.request_id}",
             ) from None
         finally:
-            self._leave()
-            metrics.REQUESTS.labels(tenant_label, code.name, labels.model, labels.version).inc()
-            metrics.E2E.labels(labels.model, labels.version).observe(time.perf_counter() - start)
+            self.in_flight.leave()
+            model, version = outcome.model, outcome.version
+            metrics.REQUESTS.labels(tenant_label, code.name, model, version).inc()
+            metrics.E2E.labels(model, version).observe(time.perf_counter() - start)
             if tenant_id and self.usage is not None:
-                self._record(tenant_id, call.key_id, code, labels)
+                self.usage.record(outcome.usage_event(tenant_id, call.key_id, code, self.prices))
             if call.trace is not None:
-                call.trace.finish(code, self._span_attributes(tenant_id, labels))
-
-    @staticmethod
-    def _span_attributes(tenant_id: str, labels: _Labels) -> dict[str, str | int]:
-        return {
-            "llm.tenant_id": tenant_id,
-            "gen_ai.request.model": labels.model,
-            "llm.model_version": labels.version,
-            "gen_ai.usage.input_tokens": labels.prompt_tokens,
-            "gen_ai.usage.output_tokens": labels.completion_tokens,
-            "llm.cached_prompt_tokens": labels.cached_prompt_tokens,
-        }
-
-    def _record(self, tenant_id: str, key_id: str, code: grpc.StatusCode, labels: _Labels) -> None:
-        assert self.usage is not None
-        price = self.prices.price(labels.model)
-        self.usage.record(
-            UsageEvent(
-                tenant_id=tenant_id,
-                key_id=key_id,
-                model=labels.model,
-                model_version=labels.version,
-                status=code.name,
-                prompt_tokens=labels.prompt_tokens,
-                cached_prompt_tokens=labels.cached_prompt_tokens,
-                completion_tokens=labels.completion_tokens,
-                cost_usd=price.cost(labels.prompt_tokens, labels.completion_tokens),
-            )
-        )
-
-    def _enter(self) -> None:
-        if self.draining:
-            raise GatewayError(
-                grpc.StatusCode.UNAVAILABLE,
-                "this gateway replica is shutting down; retry on another",
-            )
-        self.num_in_flight += 1
-        self._idle.clear()
-        metrics.IN_FLIGHT.inc()
-
-    def _leave(self) -> None:
-        self.num_in_flight -= 1
-        metrics.IN_FLIGHT.dec()
-        if self.num_in_flight == 0:
-            self._idle.set()
+                call.trace.finish(code, outcome.span_attributes(tenant_id))
 
     async def _admit(
         self, request: gateway_pb2.GenerateRequest, call: CallContext, tenant: Tenant
@@ -294,7 +240,7 @@ class Pipeline:
                 prompt_ids = await self.encoder.encode(request, call, deadline, tokenizer)
             t2 = time.perf_counter()
             metrics.STAGE_ENCODE.observe(t2 - t1)
-            job, shadow_version = await self._job(
+            job, shadow_version = await self.jobs.build(
                 request, call, tenant, choice, prompt_ids, deadline, priority
             )
             metrics.STAGE_ROUTE.observe(time.perf_counter() - t2)
@@ -306,62 +252,8 @@ class Pipeline:
         await self.admission.finish(ticket, job, max_tokens, call)
         return _Admitted(job, ticket, tokenizer, shadow_version)
 
-    async def _job(
-        self,
-        request: gateway_pb2.GenerateRequest,
-        call: CallContext,
-        tenant: Tenant,
-        choice: Choice,
-        prompt_ids: list[int],
-        deadline: Deadline,
-        priority: common_pb2.Priority.ValueType,
-    ) -> tuple[EngineJob, str]:
-        """The engine job of a counted prompt (the route's target it fits, max_tokens,
-        the version by routing policy), and the version a shadow copy goes to."""
-        # a route's next target when the prompt and the asked-for output do not fit
-        choice.fit(len(prompt_ids), max(request.sampling.max_tokens, request.sampling.min_tokens))
-        model, info = choice.model, choice.info
-        try:
-            max_tokens = resolve_max_tokens(
-                request.sampling,
-                len(prompt_ids),
-                info.max_context_length,
-                self.config.default_max_tokens,
-                self.config.max_max_tokens,
-            )
-        except ValueError as e:
-            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        with stage(call.trace, "gateway.route"):
-            route = await self._route(model, choice.version, tenant, call)
-        engine_id = engine_request_id(tenant.tenant_id)
-        structlog.contextvars.bind_contextvars(engine_request_id=engine_id)
-        job = EngineJob(
-            request_id=engine_id,
-            correlation_id=call.request_id,
-            traceparent=call.traceparent,
-            tenant_id=tenant.tenant_id,
-            tenant_weight=float(tenant.fair_share),
-            priority=priority,
-            model=model,
-            model_version=route.version,
-            prompt_token_ids=prompt_ids,
-            sampling=engine_sampling(request.sampling, max_tokens),
-            deadline=deadline,
-            stop_strings=list(request.sampling.stop),
-            fallback_versions=route.fallbacks,
-            trace=call.trace,
-        )
-        return job, route.shadow_version
-
-    async def _route(
-        self, model: str, version: str, tenant: Tenant, call: CallContext
-    ) -> RouteDecision:
-        if self.router is None:
-            return RouteDecision(version, reason="request" if version else "any")
-        return await self.router.decide(model, version, tenant.tenant_id, call.session_key)
-
     async def _serve(
-        self, admitted: _Admitted, start: float, labels: _Labels
+        self, admitted: _Admitted, start: float, outcome: Outcome
     ) -> AsyncGenerator[Chunk, None]:
         job, ticket, progress = admitted.job, admitted.ticket, admitted.progress
         tenant = ticket.tenant.tenant_id
@@ -382,10 +274,10 @@ class Pipeline:
                     contextlib.aclosing(self.admission.confirmed(ticket, chunks)) as relay,
                 ):
                     async for chunk in relay:
-                        labels.version = progress.model_version or labels.version
+                        outcome.version = progress.model_version or outcome.version
                         if first_at is None and chunk.token_ids:
                             first_at = time.perf_counter()
-                            metrics.TTFT.labels(tenant, job.model, labels.version).observe(
+                            metrics.TTFT.labels(tenant, job.model, outcome.version).observe(
                                 first_at - start
                             )
                             started = progress.attempt_started_at
@@ -401,15 +293,15 @@ class Pipeline:
             raise
         finally:
             if text is not None and first_at is not None and len(text.token_ids) > 1:
-                metrics.TPOT.labels(job.model, labels.version).observe(
+                metrics.TPOT.labels(job.model, outcome.version).observe(
                     (time.perf_counter() - first_at) / (len(text.token_ids) - 1)
                 )
             charge = await asyncio.shield(
                 self.admission.settle(ticket, text, progress, client_left, job.trace)
             )
-            labels.prompt_tokens = charge.prompt_tokens
-            labels.cached_prompt_tokens = charge.cached_prompt_tokens
-            labels.completion_tokens = charge.completion_tokens
+            outcome.prompt_tokens = charge.prompt_tokens
+            outcome.cached_prompt_tokens = charge.cached_prompt_tokens
+            outcome.completion_tokens = charge.completion_tokens
 
     def _mirror(self, admitted: _Admitted) -> None:
         """Once the request is admitted: its shadow copy, if the routing policy asks."""
@@ -418,12 +310,14 @@ class Pipeline:
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests; wait up to ``grace_s`` for the ones in flight."""
-        self.draining = True
-        log.info("draining", in_flight=self.num_in_flight, grace_seconds=grace_s)
-        started = time.monotonic()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), grace_s)
-        if self.num_in_flight:
-            log.warning("drain timed out", in_flight=self.num_in_flight, grace_seconds=grace_s)
-        else:
-            log.info("drained", seconds=round(time.monotonic() - started, 3))
+        await self.in_flight.drain(grace_s)
+
+    @property
+    def draining(self) -> bool:
+        """True once ``drain`` began: new requests are refused."""
+        return self.in_flight.draining
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests being served."""
+        return self.in_flight.count
