@@ -51,7 +51,9 @@ class StackSpec:
     bench's pool and batch limits, a fast stats poll); ``http_port`` is the gateway's
     HTTP front (-1: none); ``engine_cpus`` runs the engines on those CPUs alone, one
     torch thread each, and ``proxy_cpus`` the gateway (its workers inherit them) and
-    any ``Stack.service`` started with ``proxy=True``; the rest keep the caller's."""
+    any ``Stack.service`` started with ``proxy=True``; the rest keep the caller's.
+    ``gateway_model_dir`` gives the gateway the model's tokenizer of its own (as ``make
+    run`` does); off, it uses the one the engine serves."""
 
     model_dir: Path
     work_dir: Path
@@ -66,6 +68,7 @@ class StackSpec:
     http_port: int = -1
     engine_cpus: set[int] | None = None
     proxy_cpus: set[int] | None = None
+    gateway_model_dir: bool = True
 
 
 @contextlib.contextmanager
@@ -158,7 +161,8 @@ class Stack:
         self._started.append(redis)
         gw_env = {**spec.gateway_env, "ADMIN_KEY": self.admin_key}
         gw_args = ["--engines", ",".join(self.engines), "--tokenizer", self.tokenizer]
-        gw_args += ["--redis-url", redis.url, "--http-port", str(spec.http_port), *md]
+        gw_args += ["--redis-url", redis.url, "--http-port", str(spec.http_port)]
+        gw_args += md if spec.gateway_model_dir else []
         gw_args += spec.gateway_args
         gateway = self.service("bench-gateway", "gateway", gw_args, gw_env, 120, proxy=True)
         self.gateway = gateway.address

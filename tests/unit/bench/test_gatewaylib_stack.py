@@ -38,3 +38,28 @@ def test_make_key_gives_the_bench_tenant_its_limits_or_none(
     assert tenant.id == "bench"
     want = stack.BENCH_LIMITS if limited else admin_pb2.LimitPolicy()
     assert tenant.limits == want
+
+
+def test_the_bench_gateway_uses_the_engines_tokenizer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The gateway bench starts the gateway without a model directory of its own, as it
+    always has, so its figures compare across versions."""
+    specs: list[Any] = []
+
+    class Started(Exception):
+        pass
+
+    class FakeStack:
+        def __init__(self, spec: Any) -> None:
+            specs.append(spec)
+
+        def start(self) -> Any:
+            raise Started
+
+    monkeypatch.setattr(stack, "Stack", FakeStack)
+    with pytest.raises(Started):
+        stack.start_stack(tmp_path, engine="stub")
+    (spec,) = specs
+    assert spec.gateway and not spec.gateway_model_dir
+    assert spec.engine_module == "bench.gatewaylib.stub_engine"
