@@ -61,5 +61,6 @@ def test_the_bench_gateway_uses_the_engines_tokenizer(
     with pytest.raises(Started):
         stack.start_stack(tmp_path, engine="stub")
     (spec,) = specs
-    assert spec.gateway and not spec.gateway_model_dir
+    assert spec.gateway
+    assert not spec.gateway_model_dir
     assert spec.engine_module == "bench.gatewaylib.stub_engine"
