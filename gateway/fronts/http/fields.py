@@ -86,7 +86,10 @@ class Fields:
         if value is None:
             return default
         if isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # JSON integers have no size limit; floats do
+                raise ApiError.invalid(name, f"{name} is out of range") from None
         return self.typed(value, float, name)
 
     def int_(self, name: str, lo: int = 0, hi: int = UINT32_MAX) -> int | None:

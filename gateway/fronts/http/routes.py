@@ -155,6 +155,11 @@ class OpenAIRoutes:
                 body = await request.json()
             except UnicodeDecodeError:
                 raise ApiError.invalid(None, "the request body is not valid UTF-8") from None
+            except LookupError:  # an unknown charset, or a bytes-to-bytes codec (rot13)
+                raise ApiError.invalid(
+                    None,
+                    f"cannot decode a body in charset {request.charset!r}: send JSON in UTF-8",
+                ) from None
             except ValueError:
                 raise ApiError.invalid(None, "the request body is not valid JSON") from None
             except RecursionError:  # the decoder's own nesting limit (~1000 levels)

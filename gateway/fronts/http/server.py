@@ -61,8 +61,8 @@ async def openai_middleware(request: web.Request, handler: Handler) -> web.Strea
         kind = "server_error" if e.status >= 500 else "invalid_request_error"
         return _error_response(ApiError(e.status, e.reason, type=kind, code=_http_code(e)))
     except Exception:
-        log.exception("http handler failed")
         rid = request[CALL_KEY].request_id
+        log.exception("http handler failed", request_id=rid)
         return _error_response(
             ApiError(
                 500,

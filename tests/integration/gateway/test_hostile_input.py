@@ -109,6 +109,26 @@ def test_malformed_bodies_get_400_naming_the_field(
         assert str(error["param"]).startswith(param), error
 
 
+@pytest.mark.parametrize("charset", ["x-bogus", "rot13"])
+def test_an_unknown_or_binary_charset_is_400_naming_it(
+    http_gateway: HttpGateway, charset: str
+) -> None:
+    """A charset Python cannot decode text with (unknown, or a bytes-to-bytes codec such as
+    rot13) is the client's error, never a 500 (which Envoy would count toward ejection)."""
+    _, key = http_gateway.gw.tenant()
+    body = b'{"messages": [' + HI + b"]}"
+    headers = {
+        "Authorization": f"Bearer {key}",
+        "Content-Type": f"application/json; charset={charset}",
+    }
+    status, payload = post(http_gateway, body, headers)
+    assert status == 400, payload
+    error = payload["error"]
+    assert isinstance(error, dict)
+    assert charset in str(error["message"])
+    assert "UTF-8" in str(error["message"])
+
+
 def test_logged_client_fields_are_truncated(http_gateway: HttpGateway) -> None:
     _, key = http_gateway.gw.tenant()
     user = "u" * 5000

@@ -96,6 +96,8 @@ def test_defaults_follow_openai() -> None:
         ),
         ({"messages": MSGS, "temperature": "hot"}, True, "temperature"),
         ({"messages": MSGS, "temperature": True}, True, "temperature"),
+        ({"messages": MSGS, "temperature": 10**400}, True, "temperature"),  # no float holds it
+        ({"messages": MSGS, "top_p": -(10**400)}, True, "top_p"),
         ({"messages": MSGS, "max_tokens": 0}, True, "max_tokens"),
         ({"messages": MSGS, "max_tokens": 2.5}, True, "max_tokens"),
         ({"messages": MSGS, "stop": [1]}, True, "stop"),
