@@ -11,6 +11,7 @@ once counted, does not fit the chosen model's context.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -147,10 +148,18 @@ class ModelChooser:
             )
         return Choice(name, targets, same)
 
-    def unknown(self, name: str, version: str, choice: Choice) -> GatewayError:
-        """The answer to a request whose ``choice`` has no candidate: what is known."""
-        known = self.pool.catalog()
-        if not known:
+    def unknown(
+        self,
+        name: str,
+        version: str,
+        choice: Choice,
+        allowed: Callable[[str], bool] = lambda model: True,
+    ) -> GatewayError:
+        """The answer to a request whose ``choice`` has no candidate: what is known, of
+        the models the caller may use (``allowed``): no list of other tenants' models."""
+        everything = self.pool.catalog()
+        known = [e for e in everything if allowed(e.model)]
+        if not everything:
             return GatewayError(
                 grpc.StatusCode.UNAVAILABLE,
                 "no engine replica is reachable yet, so no model is known: "

@@ -210,9 +210,11 @@ class Pipeline:
     ) -> _Admitted:
         name = request.model or self.pool.default_model()
         choice = await self.models.choose(name, request.model_version)
-        if not choice.candidates:
-            raise self.models.unknown(name, request.model_version, choice)
+        # the permission first: a name outside the tenant's list is refused the same way
+        # whether or not it is served (no oracle of other tenants' models)
         self.auth.check_model(tenant, name)  # a route's targets are reached by its name
+        if not choice.candidates:
+            raise self.models.unknown(name, request.model_version, choice, tenant.allows_model)
         info = choice.info
         try:
             validate_sampling(request.sampling, info.vocab_size)

@@ -178,3 +178,17 @@ def test_an_unknown_name_version_or_route_is_not_found_naming_what_is_served() -
         error = ch.unknown(name, version, choice)
         assert error.code == grpc.StatusCode.NOT_FOUND
         assert says in error.message
+
+
+def test_an_unknown_name_names_only_the_models_the_caller_may_use() -> None:
+    pool = FakePool({("m", "v1"): (2048, 100, True), ("secret", "v1"): (2048, 100, True)})
+    ch = chooser(pool, route("chat", "gone"))
+    allowed = {"m", "x", "chat"}.__contains__
+    for name in ("x", "chat"):
+        choice = asyncio.run(ch.choose(name, ""))
+        error = ch.unknown(name, "", choice, allowed)
+        assert error.code == grpc.StatusCode.NOT_FOUND
+        assert "available: m" in error.message
+        assert "secret" not in error.message
+    everyone = ch.unknown("x", "", asyncio.run(ch.choose("x", "")))
+    assert "secret" in everyone.message  # no restriction: every served model

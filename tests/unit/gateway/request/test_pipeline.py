@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import cast
@@ -23,6 +24,7 @@ from gateway.request.authenticate import Authenticator
 from gateway.request.encode import Encoder
 from gateway.request.pipeline import Pipeline
 from llm.v1 import common_pb2, engine_pb2, gateway_pb2
+from ratelimit.config import Tenant
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.tenancy.registry import Registry
 from ratelimit.usage.records import UsageEvent, UsageLog
@@ -86,8 +88,14 @@ def request(max_tokens: int = 8) -> gateway_pb2.GenerateRequest:
 
 
 async def collect(pipeline: Pipeline, req: gateway_pb2.GenerateRequest) -> list[Chunk]:
+    return await collect_as(pipeline, req, TENANT)
+
+
+async def collect_as(
+    pipeline: Pipeline, req: gateway_pb2.GenerateRequest, tenant: Tenant
+) -> list[Chunk]:
     out = []
-    async with contextlib.aclosing(pipeline.generate(req, CallContext(tenant=TENANT))) as chunks:
+    async with contextlib.aclosing(pipeline.generate(req, CallContext(tenant=tenant))) as chunks:
         async for chunk in chunks:
             out.append(chunk)
     return out
@@ -281,3 +289,24 @@ async def test_an_unknown_model_is_not_found_naming_the_known_ones(
         assert info.value.code == grpc.StatusCode.NOT_FOUND
         assert "available: m" in info.value.message
         assert await totals(lim) == (6000, 0, 0, 0)  # refused before any admission
+
+
+async def test_a_model_outside_the_tenants_list_is_denied_whether_or_not_it_exists(
+    tokenizer: TextTokenizer,
+) -> None:
+    """No oracle of which models exist: a name outside the tenant's list is
+    PERMISSION_DENIED naming only the tenant's models, served or not."""
+    lim, engine = limiter(), FakeDispatcher()
+    tenant = dataclasses.replace(TENANT, allowed_models=("other",))
+    async with pipeline_of(tokenizer, engine, lim) as pipeline:
+        messages = []
+        for name in ("m", "nope"):
+            req = request()
+            req.model = name
+            with pytest.raises(GatewayError) as info:
+                await collect_as(pipeline, req, tenant)
+            assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+            assert "allowed: other" in info.value.message
+            messages.append(info.value.message.replace(repr(name), "NAME"))
+        assert messages[0] == messages[1]
+        assert engine.jobs == []
