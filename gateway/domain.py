@@ -34,6 +34,16 @@ if TYPE_CHECKING:
 _REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
 _TRACEPARENT_RE = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 RETRY_AFTER_KEY = "retry-after-ms"
+SESSION_KEY_HEADER = "x-session-id"  # sticky version routing of one conversation
+MAX_SESSION_KEY_CHARS = 256
+
+
+def session_key(header: str, user: str = "") -> str:
+    """The sticky routing key of a request: the ``x-session-id`` header (metadata), else
+    the OpenAI body's ``user``; cut to ``MAX_SESSION_KEY_CHARS``."""
+    return (header or user)[:MAX_SESSION_KEY_CHARS]
+
+
 Metadata = tuple[tuple[str, str | bytes], ...]
 
 

@@ -15,14 +15,20 @@ import grpc
 
 from common.log import get_logger
 from common.server import Context, request_id_var
-from gateway.domain import CallContext, Chunk, GatewayError, client_source
+from gateway.domain import (
+    SESSION_KEY_HEADER,
+    CallContext,
+    Chunk,
+    GatewayError,
+    client_source,
+    session_key,
+)
 from gateway.fleet.replica_pool import ModelEntry
 from gateway.request.pipeline import Pipeline
 from llm.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = get_logger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
-SESSION_KEY_HEADER = "x-session-id"  # sticky version routing of one conversation
 
 
 def call_context(request_id: str, context: Context) -> CallContext:
@@ -35,7 +41,7 @@ def call_context(request_id: str, context: Context) -> CallContext:
         request_id=request_id or md.get("x-request-id") or request_id_var.get(),
         traceparent=md.get("traceparent", ""),
         timeout_s=context.time_remaining(),
-        session_key=md.get(SESSION_KEY_HEADER, "")[:256],
+        session_key=session_key(md.get(SESSION_KEY_HEADER, "")),
         source=client_source(md.get("x-forwarded-for", ""), context.peer() or ""),
     )
 

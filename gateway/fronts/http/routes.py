@@ -25,7 +25,14 @@ import grpc
 from aiohttp import web
 
 from common.log import get_logger
-from gateway.domain import CallContext, Chunk, GatewayError, client_source
+from gateway.domain import (
+    SESSION_KEY_HEADER,
+    CallContext,
+    Chunk,
+    GatewayError,
+    client_source,
+    session_key,
+)
 from gateway.fleet.replica_pool import ModelEntry
 from gateway.fronts.http.errors import ApiError
 from gateway.fronts.http.fields import check_body
@@ -64,6 +71,7 @@ def call_context(request: web.Request) -> CallContext:
         request_id=request.headers.get("x-request-id", ""),
         traceparent=request.headers.get("traceparent", ""),
         timeout_s=timeout,
+        session_key=session_key(request.headers.get(SESSION_KEY_HEADER, "")),
         source=client_source(request.headers.get("x-forwarded-for", ""), request.remote or ""),
     )
 
@@ -182,6 +190,7 @@ class OpenAIRoutes:
         except GatewayError as e:
             raise ApiError.from_gateway(e, chat=chat) from None
         parsed = await self._parse(request, chat)
+        call.session_key = session_key(call.session_key, parsed.user)
         if parsed.user:  # client text in logs: cut short
             log.info(
                 "openai request",
