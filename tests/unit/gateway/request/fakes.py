@@ -1,29 +1,32 @@
 """What the request tests stand on instead of servers: the limiter over a MemoryStore
-(with a switch that makes the store fail), a budget ledger in memory, and a scripted
-dispatcher standing for the engine fleet."""
+(with a switch that makes the store fail), real budget ledgers on a real Redis, and a
+scripted dispatcher standing for the engine fleet."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from redis.asyncio import Redis
 
+from common.redis_server import free_port
 from gateway.domain import Chunk, Deadline, GatewayError
 from gateway.fleet.dispatcher import AttemptProgress, EngineJob, TokenStream
 from llm.v1 import common_pb2, engine_pb2
-from ratelimit.budget.ledger import BudgetDecision, BudgetHold, BudgetLevel
-from ratelimit.budget.policy import Budget, Price, charge_of
+from ratelimit.budget.ledger import BudgetLedger
+from ratelimit.budget.policy import Budget
 from ratelimit.config import LimitPolicy, Tenant
 from ratelimit.errors import StoreError
 from ratelimit.limiter.algorithm import Outcome
 from ratelimit.limiter.decision import Reservation
 from ratelimit.limiter.rate_limiter import RateLimiter
 from ratelimit.limiter.storage.memory import MemoryStore
+from ratelimit.store_guard import StoreGuard
 from tests.support.clock import FakeClock
 
 TENANT = Tenant(
@@ -65,60 +68,40 @@ def limiter(clock: FakeClock | None = None, **kwargs: Any) -> CountingLimiter:
     return CountingLimiter(FlakyStore(clock or FakeClock(1_000_000.0)), **kwargs)
 
 
-class FakeLedger:
-    """``BudgetLedger.charge``/``settle`` in memory (the real one runs Lua on Redis)."""
+class Ledgers:
+    """Real budget ledgers (Lua on a real Redis, started once per test module), each
+    with its own key prefix and a fake clock; ``down()`` is one whose Redis is gone."""
 
-    def __init__(self, clock: FakeClock) -> None:
-        self.clock = clock  # unix seconds
-        self.used: dict[tuple[str, str], float] = {}
-        self.open: dict[str, tuple[float, ...]] = {}  # hold id -> amounts charged
-        self.down = False
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.clients: list[Redis] = []
 
-    async def charge(
-        self,
-        tenant_id: str,
-        budgets: Sequence[Budget],
-        price: Price,
-        *,
-        prompt_tokens: int,
-        max_tokens: int,
-        shadow: bool = False,
-    ) -> BudgetDecision:
-        if self.down:
-            raise StoreError("connection refused")
-        now_ms = self.clock() * 1000.0
-        budgets = tuple(budgets)
-        amounts = tuple(charge_of(b, price, prompt_tokens, max_tokens) for b in budgets)
-        levels = tuple(
-            BudgetLevel(b, self.used.get((tenant_id, b.label), 0.0), b.window(now_ms))
-            for b in budgets
-        )
-        refused = next(
-            (lv for lv, a in zip(levels, amounts, strict=True) if lv.used + a > lv.budget.limit),
-            None,
-        )
-        allowed = refused is None or shadow
-        hold = None
-        if allowed:
-            for b, a in zip(budgets, amounts, strict=True):
-                self.used[(tenant_id, b.label)] = self.used.get((tenant_id, b.label), 0.0) + a
-            hold = BudgetHold(tenant_id, uuid.uuid4().hex, budgets, price)
-            self.open[hold.hold_id] = amounts
-        retry = 60_000 if refused is not None else 0
-        return BudgetDecision(
-            allowed, hold, levels, amounts, refused, retry, now_ms + retry, now_ms
-        )
+    def _ledger(self, url: str, clock: FakeClock) -> BudgetLedger:
+        client = Redis.from_url(url, decode_responses=True)
+        self.clients.append(client)
+        prefix = f"t{uuid.uuid4().hex[:10]}:"
+        return BudgetLedger(client, StoreGuard(2000), prefix=prefix, clock=clock)
 
-    async def settle(self, hold: BudgetHold, *, prompt_tokens: int, completion_tokens: int) -> bool:
-        if self.down:
-            raise StoreError("connection refused")
-        if hold.settled:
-            return False
-        hold.settled = True
-        for b, a in zip(hold.budgets, self.open.pop(hold.hold_id), strict=True):
-            actual = charge_of(b, hold.price, prompt_tokens, completion_tokens)
-            self.used[(hold.tenant_id, b.label)] += actual - a
-        return True
+    def up(self, clock: FakeClock) -> BudgetLedger:
+        return self._ledger(self.url, clock)
+
+    def down(self) -> BudgetLedger:
+        return self._ledger(f"redis://127.0.0.1:{free_port()}", FakeClock(1_700_000_000.0))
+
+    async def close(self) -> None:
+        for client in self.clients:
+            await client.aclose()
+
+
+async def used(ledger: BudgetLedger, tenant_id: str, budget: Budget) -> float:
+    """What ``budget`` of the tenant has counted so far, read from Redis."""
+    (level,) = await ledger.levels(tenant_id, [budget])
+    return level.used
+
+
+async def open_holds(ledger: BudgetLedger, tenant_id: str) -> int:
+    """Holds charged and not yet settled (the ledger's hold hash)."""
+    return int(await ledger.client.hlen(f"{ledger.prefix}{{{tenant_id}}}:Bh"))
 
 
 def engine_job(num_prompt: int = 10, max_tokens: int = 100, model: str = "m") -> EngineJob:

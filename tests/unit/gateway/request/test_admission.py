@@ -22,10 +22,12 @@ from ratelimit.limiter.rate_limiter import RateLimiter
 from tests.support.clock import FakeClock
 from tests.unit.gateway.request.fakes import (
     TENANT,
-    FakeLedger,
     FlakyStore,
+    Ledgers,
     engine_job,
     limiter,
+    open_holds,
+    used,
 )
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -218,18 +220,14 @@ async def test_held_starts_what_follows_an_admission_only_once_admitted() -> Non
 
 
 async def test_a_budget_refusal_gives_the_tokens_back_and_settle_charges_the_budget_exactly(
-    tokenizer: TextTokenizer,
+    tokenizer: TextTokenizer, ledgers: Ledgers
 ) -> None:
-    clock = FakeClock(1_700_000_000.0)
-    ledger = FakeLedger(clock)
+    ledger = ledgers.up(FakeClock(1_700_000_000.0))
     lim = limiter()
-    gate = BudgetGate(ledger, PriceTable(), "open")  # type: ignore[arg-type]
+    gate = BudgetGate(ledger, PriceTable(), "open")
     adm = Admission(lim, gate, overlap=False)
-    tenant = Tenant(
-        "acme",
-        TENANT.limits,
-        budgets=(Budget("daily", Metric.TOKENS, Period.DAY, 150, warn_percent=0),),
-    )
+    daily = Budget("daily", Metric.TOKENS, Period.DAY, 150, warn_percent=0)
+    tenant = Tenant("acme", TENANT.limits, budgets=(daily,))
     ticket = await adm.start(tenant, CallContext())
     await adm.take(ticket, NUM_TOKENS, CallContext())
     await adm.finish(ticket, JOB, 100, CallContext())  # 110 of 150 held
@@ -243,8 +241,8 @@ async def test_a_budget_refusal_gives_the_tokens_back_and_settle_charges_the_bud
     assert (await levels(lim, tenant))[1:] == (6000 - NUM_TOKENS, 1)  # its tokens went back
     text, progress = answered(tokenizer, 3)
     await adm.settle(ticket, text, progress, False, None)
-    assert ledger.used[("acme", "daily")] == 13
-    assert ledger.open == {}
+    assert await used(ledger, "acme", daily) == 13
+    assert await open_holds(ledger, "acme") == 0
 
 
 async def test_a_known_denial_is_refused_without_a_store_call() -> None:
