@@ -23,7 +23,7 @@ from ratelimit.errors import PermissionDeniedError, StoreError, UnauthenticatedE
 from ratelimit.limiter.algorithm import refill, wait_ms
 from ratelimit.redis_client import STORE_FAILURES, is_store_failure
 from ratelimit.tenancy.bearer import bearer_credential
-from ratelimit.tenancy.records import KeyRole, Principal
+from ratelimit.tenancy.records import KeyRole, Principal, hash_key, looks_like_key
 from ratelimit.tenancy.registry import Registry
 
 _KEY_STORE_FAILURES: tuple[type[Exception], ...] = (StoreError, *STORE_FAILURES)
@@ -76,6 +76,13 @@ class FailedAuthThrottle:
     is back. Successes refund nothing (one valid key must not launder a spray).
     At most ``max_sources`` addresses are tracked (least recently failing first
     out), so a spray from many addresses costs bounded memory.
+
+    Throttling refuses by failed key, not by address alone: a throttled address's
+    call with a key that already failed there (or none, or a malformed one) is
+    refused without a lookup, but a key it has not tried is still checked, so a valid
+    key behind the same address (a NAT) keeps working. Keys are 256 random bits, so
+    the checks a spray still gets buy no guessing; each distinct key is looked up once
+    per throttle period at most (``max_keys`` failed keys remembered per gateway).
     """
 
     def __init__(
@@ -84,12 +91,15 @@ class FailedAuthThrottle:
         burst: int,
         max_sources: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        max_keys: int = 10_000,
     ) -> None:
         self.per_minute = per_minute
         self.burst = burst
         self.max_sources = max_sources
+        self.max_keys = max_keys
         self.clock = clock
         self._sources: OrderedDict[str, tuple[float, float]] = OrderedDict()  # level, ms
+        self._failed_keys: OrderedDict[tuple[str, str], None] = OrderedDict()  # source, sha
 
     def _level(self, source: str, now_ms: float) -> float:
         state = self._sources.get(source)
@@ -104,8 +114,8 @@ class FailedAuthThrottle:
         level = self._level(source, self.clock() * 1000)
         return 0 if level >= 1 else wait_ms(1 - level, self.per_minute)
 
-    def failure(self, source: str) -> None:
-        """Count one failed authentication of ``source``."""
+    def failure(self, source: str, key: str = "") -> None:
+        """Count one failed authentication of ``source`` (with ``key``, "" = none)."""
         if not self.per_minute or not source:
             return
         now_ms = self.clock() * 1000
@@ -114,6 +124,21 @@ class FailedAuthThrottle:
         self._sources.move_to_end(source)
         while len(self._sources) > self.max_sources:
             self._sources.popitem(last=False)
+        if key:
+            failed = (source, hash_key(key))
+            self._failed_keys[failed] = None
+            self._failed_keys.move_to_end(failed)
+            while len(self._failed_keys) > self.max_keys:
+                self._failed_keys.popitem(last=False)
+
+    def refuses(self, source: str, key: str) -> int:
+        """Milliseconds to refuse a call of ``source`` with ``key`` for without a lookup
+        (0 = check the key): the address is throttled and the key is missing, malformed
+        or one that already failed from there."""
+        wait = self.blocked_ms(source)
+        if not wait or (looks_like_key(key) and (source, hash_key(key)) not in self._failed_keys):
+            return 0
+        return wait
 
 
 class Authenticator:
@@ -138,19 +163,15 @@ class Authenticator:
                 and the key is not one already known valid).
         """
         throttle = self.throttle
-        if throttle is not None and (wait := throttle.blocked_ms(call.source)):
+        key, throttled = "", False
+        if throttle is not None:
             try:
                 key = bearer_key(call.authorization)
             except GatewayError:
                 key = ""
-            if not self.registry.auth.known_valid(key):  # a known-good key still passes
-                metrics.AUTH_THROTTLED.inc()
-                raise GatewayError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"too many failed authentications from {call.source}; "
-                    f"retry after {wait} ms with a valid API key",
-                    retry_after_ms=wait,
-                )
+            if wait := throttle.refuses(call.source, key):
+                raise self._throttled(call, wait)
+            throttled = bool(throttle.blocked_ms(call.source))
         try:
             principal = await self._principal(call.authorization)
         except GatewayError as e:
@@ -158,12 +179,24 @@ class Authenticator:
                 grpc.StatusCode.UNAUTHENTICATED,
                 grpc.StatusCode.PERMISSION_DENIED,
             ):
-                throttle.failure(call.source)
+                throttle.failure(call.source, key)
+                if throttled and (wait := throttle.blocked_ms(call.source)):
+                    raise self._throttled(call, wait) from None  # a new key, checked: no
             raise
         call.key_id, call.key_budgets = principal.key.key_id, principal.key.budgets
         if principal.tenant is None:  # pragma: no cover - the registry checks the role
             raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, "this key has no tenant")
         return principal.tenant
+
+    @staticmethod
+    def _throttled(call: CallContext, wait: int) -> GatewayError:
+        metrics.AUTH_THROTTLED.inc()
+        return GatewayError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"too many failed authentications from {call.source}; "
+            f"retry after {wait} ms with a valid API key",
+            retry_after_ms=wait,
+        )
 
     async def _principal(self, authorization: str) -> Principal:
         key = bearer_key(authorization)

@@ -9,14 +9,18 @@ place that maps it to HTTP, the way OpenAI's SDKs classify it:
     NOT_FOUND          404 invalid_request_error  model_not_found (param "model")
     RESOURCE_EXHAUSTED 429 rate_limit_error       rate_limit_exceeded  (a tenant limit:
                                                   QuotaFailure details; Retry-After)
-                       503 service_unavailable    engine_overloaded    (every engine full)
+                       429 rate_limit_error       engine_overloaded    (every engine full)
+                       429 rate_limit_error       auth_throttled       (failed-auth throttle)
     UNAVAILABLE        503 service_unavailable    service_unavailable
     DEADLINE_EXCEEDED  504 timeout_error          deadline_exceeded
     anything else      500 server_error
 
 ``Retry-After`` carries whole seconds (rounded up); ``retry-after-ms`` the
-exact wait (the OpenAI SDKs prefer it). ``x-should-retry: false`` tells the
-SDKs not to retry a limit that waiting cannot satisfy.
+exact wait (the OpenAI SDKs prefer it). Overload is 429, never 503: Envoy
+retries a 503 on another replica (a draining one), and retrying "every engine
+is full" or a throttled address would only multiply the load that refused it.
+``x-should-retry: false`` tells the SDKs not to retry a limit that waiting
+cannot satisfy.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ _MAP: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
     grpc.StatusCode.CANCELLED: (499, "cancelled", "cancelled"),
 }
+_THROTTLED = "failed authentications"  # the failed-auth throttle's message
+OVERLOAD_RETRY_MS = 1000  # an overload answer without a wait of its own
 _SAMPLING_FIELD = re.compile(r"\bsampling\.([a-z_]+)")
 # pipeline field names -> OpenAI request fields (chat / completions)
 _PARAMS = {"logprobs": ("top_logprobs", "logprobs"), "stop_token_ids": ("stop_token_ids",) * 2}
@@ -90,8 +96,9 @@ class ApiError(Exception):
         retry_ms = e.retry_after_ms
         should_retry: bool | None = None
         if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-            if not e.trailers:  # no QuotaFailure: the engines are full, not the tenant's limit
-                status, type_, code = 503, "service_unavailable", "engine_overloaded"
+            if not e.trailers:  # no QuotaFailure: not the tenant's limit
+                code = "auth_throttled" if _THROTTLED in e.message else "engine_overloaded"
+                retry_ms = OVERLOAD_RETRY_MS if retry_ms is None else retry_ms
             should_retry = retry_ms is not None
         return cls(
             status,

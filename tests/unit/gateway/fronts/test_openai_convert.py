@@ -140,7 +140,7 @@ def test_status_mapping(code: grpc.StatusCode, status: int, etype: str) -> None:
     assert set(e.body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_tenant_limit_is_429_and_full_engines_503_both_with_retry_after() -> None:
+def test_tenant_limit_full_engines_and_the_auth_throttle_are_429_with_retry_after() -> None:
     tenant = ApiError.from_gateway(
         GatewayError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -162,8 +162,15 @@ def test_tenant_limit_is_429_and_full_engines_503_both_with_retry_after() -> Non
     engines = ApiError.from_gateway(
         GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", retry_after_ms=200)
     )
-    assert (engines.status, engines.code) == (503, "engine_overloaded")
+    assert (engines.status, engines.code) == (429, "engine_overloaded")
     assert engines.headers()["Retry-After"] == "1"
+    throttled = ApiError.from_gateway(
+        GatewayError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "too many failed authentications from 1.2.3.4"
+        )
+    )
+    assert (throttled.status, throttled.code) == (429, "auth_throttled")
+    assert throttled.headers()["retry-after-ms"] == "1000"  # a wait even when none was given
 
 
 @pytest.mark.parametrize(
