@@ -100,7 +100,10 @@ class EngineConfig:
     Attributes:
         model_dir: HF checkpoint directory; empty = ``common.config.default_model_dir()``.
         dtype: weight dtype: ``float32``, ``bfloat16``, ``float16`` or ``auto``
-            (bf16 on CPU/CUDA; attention stays fp32 on CPU either way).
+            (bf16 on CUDA; on CPU the faster of fp32 and bf16, timed at start on a
+            small copy of the model at the batches the scheduler makes: a
+            ``max_num_seqs`` decode step, a ``max_num_batched_tokens`` prefill
+            chunk and a lone decode; attention math stays fp32 on CPU).
         device: ``cpu``, ``cuda``, ``cuda:1`` … or ``auto`` (CUDA when present).
         block_size: tokens per KV block.
         num_kv_blocks: pool size; 0 = derive from the memory budget below.

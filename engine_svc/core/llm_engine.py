@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from common.config import default_model_dir
+from engine_svc.core.compute_choice import choose_linear, kv_cache_dtype
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.core.model_runner import ModelRunner, determine_num_blocks
@@ -34,9 +35,8 @@ from engine_svc.core.stop_checker import take_new_tokens
 from engine_svc.core.validation import validate_request
 from engine_svc.models import cpu_kernels
 from engine_svc.models.attention import choose_prefill_dtype, choose_prefill_kernel
-from engine_svc.models.config import load_model_config
-from engine_svc.models.linear import LinearChoice, choose_cpu_dtype, tune_linears
-from engine_svc.models.loader import load_model, resolve_dtype
+from engine_svc.models.linear import tune_linears
+from engine_svc.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -47,35 +47,6 @@ def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def _choose_linear(config: EngineConfig, model_dir: str, device: torch.device) -> LinearChoice:
-    """Weight dtype and matmul form: measured on this CPU unless the config forces them."""
-    if config.dtype != "auto":
-        return LinearChoice(resolve_dtype(config.dtype), "forced")
-    if device.type != "cpu":
-        return LinearChoice(torch.bfloat16, "device")
-    if config.quantization == "fp8":  # FP8 projections have their own kernels
-        return LinearChoice(torch.bfloat16, "fp8")
-    mc = load_model_config(model_dir)
-    return choose_cpu_dtype(mc.hidden_size, mc.intermediate_size)
-
-
-_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def _kv_cache_dtype(name: str, weight_dtype: torch.dtype, attn_dtype: torch.dtype) -> torch.dtype:
-    """``auto``: bf16 beside bf16 weights (half the bytes every decode step reads), else the
-    attention dtype; or an explicit ``bfloat16``, ``float32`` or ``fp8``.
-
-    Raises:
-        ValueError: an unknown name.
-    """
-    if name == "auto":
-        return torch.bfloat16 if weight_dtype == torch.bfloat16 else attn_dtype
-    if name not in _KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype {name!r}: use 'auto', {', '.join(map(repr, _KV_DTYPES))}")
-    return _KV_DTYPES[name]
 
 
 def _make_output(req: Request) -> RequestOutput:
@@ -123,7 +94,7 @@ class LLMEngine:
         self.clock = clock
         self.device = _resolve_device(config.device)
         self.model_dir = config.model_dir or str(default_model_dir())
-        self.linear_choice = _choose_linear(config, self.model_dir, self.device)
+        self.linear_choice = choose_linear(config, self.model_dir, self.device)
         self.weight_dtype = self.linear_choice.dtype
         self.model = load_model(
             self.model_dir,
@@ -142,7 +113,7 @@ class LLMEngine:
             self.model.prefill_attn_dtype = dtype
             logger.info("prefill attention: %s (ms per 512-token prompt: %s)", dtype, timings)
         self.model_config = self.model.config
-        kv_dtype = _kv_cache_dtype(config.kv_cache_dtype, self.weight_dtype, self.model.attn_dtype)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.weight_dtype, self.model.attn_dtype)
         if self.device.type == "cpu" and config.tune_linear_paths:
             mc = self.model.config
             fused, ms = choose_prefill_kernel(
@@ -173,6 +144,7 @@ class LLMEngine:
         self._totals = {"requests": 0, "prompt": 0, "generation": 0, "steps": 0, "interrupts": 0}
         self.last_step_timings: StepTimings | None = None  # None until a step ran a batch
         self.interrupt_timings: list[StepTimings] = []  # of nested steps; the caller clears it
+        logger.info("engine computes: %s", self.compute_description)
 
     @property
     def max_model_len(self) -> int:
@@ -425,9 +397,12 @@ class LLMEngine:
         attn = str(self.model.prefill_attn_dtype or self.model.attn_dtype).removeprefix("torch.")
         if self.model.prefill_attn_kernel:
             attn = "fused amx bfloat16"
+        tier = ""
+        why = f"; measured: {c.detail}" if c.detail else ""
         return (
             f"{c.name} ({c.reason}), prefill attention {attn}, kernels={kernels}, "
-            f"threads={torch.get_num_threads()}"
+            f"threads={torch.get_num_threads()}{tier}, kv={self.runner.kv_cache_bytes >> 20} MiB"
+            f"{why}"
         )
 
 

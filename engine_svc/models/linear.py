@@ -17,10 +17,11 @@ AMX or AVX512-BF16 a bf16 GEMM is several times faster than fp32, on an
 AVX2-only CPU it is 4-6x slower; a prepacked oneDNN weight is 2x faster on some
 machines and buys nothing on others; where the CPU has AMX, our tile kernel
 (the weight streamed once in tile order) is ~2x faster than oneDNN's at decode
-and prefill row counts on the machines measured. ``choose_cpu_dtype`` times the model's
-MLP shapes for each dtype before the weights are loaded; ``tune_linears`` then
-times the loaded model's own projections (weights streamed from memory, as in
-serving) at decode and prefill row counts and sets the thresholds.
+and prefill row counts on the machines measured. ``path_choice`` times a small
+copy of the model per dtype, on the batches the engine will run, before the
+weights are loaded; ``tune_linears`` then times the loaded model's own
+projections (weights streamed from memory, as in serving) at decode and prefill
+row counts and sets the thresholds.
 """
 
 from __future__ import annotations
@@ -39,8 +40,6 @@ from engine_svc.models import ops, timing
 
 logger = logging.getLogger(__name__)
 
-CANDIDATE_DTYPES = (torch.float32, torch.bfloat16)
-DTYPE_BENCH_ROWS = (1, 16, 64, 256)
 SKINNY_ROWS = (1, 2, 4, 8, 16, 32)
 LARGE_ROWS = (16, 64, 256)
 PACKING_MIN_GAIN = 1.10  # a packed copy costs memory: take it only when clearly faster
@@ -145,6 +144,7 @@ class LinearChoice:
             without a 4-bit copy).
         q4_max_rows: rows up to which the 4-bit GEMV runs (projections with one).
         timings_ms: what was measured (candidate -> rows -> median ms).
+        detail: why this dtype, in words (the measured candidates), for logs and model info.
     """
 
     dtype: torch.dtype
@@ -154,6 +154,7 @@ class LinearChoice:
     skinny_max_rows: int = 0
     q4_max_rows: int = 0
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
+    detail: str = ""
 
     @property
     def name(self) -> str:
@@ -170,41 +171,6 @@ class LinearChoice:
 
 def _geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
-
-
-def _mlp_pair(x: torch.Tensor, h: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-    F.linear(x, up)
-    F.linear(h, down)
-
-
-def choose_cpu_dtype(hidden: int, intermediate: int) -> LinearChoice:
-    """Pick the weight dtype for this CPU by timing the model's MLP shapes with F.linear.
-
-    Each dtype is scored by the geometric mean of its time over decode and
-    prefill row counts, so neither single-stream latency nor batched
-    throughput is sacrificed to the other. The dtypes are timed in interleaved
-    rounds, best of each (``timing.compare_ms``): load from other processes
-    cannot make a slow dtype look fast.
-    """
-    g = torch.Generator().manual_seed(0)
-    dtypes = {str(dt).removeprefix("torch."): dt for dt in CANDIDATE_DTYPES}
-    timings: dict[str, dict[int, float]] = {n: {} for n in dtypes}
-    with torch.inference_mode():
-        up32 = torch.randn(2 * intermediate, hidden, generator=g)
-        down32 = torch.randn(hidden, intermediate, generator=g)
-        weights = {n: (up32.to(dt), down32.to(dt)) for n, dt in dtypes.items()}
-        for rows in DTYPE_BENCH_ROWS:
-            x32 = torch.randn(rows, hidden, generator=g)
-            h32 = torch.randn(rows, intermediate, generator=g)
-            runs = {
-                n: partial(_mlp_pair, x32.to(dt), h32.to(dt), *weights[n])
-                for n, dt in dtypes.items()
-            }
-            for n, ms in timing.compare_ms(runs, rounds=9 if rows <= 64 else 5).items():
-                timings[n][rows] = ms
-    scores = {n: _geomean(list(t.values())) for n, t in timings.items()}
-    best = dtypes[min(scores, key=lambda n: scores[n])]
-    return LinearChoice(best, "benchmark", timings_ms=timings)
 
 
 def _run_all(linears: Sequence[Linear], xs: dict[int, torch.Tensor]) -> None:
