@@ -49,7 +49,15 @@ class ApiKey:
     owner: str = ""  # who holds it (a person or a service), for audits
     description: str = ""
     rotated_to: str = ""  # key id of the key that replaced this one (RotateApiKey)
-    budgets: tuple[Budget, ...] = ()  # the key's own, inside its tenant's (owner = key_id)
+    budgets: tuple[Budget, ...] = ()  # the key's own, inside its tenant's (owner = spends_as)
+    # the key whose budget counters this key's budgets count on ("" = its own): a rotated
+    # key's replacement inherits its predecessor's spending (and so on down a chain)
+    budget_owner: str = ""
+
+    @property
+    def spends_as(self) -> str:
+        """The owner of this key's budget counters: its predecessor's, or its own id."""
+        return self.budget_owner or self.key_id
 
     def expired(self, now: float) -> bool:
         """True once ``expires_at`` (if set) has passed."""
@@ -114,6 +122,7 @@ def key_to_json(key: ApiKey) -> str:
             "description": key.description,
             "rotated_to": key.rotated_to,
             "budgets": [budget_to_dict(b) for b in key.budgets],
+            **({"budget_owner": key.budget_owner} if key.budget_owner else {}),
         }
     )
 
@@ -135,7 +144,11 @@ def key_from_json(raw: str) -> ApiKey:
         owner=str(d.get("owner", "")),
         description=str(d.get("description", "")),
         rotated_to=str(d.get("rotated_to", "")),
-        budgets=tuple(budget_from_dict(b, owner=str(d["key_id"])) for b in d.get("budgets", ())),
+        budgets=tuple(
+            budget_from_dict(b, owner=str(d.get("budget_owner") or d["key_id"]))
+            for b in d.get("budgets", ())
+        ),
+        budget_owner=str(d.get("budget_owner", "")),
     )
 
 

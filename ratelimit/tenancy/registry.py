@@ -200,15 +200,17 @@ class Registry:
         updated = dataclasses.replace(key, **changes)
         validate_key_text(name=updated.name, owner=updated.owner, description=updated.description)
         validate_budgets(f"API key {key_id}", updated.budgets)
-        updated = dataclasses.replace(updated, budgets=_owned(updated.budgets, key_id))
+        updated = dataclasses.replace(updated, budgets=_owned(updated.budgets, updated.spends_as))
         if "expires_at" in changes and updated.expires_at and updated.expires_at <= self.wall():
             raise ValueError("expires_at is in the past; revoke the key to end it now")
         await self._save_key(updated, "update key")
         return updated
 
     async def rotate_key(self, key_id: str, grace_s: float) -> tuple[str, ApiKey, ApiKey]:
-        """Issue a replacement of a key (same tenant, role, name, owner, description) and
-        let the old one live ``grace_s`` more seconds (or less, if it expires sooner).
+        """Issue a replacement of a key (same tenant, role, name, owner, description and
+        budgets, whose spending so far it inherits: both keys count on one set of
+        counters) and let the old one live ``grace_s`` more seconds (or less, if it
+        expires sooner).
         Returns (new plaintext, new record, old record).
 
         Raises:
@@ -222,8 +224,11 @@ class Registry:
         if old.revoked or old.expired(now):
             raise ValueError(f"API key {key_id} is revoked or expired; create a new key instead")
         plaintext = generate_key()
-        new = await self._store_key(
-            plaintext, dataclasses.replace(old, revoked=False, expires_at=0.0, rotated_to="")
+        new = await self._store_key(  # its budgets count on the old key's counters
+            plaintext,
+            dataclasses.replace(
+                old, revoked=False, expires_at=0.0, rotated_to="", budget_owner=old.spends_as
+            ),
         )
         end = now + grace_s
         old = dataclasses.replace(
@@ -283,7 +288,7 @@ class Registry:
         key = dataclasses.replace(
             template,
             key_id=key_id,
-            budgets=_owned(template.budgets, key_id),
+            budgets=_owned(template.budgets, template.budget_owner or key_id),
             display_prefix=plaintext[:DISPLAY_PREFIX_LEN],
             key_hash=digest,
             created_at=self.wall(),
@@ -356,7 +361,7 @@ class Registry:
 
 
 def _owned(budgets: tuple[Budget, ...], key_id: str) -> tuple[Budget, ...]:
-    """The budgets as the key ``key_id``'s own."""
+    """The budgets as counted on the key ``key_id``'s counters."""
     return tuple(dataclasses.replace(b, owner=key_id) for b in budgets)
 
 
