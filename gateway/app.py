@@ -15,6 +15,7 @@ from common.service_auth import read_service_token
 from gateway.config import GatewayConfig
 from gateway.fleet.discovery import Discovery, has_names
 from gateway.fleet.dispatcher import Dispatcher
+from gateway.fleet.engine_client import ChannelSecurity
 from gateway.fleet.fair_queue import FairQueues
 from gateway.fleet.replica_pool import ReplicaPool
 from gateway.fleet.retry import RetryBudget, RetryPolicy
@@ -63,6 +64,12 @@ class GatewayApp:
             default_model=config.default_model,
             service_token=token,
             tokenizers=tokenizers,
+            security=ChannelSecurity.from_files(
+                config.engine_tls_ca_file,
+                config.engine_tls_cert_file,
+                config.engine_tls_key_file,
+                config.engine_tls_server_name,
+            ),
         )
         encoder = Encoder(
             config.tokenizer, config.encode_timeout_s, token, in_process=config.tokenize_in_process

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl
 
 import yaml
 
@@ -17,13 +18,99 @@ from common.config import ServiceConfig, deprecated_flat_names
 from gateway.routing_policy import policies_from_config
 from ratelimit.budget.policy import PriceTable
 
+# the engine protocols an engine entry may name: llm.v1.Engine (ours; also a bare
+# host:port), smg-grpc-proto's VllmEngine (``vllm serve --grpc``) and TrtllmService
+# (``trtllm-serve --grpc``)
+ENGINE_PROTOCOLS = ("llm", "vllm", "trtllm")
+ENGINE_OPTIONS = ("model", "version")  # what an entry's query may set
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEntry:
+    """One ``[gateway] engines`` entry: ``[protocol://]host:port[?model=M&version=V]``.
+
+    ``model`` and ``version`` name what a standard engine serves where its own protocol
+    does not say it the gateway's way (VllmEngine and TrtllmService have no model version;
+    "" = the engine's own name, no version).
+    """
+
+    protocol: str
+    host: str
+    port: int
+    model: str = ""
+    version: str = ""
+    name: str = ""  # the DNS name this address came from ("" = as configured)
+
+    @property
+    def tls_name(self) -> str:
+        """The name its certificate is checked against: the configured host."""
+        return self.name or self.host
+
+    def with_host(self, host: str) -> EngineEntry:
+        """The same entry at one address of its DNS name."""
+        return EngineEntry(self.protocol, host, self.port, self.model, self.version, self.host)
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        scheme = "" if self.protocol == "llm" else f"{self.protocol}://"
+        query = "&".join(f"{k}={getattr(self, k)}" for k in ENGINE_OPTIONS if getattr(self, k))
+        return f"{scheme}{host}:{self.port}" + (f"?{query}" if query else "")
+
+
+def parse_engine_entry(text: str) -> EngineEntry:
+    """An engine entry; a bare ``host:port`` (and ``llm://``) is llm.v1.Engine.
+
+    Raises:
+        ValueError: the message names the entry and what is wrong with it.
+    """
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "llm", text
+    if scheme not in ENGINE_PROTOCOLS:
+        raise ValueError(
+            f"[gateway] engines: {text!r} names protocol {scheme!r}; use one of "
+            + ", ".join(f"{p}://" for p in ENGINE_PROTOCOLS)
+            + " (a bare host:port is llm://)"
+        )
+    where, _, query = rest.partition("?")
+    host, _, port = where.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"[gateway] engines: {text!r} is not [protocol://]host:port")
+    try:
+        options = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)))
+    except ValueError:
+        raise ValueError(f"[gateway] engines: {text!r}: the query is not key=value&...") from None
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+    if options and scheme == "llm":
+        raise ValueError(
+            f"[gateway] engines: {text!r}: an llm.v1 engine reports its own model and "
+            "version; ?model= and ?version= are for vllm:// and trtllm:// entries"
+        )
+    if unknown:
+        raise ValueError(
+            f"[gateway] engines: {text!r} sets {unknown}; an entry may set only "
+            f"{list(ENGINE_OPTIONS)}"
+        )
+    return EngineEntry(scheme, host, int(port), **options)
+
 
 @dataclass(slots=True)
 class GatewayConfig(ServiceConfig):
     """Settings of one gateway replica.
 
     Attributes:
-        engines: Engine replicas as ``host:port`` strings.
+        engines: Engine replicas, each ``[protocol://]host:port``: a bare ``host:port``
+            (or ``llm://``) speaks llm.v1.Engine, ``vllm://`` VllmEngine (``vllm serve
+            --grpc``), ``trtllm://`` TrtllmService (``trtllm-serve --grpc``); a query
+            ``?model=M&version=V`` names a standard engine's model and version
+            (docs/engine-protocols.md). A DNS name stands for each address it resolves to.
+        engine_tls_ca_file: CA bundle that engine certificates must chain to; set, every
+            engine channel is TLS ("" = plaintext engine channels).
+        engine_tls_cert_file / engine_tls_key_file: The gateway's client certificate and
+            key for engines that require mutual TLS (both or neither; need the CA file).
+        engine_tls_server_name: The name engine certificates are checked against ("" =
+            each entry's host; a DNS name's addresses are checked against the name).
         tokenizer: Address of tokenizer_svc (``host:port``).
         model_dir: A tokenizer for engines that serve none ("" = none: every model's
             tokenizer comes from its engines, ``Engine.GetTokenizer``).
@@ -82,6 +169,12 @@ class GatewayConfig(ServiceConfig):
         shadow_max_in_flight: Shadow copies allowed at once per gateway replica.
         http_port: The OpenAI-compatible HTTP front (``gateway.fronts.http``) on ``host``
             (0 = an ephemeral port, -1 = no HTTP front).
+        http_body_timeout_s: Longest a request body may take to arrive on the HTTP front
+            once its headers are in (408 and the connection closes past it; 0 = no limit).
+        http_max_bodies_per_tenant: Request bodies one tenant may have arriving at once
+            on one gateway process (429 past it; 0 = no cap). A tenant's
+            ``max_concurrent`` caps it too: nothing of its limits is held until the body
+            is in, so slow bodies would otherwise be free.
         workers: Processes serving this replica's ports (``gateway.workers``): 1 = this
             process serves them; N > 1 = a supervisor and N worker processes sharing the
             gRPC and HTTP ports (SO_REUSEPORT: the kernel spreads connections, not the
@@ -96,6 +189,10 @@ class GatewayConfig(ServiceConfig):
     port: int = 50051
     grace_seconds: float = 30.0
     engines: list[str] = field(default_factory=lambda: ["127.0.0.1:50071"])
+    engine_tls_ca_file: str = ""
+    engine_tls_cert_file: str = ""
+    engine_tls_key_file: str = ""
+    engine_tls_server_name: str = ""
     tokenizer: str = "127.0.0.1:50061"
     model_dir: str = ""
     default_model: str = ""
@@ -134,6 +231,8 @@ class GatewayConfig(ServiceConfig):
     guard_interval_s: float = 2.0
     shadow_max_in_flight: int = 8
     http_port: int = 8000
+    http_body_timeout_s: float = 10.0
+    http_max_bodies_per_tenant: int = 4
     workers: int = 1
     prices: dict[str, Any] = field(default_factory=dict)
 
@@ -141,9 +240,8 @@ class GatewayConfig(ServiceConfig):
         if not self.engines:
             raise ValueError("[gateway] engines is empty: list at least one host:port")
         for addr in self.engines:
-            host, _, port = addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"[gateway] engines: {addr!r} is not host:port")
+            parse_engine_entry(addr)
+        self._validate_engine_tls()
         if not self.request_timeout_s <= self.max_request_timeout_s < float("inf"):
             raise ValueError(
                 "[gateway] max_request_timeout_s must be finite and >= "
@@ -178,6 +276,8 @@ class GatewayConfig(ServiceConfig):
             "auth_failures_per_minute",
             "queue_max_wait_ms",
             "tenant_shard_size",
+            "http_body_timeout_s",
+            "http_max_bodies_per_tenant",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"[gateway] {name} must be >= 0, got {getattr(self, name)}")
@@ -189,6 +289,19 @@ class GatewayConfig(ServiceConfig):
         self._validate_breaker()
         self._parse_routing_policies()
         self._parse_prices()
+
+    def _validate_engine_tls(self) -> None:
+        pair = (self.engine_tls_cert_file, self.engine_tls_key_file)
+        if any(pair) and not all(pair):
+            raise ValueError(
+                "[gateway] engine_tls_cert_file and engine_tls_key_file go together: "
+                "set both for mutual TLS to the engines, or neither"
+            )
+        if any(pair) and not self.engine_tls_ca_file:
+            raise ValueError(
+                "[gateway] engine_tls_cert_file needs engine_tls_ca_file (the CA the "
+                "engines' certificates chain to)"
+            )
 
     def _validate_breaker(self) -> None:
         try:

@@ -1,10 +1,12 @@
 """Engine replicas behind a DNS name: every address is a replica, re-resolved periodically.
 
-``[gateway] engines`` lists ``host:port`` entries. An IP literal is one
-replica. A name (for example a Kubernetes headless Service, ``engine:50071``)
-stands for every address it resolves to, so the gateway balances over the
-pods itself (health, load, KV usage, breakers) instead of gRPC's pick-first
-sending everything to one of them. Names are resolved again every
+``[gateway] engines`` lists ``[protocol://]host:port`` entries
+(``gateway.config.EngineEntry``); each address of an entry keeps its protocol and
+options, and remembers the name it came from (engine certificates are checked
+against it). An IP literal is one replica. A name (for example a Kubernetes
+headless Service, ``engine:50071``) stands for every address it resolves to, so the
+gateway balances over the pods itself (health, load, KV usage, breakers) instead of
+gRPC's pick-first sending everything to one of them. Names are resolved again every
 ``discovery_interval_s``: new pods join the pool, vanished ones are taken out
 of routing at once and closed after ``grace_s`` (their streams finish or fail
 over first). IPv4 addresses are preferred when a name has both families, so
@@ -20,6 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from common.log import get_logger
 from common.tasks import cancel_and_wait
+from gateway.config import EngineEntry, parse_engine_entry
 
 log = get_logger(__name__)
 
@@ -47,24 +50,28 @@ async def resolve(host: str, port: int) -> list[str]:
     return [f"{ip}:{port}" for ip in v4] or [f"[{ip}]:{port}" for ip in v6]
 
 
-async def expand(entries: Sequence[str], resolver: Resolver = resolve) -> list[str]:
+async def expand(entries: Sequence[str], resolver: Resolver = resolve) -> list[EngineEntry]:
     """The replica addresses of ``entries``; a name that does not resolve adds none."""
-    out: list[str] = []
-    for entry in entries:
-        host, port = split(entry)
-        if is_ip(host):
-            out.append(entry)
+    out: dict[str, EngineEntry] = {}
+    for text in entries:
+        entry = parse_engine_entry(text)
+        if is_ip(entry.host):
+            out.setdefault(str(entry), entry)
             continue
         try:
-            out.extend(await resolver(host, port))
+            addresses = await resolver(entry.host, entry.port)
         except OSError as e:
-            log.warning("engine name does not resolve (yet)", entry=entry, error=str(e))
-    return list(dict.fromkeys(out))
+            log.warning("engine name does not resolve (yet)", entry=text, error=str(e))
+            continue
+        for address in addresses:
+            one = entry.with_host(split(address)[0])
+            out.setdefault(str(one), one)
+    return list(out.values())
 
 
 def has_names(entries: Sequence[str]) -> bool:
     """True when some entry is a DNS name (so re-resolving can change the pool)."""
-    return any(not is_ip(split(e)[0]) for e in entries)
+    return any(not is_ip(parse_engine_entry(e).host) for e in entries)
 
 
 class Discovery:
@@ -79,7 +86,7 @@ class Discovery:
     def __init__(
         self,
         entries: Sequence[str],
-        sync: Callable[[list[str]], None],
+        sync: Callable[[list[EngineEntry]], None],
         interval_s: float,
         resolver: Resolver = resolve,
     ) -> None:
@@ -89,7 +96,7 @@ class Discovery:
         self._resolver = resolver
         self._task: asyncio.Task[None] | None = None
 
-    async def refresh(self) -> list[str]:
+    async def refresh(self) -> list[EngineEntry]:
         """Resolve once and sync; an empty answer keeps the current pool (DNS hiccup)."""
         addresses = await expand(self.entries, self._resolver)
         if addresses:

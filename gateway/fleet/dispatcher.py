@@ -6,7 +6,8 @@
         failover on, failovers left ──► same prompt + the k tokens as
         resumed_output_token_ids on replica B, remaining max_tokens budget and deadline
 
-Every attempt goes to a replica this request has not tried. Whatever ends an
+Every attempt goes to a replica this request has not tried, through its engine client
+(``gateway.fleet.engine_client``), whatever protocol that engine speaks. Whatever ends an
 attempt (done, error, stop string, client cancel) cancels its engine call at
 once, so the engine frees the KV blocks, and reports the outcome to the
 replica's breaker.
@@ -23,7 +24,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -32,6 +33,7 @@ from common.breaker import Ticket
 from common.log import get_logger
 from gateway import metrics
 from gateway.domain import Chunk, Deadline, GatewayError, Trace
+from gateway.fleet.engine_client.base import GenerateStream
 from gateway.fleet.fair_queue import FairQueue, FairQueues
 from gateway.fleet.replica import Replica
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
@@ -368,7 +370,7 @@ class Dispatcher:
         verdict: bool | None = None
         num_tokens = 0
         ttft: float | None = None
-        call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
+        call: GenerateStream | None = None
         span = None
         failure = grpc.StatusCode.CANCELLED.name  # until it finishes or fails otherwise
         try:
@@ -378,12 +380,8 @@ class Dispatcher:
             span, traceparent = engine_call(
                 job.trace, replica.address, job.request_id, len(text.token_ids), job.traceparent
             )
-            metadata = (
-                ("x-request-id", job.request_id),
-                ("traceparent", traceparent),
-                *replica.call_metadata,
-            )
-            call = replica.stub.Generate(
+            metadata = (("x-request-id", job.request_id), ("traceparent", traceparent))
+            call = replica.client.generate(
                 self._engine_request(job, text), timeout=job.deadline.remaining(), metadata=metadata
             )
             progress.dispatched = True

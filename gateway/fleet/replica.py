@@ -1,12 +1,16 @@
-"""One engine replica as the gateway sees it: channel, health watch, stats, model info.
+"""One engine replica as the gateway sees it: its client, health watch, stats, model info.
 
-Two background tasks per replica keep its view fresh:
+The replica speaks to its engine through an engine client (``gateway.fleet.engine_client``:
+llm.v1, VllmEngine or TrtllmService, as its entry says), always in llm.v1 terms. Two
+background tasks per replica keep its view fresh:
 
-    health watch   grpc.health.v1 Watch stream; SERVING -> healthy. A broken
-                   stream (process killed, connection refused) marks it
-                   unhealthy at once; it reconnects with backoff.
-    stats poll     GetStats every ``stats_interval_s``: queue, running, KV
-                   usage, draining. GetModelInfo whenever it turns healthy.
+    health watch   the client's health answers (llm.v1: the grpc.health.v1 Watch
+                   stream; a standard protocol: its HealthCheck polled); serving ->
+                   healthy. A broken stream or failed poll (process killed,
+                   connection refused) marks it unhealthy at once; it reconnects
+                   with backoff.
+    stats poll     the client's stats every ``stats_interval_s``: queue, running, KV
+                   usage, draining. Model info whenever it turns healthy.
 
 A replica turns healthy only once its ModelInfo is known and its model's
 tokenizer is held (``gateway.fleet.tokenizers``); until then the watch retries
@@ -19,56 +23,52 @@ breaker judges it from call outcomes (``common.breaker``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.breaker import ORDINARY, CircuitBreaker, Ticket
 from common.log import get_logger
-from common.service_auth import token_metadata
 from common.tasks import cancel_and_wait
 from gateway import metrics
+from gateway.config import EngineEntry, parse_engine_entry
+from gateway.fleet.engine_client import ChannelSecurity, EngineClient, connect
 from gateway.fleet.tokenizers import TokenizerFetchError, TokenizerSet
-from llm.v1 import engine_pb2, engine_pb2_grpc
+from llm.v1 import engine_pb2
 
 log = get_logger(__name__)
 
-CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-]
-
 
 class Replica:
-    """State and stubs of one engine replica.
+    """State and engine client of one engine replica.
 
     Args:
-        address: ``host:port``.
+        entry: Its engine entry (``[protocol://]host:port``, parsed or not).
         breaker: Its circuit breaker.
-        stats_interval_s: GetStats period.
+        stats_interval_s: Stats period (and a standard protocol's health poll).
+        service_token: Sent on every engine call ("" = none).
         tokenizers: Where its model's tokenizer is fetched to (None = a set of its own).
+        security: Plaintext, TLS or mutual TLS engine channels.
+        client: Its engine client (None = the one its entry names).
     """
 
     def __init__(
         self,
-        address: str,
+        entry: str | EngineEntry,
         breaker: CircuitBreaker,
         stats_interval_s: float,
         service_token: str = "",
         tokenizers: TokenizerSet | None = None,
+        security: ChannelSecurity | None = None,
+        client: EngineClient | None = None,
     ) -> None:
-        self.address = address
+        parsed = parse_engine_entry(entry) if isinstance(entry, str) else entry
+        self.address = str(parsed)
         self.tokenizers = tokenizers if tokenizers is not None else TokenizerSet()
-        self.call_metadata = token_metadata(service_token)  # sent on every engine call
         self.breaker = breaker
         self.stats_interval_s = stats_interval_s
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.stub = engine_pb2_grpc.EngineStub(self.channel)
-        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.client = client or connect(parsed, service_token, security, stats_interval_s)
         self.healthy = False
         self.stats: engine_pb2.EngineStats | None = None
         self.info: engine_pb2.ModelInfo | None = None
@@ -76,9 +76,9 @@ class Replica:
         self.last_pick = 0.0
         self.last_error = "not connected yet"
         self._tasks: list[asyncio.Task[None]] = []
-        metrics.BREAKER_STATE.labels(address).set(0)
-        metrics.HEALTHY.labels(address).set(0)
-        metrics.OUTSTANDING.labels(address).set(0)
+        metrics.BREAKER_STATE.labels(self.address).set(0)
+        metrics.HEALTHY.labels(self.address).set(0)
+        metrics.OUTSTANDING.labels(self.address).set(0)
 
     @property
     def draining(self) -> bool:
@@ -95,7 +95,7 @@ class Replica:
     async def close(self) -> None:
         """Stop the background tasks and close the channel."""
         await cancel_and_wait(*self._tasks)
-        await self.channel.close(None)
+        await self.client.close()
 
     def acquire(self) -> None:
         """Count one call in flight (the breaker already admitted it)."""
@@ -124,19 +124,15 @@ class Replica:
         backoff = 0.1
         while True:
             try:
-                stream = self._health.Watch(health_pb2.HealthCheckRequest(service=""))
-                try:
-                    async for resp in stream:
-                        serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+                async with contextlib.aclosing(self.client.watch_health()) as answers:
+                    async for why in answers:
+                        serving = not why
                         if serving and not self.healthy and not await self._refresh_info():
                             break  # a new watch after the backoff says SERVING again
-                        why = "" if serving else "health check says NOT_SERVING"
                         self._set_healthy(serving, why)
                         backoff = 0.1
                     else:
                         self._set_healthy(False, "health watch ended")
-                finally:
-                    stream.cancel()
             except grpc.aio.AioRpcError as e:
                 self._set_healthy(False, f"unreachable ({e.code().name}: {e.details()})")
             await asyncio.sleep(backoff)
@@ -146,17 +142,13 @@ class Replica:
         """ModelInfo, stats and the model's tokenizer; False (with ``last_error``) when
         one of them could not be had."""
         try:
-            info = await self.stub.GetModelInfo(
-                engine_pb2.GetModelInfoRequest(), timeout=5, metadata=self.call_metadata
-            )
-            self.stats = await self.stub.GetStats(
-                engine_pb2.GetStatsRequest(), timeout=5, metadata=self.call_metadata
-            )
+            info = await self.client.model_info(timeout_s=5)
+            self.stats = await self.client.stats(timeout_s=5)
         except grpc.aio.AioRpcError as e:
             self.last_error = f"GetModelInfo failed ({e.code().name}: {e.details()})"
             return False
         try:
-            await self.tokenizers.ensure(info, self.stub, self.call_metadata, self.address)
+            await self.tokenizers.ensure(info, self.client, self.address)
         except TokenizerFetchError as e:
             self.last_error = str(e)
             log.warning("engine replica not routable", replica=self.address, reason=str(e))
@@ -171,10 +163,6 @@ class Replica:
             if not self.healthy:
                 continue
             try:
-                self.stats = await self.stub.GetStats(
-                    engine_pb2.GetStatsRequest(),
-                    timeout=max(1.0, self.stats_interval_s),
-                    metadata=self.call_metadata,
-                )
+                self.stats = await self.client.stats(timeout_s=max(1.0, self.stats_interval_s))
             except grpc.aio.AioRpcError as e:
                 self.last_error = f"GetStats failed ({e.code().name})"

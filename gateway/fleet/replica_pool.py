@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from common.breaker import BreakerGroup, BreakerPolicy, BreakerState, Ticket
 from common.log import get_logger
 from gateway import metrics
+from gateway.config import EngineEntry, parse_engine_entry
+from gateway.fleet.engine_client import ChannelSecurity
 from gateway.fleet.replica import Replica
 from gateway.fleet.tokenizers import TokenizerSet
 from llm.v1 import engine_pb2
@@ -61,6 +63,15 @@ class ModelEntry:
     targets: tuple[str, ...] = ()  # a model route's targets in order ("model[@version]")
 
 
+def _entries(addresses: Sequence[str | EngineEntry]) -> dict[str, EngineEntry]:
+    """Engine entries by address text, first of each kept, in order."""
+    out: dict[str, EngineEntry] = {}
+    for a in addresses:
+        entry = parse_engine_entry(a) if isinstance(a, str) else a
+        out.setdefault(str(entry), entry)
+    return out
+
+
 def shard_rank(tenant: str, address: str) -> int:
     """Rendezvous-hash weight of ``address`` for ``tenant`` (higher = in its shard first)."""
     digest = hashlib.blake2b(f"{tenant}\0{address}".encode(), digest_size=8).digest()
@@ -80,7 +91,8 @@ class ReplicaPool:
     """Every configured engine replica, with breakers and the routing rule.
 
     Args:
-        addresses: ``host:port`` of each replica.
+        addresses: Each replica's engine entry (``[protocol://]host:port``, parsed or
+            not; the address is its text).
         policy: Breaker thresholds.
         max_ejected_fraction: Ejection cap of the breaker group.
         stats_interval_s: GetStats period.
@@ -90,11 +102,12 @@ class ReplicaPool:
         default_model: Model for requests without one ("" = the most common).
         tokenizers: The models' tokenizers, fetched by the replicas (None = a new set
             with no tokenizer of its own).
+        security: Plaintext, TLS or mutual TLS engine channels.
     """
 
     def __init__(
         self,
-        addresses: Sequence[str],
+        addresses: Sequence[str | EngineEntry],
         policy: BreakerPolicy,
         *,
         max_ejected_fraction: float = 0.5,
@@ -105,26 +118,29 @@ class ReplicaPool:
         default_model: str = "",
         service_token: str = "",
         tokenizers: TokenizerSet | None = None,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.service_token = service_token
+        self.security = security
         self.tokenizers = tokenizers if tokenizers is not None else TokenizerSet()
         self.breakers = BreakerGroup(policy, max_ejected_fraction, on_change=self._on_breaker)
         self.stats_interval_s = stats_interval_s
         self.retire_grace_s = 60.0
         self._retiring: set[asyncio.Future[None]] = set()
-        self.replicas = [self._replica(a) for a in dict.fromkeys(addresses)]
+        self.replicas = [self._replica(e) for e in _entries(addresses).values()]
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight
         self.tenant_shard_size = tenant_shard_size
         self._default_model = default_model
 
-    def _replica(self, address: str) -> Replica:
+    def _replica(self, entry: EngineEntry) -> Replica:
         return Replica(
-            address,
-            self.breakers.add(address),
+            entry,
+            self.breakers.add(str(entry)),
             self.stats_interval_s,
             self.service_token,
             self.tokenizers,
+            self.security,
         )
 
     @staticmethod
@@ -138,16 +154,17 @@ class ReplicaPool:
         for r in self.replicas:
             r.start()
 
-    def sync(self, addresses: Sequence[str]) -> None:
+    def sync(self, addresses: Sequence[str | EngineEntry]) -> None:
         """Make the pool exactly ``addresses`` (engine discovery): new replicas join,
         vanished ones leave routing at once and are closed after a grace period."""
-        wanted = list(dict.fromkeys(addresses))
+        entries = _entries(addresses)
+        wanted = list(entries)
         current = {r.address for r in self.replicas}
-        gone = [r for r in self.replicas if r.address not in wanted]
+        gone = [r for r in self.replicas if r.address not in entries]
         added = [a for a in wanted if a not in current]
         if not gone and not added:
             return
-        fresh = [self._replica(a) for a in added]
+        fresh = [self._replica(entries[a]) for a in added]
         self.replicas = [r for r in self.replicas if r.address in wanted] + fresh
         self.tokenizers.retain(r.info.tokenizer_digest for r in self.replicas if r.info)
         for r in gone:

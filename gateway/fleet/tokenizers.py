@@ -1,8 +1,10 @@
 """Each served model's tokenizer, fetched from its engines, keyed by content digest.
 
-An engine reports ``ModelInfo.tokenizer_digest`` and serves the files behind it
-(``Engine.GetTokenizer``), so the gateway needs no model directory of its own and
-several models with different vocabularies sit behind one gateway. A replica
+An llm.v1 engine reports ``ModelInfo.tokenizer_digest`` and serves the files behind it
+(``Engine.GetTokenizer``); a standard engine (VllmEngine, TrtllmService) announces none
+and serves a zip whose sha256 becomes the digest once fetched (the engine client checks
+it). Either way the gateway needs no model directory of its own and several models with
+different vocabularies sit behind one gateway. A replica
 becomes routable only once its tokenizer is here (``Replica`` calls ``ensure``
 when it turns healthy), so a request never waits for a download: the pipeline's
 ``get`` is a dictionary lookup.
@@ -16,25 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Sequence
-
-import grpc
+from collections.abc import Coroutine, Iterable
+from typing import Any
 
 from common.log import get_logger
 from gateway import metrics
-from llm.v1 import engine_pb2, engine_pb2_grpc
-from tokenizer_svc.tokenizer import (
-    MAX_TOKENIZER_BYTES,
-    TextTokenizer,
-    TokenizerFilesError,
-    tokenizer_digest,
-)
+from gateway.fleet.engine_client.base import EngineClient, NoTokenizerServed, TokenizerFetchError
+from llm.v1 import engine_pb2
+from tokenizer_svc.tokenizer import TextTokenizer, TokenizerFilesError, tokenizer_digest
 
 log = get_logger(__name__)
 
-
-class TokenizerFetchError(Exception):
-    """A replica's tokenizer could not be had; the replica stays out of routing."""
+__all__ = ["TokenizerFetchError", "TokenizerSet"]
 
 
 class TokenizerSet:
@@ -71,40 +66,69 @@ class TokenizerSet:
         return self._by_digest.get(info.tokenizer_digest)
 
     async def ensure(
-        self,
-        info: engine_pb2.ModelInfo,
-        stub: engine_pb2_grpc.EngineAsyncStub,
-        metadata: Sequence[tuple[str, str]],
-        source: str,
+        self, info: engine_pb2.ModelInfo, client: EngineClient, source: str
     ) -> TextTokenizer:
-        """The tokenizer of ``info``, fetched through ``stub`` unless already held (one
-        fetch per digest however many replicas ask at once).
+        """The tokenizer of ``info``, fetched through ``client`` unless already held (one
+        fetch per announced digest however many replicas ask at once; a standard
+        engine's zip is fetched to learn its digest, which is set in ``info``).
 
         Raises:
             TokenizerFetchError: Why the replica cannot be routed to.
         """
+        if not client.announces_tokenizer:
+            return await self._ensure_unannounced(info, client, source)
         digest = info.tokenizer_digest
         if not digest:
-            if self.local is None:
-                raise TokenizerFetchError(
-                    f"engine {source} serves no tokenizer for {info.model!r} and the "
-                    "gateway has none of its own (set gateway.model_dir)"
-                )
-            return self.local
+            return self._local(info, source)
         self._note_model(info.model, digest)
         held = self._by_digest.get(digest)
         if held is not None:
             return held
+        return await self._single_flight(
+            info.model, digest, source, self._fetch(info.model, digest, client, source)
+        )
+
+    def _local(self, info: engine_pb2.ModelInfo, source: str) -> TextTokenizer:
+        if self.local is None:
+            raise TokenizerFetchError(
+                f"engine {source} serves no tokenizer for {info.model!r} and the "
+                "gateway has none of its own (set gateway.model_dir)"
+            )
+        return self.local
+
+    async def _ensure_unannounced(
+        self, info: engine_pb2.ModelInfo, client: EngineClient, source: str
+    ) -> TextTokenizer:
+        t0 = time.perf_counter()
+        try:
+            digest, files = await client.tokenizer_files("", self.fetch_timeout_s)
+        except NoTokenizerServed:
+            return self._local(info, source)
+        info.tokenizer_digest = digest
+        self._note_model(info.model, digest)
+        held = self._by_digest.get(digest)
+        if held is not None:
+            return held
+        return await self._single_flight(
+            info.model, digest, source, self._load(info.model, digest, files, source, t0)
+        )
+
+    async def _single_flight(
+        self, model: str, digest: str, source: str, load: Coroutine[Any, Any, TextTokenizer]
+    ) -> TextTokenizer:
         future = self._loading.get(digest)
         if future is None:
             if len(self._by_digest) + len(self._loading) >= self.max_tokenizers:
+                load.close()
                 raise TokenizerFetchError(
                     f"the gateway already holds {self.max_tokenizers} distinct tokenizers; "
-                    f"not loading {info.model!r}'s from {source}"
+                    f"not loading {model!r}'s from {source}"
                 )
-            future = asyncio.ensure_future(self._fetch(info.model, digest, stub, metadata, source))
+            future = asyncio.ensure_future(load)
             self._loading[digest] = future
             future.add_done_callback(lambda f: self._loaded(digest, f))
+        else:
+            load.close()
         return await asyncio.shield(future)
 
     def _loaded(self, digest: str, future: asyncio.Future[TextTokenizer]) -> None:
@@ -134,44 +158,21 @@ class TokenizerSet:
             self._digest_of[model] = digest
 
     async def _fetch(
-        self,
-        model: str,
-        digest: str,
-        stub: engine_pb2_grpc.EngineAsyncStub,
-        metadata: Sequence[tuple[str, str]],
-        source: str,
+        self, model: str, digest: str, client: EngineClient, source: str
     ) -> TextTokenizer:
         t0 = time.perf_counter()
-        files: dict[str, bytearray] = {}
-        sizes: dict[str, int] = {}
-        total = 0
-        try:
-            call = stub.GetTokenizer(
-                engine_pb2.GetTokenizerRequest(),
-                timeout=self.fetch_timeout_s,
-                metadata=tuple(metadata),
-            )
-            async for piece in call:
-                total += len(piece.data)
-                if piece.digest != digest or total > MAX_TOKENIZER_BYTES:
-                    call.cancel()
-                    raise TokenizerFetchError(
-                        f"engine {source} sent a tokenizer other than the one it announced "
-                        f"or over {MAX_TOKENIZER_BYTES} bytes"
-                    )
-                files.setdefault(piece.name, bytearray()).extend(piece.data)
-                sizes[piece.name] = piece.file_size
-        except grpc.aio.AioRpcError as e:
-            raise TokenizerFetchError(
-                f"GetTokenizer on {source} failed ({e.code().name}: {e.details()})"
-            ) from None
-        whole = {name: bytes(data) for name, data in files.items()}
-        if any(len(whole[n]) != sizes[n] for n in whole) or tokenizer_digest(whole) != digest:
+        _, whole = await client.tokenizer_files(digest, self.fetch_timeout_s)
+        if tokenizer_digest(whole) != digest:
             raise TokenizerFetchError(
                 f"the tokenizer files from engine {source} do not match their digest"
             )
+        return await self._load(model, digest, whole, source, t0)
+
+    async def _load(
+        self, model: str, digest: str, files: dict[str, bytes], source: str, t0: float
+    ) -> TextTokenizer:
         try:
-            tok = await asyncio.to_thread(TextTokenizer.from_files, whole)
+            tok = await asyncio.to_thread(TextTokenizer.from_files, files)
         except TokenizerFilesError as e:
             raise TokenizerFetchError(f"engine {source}: {e}") from None
         self._by_digest[digest] = tok
@@ -181,7 +182,7 @@ class TokenizerSet:
             model=model,
             digest=digest[:12],
             source=source,
-            bytes=total,
+            bytes=sum(len(b) for b in files.values()),
             seconds=round(time.perf_counter() - t0, 3),
         )
         return tok

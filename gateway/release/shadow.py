@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import grpc
 from google.protobuf import timestamp_pb2
@@ -27,6 +26,7 @@ from common.log import get_logger
 from common.tasks import cancel_and_wait
 from gateway import metrics
 from gateway.fleet.dispatcher import EngineJob
+from gateway.fleet.engine_client.base import GenerateStream
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
 from gateway.fleet.retry import breaker_verdict
 from gateway.release.version_stats import VersionStats
@@ -97,16 +97,12 @@ class ShadowMirror:
         start = time.perf_counter()
         ttft: float | None = None
         code = grpc.StatusCode.OK
-        call: grpc.aio.UnaryStreamCall[Any, Any] | None = None
+        call: GenerateStream | None = None
         try:  # the replica is acquired: every path below ends in release()
-            call = replica.stub.Generate(
+            call = replica.client.generate(
                 shadow_request(job),
                 timeout=job.deadline.remaining(),
-                metadata=(
-                    ("x-request-id", f"{job.request_id}-shadow"),
-                    ("x-shadow", "1"),
-                    *replica.call_metadata,
-                ),
+                metadata=(("x-request-id", f"{job.request_id}-shadow"), ("x-shadow", "1")),
             )
             async for resp in call:
                 if resp.finish_reason == common_pb2.ERROR:

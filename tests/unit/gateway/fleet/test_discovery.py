@@ -37,9 +37,22 @@ class FakeDns:
 async def test_expand_keeps_ips_and_expands_names() -> None:
     dns = FakeDns({"engine": ["10.0.0.2", "10.0.0.1"]})
     got = await expand(["127.0.0.1:50071", "engine:50071", "missing:1", "127.0.0.1:50071"], dns)
-    assert got == ["127.0.0.1:50071", "10.0.0.2:50071", "10.0.0.1:50071"]
+    assert [str(e) for e in got] == ["127.0.0.1:50071", "10.0.0.2:50071", "10.0.0.1:50071"]
+    assert [e.tls_name for e in got] == ["127.0.0.1", "engine", "engine"]
     assert has_names(["engine:1"])
     assert not has_names(["127.0.0.1:1", "[::1]:2"])
+
+
+async def test_an_entry_keeps_its_protocol_and_options_on_each_address() -> None:
+    dns = FakeDns({"vllm-pods": ["10.0.0.1", "10.0.0.2"]})
+    got = await expand(["vllm://vllm-pods:8000?version=v2", "trtllm://10.0.0.9:9"], dns)
+    assert [str(e) for e in got] == [
+        "vllm://10.0.0.1:8000?version=v2",
+        "vllm://10.0.0.2:8000?version=v2",
+        "trtllm://10.0.0.9:9",
+    ]
+    assert has_names(["vllm://vllm-pods:1"])
+    assert not has_names(["trtllm://10.0.0.9:9"])
 
 
 async def test_localhost_is_one_replica() -> None:

@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from engine_svc.service import TOKENIZER_PIECE_BYTES, EngineServicer
+from gateway.fleet.engine_client.llm_v1 import LlmV1Client
 from gateway.fleet.tokenizers import TokenizerFetchError, TokenizerSet
 from llm.v1 import engine_pb2, engine_pb2_grpc
 from tests.unit.engine_svc.test_validation_above_backends import RefusingBackend
@@ -53,12 +54,12 @@ class CountingServicer(EngineServicer):
             yield piece
 
 
-async def serve(servicer: EngineServicer) -> tuple[grpc.aio.Server, grpc.aio.Channel]:
+async def serve(servicer: EngineServicer) -> tuple[grpc.aio.Server, LlmV1Client]:
     server = grpc.aio.server()
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server, grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    return server, LlmV1Client(f"127.0.0.1:{port}")
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +108,13 @@ def test_bad_files_are_refused_with_what_is_wrong(
 
 async def test_get_tokenizer_streams_the_files_in_pieces(files: dict[str, bytes]) -> None:
     servicer = CountingServicer(files)
-    server, channel = await serve(servicer)
+    server, client = await serve(servicer)
     try:
-        stub = engine_pb2_grpc.EngineStub(channel)
+        stub = client.stub
         pieces = [p async for p in stub.GetTokenizer(engine_pb2.GetTokenizerRequest())]
-        info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+        info = await client.model_info(timeout_s=5)
     finally:
-        await channel.close(None)
+        await client.close()
         await server.stop(0)
     assert max(len(p.data) for p in pieces) <= TOKENIZER_PIECE_BYTES
     assert len(pieces) > len(files)  # tokenizer.json (3.5 MB) came in several
@@ -126,15 +127,14 @@ async def test_get_tokenizer_streams_the_files_in_pieces(files: dict[str, bytes]
 
 async def test_concurrent_replicas_fetch_a_digest_once(files: dict[str, bytes]) -> None:
     servicer = CountingServicer(files)
-    server, channel = await serve(servicer)
+    server, client = await serve(servicer)
     tokenizers = TokenizerSet()
     try:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+        info = await client.model_info(timeout_s=5)
         assert tokenizers.get(info) is None  # not routable before it is held
-        got = await asyncio.gather(*(tokenizers.ensure(info, stub, (), "e1") for _ in range(5)))
+        got = await asyncio.gather(*(tokenizers.ensure(info, client, "e1") for _ in range(5)))
     finally:
-        await channel.close(None)
+        await client.close()
         await server.stop(0)
     assert servicer.calls == 1
     assert all(t is got[0] for t in got)
@@ -147,18 +147,17 @@ async def test_concurrent_replicas_fetch_a_digest_once(files: dict[str, bytes]) 
 
 async def test_files_that_do_not_match_the_digest_are_refused(files: dict[str, bytes]) -> None:
     servicer = CountingServicer(files, tamper=True)
-    server, channel = await serve(servicer)
+    server, client = await serve(servicer)
     tokenizers = TokenizerSet()
     try:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+        info = await client.model_info(timeout_s=5)
         with pytest.raises(TokenizerFetchError, match="do not match their digest"):
-            await tokenizers.ensure(info, stub, (), "e1")
+            await tokenizers.ensure(info, client, "e1")
         assert tokenizers.get(info) is None
         servicer.tamper = False  # the next attempt (the replica's watch retries) succeeds
-        await tokenizers.ensure(info, stub, (), "e1")
+        await tokenizers.ensure(info, client, "e1")
     finally:
-        await channel.close(None)
+        await client.close()
         await server.stop(0)
     assert servicer.calls == 2
     assert tokenizers.get(info) is not None
@@ -166,36 +165,35 @@ async def test_files_that_do_not_match_the_digest_are_refused(files: dict[str, b
 
 async def test_an_engine_without_a_tokenizer(files: dict[str, bytes], model_dir: Path) -> None:
     servicer = CountingServicer({})
-    server, channel = await serve(servicer)
+    server, client = await serve(servicer)
     try:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
+        stub = client.stub
+        info = await client.model_info(timeout_s=5)
         assert info.tokenizer_digest == ""
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in stub.GetTokenizer(engine_pb2.GetTokenizerRequest()):
                 pass
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(TokenizerFetchError, match=r"set gateway\.model_dir"):
-            await TokenizerSet().ensure(info, stub, (), "e1")
+            await TokenizerSet().ensure(info, client, "e1")
         local = TextTokenizer(model_dir)  # gateway.model_dir covers such engines
-        assert await TokenizerSet(local).ensure(info, stub, (), "e1") is local
+        assert await TokenizerSet(local).ensure(info, client, "e1") is local
     finally:
-        await channel.close(None)
+        await client.close()
         await server.stop(0)
 
 
 async def test_the_number_of_distinct_tokenizers_is_capped(files: dict[str, bytes]) -> None:
     servicer = CountingServicer(files)
-    server, channel = await serve(servicer)
+    server, client = await serve(servicer)
     tokenizers = TokenizerSet(max_tokenizers=1)
     try:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
-        await tokenizers.ensure(info, stub, (), "e1")
+        info = await client.model_info(timeout_s=5)
+        await tokenizers.ensure(info, client, "e1")
         other = engine_pb2.ModelInfo(model="m2", tokenizer_digest="0" * 64)
         with pytest.raises(TokenizerFetchError, match="already holds 1 distinct"):
-            await tokenizers.ensure(other, stub, (), "e2")
+            await tokenizers.ensure(other, client, "e2")
     finally:
-        await channel.close(None)
+        await client.close()
         await server.stop(0)
     assert servicer.calls == 1
