@@ -107,7 +107,14 @@ async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
 
     http = None
     if config.http_port >= 0:
-        http = HttpFront(app.pipeline, config.host, config.http_port, reuse_port=config.reuse_port)
+        http = HttpFront(
+            app.pipeline,
+            config.host,
+            config.http_port,
+            reuse_port=config.reuse_port,
+            body_timeout_s=config.http_body_timeout_s,
+            max_bodies_per_tenant=config.http_max_bodies_per_tenant,
+        )
 
     async def ready() -> None:
         await app.start()

@@ -175,6 +175,12 @@ class GatewayConfig(ServiceConfig):
             on one gateway process (429 past it; 0 = no cap). A tenant's
             ``max_concurrent`` caps it too: nothing of its limits is held until the body
             is in, so slow bodies would otherwise be free.
+        http_body_timeout_s: Longest a request body may take to arrive on the HTTP front
+            once its headers are in (408 and the connection closes past it; 0 = no limit).
+        http_max_bodies_per_tenant: Request bodies one tenant may have arriving at once
+            on one gateway process (429 past it; 0 = no cap). A tenant's
+            ``max_concurrent`` caps it too: nothing of its limits is held until the body
+            is in, so slow bodies would otherwise be free.
         workers: Processes serving this replica's ports (``gateway.workers``): 1 = this
             process serves them; N > 1 = a supervisor and N worker processes sharing the
             gRPC and HTTP ports (SO_REUSEPORT: the kernel spreads connections, not the
@@ -233,6 +239,8 @@ class GatewayConfig(ServiceConfig):
     http_port: int = 8000
     http_body_timeout_s: float = 10.0
     http_max_bodies_per_tenant: int = 4
+    http_body_timeout_s: float = 10.0
+    http_max_bodies_per_tenant: int = 4
     workers: int = 1
     prices: dict[str, Any] = field(default_factory=dict)
 
@@ -276,6 +284,8 @@ class GatewayConfig(ServiceConfig):
             "auth_failures_per_minute",
             "queue_max_wait_ms",
             "tenant_shard_size",
+            "http_body_timeout_s",
+            "http_max_bodies_per_tenant",
             "http_body_timeout_s",
             "http_max_bodies_per_tenant",
         ):

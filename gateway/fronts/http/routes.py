@@ -34,6 +34,7 @@ from gateway.domain import (
     session_key,
 )
 from gateway.fleet.replica_pool import ModelEntry
+from gateway.fronts.http.bodies import BodyGate
 from gateway.fronts.http.errors import ApiError
 from gateway.fronts.http.fields import check_body
 from gateway.fronts.http.requests import ParsedRequest, parse
@@ -93,10 +94,12 @@ class OpenAIRoutes:
 
     Args:
         pipeline: The pipeline every front shares.
+        bodies: Request bodies arriving per tenant, and how long one may take.
     """
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, bodies: BodyGate | None = None) -> None:
         self.pipeline = pipeline
+        self.bodies = bodies or BodyGate()
         self.started = int(time.time())
 
     def add_to(self, app: web.Application) -> None:
@@ -189,6 +192,7 @@ class OpenAIRoutes:
             call.auth_at = (t0, time.perf_counter())  # the auth span, when tracing is on
         except GatewayError as e:
             raise ApiError.from_gateway(e, chat=chat) from None
+        await self.bodies.read(request, call.tenant)
         parsed = await self._parse(request, chat)
         call.session_key = session_key(call.session_key, parsed.user)
         if parsed.user:  # client text in logs: cut short

@@ -21,6 +21,7 @@ from prometheus_client import Counter
 
 from common.log import get_logger
 from gateway.domain import CallContext
+from gateway.fronts.http.bodies import BodyGate
 from gateway.fronts.http.errors import ApiError
 from gateway.fronts.http.routes import CALL_KEY, OpenAIRoutes, call_context, json_response
 from gateway.request.pipeline import Pipeline
@@ -113,6 +114,9 @@ class HttpFront:
         shutdown_timeout_s: How long ``stop`` waits for handlers still running
             (the pipeline's drain already gave streams their grace period).
         reuse_port: Share the port with sibling worker processes (SO_REUSEPORT).
+        body_timeout_s: Longest a request body may take to arrive (0 = no limit).
+        max_bodies_per_tenant: Request bodies one tenant may have arriving at once on
+            this process (0 = no cap; a tenant's ``max_concurrent`` caps it too).
     """
 
     def __init__(
@@ -122,20 +126,26 @@ class HttpFront:
         port: int,
         shutdown_timeout_s: float = 1.0,
         reuse_port: bool = False,
+        body_timeout_s: float = 10.0,
+        max_bodies_per_tenant: int = 4,
     ) -> None:
         self.host = host
         self.port = port
         self.reuse_port = reuse_port
         self.app = web.Application(middlewares=[openai_middleware], client_max_size=MAX_BODY_BYTES)
         self.app.on_response_prepare.append(_request_id_header)
-        OpenAIRoutes(pipeline).add_to(self.app)
+        self.bodies = BodyGate(body_timeout_s, max_bodies_per_tenant)
+        OpenAIRoutes(pipeline, self.bodies).add_to(self.app)
         # handler_cancellation: a client that disconnects cancels its handler, which
         # closes the pipeline's generator and so cancels the engine call.
+        # lingering_time=0: a connection whose body was not read (refused before it, or
+        # too slow) closes after the answer instead of being read for 10 s more.
         self._runner = web.AppRunner(
             self.app,
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=shutdown_timeout_s,
+            lingering_time=0,
         )
 
     async def start(self) -> int:
