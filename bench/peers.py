@@ -2,7 +2,7 @@
 
     python -m bench.peers [--sides ours,ours-grpc,vllm,transformers] [--rounds 1]
                           [--vllm-python .cache/peers/vllm/bin/python] [--quick]
-                          [--workloads W1,W2,W3] [--device cuda] [--grpc-backend trtllm]
+                          [--workloads W1,W2,W3] [--device cuda] [--grpc-backend vllm]
 
 Workloads (token-id prompts from a fixed seed; greedy, ignore_eos, so every
 request makes exactly its tokens):
@@ -17,7 +17,7 @@ stream), ``vllm`` (offline LLM.generate, bf16 and fp32), ``transformers``
 (generate(), static batches of 32, bf16 and fp32). Each peer's best dtype on
 this CPU is the one with the higher W1 figure; ratios are against it. With
 ``--device cuda`` every side runs on the GPU (vLLM then from a CUDA build's venv)
-and ``--grpc-backend trtllm`` serves the gRPC side with TensorRT-LLM.
+and ``--grpc-backend vllm`` serves the gRPC side with vLLM.
 The report records the CPU model, its ISA flags, threads, the load
 average before and after every side, and each side's peak RSS (process and
 children: the vLLM engine core, our engine service). Writes bench/reports/peers.{json,png}.
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--grpc-backend",
         default="native",
-        choices=["native", "trtllm", "vllm"],
+        choices=["native", "vllm"],
         help="the engine service's backend on the ours-grpc side",
     )
     args = ap.parse_args(argv)

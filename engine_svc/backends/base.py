@@ -1,8 +1,8 @@
 """The Backend protocol the engine servicer depends on, and its value types.
 
 A backend turns ``GenerateInput`` into a stream of ``RequestOutput`` (new
-token ids per step, the last one finished). Both the native PyTorch engine and
-the TensorRT-LLM adapter implement it; the servicer knows nothing else.
+token ids per step, the last one finished). The native PyTorch engine and the
+vLLM adapter implement it; the servicer knows nothing else.
 """
 
 from __future__ import annotations

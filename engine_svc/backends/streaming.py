@@ -1,5 +1,5 @@
 """Delta bookkeeping shared by the adapters of engines that stream cumulative output
-(TensorRT-LLM, vLLM): deltas, stop sequences with the native engine's own rules
+(vLLM): deltas, stop sequences with the native engine's own rules
 (held back while they may still complete, trimmed when they do), resumed tokens
 of a failed-over stream, and logprobs in their common format.
 """
@@ -27,7 +27,7 @@ from engine_svc.core.stop_checker import stop_holdback, stop_match
 def logprobs_from_stream(
     entries: Sequence[Any], token_ids: Sequence[int], top_n: int
 ) -> list[TokenLogprobs]:
-    """Per-position logprobs as vLLM and TensorRT-LLM stream them (``{token_id:
+    """Per-position logprobs as vLLM streams them (``{token_id:
     Logprob}`` with ``.logprob`` and ``.rank``, the sampled token among them; or a bare
     float, the sampled token's alone) as our ``TokenLogprobs`` with the ``top_n`` best."""
 
@@ -69,7 +69,7 @@ _FINISH = {
 @dataclass(slots=True)
 class StreamState:
     """Per-request bookkeeping for an engine that streams the cumulative token ids of
-    what it generates (TensorRT-LLM, vLLM); the client sees deltas. Stop sequences
+    what it generates (vLLM); the client sees deltas. Stop sequences
     are matched here with the native engine's own rules (``stop_match`` /
     ``stop_holdback``): over the whole output, resumed tokens included, once
     ``min_tokens`` are out; tokens that may begin a stop sequence are held back

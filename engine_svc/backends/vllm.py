@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from engine_svc.backends.base import BackendUnavailableError, GenerateInput
+from engine_svc.backends.checkpoint import model_info_from_dir
 from engine_svc.backends.streaming import open_stream, relay
-from engine_svc.backends.trtllm import model_info_from_dir
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.sampling_params import SamplingParams
@@ -177,7 +177,7 @@ class VllmBackend:
         self._vllm = vllm
         logger = _logger_factory(self._snapshot, self._sample_rates)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[logger])
-        info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg)
+        info = model_info_from_dir(Path(self._cfg.model_dir), self._cfg, "vllm")
         device = (
             "cuda"
             if getattr(vllm.platforms.current_platform, "is_cuda", lambda: False)()

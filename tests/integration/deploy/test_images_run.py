@@ -49,7 +49,6 @@ NOT_IN_IMAGE = {
     "gateway": ["torch", "safetensors", "transformers", "gguf", "accelerate"],
     "tokenizer": ["torch", "safetensors", "transformers", "gguf", "accelerate"],
     "engine": [],
-    "engine-trtllm": [],
 }
 
 LAUNCHER = '''
@@ -159,16 +158,15 @@ def token_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("name", "backend"), [("engine", "native"), ("engine-trtllm", "trtllm")])
-def test_the_engine_images_import_their_entrypoint_and_backend(
-    tmp_path: Path, name: str, backend: str
-) -> None:
+def test_the_engine_image_imports_its_entrypoint_backend_and_tools(tmp_path: Path) -> None:
+    name, backend = "engine", "native"
     app = lay_out(name, tmp_path)
     # a probe module in the layout (the launcher runs modules): the entrypoint, the
-    # backend (imported lazily by the entrypoint; TensorRT-LLM itself only at start)
-    # and the model preparation
+    # backend (imported lazily by the entrypoint), the model preparation and the
+    # renderer of trtllm-serve's options (the TensorRT-LLM pods' init container)
     (app / "image_probe.py").write_text(
         f"import engine_svc.__main__, engine_svc.backends.{backend}, engine_tools.prepare_model\n"
+        "import deploy.trtllm_options\n"
         "import engine_svc\n"
         "print('imported from', engine_svc.__file__)\n"
     )

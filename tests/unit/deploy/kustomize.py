@@ -2,8 +2,9 @@
 
 Resources (files, or directories with a kustomization.yaml), ``namespace``, and
 ``patches`` given by ``path``: a strategic-merge patch (maps merge; lists of
-named objects merge by ``name``, or ``mountPath`` for volume mounts, and new
-items come first, as kustomize puts them) or ``$patch: delete``. Anything else
+named objects merge by ``name``, or ``mountPath`` for volume mounts, and the
+patch's items, merged or new, come first in the patch's order, as kustomize puts
+them) or ``$patch: delete``. Anything else
 in a kustomization is refused, so an overlay cannot outgrow what its test
 checks; where ``kubectl`` is installed a test compares this with
 ``kubectl kustomize``.
@@ -30,10 +31,10 @@ def _merge_list(field: str, base: list[Any], patch: list[Any]) -> list[Any]:
     key = MERGE_KEYS.get(field, "name")
     if not all(isinstance(i, dict) and key in i for i in [*base, *patch]):
         return copy.deepcopy(patch)  # scalars, or unnamed objects: replaced
-    by_key = {i[key]: i for i in patch}
-    new = [copy.deepcopy(i) for i in patch if i[key] not in {b[key] for b in base}]
-    kept = [merge(b, by_key[b[key]]) if b[key] in by_key else copy.deepcopy(b) for b in base]
-    return new + kept
+    by_key = {i[key]: i for i in base}
+    patched = [merge(by_key[i[key]], i) if i[key] in by_key else copy.deepcopy(i) for i in patch]
+    rest = [copy.deepcopy(b) for b in base if b[key] not in {i[key] for i in patch}]
+    return patched + rest
 
 
 def merge(base: Doc, patch: Doc) -> Doc:

@@ -82,20 +82,21 @@ def test_all_objects_live_in_the_namespace(docs: list[Doc]) -> None:
             assert d["metadata"]["namespace"] == "llm-stack", d["metadata"]["name"]
 
 
-def test_engine_runs_on_a_gpu_with_the_trtllm_backend(docs: list[Doc], tmp_path: Path) -> None:
+def test_the_default_engine_is_the_native_one_on_cpu(docs: list[Doc], tmp_path: Path) -> None:
+    """deploy/k8s runs our engine on CPU nodes; TensorRT-LLM on GPUs is the overlay
+    deploy/k8s-trtllm (tests/unit/deploy/test_trtllm.py)."""
     engine = find(docs, "Deployment", "engine")
     c = container(engine, "engine")
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert "trtllm" in c["image"]
-    spec = pod_spec(engine)
-    assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert c["image"].startswith("llm-stack/engine:")
+    assert "tolerations" not in pod_spec(engine)
     # the backend comes from the config file the pod mounts, not from the image
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert "LLM_ENGINE_BACKEND" not in env
     stack = tmp_path / "stack.yaml"
     stack.write_text(find(docs, "ConfigMap", "llm-stack-config")["data"]["stack.yaml"])
     section = yaml.safe_load(stack.read_text())["engine"]
-    assert section["backend"] == "trtllm"
+    assert section["backend"] == "native"
     mount = next(m for m in c["volumeMounts"] if m["name"] == "config")
     assert env["LLM_CONFIG"] == f"{mount['mountPath']}/stack.yaml"
 
@@ -113,10 +114,13 @@ def test_configmap_loads_with_the_real_config_classes(docs: list[Doc], tmp_path:
     tok = load_config(TokenizerConfig, "tokenizer", path=stack, env={})
     assert (tok.port, tok.metrics_port) == tuple(service_ports("tokenizer").values())
     eng = load_config(EngineServiceConfig, "engine", path=stack, env={})
-    assert eng.backend == "trtllm"
+    assert eng.backend == "native"
     assert (eng.port, eng.metrics_port) == tuple(service_ports("engine").values())
     core = load_config(EngineConfig, "engine_core", path=stack, env={})
-    assert core.device == "cuda"
+    assert core.device == "cpu"
+    # the KV budget is bytes, inside the pod's memory limit (a fraction would be of the node's)
+    limit = container(find(docs, "Deployment", "engine"), "engine")["resources"]["limits"]
+    assert 0 < core.kv_cache_memory_bytes < int(limit["memory"].removesuffix("Gi")) * 2**30
 
 
 def test_gateway_has_hpa_pdb_and_a_headless_service(docs: list[Doc]) -> None:

@@ -2,9 +2,10 @@
 
 Parametrized over every backend present: the native engine always (a tiny
 random Llama on the CPU: the contract is about streaming, stops, limits,
-resumption, sampling and clean-up, not model quality); TensorRT-LLM where its
-package and a GPU are there. For the native backend the expected outputs come
-from an offline LLMEngine run of the same request.
+resumption, sampling and clean-up, not model quality); vLLM in vLLM's venv.
+For the native backend the expected outputs come from an offline LLMEngine run
+of the same request. (TensorRT-LLM is reached as the stock ``trtllm-serve
+--grpc`` server over TrtllmService, not through a backend.)
 """
 
 from __future__ import annotations
@@ -91,54 +92,6 @@ def _native(model_dir: Path) -> Backend:
     return NativeBackend(lambda: LLMEngine(engine_config(model_dir)))
 
 
-def _trtllm(model_dir: Path) -> Backend:  # pragma: no cover - NVIDIA GPUs only
-    """TensorRT-LLM on the real model (deploy/gpu-check.sh also points
-    LLM_TEST_TRTLLM_MODEL_DIR at its FP8 checkpoint)."""
-    from common.config import default_model_dir
-    from engine_svc.backends.trtllm import TrtLlmBackend
-
-    model_dir = Path(os.environ.get("LLM_TEST_TRTLLM_MODEL_DIR") or default_model_dir())
-    return TrtLlmBackend(
-        EngineConfig(
-            model_dir=str(model_dir),
-            device="cuda",
-            block_size=4,
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=64, max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING
-            ),
-            enable_prefix_caching=False,
-        )
-    )
-
-
-def _gpu_trtllm() -> bool:
-    import importlib.util
-
-    import torch
-
-    return importlib.util.find_spec("tensorrt_llm") is not None and torch.cuda.is_available()
-
-
-def _trtllm_fake(model_dir: Path) -> Backend:
-    """The real TensorRT-LLM adapter on a FAKE of TensorRT-LLM's API (fake_trtllm: our
-    CPU engine underneath), since no GPU is here: tests the adapter, not TensorRT-LLM."""
-    from engine_svc.backends.trtllm import TrtLlmBackend
-    from tests.unit.engine_svc.backends import fake_trtllm
-
-    return TrtLlmBackend(
-        EngineConfig(
-            model_dir=str(model_dir),
-            block_size=4,
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=64, max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING
-            ),
-            enable_prefix_caching=False,
-        ),
-        runtime=fake_trtllm.runtime,
-        fp8=False,
-    )
-
-
 def _vllm(model_dir: Path) -> Backend:  # pragma: no cover - in vLLM's venv only
     """vLLM on the real model (its CPU kernels want real head sizes; the tiny model's
     are not among them): run in the environment ``make vllm-venv`` builds."""
@@ -168,9 +121,7 @@ def _has_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-BACKENDS: dict[str, Callable[[Path], Backend]] = {"native": _native, "trtllm-fake": _trtllm_fake}
-if _gpu_trtllm():  # pragma: no cover
-    BACKENDS["trtllm"] = _trtllm
+BACKENDS: dict[str, Callable[[Path], Backend]] = {"native": _native}
 if _has_vllm():  # pragma: no cover - in vLLM's venv (make test-vllm)
     BACKENDS["vllm"] = _vllm
 
@@ -187,9 +138,9 @@ def harness(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Ha
 @pytest.fixture(scope="module")
 def offline(harness: Harness, tiny_model_dir: Path) -> Callable[[SamplingParams], list[int]]:
     """The reference output of a request: the offline CPU engine (same numerics as the
-    native backend and the fake); for vLLM and TensorRT-LLM, the backend's own plain
-    run of the request (other kernels: the contract there is consistency)."""
-    if harness.label in ("trtllm", "vllm"):  # pragma: no cover - other kernels
+    native backend); for vLLM, the backend's own plain run of the request (other
+    kernels: the contract there is consistency)."""
+    if harness.label == "vllm":  # pragma: no cover - other kernels
         return lambda params: streamed(harness.stream(inp(params)))
     engine = LLMEngine(engine_config(tiny_model_dir))
     n = 0
@@ -363,35 +314,3 @@ def test_model_info_and_stats_describe_the_engine(harness: Harness) -> None:
     stats = harness.backend.stats()
     assert stats.engine.max_num_seqs > 0
     assert stats.engine.num_requests_total == before + 1
-
-
-def test_the_tensorrt_llm_adapter_passes_priority_and_never_blocks_the_loop(
-    tiny_model_dir: Path,
-) -> None:
-    """Adapter-specific, on the fake (see _trtllm_fake): priority reaches generate_async,
-    TensorRT-LLM's blocking get_stats runs off the event loop, and a stop sequence the
-    adapter matched ends TensorRT-LLM's request too."""
-    backend = _trtllm_fake(tiny_model_dir)
-    h = Harness("trtllm-fake", backend)
-    try:
-        params = SamplingParams(max_tokens=12, ignore_eos=True)
-        h.stream(inp(params, priority=3))
-        h.stream(inp(params, priority=1))
-        greedy = streamed(h.stream(inp(params)))
-        h.stream(inp(SamplingParams(max_tokens=12, ignore_eos=True, stop_sequences=[greedy[2:4]])))
-        llm = backend._llm  # type: ignore[attr-defined]
-        assert llm.priorities[:3] == [1.0, 0.25, 0.5]
-        assert llm.aborted >= 1  # the stop matched by the adapter, not by TensorRT-LLM
-
-        async def stats_polled() -> bool:
-            for _ in range(100):
-                if llm._iter:
-                    return True
-                await asyncio.sleep(0.05)
-            return False
-
-        assert h.run(stats_polled())
-        assert llm.stats_calls_on_loop == 0
-        assert h.backend.stats().engine.num_generation_tokens_total > 0
-    finally:
-        h.close()
