@@ -1,117 +1,149 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared script for a machine with an NVIDIA GPU and access to
-# the package registries. Sized for one H200: about 8 minutes once the pip cache is
-# warm (the first install of TensorRT-LLM and vLLM adds their download). It has never
-# run on the CPU-only machines this project is developed on; where no GPU is visible
-# it says so and exits 2.
+# The GPU check for a machine with an NVIDIA GPU that can install TensorRT-LLM: the
+# stock `trtllm-serve <model> --grpc` behind our gateway. Never run on the CPU-only
+# machines this project is developed on (no GPU, and no TensorRT-LLM wheel for them).
+# Exit 0 when every step passed, 1 when one failed or was skipped for a missing
+# prerequisite, 2 when no GPU is visible (the report says so; nothing else runs).
+# Everything finishes inside GPU_CHECK_SECONDS (default 450: under 8 minutes); with
+# a cold pip cache the TensorRT-LLM download (gigabytes) may take most of that, and
+# SKIP_INSTALL=1 reuses the venv a previous run built.
 #
-#   bash deploy/gpu-check.sh                 # from anywhere; SKIP_INSTALL=1 reuses venvs
+#   bash deploy/gpu-check.sh        # writes bench/reports/gpu-check.json
 #
-# 1. install   the project's venv (make setup: on Linux x86_64 the registry's
-#              torch==2.13.0 is its CUDA build); TensorRT-LLM in .cache/gpu/trtllm and
-#              vLLM's CUDA build in .cache/gpu/vllm (each pins its own torch), this
-#              project beside each (scripts/project_into_venv.sh)
-# 2. model     SmolLM2-135M-Instruct as a Hugging Face directory (make model) and its FP8
-#              checkpoint (deploy/quantize_fp8.py, NVIDIA Model Optimizer)
-# 3. contract  the backend contract suite with the native engine on CUDA and with
-#              TensorRT-LLM on the bf16 and the FP8 checkpoint; the engine gRPC suite
-#              with the native engine on CUDA
-# 4. peers     bench.peers W1-W3 on the GPU: ours offline, ours over gRPC served by
-#              TensorRT-LLM, vLLM bf16, transformers bf16
-# 5. report    bench/reports/gpu-check.json (each step: status, seconds, log) beside the
-#              peers report bench/reports/gpu-peers.{json,png}
-#
-# Versions: TRTLLM_SPEC (default tensorrt-llm, from NVIDIA's index) and VLLM_SPEC
-# (default vllm==0.32.0, the version the CPU peer benchmark pins).
+# What TensorRT-LLM needs, in order (its real wheels are on NVIDIA's index and only
+# for CPython 3.10 and 3.12; PyPI holds stub sdists that cannot build here):
+# 1. mpi        an MPI library (libmpi.so; apt's libopenmpi-dev when missing and root)
+# 2. python     python3.12 (PYTHON312), a venv in .cache/gpu/trtllm
+# 3. torch      the CUDA 13 torch (TORCH_SPEC, from download.pytorch.org/whl/cu130)
+# 4. trtllm     TRTLLM_SPEC (default tensorrt-llm) from https://pypi.nvidia.com with
+#               the cu130 index beside it, then smg-grpc-proto==0.4.28 (--no-deps):
+#               the TrtllmService stubs its --grpc mode imports
+# 5. project    the project's own venv (.venv; `make setup` when absent) for the
+#               gateway, tokenizer and tests, and the model (`make model`)
+# 6. fp8        the ModelOpt FP8 export of the model (deploy/quantize_fp8.py)
+# 7. options    trtllm-serve's LLM-API options rendered from the stack's config
+#               (deploy/trtllm_options.py: FP8 KV cache, chunked prefill, tp x pp = 1)
+# 8. serve      trtllm-serve <fp8 dir> --grpc on a loopback port, up when it listens
+# 9. gateway    tests/integration/deploy/test_gateway_over_trtllm_serve.py: our
+#               gateway reaching it as trtllm://, streaming, greedy repeatability,
+#               exact max_tokens, a cancel returning its lease, GetServerInfo's tp x pp
+# shellcheck disable=SC2329  # the functions below run through step (deploy/gpu-check-lib.sh)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
+NAME="gpu-check"
+DEADLINE_S=${GPU_CHECK_SECONDS:-450}
+REPORT=${GPU_CHECK_REPORT:-bench/reports/gpu-check.json}
+GPU=.cache/gpu
+LOGS=${GPU_CHECK_LOGS:-$GPU/logs}
+mkdir -p "$LOGS"
+# shellcheck source=deploy/gpu-check-lib.sh
+. deploy/gpu-check-lib.sh
 
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "gpu-check: no NVIDIA GPU visible (nvidia-smi missing or failing); nothing to do" >&2
-  exit 2
-fi
-nvidia-smi -L
+gpu_or_exit
 
 TRTLLM_SPEC=${TRTLLM_SPEC:-tensorrt-llm}
-VLLM_SPEC=${VLLM_SPEC:-vllm==0.32.0}
-GPU=.cache/gpu
-LOGS=$GPU/logs
-mkdir -p "$LOGS" bench/reports
-PY=.venv/bin/python
+TORCH_SPEC=${TORCH_SPEC:-torch}
+CU130=https://download.pytorch.org/whl/cu130
+PYTHON312=${PYTHON312:-$(command -v python3.12 || true)}
 TRT=$GPU/trtllm/bin/python
-VLLM=$GPU/vllm/bin/python
+PY=.venv/bin/python
 MODEL=.cache/models/SmolLM2-135M-Instruct
 FP8=.cache/models/SmolLM2-135M-Instruct-FP8
-PYTEST=(-m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning
-        -W ignore::FutureWarning -W ignore::UserWarning)
-export PYTHONPATH=$ROOT
-STEPS=()  # "name status seconds log" per step
-failed=0
+OPTIONS=$GPU/trtllm-options.yaml
+fact trtllm_spec "$TRTLLM_SPEC"
+fact torch_spec "$TORCH_SPEC (cu130)"
+export PYTHONPATH=$ROOT HF_HUB_OFFLINE=1
 
-# step NAME CMD...: run CMD with its output in $LOGS/NAME.log, record how it went
-step() {
-  local name=$1; shift
-  local log=$LOGS/$name.log t0 rc
-  t0=$(date +%s)
-  echo "== $name ($(date +%T))"
-  "$@" >"$log" 2>&1
-  rc=$?
-  local s=$(( $(date +%s) - t0 ))
-  if [ $rc -eq 0 ]; then echo "   ok in ${s}s"; else
-    echo "   FAILED (exit $rc) in ${s}s; last lines of $log:"; tail -n 15 "$log"; failed=1; fi
-  STEPS+=("$name $rc $s $log")
+have_mpi() { ldconfig -p 2>/dev/null | grep -q 'libmpi\.so'; }
+install_mpi() {
+  have_mpi && return 0
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -q && apt-get install -y -q --no-install-recommends libopenmpi-dev openmpi-bin
+  else
+    echo "no libmpi.so and no way to install it (apt-get as root): install Open MPI first"
+    return 1
+  fi
 }
-
-venv_with() {  # venv_with DIR PIP-ARGS...: a venv holding what PIP-ARGS install + the project
-  local dir=$1; shift
-  { test -x "$dir/bin/python" || python3 -m venv "$dir"; } &&
-    "$dir/bin/pip" install -q --upgrade pip &&
-    "$dir/bin/pip" install -q "$@" &&
-    bash scripts/project_into_venv.sh "$dir"
+trtllm_venv() {
+  { test -x "$TRT" || "$PYTHON312" -m venv "$GPU/trtllm"; } &&
+    "$TRT" -m pip install -q --upgrade pip &&
+    "$TRT" -m pip install -q --index-url "$CU130" "$TORCH_SPEC" &&
+    "$TRT" -m pip install -q --extra-index-url https://pypi.nvidia.com \
+      --extra-index-url "$CU130" "$TRTLLM_SPEC" &&
+    "$TRT" -m pip install -q --no-deps smg-grpc-proto==0.4.28 &&
+    "$TRT" -c 'import tensorrt_llm, torch, sys
+print("tensorrt_llm", tensorrt_llm.__version__, "torch", torch.__version__, "cuda", torch.version.cuda)
+sys.exit(0 if torch.cuda.is_available() and str(torch.version.cuda).startswith("13") else 1)'
 }
-
-cuda_torch() {
-  $PY -c 'import torch, sys; print("torch", torch.__version__, torch.version.cuda);
-sys.exit(0 if torch.cuda.is_available() else 1)'
+project() {
+  { test -x "$PY" || make setup; } && make model
 }
-
-if [ -z "${SKIP_INSTALL:-}" ]; then
-  step install-project make setup
-  step install-trtllm venv_with "$GPU/trtllm" --extra-index-url https://pypi.nvidia.com \
-    "$TRTLLM_SPEC" "nvidia-modelopt[torch]" matplotlib tqdm
-  step install-vllm venv_with "$GPU/vllm" "$VLLM_SPEC"
-fi
-step cuda-torch cuda_torch
-
-step model make model
-step model-fp8 "$TRT" deploy/quantize_fp8.py --model "$MODEL" --out "$FP8" --calib-size 64
-
-step contract-native env LLM_TEST_ENGINE_DEVICE=cuda \
-  $PY "${PYTEST[@]}" tests/unit/engine_svc/backends/test_backend_contract.py -k native
-step grpc-native env LLM_TEST_ENGINE_DEVICE=cuda \
-  $PY "${PYTEST[@]}" tests/integration/engine/test_engine_service.py -k native
-step contract-trtllm-bf16 "$TRT" "${PYTEST[@]}" tests/unit/engine_svc/backends/test_backend_contract.py \
-  tests/unit/engine_svc/backends/test_trtllm_adapter.py -k "trtllm and not fake"
-step contract-trtllm-fp8 env LLM_TEST_TRTLLM_MODEL_DIR="$ROOT/$FP8" \
-  "$TRT" "${PYTEST[@]}" tests/unit/engine_svc/backends/test_backend_contract.py -k "trtllm and not fake"
-
-# our sides in TensorRT-LLM's venv, so the gRPC side can serve with it
-step peers "$TRT" -m bench.peers --device cuda --workloads W1,W2,W3 \
-  --sides ours,ours-grpc,vllm-bf16,transformers-bf16 --grpc-backend trtllm \
-  --vllm-python "$VLLM" --out gpu-peers
-
-{
-  echo "{\"gpu\": \"$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1)\","
-  echo " \"trtllm_spec\": \"$TRTLLM_SPEC\", \"vllm_spec\": \"$VLLM_SPEC\", \"steps\": ["
-  sep=""
-  for s in "${STEPS[@]}"; do
-    read -r name rc secs log <<<"$s"
-    printf '%s  {"step": "%s", "exit": %s, "seconds": %s, "log": "%s"}' \
-      "$sep" "$name" "$rc" "$secs" "$log"
-    sep=$',\n'
+render_options() {
+  env LLM_ENGINE_CORE_KV_CACHE_DTYPE=fp8 LLM_ENGINE_CORE_KV_CACHE_MEMORY_FRACTION=0.5 \
+    LLM_ENGINE_CORE_TENSOR_PARALLEL_SIZE=1 LLM_ENGINE_CORE_PIPELINE_PARALLEL_SIZE=1 \
+    "$PY" -m deploy.trtllm_options --out "$OPTIONS" --expect-gpus 1 && cat "$OPTIONS"
+}
+SERVE_PID=""
+PORT=""
+start_serve() {  # trtllm-serve --grpc in the background, in a session of its own
+  PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # the arguments deploy/trtllm_options.serve_args renders (deploy/k8s-trtllm runs the same)
+  local args
+  mapfile -t args < <("$PY" -c 'import sys
+from deploy.trtllm_options import serve_args
+print("\n".join(serve_args(sys.argv[1], int(sys.argv[2]), sys.argv[3], "127.0.0.1")))' \
+    "$ROOT/$FP8" "$PORT" "$ROOT/$OPTIONS")
+  setsid "$GPU/trtllm/bin/trtllm-serve" "${args[@]}" >"$LOGS/trtllm-serve.log" 2>&1 &
+  SERVE_PID=$!
+  echo "trtllm-serve pid $SERVE_PID on 127.0.0.1:$PORT: ${args[*]}"
+}
+listening() {  # ok once trtllm-serve listens (it opens the port after loading the model)
+  until "$PY" -c 'import socket, sys; socket.create_connection(("127.0.0.1", int(sys.argv[1])), 1)' "$PORT" 2>/dev/null; do
+    kill -0 "$SERVE_PID" 2>/dev/null || { echo "trtllm-serve exited:"; tail -n 40 "$LOGS/trtllm-serve.log"; return 1; }
+    sleep 2
   done
-  echo "]}"
-} >bench/reports/gpu-check.json
-echo "report: bench/reports/gpu-check.json (peers: bench/reports/gpu-peers.json, .png)"
-exit $failed
+  echo "listening on 127.0.0.1:$PORT"
+}
+stop_serve() {
+  [ -n "$SERVE_PID" ] || return 0
+  kill -TERM -- "-$SERVE_PID" 2>/dev/null
+  for _ in $(seq 30); do kill -0 "$SERVE_PID" 2>/dev/null || return 0; sleep 1; done
+  kill -KILL -- "-$SERVE_PID" 2>/dev/null
+}
+trap stop_serve EXIT
+
+ok=1
+if [ -n "${SKIP_INSTALL:-}" ] && [ -x "$TRT" ]; then
+  skip mpi "SKIP_INSTALL: the venv of a previous run"
+  skip trtllm "SKIP_INSTALL: the venv of a previous run"
+else
+  step mpi 120 install_mpi || ok=0
+  if [ -z "$PYTHON312" ]; then
+    skip trtllm "no python3.12 (TensorRT-LLM's real wheels are for CPython 3.10 and 3.12 only; set PYTHON312)"
+    ok=0
+  elif [ "$ok" = 1 ]; then
+    step trtllm 330 trtllm_venv || ok=0
+  else
+    skip trtllm "no MPI library (see the mpi step)"
+  fi
+fi
+[ -x "$TRT" ] && fact trtllm "$(tail -n 1 "$LOGS/trtllm.log" 2>/dev/null)"
+step project 240 project || ok=0
+
+if [ "$ok" = 1 ]; then
+  step fp8 120 "$TRT" deploy/quantize_fp8.py --model "$MODEL" --out "$FP8" --calib-size 64 &&
+    step options 30 render_options &&
+    start_serve &&
+    step serve 240 listening &&
+    step gateway 180 env LLM_STOCK_TRTLLM_ADDRESS="127.0.0.1:$PORT" \
+      LLM_STOCK_TRTLLM_OPTIONS="$ROOT/$OPTIONS" LLM_REQUIRE_STOCK_TRTLLM=1 \
+      "$PY" -m pytest -q -p no:cacheprovider tests/integration/deploy/test_gateway_over_trtllm_serve.py
+else
+  skip fp8 "TensorRT-LLM or the project is not installed (see above)"
+fi
+stop_serve
+SERVE_PID=""
+# a prerequisite that could not be met is a failed check, not a pass
+[ "$ok" = 1 ] || failed=1
+finish "$failed"
