@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The project into the venv of an engine that pins its own dependencies (vLLM,
-# TensorRT-LLM): the project without its dependencies (the engine's pins stay), then
+# The project into the venv of an engine that pins its own dependencies (vLLM):
+# the project without its dependencies (the engine's pins stay), then
 # what the engine service and the tests need beside the engine, with the gRPC add-ons
 # matched to the grpcio the engine brought (and the tracing API the services import;
 # the OpenTelemetry SDK and exporter load only once an OTLP endpoint is set).

@@ -21,7 +21,7 @@ from llm.v1 import engine_pb2, engine_pb2_grpc
 
 class RefusingBackend:
     """A Backend that fails the test if a request reaches it (stands for any backend:
-    native, TensorRT-LLM)."""
+    native, vLLM)."""
 
     name = "refusing"
 
