@@ -28,6 +28,7 @@ from common.server import ServiceHooks, run, run_service
 from gateway.app import GatewayApp
 from gateway.config import GatewayConfig
 from gateway.fronts import grpc_servicer as service
+from gateway.fronts.forwarded import TrustedProxies
 from gateway.fronts.http import HttpFront
 from gateway.release import routing_admin
 from gateway.request.authenticate import ReflectionAuthInterceptor
@@ -95,7 +96,7 @@ def load_configs(args: argparse.Namespace) -> tuple[GatewayConfig, RateLimitConf
 async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
     """Run until SIGTERM/SIGINT."""
     app = GatewayApp.from_config(config, rl_config)
-    gateway_servicer = service.GatewayServicer(app.pipeline)
+    gateway_servicer = service.GatewayServicer(app.pipeline, TrustedProxies(config.trusted_proxies))
     admin_servicer = app.stack.servicer()
 
     def register(server: grpc.aio.Server) -> list[str]:
@@ -114,6 +115,7 @@ async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
             reuse_port=config.reuse_port,
             body_timeout_s=config.http_body_timeout_s,
             max_bodies_per_tenant=config.http_max_bodies_per_tenant,
+            trusted_proxies=config.trusted_proxies,
         )
 
     async def ready() -> None:

@@ -175,12 +175,11 @@ class GatewayConfig(ServiceConfig):
             on one gateway process (429 past it; 0 = no cap). A tenant's
             ``max_concurrent`` caps it too: nothing of its limits is held until the body
             is in, so slow bodies would otherwise be free.
-        http_body_timeout_s: Longest a request body may take to arrive on the HTTP front
-            once its headers are in (408 and the connection closes past it; 0 = no limit).
-        http_max_bodies_per_tenant: Request bodies one tenant may have arriving at once
-            on one gateway process (429 past it; 0 = no cap). A tenant's
-            ``max_concurrent`` caps it too: nothing of its limits is held until the body
-            is in, so slow bodies would otherwise be free.
+        trusted_proxies: Addresses or CIDR blocks of the proxies in front (Envoy's):
+            only on a connection from one of them does ``x-forwarded-for`` name the
+            client (its last hop), on both fronts; from anywhere else the peer is the
+            client, so a caller of the gateway's own ports cannot pick the address the
+            failed-auth throttle counts ([] = trust no one).
         workers: Processes serving this replica's ports (``gateway.workers``): 1 = this
             process serves them; N > 1 = a supervisor and N worker processes sharing the
             gRPC and HTTP ports (SO_REUSEPORT: the kernel spreads connections, not the
@@ -239,8 +238,7 @@ class GatewayConfig(ServiceConfig):
     http_port: int = 8000
     http_body_timeout_s: float = 10.0
     http_max_bodies_per_tenant: int = 4
-    http_body_timeout_s: float = 10.0
-    http_max_bodies_per_tenant: int = 4
+    trusted_proxies: list[str] = field(default_factory=list)
     workers: int = 1
     prices: dict[str, Any] = field(default_factory=dict)
 
@@ -284,8 +282,6 @@ class GatewayConfig(ServiceConfig):
             "auth_failures_per_minute",
             "queue_max_wait_ms",
             "tenant_shard_size",
-            "http_body_timeout_s",
-            "http_max_bodies_per_tenant",
             "http_body_timeout_s",
             "http_max_bodies_per_tenant",
         ):

@@ -20,19 +20,23 @@ from gateway.domain import (
     CallContext,
     Chunk,
     GatewayError,
-    client_source,
     session_key,
 )
 from gateway.fleet.replica_pool import ModelEntry
+from gateway.fronts.forwarded import TrustedProxies
 from gateway.request.pipeline import Pipeline
 from llm.v1 import gateway_pb2, gateway_pb2_grpc
 
 log = get_logger(__name__)
+_NO_PROXIES = TrustedProxies()
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
-def call_context(request_id: str, context: Context) -> CallContext:
-    """The front-agnostic call context from gRPC metadata and deadline."""
+def call_context(
+    request_id: str, context: Context, proxies: TrustedProxies | None = None
+) -> CallContext:
+    """The front-agnostic call context from gRPC metadata and deadline
+    (``x-forwarded-for`` only from one of ``proxies``; none = trust no one)."""
     md: dict[str, str] = {}
     for key, value in context.invocation_metadata() or ():
         md[key] = value.decode() if isinstance(value, bytes) else value
@@ -42,7 +46,7 @@ def call_context(request_id: str, context: Context) -> CallContext:
         traceparent=md.get("traceparent", ""),
         timeout_s=context.time_remaining(),
         session_key=session_key(md.get(SESSION_KEY_HEADER, "")),
-        source=client_source(md.get("x-forwarded-for", ""), context.peer() or ""),
+        source=(proxies or _NO_PROXIES).source(md.get("x-forwarded-for", ""), context.peer() or ""),
     )
 
 
@@ -99,16 +103,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     Args:
         pipeline: The front-agnostic request pipeline.
+        proxies: Whose ``x-forwarded-for`` names the client (None = no one's).
     """
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, proxies: TrustedProxies | None = None) -> None:
         self.pipeline = pipeline
+        self.proxies = proxies
 
     async def Generate(  # type: ignore[override]  # streams with context.write
         self, request: gateway_pb2.GenerateRequest, context: Context
     ) -> None:
         """Stream the completion (written with ``context.write``); errors become statuses."""
-        call = call_context(request.request_id, context)
+        call = call_context(request.request_id, context, self.proxies)
         sent_headers = False
         try:
             async with contextlib.aclosing(self.pipeline.generate(request, call)) as chunks:
@@ -126,7 +132,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self, request: gateway_pb2.ListModelsRequest, context: Context
     ) -> gateway_pb2.ListModelsResponse:
         """Models the caller may use, from the engines' ModelInfo."""
-        call = call_context("", context)
+        call = call_context("", context, self.proxies)
         try:
             return models_to_proto(await self.pipeline.list_models(call))
         except GatewayError as e:

@@ -30,10 +30,10 @@ from gateway.domain import (
     CallContext,
     Chunk,
     GatewayError,
-    client_source,
     session_key,
 )
 from gateway.fleet.replica_pool import ModelEntry
+from gateway.fronts.forwarded import TrustedProxies
 from gateway.fronts.http.bodies import BodyGate
 from gateway.fronts.http.errors import ApiError
 from gateway.fronts.http.fields import check_body
@@ -45,13 +45,16 @@ from llm.v1 import common_pb2
 
 log = get_logger(__name__)
 CALL_KEY = web.RequestKey("call", CallContext)
+PROXIES_KEY = web.AppKey("trusted_proxies", TrustedProxies)  # none set: trust no one
 TIMEOUT_HEADER = "x-request-timeout"  # seconds; the HTTP twin of grpc-timeout
 OWNER = "llm-serving-stack"
+_NO_PROXIES = TrustedProxies()
 LOGGED_FIELD_CHARS = 64  # client-supplied strings are truncated to this in logs
 
 
 def call_context(request: web.Request) -> CallContext:
-    """The pipeline's call context from the request headers.
+    """The pipeline's call context from the request headers (``x-forwarded-for`` only
+    from a proxy the app trusts, ``PROXIES_KEY``).
 
     Raises:
         ApiError: 400 when ``x-request-timeout`` is not a positive number of seconds.
@@ -73,7 +76,9 @@ def call_context(request: web.Request) -> CallContext:
         traceparent=request.headers.get("traceparent", ""),
         timeout_s=timeout,
         session_key=session_key(request.headers.get(SESSION_KEY_HEADER, "")),
-        source=client_source(request.headers.get("x-forwarded-for", ""), request.remote or ""),
+        source=request.app.get(PROXIES_KEY, _NO_PROXIES).source(
+            request.headers.get("x-forwarded-for", ""), request.remote or ""
+        ),
     )
 
 

@@ -13,7 +13,7 @@ OpenAI's error shape, logs one access line and counts the response.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 from aiohttp import web
@@ -21,9 +21,16 @@ from prometheus_client import Counter
 
 from common.log import get_logger
 from gateway.domain import CallContext
+from gateway.fronts.forwarded import TrustedProxies
 from gateway.fronts.http.bodies import BodyGate
 from gateway.fronts.http.errors import ApiError
-from gateway.fronts.http.routes import CALL_KEY, OpenAIRoutes, call_context, json_response
+from gateway.fronts.http.routes import (
+    CALL_KEY,
+    PROXIES_KEY,
+    OpenAIRoutes,
+    call_context,
+    json_response,
+)
 from gateway.request.pipeline import Pipeline
 
 log = get_logger(__name__)
@@ -117,6 +124,8 @@ class HttpFront:
         body_timeout_s: Longest a request body may take to arrive (0 = no limit).
         max_bodies_per_tenant: Request bodies one tenant may have arriving at once on
             this process (0 = no cap; a tenant's ``max_concurrent`` caps it too).
+        trusted_proxies: Addresses and CIDR blocks whose ``x-forwarded-for`` names the
+            client (Envoy's); from anyone else the peer is the client.
     """
 
     def __init__(
@@ -128,11 +137,13 @@ class HttpFront:
         reuse_port: bool = False,
         body_timeout_s: float = 10.0,
         max_bodies_per_tenant: int = 4,
+        trusted_proxies: Sequence[str] = (),
     ) -> None:
         self.host = host
         self.port = port
         self.reuse_port = reuse_port
         self.app = web.Application(middlewares=[openai_middleware], client_max_size=MAX_BODY_BYTES)
+        self.app[PROXIES_KEY] = TrustedProxies(trusted_proxies)
         self.app.on_response_prepare.append(_request_id_header)
         self.bodies = BodyGate(body_timeout_s, max_bodies_per_tenant)
         OpenAIRoutes(pipeline, self.bodies).add_to(self.app)

@@ -35,6 +35,8 @@ TEST_ENV = {
     "LLM_RATELIMIT_CONCURRENCY_RETRY_MS": "500",
     "LLM_GATEWAY_HTTP_PORT": "0",  # the OpenAI front on an ephemeral port, never 8000
     "LLM_GATEWAY_AUTH_FAILURE_BURST": "60",  # the suite's own bad keys all come from 127.0.0.1
+    # the suite's clients stand where Envoy would: their x-forwarded-for names the client
+    "LLM_GATEWAY_TRUSTED_PROXIES": "127.0.0.1",
     # cost budgets: 1 milli-USD per prompt token, 2 per completion token, every model
     "LLM_GATEWAY_PRICES": '{"*": {"prompt_per_million": 1000, "completion_per_million": 2000}}',
 }

@@ -19,7 +19,6 @@ import pytest
 from redis.asyncio import Redis
 
 from common.redis_server import RedisServer
-from deploy.envoy import EnvoyProcess, render_config_file
 from gateway.domain import CallContext, Chunk, GatewayError
 from gateway.fronts.http.server import HttpFront
 from gateway.request.authenticate import Authenticator, FailedAuthThrottle
@@ -28,6 +27,7 @@ from llm.v1 import gateway_pb2
 from ratelimit.config import LimitPolicy, Tenant
 from ratelimit.tenancy.records import KeyRole
 from ratelimit.tenancy.registry import Registry
+from tests.integration.gateway.edge_helpers import envoy_in_front
 
 pytestmark = pytest.mark.integration
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -79,16 +79,7 @@ async def test_full_engines_and_the_auth_throttle_are_429_and_envoy_tries_once(
     gw_redis: RedisServer, tmp_path: Path
 ) -> None:
     front, pipeline, registry, client = await _front(gw_redis.url)
-    config = render_config_file(
-        tmp_path / "envoy.yaml",
-        listener_host="127.0.0.1",
-        plaintext=True,
-        listener_port=0,
-        admin_port=0,
-        gateway_http=[("127.0.0.1", front.port)],
-        access_log_path=tmp_path / "access.log",
-    )
-    envoy = await asyncio.to_thread(EnvoyProcess(config, log_dir=tmp_path).start)
+    envoy = await envoy_in_front(front.port, tmp_path)
     try:
         valid, _ = await registry.create_key("acme", "app", KeyRole.TENANT)
         url = f"http://{envoy.listener_address()}"

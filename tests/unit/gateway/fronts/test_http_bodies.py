@@ -10,41 +10,13 @@ from typing import cast
 
 import pytest
 
-from gateway.domain import CallContext, Chunk
 from gateway.fronts.http.server import HttpFront
 from gateway.request.pipeline import Pipeline
-from llm.v1 import common_pb2, gateway_pb2
-from ratelimit.config import LimitPolicy, Tenant
+from ratelimit.config import LimitPolicy
+from tests.unit.gateway.fronts.front_stubs import OneChunk
 
 BODY = b'{"model":"m","prompt":"hi","max_tokens":1}'
 LIMIT_S = 10.0  # far past any answer that is due at once; a hang is the bug
-
-
-class OneAtATime:
-    async def tenant(self, call: CallContext) -> Tenant:
-        return Tenant("slow", LimitPolicy(requests_per_minute=600, max_concurrent=1))
-
-
-class Answers:
-    """The pipeline's face to the front: a stub key check, one finished chunk."""
-
-    def __init__(self) -> None:
-        self.auth = OneAtATime()
-        self.draining = False
-        self.calls = 0
-
-    async def generate(
-        self, request: gateway_pb2.GenerateRequest, call: CallContext
-    ) -> AsyncIterator[Chunk]:
-        self.calls += 1
-        yield Chunk(
-            call.request_id,
-            text="hi",
-            token_ids=[1],
-            finish_reason=common_pb2.STOP,
-            usage=common_pb2.Usage(prompt_tokens=1, completion_tokens=1),
-            model="m",
-        )
 
 
 def head(length: int) -> bytes:
@@ -60,8 +32,8 @@ async def status_of(reader: asyncio.StreamReader) -> int:
 
 
 @pytest.fixture
-async def front() -> AsyncIterator[tuple[HttpFront, Answers]]:
-    pipeline = Answers()
+async def front() -> AsyncIterator[tuple[HttpFront, OneChunk]]:
+    pipeline = OneChunk(LimitPolicy(requests_per_minute=600, max_concurrent=1))
     http = HttpFront(cast(Pipeline, pipeline), "127.0.0.1", 0, body_timeout_s=0.5)
     await http.start()
     try:
@@ -71,7 +43,7 @@ async def front() -> AsyncIterator[tuple[HttpFront, Answers]]:
 
 
 async def test_a_tenants_bodies_arriving_are_capped_and_time_out(
-    front: tuple[HttpFront, Answers],
+    front: tuple[HttpFront, OneChunk],
 ) -> None:
     http, pipeline = front
     stalled = await asyncio.open_connection("127.0.0.1", http.port)
