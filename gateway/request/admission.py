@@ -11,7 +11,8 @@ on the tenant's headroom at its last admission here (``RateLimiter.has_headroom`
       start ──► [encode, route] ──► finish: reserve ──► budgets ──► engine ──► settle
                                    (request unit + lease + tokens)
 
-    overlapped (headroom for this request too, ``gateway.overlap_admission``):
+    overlapped (headroom for this request too, no budget applies to it,
+                ``gateway.overlap_admission``):
       start ──► [encode, route] ──► finish ──► engine call made ──► first chunk ──► settle
                                       │        (gate opens)           ▲
                                       └── task: reserve ──► budgets ──┘ confirm: none
@@ -194,7 +195,11 @@ class Admission:
             ticket.budget_hold = await self._charge_budgets(
                 tenant, job, max_tokens, ticket.reservation, call
             )
-        elif self.overlap and self.limiter.claim_headroom(tenant, num_tokens):
+        elif (
+            self.overlap
+            and not self._budgeted(tenant, call)
+            and self.limiter.claim_headroom(tenant, num_tokens)
+        ):
             loop = asyncio.get_running_loop()
             gate = ticket.gate = loop.create_future()
             ticket.pending = loop.create_task(
@@ -205,6 +210,12 @@ class Admission:
             ticket.reservation, ticket.budget_hold = await self._reserve_and_charge(
                 tenant, job, num_tokens, max_tokens, call
             )
+
+    def _budgeted(self, tenant: Tenant, call: CallContext) -> bool:
+        """Whether a budget applies to the request: then it never overlaps the engine's
+        start, since a budget that refuses it must cost no engine work (the limits'
+        headroom says nothing about a budget)."""
+        return self.budgets is not None and bool(tenant.budgets or call.key_budgets)
 
     async def _reserve_and_charge(
         self,
@@ -254,7 +265,7 @@ class Admission:
         reservation: Reservation | None,
         call: CallContext,
     ) -> BudgetHold | None:
-        if self.budgets is None or not (tenant.budgets or call.key_budgets):
+        if self.budgets is None or not self._budgeted(tenant, call):
             return None
         try:
             prompt = len(job.prompt_token_ids)
