@@ -38,6 +38,7 @@ from engine_svc.core.config import EngineConfig
 from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.service import EngineServicer
+from engine_svc.standard.serve import standard_servicers
 from llm.v1 import engine_pb2, engine_pb2_grpc
 from tokenizer_svc.tokenizer import read_tokenizer_files
 
@@ -164,9 +165,14 @@ def main(
         tokenizer_files=tokenizer_files(model_dir),
     )
 
+    standard = standard_servicers(backend, servicer, svc, model_dir, version, engine_build())
+
     def register(server: grpc.aio.Server) -> list[str]:
         engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-        return [engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name]
+        return [
+            engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name,
+            *standard.register(server),
+        ]
 
     async def ready() -> None:
         await backend.start()

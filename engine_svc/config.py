@@ -4,6 +4,7 @@ itself is the ``engine_core`` section, ``engine_svc.core.config.EngineConfig``).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import field
 
 from common.config import DEFAULT_MODEL_NAME, ServiceConfig
 
@@ -21,6 +22,9 @@ class EngineServiceConfig(ServiceConfig):
         warmup: Run one small batch before reporting SERVING.
         vllm_enforce_eager: Backend vllm: skip its graph compilation at start (a faster
             start, slower steps).
+        standard_protocols: The standard engine protocols (smg-grpc-proto) served beside
+            llm.v1.Engine on the same port and authentication: ``vllm``
+            (vllm.grpc.engine.VllmEngine) and ``trtllm`` (trtllm.TrtllmService); [] = none.
     """
 
     port: int = 50071
@@ -30,3 +34,4 @@ class EngineServiceConfig(ServiceConfig):
     model_version: str = ""
     warmup: bool = True
     vllm_enforce_eager: bool = False
+    standard_protocols: list[str] = field(default_factory=lambda: ["vllm", "trtllm"])

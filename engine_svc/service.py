@@ -8,8 +8,9 @@ the gateway and Envoy may retry on another replica.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 
 import grpc
 import structlog
@@ -33,6 +34,39 @@ from tokenizer_svc.tokenizer import tokenizer_digest
 log = get_logger(__name__)
 
 TOKENIZER_PIECE_BYTES = 1024 * 1024  # GetTokenizer's pieces (gRPC's default cap is 4 MiB)
+
+
+async def reject(context: Context, code: grpc.StatusCode, message: str, error_type: str) -> None:
+    """End the call with ``code`` (counted under ``error_type``)."""
+    metrics.ERRORS.labels(error_type).inc()
+    await context.abort(code, message)
+
+
+async def reject_backend_failure(context: Context, e: Exception, sent_tokens: int) -> None:
+    """End the call with the status of a backend failure (``Backend.generate``'s errors,
+    or the deadline); return for any other exception, which the caller re-raises."""
+    if isinstance(e, TimeoutError):  # the backend's stream, cancelled, aborted its request
+        await reject(
+            context,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"deadline exceeded after {sent_tokens} tokens; the request "
+            "was aborted and its KV blocks freed",
+            "deadline",
+        )
+    elif isinstance(e, DuplicateRequestError):
+        await reject(context, grpc.StatusCode.ALREADY_EXISTS, str(e), "duplicate")
+    elif isinstance(e, ValueError):
+        await reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
+    elif isinstance(e, QueueFullError):
+        context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
+        await reject(
+            context,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{e} (retry after {e.retry_after_ms} ms)",
+            "queue_full",
+        )
+    elif isinstance(e, BackendUnavailableError):
+        await reject(context, grpc.StatusCode.UNAVAILABLE, str(e), "unavailable")
 
 
 class EngineServicer(engine_pb2_grpc.EngineServicer):
@@ -67,17 +101,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._idle = asyncio.Event()
         self._idle.set()
 
-    async def _reject(
-        self, context: Context, code: grpc.StatusCode, message: str, error_type: str
-    ) -> None:
-        metrics.ERRORS.labels(error_type).inc()
-        await context.abort(code, message)
-
     async def Generate(
         self, request: engine_pb2.EngineGenerateRequest, context: Context
     ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         if self.draining:
-            await self._reject(
+            await reject(
                 context,
                 grpc.StatusCode.UNAVAILABLE,
                 "this engine replica is draining; retry on another replica",
@@ -88,7 +116,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             # once, here, for every backend (they see it validated and do not repeat it)
             inp.validate(self._backend.model_info())
         except ValueError as e:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
+            await reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
         structlog.contextvars.bind_contextvars(request_id=inp.request_id, tenant=inp.tenant_id)
         timeout = convert.deadline_seconds(request, context.time_remaining())
         tracer = tracing.tracer()
@@ -96,19 +124,28 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         if tracer is not None:
             trace = EngineTrace(tracer, context.invocation_metadata() or (), self._model)
             trace.request(inp)
+        try:
+            with self.in_flight():
+                async for resp in self._stream(
+                    inp.priority, self._backend.generate(inp), timeout, context, trace
+                ):
+                    yield resp
+        finally:
+            if trace is not None:
+                trace.end(context.code())
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Count one stream as in flight (``drain`` waits for it), whatever protocol
+        serves it."""
         self.num_active += 1
         self._idle.clear()
         try:
-            async for resp in self._stream(
-                inp.priority, self._backend.generate(inp), timeout, context, trace
-            ):
-                yield resp
+            yield
         finally:
             self.num_active -= 1
             if self.num_active == 0:
                 self._idle.set()
-            if trace is not None:
-                trace.end(context.code())
 
     async def _stream(
         self,
@@ -139,7 +176,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                         preemptions=out.num_preemptions,
                     )
                     if out.finish_reason == FinishReason.ERROR and sent_tokens == 0:
-                        await self._reject(
+                        await reject(
                             context,
                             grpc.StatusCode.UNAVAILABLE,
                             "the engine failed to run this request; retry on another replica",
@@ -148,28 +185,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 sent_tokens += len(out.new_token_ids)
                 yield convert.response_from_output(out, first, time.monotonic())
                 first = False
-        except TimeoutError:  # the backend's stream, cancelled, aborted its request
-            await self._reject(
-                context,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"deadline exceeded after {sent_tokens} tokens; the request "
-                "was aborted and its KV blocks freed",
-                "deadline",
-            )
-        except DuplicateRequestError as e:
-            await self._reject(context, grpc.StatusCode.ALREADY_EXISTS, str(e), "duplicate")
-        except ValueError as e:
-            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
-        except QueueFullError as e:
-            context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
-            await self._reject(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{e} (retry after {e.retry_after_ms} ms)",
-                "queue_full",
-            )
-        except BackendUnavailableError as e:
-            await self._reject(context, grpc.StatusCode.UNAVAILABLE, str(e), "unavailable")
+        except Exception as e:  # a backend failure ends the call with its status
+            await reject_backend_failure(context, e, sent_tokens)
+            raise
         finally:
             # Closing the backend's stream aborts the request this call registered (client
             # gone, deadline, error) and frees its KV blocks at once. Never abort by id here:

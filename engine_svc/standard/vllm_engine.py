@@ -1,0 +1,332 @@
+"""``vllm.grpc.engine.VllmEngine`` (smg-grpc-proto) over this engine's backend.
+
+Translation functions (proto <-> domain) first, then the servicer. What the request
+asks that this engine cannot apply (constrained decoding, n > 1, logit_bias, prompt
+logprobs, media, KV transfer, another data-parallel rank, text input) is refused
+with INVALID_ARGUMENT naming the field; nothing is dropped silently.
+
+Streaming follows the stock vLLM servicer: each chunk carries the new token ids
+(``completion_tokens`` is that chunk's count; a client adds them up), then one
+GenerateComplete. The Complete carries every output token id and the totals, as the
+proto documents, in both modes; ``stream=false`` sends only the Complete.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime
+
+import grpc
+from smg_grpc_proto.generated import (  # type: ignore[import-untyped]
+    common_pb2,
+    vllm_engine_pb2,
+    vllm_engine_pb2_grpc,
+)
+
+from common.server import Context
+from engine_svc.backends.base import GenerateInput
+from engine_svc.core.outputs import ModelInfo, RequestOutput
+from engine_svc.core.request import TokenLogprobs
+from engine_svc.core.sampling_params import SamplingParams
+from engine_svc.service import reject
+from engine_svc.standard.shared import (
+    StandardEngine,
+    Step,
+    finish_name,
+    unimplemented,
+    unsupported,
+)
+from engine_svc.stats import BackendStats
+
+PROTOCOL = "VllmEngine"
+SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+SERVER_TYPE = "llm-serving-stack-grpc"
+
+
+def _refuse_unsupported(req: vllm_engine_pb2.GenerateRequest) -> None:
+    p = req.sampling_params
+    checks: list[tuple[bool, str, str]] = [
+        (req.HasField("kv_transfer_params"), "kv_transfer_params", "no KV transfer"),
+        (req.HasField("kv_transfer_params_json"), "kv_transfer_params_json", "no KV transfer"),
+        (req.HasField("mm_inputs"), "mm_inputs", "a text-only model"),
+        (len(req.extra_mm_inputs) > 0, "extra_mm_inputs", "a text-only model"),
+        (req.HasField("media_refs"), "media_refs", "a text-only model"),
+        (
+            req.HasField("data_parallel_rank") and req.data_parallel_rank != 0,
+            "data_parallel_rank",
+            "one data-parallel rank, 0",
+        ),
+        (p.n > 1, "sampling_params.n", "one sequence per request"),
+        (len(p.logit_bias) > 0, "sampling_params.logit_bias", ""),
+        (p.HasField("prompt_logprobs"), "sampling_params.prompt_logprobs", ""),
+        (p.HasField("truncate_prompt_tokens"), "sampling_params.truncate_prompt_tokens", ""),
+        (
+            p.HasField("logprobs") and p.logprobs < 0,
+            "sampling_params.logprobs",
+            "-1 (every token) is not offered; ask for 0..20",
+        ),
+    ]
+    constraint = p.WhichOneof("constraint")
+    if constraint is not None:
+        checks.append((True, f"sampling_params.{constraint}", "no constrained decoding"))
+    for bad, field, why in checks:
+        if bad:
+            raise unsupported(PROTOCOL, field, why)
+
+
+def generate_input_from_vllm(
+    req: vllm_engine_pb2.GenerateRequest, info: ModelInfo
+) -> tuple[GenerateInput, list[str]]:
+    """The request in domain terms and its stop strings.
+
+    Raises:
+        ValueError: a field is missing, malformed or not supported (the message names it).
+    """
+    if req.WhichOneof("input") == "text":
+        raise unsupported(PROTOCOL, "text", "send tokenized.input_ids; the gateway tokenizes")
+    if not req.request_id:
+        raise ValueError(f"{PROTOCOL}: request_id must be set")
+    if not req.HasField("tokenized") or not req.tokenized.input_ids:
+        raise ValueError(f"{PROTOCOL}: tokenized.input_ids is empty: send at least one token")
+    _refuse_unsupported(req)
+    p = req.sampling_params
+    prompt = list(req.tokenized.input_ids)
+    if p.HasField("max_tokens"):
+        max_tokens = p.max_tokens
+    else:  # vLLM's default: whatever the context leaves
+        max_tokens = max(1, info.max_context_length - len(prompt))
+    asked = p.logprobs if p.HasField("logprobs") else None
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,  # vLLM's default
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        min_tokens=p.min_tokens,
+        # vLLM's 0 = the chosen token's logprob only; the engine's 0 = none
+        logprobs=0 if asked is None else max(1, asked),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        include_stop_in_output=p.include_stop_str_in_output,
+    )
+    inp = GenerateInput(request_id=req.request_id, prompt_token_ids=prompt, sampling_params=params)
+    return inp, list(p.stop)
+
+
+def output_logprobs(
+    lps: Sequence[TokenLogprobs] | None, top: int
+) -> vllm_engine_pb2.OutputLogProbs | None:
+    """OutputLogProbs for these positions, ``top`` alternatives each (None without any)."""
+    if not lps:
+        return None
+    msg = vllm_engine_pb2.OutputLogProbs(
+        token_logprobs=[lp.logprob for lp in lps], token_ids=[lp.token_id for lp in lps]
+    )
+    if top > 0:
+        msg.top_logprobs.extend(
+            vllm_engine_pb2.TopLogProbs(
+                values=lp.top_logprobs[:top], token_ids=lp.top_token_ids[:top]
+            )
+            for lp in lps
+        )
+    return msg
+
+
+def chunk_from_output(out: RequestOutput, top: int) -> vllm_engine_pb2.GenerateResponse:
+    """One streamed chunk: the new token ids (and their logprobs)."""
+    return vllm_engine_pb2.GenerateResponse(
+        chunk=vllm_engine_pb2.GenerateStreamChunk(
+            token_ids=out.new_token_ids,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=len(out.new_token_ids),
+            cached_tokens=out.num_cached_tokens,
+            output_logprobs=output_logprobs(out.new_logprobs, top),
+        )
+    )
+
+
+def complete_from_output(
+    out: RequestOutput,
+    output_ids: Sequence[int],
+    lps: Sequence[TokenLogprobs],
+    top: int | None,
+    matched_stop: str | None,
+) -> vllm_engine_pb2.GenerateResponse:
+    """The final message: every output token id, the finish reason and the counts."""
+    done = vllm_engine_pb2.GenerateComplete(
+        output_ids=output_ids,
+        finish_reason=finish_name(out.finish_reason),
+        prompt_tokens=out.num_prompt_tokens,
+        completion_tokens=len(output_ids),
+        cached_tokens=out.num_cached_tokens,
+        output_logprobs=output_logprobs(lps, top) if top is not None else None,
+        spec_draft_tokens=out.num_draft_tokens,
+        spec_accepted_tokens=out.num_accepted_tokens,
+    )
+    if matched_stop is not None:
+        done.matched_stop_str = matched_stop
+    elif out.stop_token_id is not None:
+        done.matched_token_id = out.stop_token_id
+    return vllm_engine_pb2.GenerateResponse(complete=done)
+
+
+def loads_from_stats(s: BackendStats, block_size: int) -> vllm_engine_pb2.SchedulerLoad:
+    """One rank's load from the engine's own stats snapshot."""
+    e = s.engine
+    return vllm_engine_pb2.SchedulerLoad(
+        dp_rank=0,
+        num_running_reqs=e.num_running,
+        num_waiting_reqs=e.num_waiting,
+        num_total_reqs=e.num_running + e.num_waiting,
+        num_used_tokens=e.num_kv_blocks_used * block_size,
+        max_total_num_tokens=e.num_kv_blocks_total * block_size,
+        token_usage=e.kv_cache_usage,
+        gen_throughput=s.generation_tokens_per_second,
+        cache_hit_rate=e.prefix_cache_hit_rate,
+        utilization=e.num_running / e.max_num_seqs if e.max_num_seqs else 0.0,
+        max_running_requests=e.max_num_seqs,
+    )
+
+
+def add_to_server(servicer: VllmEngineServicer, server: grpc.aio.Server) -> None:
+    """Register ``servicer`` on ``server``."""
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]
+    """VllmEngine over the engine's backend (``StandardEngine``)."""
+
+    def __init__(self, engine: StandardEngine) -> None:
+        self._e = engine
+        self._started = time.time()
+
+    async def Generate(
+        self, request: vllm_engine_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
+        e = self._e
+        try:
+            inp, stop = generate_input_from_vllm(request, e.backend.model_info())
+            stops = e.stop_strings(PROTOCOL, stop, inp.sampling_params.min_tokens)
+        except ValueError as err:
+            await reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid")
+        p = request.sampling_params
+        top = p.logprobs if p.HasField("logprobs") else None
+        ids: list[int] = []
+        lps: list[TokenLogprobs] = []
+        step: Step
+        async for step in e.run(inp, stops, context):
+            out = step.out
+            ids.extend(out.new_token_ids)
+            lps.extend(out.new_logprobs or ())
+            if request.stream and out.new_token_ids:
+                yield chunk_from_output(out, top or 0)
+            if out.finished:
+                yield complete_from_output(out, ids, lps, top, step.matched_stop)
+
+    async def Abort(
+        self, request: vllm_engine_pb2.AbortRequest, context: Context
+    ) -> vllm_engine_pb2.AbortResponse:
+        await self._e.abort(list(request.request_ids))
+        return vllm_engine_pb2.AbortResponse()
+
+    async def HealthCheck(
+        self, request: vllm_engine_pb2.HealthCheckRequest, context: Context
+    ) -> vllm_engine_pb2.HealthCheckResponse:
+        if self._e.engine.draining:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="draining")
+        return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+
+    async def GetModelInfo(
+        self, request: vllm_engine_pb2.GetModelInfoRequest, context: Context
+    ) -> vllm_engine_pb2.GetModelInfoResponse:
+        info = self._e.backend.model_info()
+        hf = self._e.hf_config
+        return vllm_engine_pb2.GetModelInfoResponse(
+            model_path=self._e.model_dir,
+            is_generation=True,
+            max_context_length=info.max_context_length,
+            vocab_size=info.vocab_size,
+            supports_vision=False,
+            served_model_name=self._e.model_name,
+            tokenizer_path=self._e.model_dir if self._e.bundle else "",
+            model_type=str(hf.get("model_type") or ""),
+            architectures=[str(a) for a in hf.get("architectures") or ()],
+            eos_token_ids=info.eos_token_ids,
+            pad_token_id=int(hf.get("pad_token_id") or 0),
+            bos_token_id=int(hf.get("bos_token_id") or 0),
+            max_req_input_len=info.max_context_length - 1,
+        )
+
+    async def GetServerInfo(
+        self, request: vllm_engine_pb2.GetServerInfoRequest, context: Context
+    ) -> vllm_engine_pb2.GetServerInfoResponse:
+        info = self._e.backend.model_info()
+        s = self._e.backend.stats().engine
+        return vllm_engine_pb2.GetServerInfoResponse(
+            active_requests=s.num_running + s.num_waiting,
+            is_paused=self._e.engine.draining,
+            uptime_seconds=time.time() - self._started,
+            server_type=SERVER_TYPE,
+            data_parallel_size=1,
+            kv_cache_dtype=info.kv_cache_dtype,
+            block_size=info.kv_block_size,
+            model_dtype=info.weight_dtype,
+            max_num_seqs=s.max_num_seqs,
+        )
+
+    async def GetLoads(
+        self, request: vllm_engine_pb2.GetLoadsRequest, context: Context
+    ) -> vllm_engine_pb2.GetLoadsResponse:
+        if request.HasField("dp_rank") and request.dp_rank != 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{PROTOCOL}: dp_rank {request.dp_rank}: this engine has one rank, 0",
+            )
+        load = loads_from_stats(self._e.backend.stats(), self._e.backend.model_info().kv_block_size)
+        return vllm_engine_pb2.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(),
+            version=self._e.build,
+            dp_rank_count=1,
+            loads=[load],
+        )
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: Context
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        async for data, sha in self._e.tokenizer_chunks(PROTOCOL, context):
+            yield common_pb2.GetTokenizerChunk(data=data, sha256=sha)
+
+    async def Embed(
+        self, request: vllm_engine_pb2.EmbedRequest, context: Context
+    ) -> vllm_engine_pb2.EmbedResponse:
+        await unimplemented(context, PROTOCOL, "Embed", "a generation model, no embeddings")
+        raise AssertionError("unreachable")
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: Context
+    ) -> common_pb2.FlushCacheResponse:
+        await unimplemented(context, PROTOCOL, "FlushCache", "no flush on demand")
+        raise AssertionError("unreachable")
+
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: Context
+    ) -> common_pb2.ProfileResponse:
+        await unimplemented(context, PROTOCOL, "StartProfile", "no profiler behind this API")
+        raise AssertionError("unreachable")
+
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: Context
+    ) -> common_pb2.ProfileResponse:
+        await unimplemented(context, PROTOCOL, "StopProfile", "no profiler behind this API")
+        raise AssertionError("unreachable")
+
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: Context
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        await unimplemented(context, PROTOCOL, "SubscribeKvEvents", "poll GetLoads instead")
+        yield common_pb2.KvEventBatch()  # unreachable: makes this a stream handler
