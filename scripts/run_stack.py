@@ -247,7 +247,7 @@ def bring_up(stack: Stack, second_model: str = "") -> None:
         RUN_DIR / "envoy.yaml",
         listener_host=ev.host,
         listener_port=ev.port,
-        admin_port=ev.admin_port,
+        admin_socket=ev.admin_socket,  # a unix socket, mode 0600: never TCP
         gateway=[gateway],
         admin=[gateway],
         gateway_http=[f"{gw.host}:{gw.http_port}"],

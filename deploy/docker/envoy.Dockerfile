@@ -29,9 +29,10 @@ COPY --from=build /out/envoy.yaml /out/llm_v1.pb /etc/envoy/
 USER 101:101
 # 8080 public, TLS: gRPC, OpenAI HTTP, HTTP/JSON admin API; 9902 /stats/prometheus
 # and /ready (plaintext, for probes and Prometheus inside the cluster).
-# The admin interface (9901) stays on 127.0.0.1 inside the container.
+# The admin interface is a unix socket (0600) inside the container; the health
+# check asks the stats listener's /ready, which proxies to it.
 EXPOSE 8080 9902
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/9901 && printf 'GET /ready HTTP/1.0\\r\\n\\r\\n' >&3 && head -n1 <&3 | grep -q ' 200 '"]
+    CMD ["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/9902 && printf 'GET /ready HTTP/1.1\\r\\nHost: envoy\\r\\nConnection: close\\r\\n\\r\\n' >&3 && head -n1 <&3 | grep -q ' 200 '"]
 ENTRYPOINT ["/usr/local/bin/envoy"]
 CMD ["-c", "/etc/envoy/envoy.yaml", "--log-level", "info", "--disable-hot-restart"]

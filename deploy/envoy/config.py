@@ -1,7 +1,7 @@
 """Render variants of deploy/envoy/envoy.yaml without keeping a second copy of it.
 
 envoy.yaml as written is the `make run` configuration (loopback upstreams,
-listener :8080, admin 127.0.0.1:9901). Everything else (tests on ephemeral
+listener :8080, admin on the unix socket .run/envoy-admin.sock). Everything else (tests on ephemeral
 ports, the container image, Kubernetes) starts from that file and replaces
 only what differs:
 
@@ -11,8 +11,13 @@ only what differs:
     plaintext                       no TLS on the public listener: only when it is
                                     bound to a loopback address (tests, benchmarks)
     stats_port                      the Prometheus listener ("stats"), same host
-    admin_port                      Envoy's admin interface (always 127.0.0.1);
-                                    0 drops the stats listener, which proxies to it
+    admin_socket                    Envoy's admin interface: a unix socket, mode 0600
+                                    (never TCP: the admin API can stop Envoy, change
+                                    its log level, runtime and more, unauthenticated)
+    admin_port                      for old callers: any value gives the admin
+                                    interface a fresh private socket (a new 0700
+                                    directory) and, without stats_port, drops the
+                                    stats listener
     gateway / admin                 endpoints of the "gateway" / "admin" clusters
                                     (STATIC when all are IPs, else STRICT_DNS)
     gateway_http                    endpoints of the "gateway_http" cluster: the
@@ -21,7 +26,8 @@ only what differs:
     access_log_path                 where the JSON access log goes
 
 Port 0 means "pick a free one": Envoy binds an ephemeral port, and
-``EnvoyProcess`` reads the bound ports back from the admin interface.
+``EnvoyProcess`` reads the bound ports back from the admin interface (over its
+socket, whose path it reads from the config).
 
 Command line (used by deploy/docker/envoy.Dockerfile):
 
@@ -46,7 +52,8 @@ from common.addresses import is_loopback
 from common.config import ROOT
 
 ENVOY_YAML = Path(__file__).resolve().parent / "envoy.yaml"
-ADMIN_HOST = "127.0.0.1"  # never anything else: the admin API can stop Envoy
+ADMIN_SOCKET_MODE = 0o600  # only Envoy's own user: the admin API can stop Envoy
+ADMIN_SOCKET_NAME = "admin.sock"
 CONTAINER_TLS_DIR = "/etc/envoy/tls"  # a kubernetes.io/tls Secret or a directory, mounted
 
 PUBLIC_LISTENER = "public"
@@ -69,12 +76,13 @@ class EnvoyConfig:
         host: Address of the public listener.
         port: The public listener (TLS): gRPC, the OpenAI HTTP API and the
             ``/v1/admin/`` HTTP/JSON API.
-        admin_port: Envoy's admin interface, on the loopback address only (0 = ephemeral).
+        admin_socket: Envoy's admin interface: a unix socket (mode 0600, relative
+            paths against the repository root), never a TCP port.
     """
 
     host: str = "0.0.0.0"
     port: int = 8080
-    admin_port: int = 9901
+    admin_socket: str = ".run/envoy-admin.sock"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +118,7 @@ CONTAINER_PRESET: dict[str, Any] = {
     "gateway": ["gateway:50051"],
     "gateway_http": ["gateway:8000"],
     "admin": ["gateway:50051"],
+    "admin_socket": "/tmp/envoy-admin.sock",  # /tmp: the one directory Envoy's user may write
     "proto_descriptor": "/etc/envoy/llm_v1.pb",
     "access_log_path": "/dev/stdout",
 }
@@ -178,6 +187,28 @@ def cluster_endpoints(config: Config, name: str) -> list[Endpoint]:
             sock = lb["endpoint"]["address"]["socket_address"]
             out.append(Endpoint(sock["address"], int(sock["port_value"])))
     return out
+
+
+def admin_socket_path(config: Config) -> Path:
+    """The unix socket of a rendered config's admin interface."""
+    return Path(config["admin"]["address"]["pipe"]["path"])
+
+
+def _set_admin(config: Config, path: Path) -> None:
+    """The admin interface, and the stats listener's way to it, on the socket ``path``."""
+    pipe = {"pipe": {"path": str(path), "mode": ADMIN_SOCKET_MODE}}
+    config["admin"]["address"] = pipe
+    for item in config["static_resources"]["clusters"]:
+        if item["name"] == ENVOY_ADMIN_CLUSTER:
+            (locality,) = item["load_assignment"]["endpoints"]
+            (lb,) = locality["lb_endpoints"]
+            lb["endpoint"]["address"] = {"pipe": {"path": str(path)}}
+
+
+def private_admin_socket() -> Path:
+    """A socket path in a new directory only this user may enter (mode 0700), short
+    enough for a unix socket (108 bytes) wherever the caller keeps its files."""
+    return Path(tempfile.mkdtemp(prefix="envoy-admin-")) / ADMIN_SOCKET_NAME
 
 
 def _set_socket(target: Config, host: str | None, port: int | None) -> None:
@@ -259,6 +290,7 @@ def render_config(
     *,
     listener_host: str | None = None,
     listener_port: int | None = None,
+    admin_socket: str | Path | None = None,
     admin_port: int | None = None,
     stats_port: int | None = None,
     gateway: Sequence[EndpointLike] | None = None,
@@ -273,9 +305,9 @@ def render_config(
 ) -> Config:
     """envoy.yaml with the given parts replaced; ``None`` keeps what the file says.
 
-    Relative paths (the file's ``build/llm_v1.pb`` and ``.run/tls/tls.crt``)
-    are made absolute against the repository root, so the result works from
-    any cwd. ``plaintext=True`` drops TLS from the public listener, and is
+    Relative paths (the file's ``build/llm_v1.pb``, ``.run/tls/tls.crt`` and
+    ``.run/envoy-admin.sock``) are made absolute against the repository root, so
+    the result works from any cwd. ``plaintext=True`` drops TLS from the public listener, and is
     refused unless that listener is bound to a loopback address.
     """
     config = load_config(base)
@@ -283,21 +315,17 @@ def render_config(
     _set_tls(config, tls_cert, tls_key, plaintext)
     if stats_port is not None:
         _set_socket(listener(config, STATS_LISTENER), listener_host, stats_port)
-    if admin_port is not None:
-        _set_socket(config["admin"], ADMIN_HOST, admin_port)
-        if admin_port:
-            _set_endpoints(config, ENVOY_ADMIN_CLUSTER, [(ADMIN_HOST, admin_port)])
-        else:
-            # The stats listener proxies to the admin port, which is not known
-            # before start when ephemeral: drop it rather than point it at
-            # whatever else listens on 9901.
-            if stats_port is not None:
-                raise ValueError(
-                    "stats_port needs a fixed admin_port (the stats listener "
-                    "proxies to it); use admin_port=0 without stats_port"
-                )
-            _drop(config, "listeners", STATS_LISTENER)
-            _drop(config, "clusters", ENVOY_ADMIN_CLUSTER)
+    if admin_socket is not None:
+        socket_path = Path(_absolute(admin_socket))
+    elif admin_port is not None:
+        socket_path = private_admin_socket()
+    else:
+        socket_path = Path(_absolute(admin_socket_path(config)))
+    _set_admin(config, socket_path)
+    if admin_port is not None and stats_port is None:
+        # an Envoy of its own (a test's, a bench's): no fixed stats port to collide on
+        _drop(config, "listeners", STATS_LISTENER)
+        _drop(config, "clusters", ENVOY_ADMIN_CLUSTER)
     if gateway is not None:
         _set_endpoints(config, GATEWAY_CLUSTER, gateway)
     if admin is not None:
@@ -342,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="local = envoy.yaml as written; container = compose/Kubernetes",
     )
     parser.add_argument("--listen", help="host:port of the public listener")
-    parser.add_argument("--admin-port", type=int)
+    parser.add_argument("--admin-socket", help="unix socket of the admin interface")
     parser.add_argument("--stats-port", type=int)
     parser.add_argument("--gateway", action="append", help="gateway endpoint host:port (repeat)")
     parser.add_argument("--admin", action="append", help="RateLimitAdmin endpoint (repeat)")
@@ -367,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ep = Endpoint.parse(args.listen)
         overrides.update(listener_host=ep.host, listener_port=ep.port)
     for key, value in (
-        ("admin_port", args.admin_port),
+        ("admin_socket", args.admin_socket),
         ("stats_port", args.stats_port),
         ("gateway", args.gateway),
         ("admin", args.admin),

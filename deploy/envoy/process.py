@@ -7,31 +7,80 @@
 
 Each instance gets a base id of its own (``--use-dynamic-base-id``: Envoy picks
 one no other live Envoy on the machine holds, and writes it to a file), so any
-number of Envoys run side by side. The admin interface is always on
-127.0.0.1; with ``admin_port=0`` Envoy binds a free port and writes the
-address to ``--admin-address-path``, and the bound listener ports are read
-back from ``/listeners``, so nothing races for a port.
+number of Envoys run side by side. The admin interface is a unix socket (mode
+0600; its path is read from the config): ``admin_get`` and ``stats`` speak HTTP
+over it, and the bound listener ports are read back from ``/listeners``, so
+nothing races for a port. Envoy's own log and the access logs the config
+names are created mode 0600 before it starts (debug logs can carry bearer keys).
 """
 
 from __future__ import annotations
 
+import http.client
 import importlib
 import json
 import os
 import shutil
+import socket
 import tempfile
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+import yaml
+
 from common.config import ROOT
 from common.pgroup import ChildStartError, LoggedChild
+from deploy.envoy.config import admin_socket_path
 
-# Loopback only: never through an HTTP proxy from the environment.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+LOG_MODE = 0o600  # Envoy's log and access logs: debug logs can carry bearer keys
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over a unix socket (the admin interface)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` (and keep it) readable and writable by this user only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, LOG_MODE))
+    path.chmod(LOG_MODE)
+
+
+def _file_logs(config: dict[str, object]) -> list[Path]:
+    """Every file an access logger of the config writes (not /dev/stdout or /dev/null)."""
+    found: list[Path] = []
+
+    def walk(node: object) -> None:
+        if isinstance(node, dict):
+            typed = node.get("typed_config")
+            if node.get("name") == "envoy.access_loggers.file" and isinstance(typed, dict):
+                path = str(typed.get("path", ""))
+                if path and not path.startswith("/dev/"):
+                    found.append(Path(path))
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(config)
+    return found
 
 
 class EnvoyStartError(ChildStartError):
@@ -84,7 +133,8 @@ class EnvoyProcess(LoggedChild):
         self.log_path = self.workdir / "envoy.log"
         self.admin_address_path = self.workdir / "admin-address.txt"
         self.base_id_path = self.workdir / "base-id.txt"
-        self.admin_address = ""
+        self.admin_address = ""  # "unix:<path>" once Envoy listens there
+        self.admin_socket = Path()
         self.listener_ports: dict[str, int] = {}
         self._log: IO[bytes] | None = None
 
@@ -119,6 +169,11 @@ class EnvoyProcess(LoggedChild):
         if self.running:
             return self
         self.admin_address_path.unlink(missing_ok=True)
+        config = yaml.safe_load(self.config_path.read_text())
+        self.admin_socket = self.cwd / admin_socket_path(config)
+        self.admin_socket.unlink(missing_ok=True)  # a dead Envoy's: bind would fail
+        for path in (self.log_path, *_file_logs(config)):
+            private_file(self.cwd / path)
         self.spawn(self.command(), cwd=self.cwd)
         self.wait_ready(self._ready, timeout)
         self.listener_ports = self._read_listener_ports()
@@ -126,13 +181,9 @@ class EnvoyProcess(LoggedChild):
 
     def _ready(self) -> bool:
         if not self.admin_address:
-            try:
-                address = self.admin_address_path.read_text().strip()
-            except FileNotFoundError:
+            if not self.admin_socket.exists():
                 return False
-            if not address:
-                return False
-            self.admin_address = address
+            self.admin_address = f"unix:{self.admin_socket}"
         try:
             status, _ = self.admin_get("/ready", timeout=1.0)
         except OSError:
@@ -147,19 +198,22 @@ class EnvoyProcess(LoggedChild):
             ports[item["name"]] = int(sock["port_value"])
         return ports
 
-    @property
-    def admin_url(self) -> str:
-        return f"http://{self.admin_address}"
+    def admin_request(self, method: str, path: str, timeout: float = 5.0) -> tuple[int, str]:
+        """A request to the admin interface over its socket: ``(status, body)``;
+        HTTP errors are returned too."""
+        if not self.admin_address:
+            raise RuntimeError("envoy admin address not known yet (start() first)")
+        conn = _UnixHTTPConnection(str(self.admin_socket), timeout)
+        try:
+            conn.request(method, path)
+            resp = conn.getresponse()
+            return int(resp.status), resp.read().decode(errors="replace")
+        finally:
+            conn.close()
 
     def admin_get(self, path: str, timeout: float = 5.0) -> tuple[int, str]:
         """GET on the admin interface: ``(status, body)``; HTTP errors are returned too."""
-        if not self.admin_address:
-            raise RuntimeError("envoy admin address not known yet (start() first)")
-        try:
-            with _OPENER.open(self.admin_url + path, timeout=timeout) as resp:
-                return int(resp.status), resp.read().decode(errors="replace")
-        except urllib.error.HTTPError as err:
-            return int(err.code), err.read().decode(errors="replace")
+        return self.admin_request("GET", path, timeout)
 
     def stats(self, pattern: str = "") -> dict[str, int]:
         """Counters and gauges whose name matches the regex ``pattern``."""

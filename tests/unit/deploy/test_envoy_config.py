@@ -22,6 +22,7 @@ from deploy.envoy.config import (
     CONTAINER_PRESET,
     ENVOY_YAML,
     Endpoint,
+    admin_socket_path,
     cluster,
     cluster_endpoints,
     http_connection_manager,
@@ -34,7 +35,7 @@ from deploy.envoy.config import (
 )
 from deploy.envoy.process import envoy_binary
 from deploy.envoy.tls import TlsFiles, ensure_local_tls
-from tests.unit.deploy.helpers import DESCRIPTOR_SET, ENVOY_ADMIN_PORT, ENVOY_PUBLIC_PORT
+from tests.unit.deploy.helpers import DESCRIPTOR_SET, ENVOY_PUBLIC_PORT
 
 TRANSCODER = "envoy.filters.http.grpc_json_transcoder"
 
@@ -132,15 +133,14 @@ def test_envoy_validate_rejects_a_broken_variant(descriptor: Path, tmp_path: Pat
 
 def test_as_written_is_the_make_run_layout() -> None:
     cfg = load_config()
-    assert cfg["admin"]["address"]["socket_address"] == {
-        "address": "127.0.0.1",
-        "port_value": ENVOY_ADMIN_PORT,
-    }
+    # the admin interface: a unix socket only Envoy's user may open, never TCP
+    assert cfg["admin"]["address"] == {"pipe": {"path": ".run/envoy-admin.sock", "mode": 0o600}}
     assert listener(cfg, "public")["address"]["socket_address"]["port_value"] == ENVOY_PUBLIC_PORT
     assert cluster_endpoints(cfg, "gateway") == [Endpoint("127.0.0.1", 50051)]
     assert cluster_endpoints(cfg, "admin") == [Endpoint("127.0.0.1", 50051)]
     assert cluster_endpoints(cfg, "gateway_http") == [Endpoint("127.0.0.1", 8000)]
-    assert cluster_endpoints(cfg, "envoy_admin") == [Endpoint("127.0.0.1", ENVOY_ADMIN_PORT)]
+    (admin_host,) = cluster(cfg, "envoy_admin")["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert admin_host["endpoint"]["address"] == {"pipe": {"path": ".run/envoy-admin.sock"}}
 
 
 def test_public_listener_terminates_modern_tls() -> None:
@@ -329,7 +329,9 @@ def test_render_replaces_only_what_it_is_given(tmp_path: Path) -> None:
         "address": "127.0.0.1",
         "port_value": 0,
     }
-    assert cfg["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 0}
+    socket = admin_socket_path(cfg)  # admin_port (old callers): a private socket
+    assert socket.name == "admin.sock"
+    assert socket.parent.stat().st_mode & 0o777 == 0o700
     assert cluster_endpoints(cfg, "gateway") == [
         Endpoint("127.0.0.1", 7001),
         Endpoint("127.0.0.1", 7002),
@@ -361,15 +363,13 @@ def test_render_rejects_bad_input() -> None:
         render_config(gateway=["no-port"])
     with pytest.raises(ValueError, match="at least one endpoint"):
         render_config(gateway=[])
-    with pytest.raises(ValueError, match="fixed admin_port"):
-        render_config(admin_port=0, stats_port=9902)
 
 
 def test_container_preset_keeps_admin_on_loopback(tmp_path: Path) -> None:
     out = tmp_path / "envoy.yaml"
     assert envoy_config.main(["--preset", "container", "-o", str(out)]) == 0
     cfg = load_config(out)
-    assert cfg["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert cfg["admin"]["address"] == {"pipe": {"path": "/tmp/envoy-admin.sock", "mode": 0o600}}
     assert listener(cfg, "public")["address"]["socket_address"]["address"] == "0.0.0.0"
     assert cluster_endpoints(cfg, "gateway") == [Endpoint("gateway", 50051)]
     assert cluster_endpoints(cfg, "gateway_http") == [Endpoint("gateway", 8000)]
