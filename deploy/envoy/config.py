@@ -54,6 +54,7 @@ from common.config import ROOT
 ENVOY_YAML = Path(__file__).resolve().parent / "envoy.yaml"
 ADMIN_SOCKET_MODE = 0o600  # only Envoy's own user: the admin API can stop Envoy
 ADMIN_SOCKET_NAME = "admin.sock"
+PRIVATE_SOCKET_PREFIX = "envoy-admin-"  # the directories of private_admin_socket()
 CONTAINER_TLS_DIR = "/etc/envoy/tls"  # a kubernetes.io/tls Secret or a directory, mounted
 
 PUBLIC_LISTENER = "public"
@@ -208,7 +209,7 @@ def _set_admin(config: Config, path: Path) -> None:
 def private_admin_socket() -> Path:
     """A socket path in a new directory only this user may enter (mode 0700), short
     enough for a unix socket (108 bytes) wherever the caller keeps its files."""
-    return Path(tempfile.mkdtemp(prefix="envoy-admin-")) / ADMIN_SOCKET_NAME
+    return Path(tempfile.mkdtemp(prefix=PRIVATE_SOCKET_PREFIX)) / ADMIN_SOCKET_NAME
 
 
 def _set_socket(target: Config, host: str | None, port: int | None) -> None:

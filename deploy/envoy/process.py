@@ -16,6 +16,7 @@ names are created mode 0600 before it starts (debug logs can carry bearer keys).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib
 import json
@@ -32,7 +33,7 @@ import yaml
 
 from common.config import ROOT
 from common.pgroup import ChildStartError, LoggedChild
-from deploy.envoy.config import admin_socket_path
+from deploy.envoy.config import PRIVATE_SOCKET_PREFIX, admin_socket_path
 
 LOG_MODE = 0o600  # Envoy's log and access logs: debug logs can carry bearer keys
 
@@ -178,6 +179,16 @@ class EnvoyProcess(LoggedChild):
         self.wait_ready(self._ready, timeout)
         self.listener_ports = self._read_listener_ports()
         return self
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """Stop Envoy; its admin socket goes, and a private socket's directory with it."""
+        code = super().stop(timeout)
+        if self.admin_socket != Path():
+            self.admin_socket.unlink(missing_ok=True)
+            if self.admin_socket.parent.name.startswith(PRIVATE_SOCKET_PREFIX):
+                with contextlib.suppress(OSError):
+                    self.admin_socket.parent.rmdir()
+        return code
 
     def _ready(self) -> bool:
         if not self.admin_address:

@@ -31,6 +31,7 @@ def envoy(tmp_path: Path) -> Iterator[EnvoyProcess]:
     )
     with EnvoyProcess(path, log_dir=tmp_path) as proc:
         yield proc
+    assert not proc.admin_socket.parent.exists()  # a private socket leaves nothing behind
 
 
 def mode(path: Path) -> int:
