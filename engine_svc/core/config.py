@@ -104,6 +104,12 @@ class EngineConfig:
             small copy of the model at the batches the scheduler makes: a
             ``max_num_seqs`` decode step, a ``max_num_batched_tokens`` prefill
             chunk and a lone decode; attention math stays fp32 on CPU).
+        cpu_isa: cap on the CPU instruction sets the engine's own kernels use:
+            ``native`` (all this CPU has), ``avx512_bf16`` (no AMX), ``avx512``
+            (no BF16 dot products) or ``avx2``; to measure a lower tier on a higher
+            CPU. A cap also sets ``ATEN_CPU_CAPABILITY`` and ``ONEDNN_MAX_CPU_ISA``
+            for torch where they are unset (set them before start to be sure torch
+            obeys: it reads them once); the tier run is in the log and model info.
         device: ``cpu``, ``cuda``, ``cuda:1`` … or ``auto`` (CUDA when present).
         block_size: tokens per KV block.
         num_kv_blocks: pool size; 0 = derive from the memory budget below.
@@ -144,6 +150,7 @@ class EngineConfig:
 
     model_dir: str = ""
     dtype: str = "auto"
+    cpu_isa: str = "native"
     device: str = "auto"
     block_size: int = 16
     num_kv_blocks: int = 0

@@ -33,7 +33,7 @@ from engine_svc.core.scheduler import Scheduler
 from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
 from engine_svc.core.validation import validate_request
-from engine_svc.models import cpu_kernels
+from engine_svc.models import cpu_kernels, cpu_tier
 from engine_svc.models.attention import choose_prefill_dtype, choose_prefill_kernel
 from engine_svc.models.linear import tune_linears
 from engine_svc.models.loader import load_model
@@ -94,6 +94,8 @@ class LLMEngine:
         self.clock = clock
         self.device = _resolve_device(config.device)
         self.model_dir = config.model_dir or str(default_model_dir())
+        # the tier cap first: the kernels build under it when first used
+        cpu_tier.apply_cap(config.cpu_isa)
         self.linear_choice = choose_linear(config, self.model_dir, self.device)
         self.weight_dtype = self.linear_choice.dtype
         self.model = load_model(
@@ -398,6 +400,8 @@ class LLMEngine:
         if self.model.prefill_attn_kernel:
             attn = "fused amx bfloat16"
         tier = ""
+        if self.device.type == "cpu":
+            tier = f", {cpu_tier.report(cpu_kernels.kernel_tier()).label}"
         why = f"; measured: {c.detail}" if c.detail else ""
         return (
             f"{c.name} ({c.reason}), prefill attention {attn}, kernels={kernels}, "

@@ -5,7 +5,8 @@ add+RMSNorm, SiLU-and-mul, RoPE with the KV-cache write, paged decode and
 prefill attention, the skinny, FP8, AMX and 4-bit GEMMs, argmax, the whole
 decode step), one source per op family (``csrc/ops.h`` lists them) and their
 registration alone in ``csrc/cpu_ops.cpp``. They build into one library with
-the system C++ compiler and ``-march=native`` against the installed torch,
+the system C++ compiler and ``-march=native`` (less what the tier cap,
+``cpu_tier``, takes away) against the installed torch,
 cached under ``<cache>/kernels/<hash of every source, flags, torch and CPU>/``. They
 run on torch's own OpenMP pool through ``at::parallel_for`` and link torch's
 bundled libgomp, so there is one thread pool, never two.
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from common.config import cache_dir
+from engine_svc.models import cpu_tier
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +127,8 @@ def _ops_compile_command(compiler: str, march: str = "native") -> list[str]:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = [f"-march={march}" if f == "-march=native" else f for f in C_FLAGS]
+    if march == "native":  # the tier cap (engine_core.cpu_isa) takes instruction sets away
+        flags += cpu_tier.compile_flags(cpu_tier.native_tier(), cpu_tier.requested_cap())
     return [
         compiler,
         *flags,
@@ -178,17 +182,29 @@ def build_ops_library() -> Path:
     return _compile(cmd, lib)
 
 
+_loaded_tier = [""]  # the tier the loaded library was built for
+
+
 @cache
 def _load_ops() -> bool:
     if os.environ.get("LLM_ENGINE_CPU_KERNELS", "1") == "0" or sys.platform != "linux":
         return False
+    cap = cpu_tier.requested_cap()
     try:
         with _build_lock:
             torch.ops.load_library(str(build_ops_library()))  # type: ignore[no-untyped-call]
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("CPU kernels unavailable, using the pure-torch path: %s", exc)
         return False
+    _loaded_tier[0] = cpu_tier.capped(cpu_tier.native_tier(), cap)
     return True
+
+
+def kernel_tier() -> str:
+    """The CPU tier the kernels were built for (``cpu_tier``), loading them if not yet;
+    empty when they are unavailable. A process loads them once: a later cap does not
+    change it."""
+    return _loaded_tier[0] if ops_available() else ""
 
 
 def ops_available() -> bool:

@@ -26,6 +26,7 @@ row counts and sets the thresholds.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -46,11 +47,25 @@ PACKING_MIN_GAIN = 1.10  # a packed copy costs memory: take it only when clearly
 PACKINGS = ("onednn", "amx")  # a weight one does not apply to keeps the one before
 
 
-def mkldnn_packing_available() -> bool:
-    """True when this torch build can prepack linear weights for oneDNN."""
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(  # type: ignore[no-untyped-call]
-        torch.ops.mkldnn, "_linear_pointwise"
-    )
+def mkldnn_packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when this torch build, on this CPU (as capped by ``ONEDNN_MAX_CPU_ISA``), can
+    prepack linear weights of ``dtype`` for oneDNN (bf16 needs AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT; without them the reorder raises)."""
+    if not (
+        torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    return _onednn_packs(dtype)
+
+
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(32, 32, dtype=dtype), 32)
+    except RuntimeError:
+        return False
+    return True
 
 
 class Linear:
@@ -87,7 +102,7 @@ class Linear:
             return False
         if packing == "amx":
             return ops.amx_available(self.weight)
-        return packing == "onednn" and mkldnn_packing_available()
+        return packing == "onednn" and mkldnn_packing_available(self.weight.dtype)
 
     def packed_copy(self, packing: str) -> torch.Tensor | None:
         """The weight in ``packing``'s layout (``amx`` tile order or ``onednn``'s), or
@@ -186,7 +201,11 @@ def _inputs(linears: Sequence[Linear], rows: int, g: torch.Generator) -> dict[in
 
 
 def _sweep(
-    linears: Sequence[Linear], rows: Sequence[int], configs: Sequence[str], apply: timing.Prepare
+    linears: Sequence[Linear],
+    rows: Sequence[int],
+    configs: Sequence[str],
+    apply: timing.Prepare,
+    rounds: int = 5,
 ) -> dict[str, dict[int, float]]:
     """ms to run every linear once (weights streamed, as in serving) at each row
     count, under each configuration; ``apply(config)`` switches the linears to it.
@@ -195,12 +214,14 @@ def _sweep(
     out: dict[str, dict[int, float]] = {c: {} for c in configs}
     for m in rows:
         work = partial(_run_all, linears, _inputs(linears, m, g))
-        for c, ms in timing.compare_ms(dict.fromkeys(configs, work), 5, 1, apply).items():
+        for c, ms in timing.compare_ms(dict.fromkeys(configs, work), rounds, 1, apply).items():
             out[c][m] = ms
     return out
 
 
-def _choose_packing(linears: Sequence[Linear], choice: LinearChoice) -> dict[str, dict[int, float]]:
+def _choose_packing(
+    linears: Sequence[Linear], choice: LinearChoice, rounds: int
+) -> dict[str, dict[int, float]]:
     """Time the large-row path dense and under each packing; keep the fastest packing
     when it beats dense by PACKING_MIN_GAIN. Returns the timings.
 
@@ -219,7 +240,7 @@ def _choose_packing(linears: Sequence[Linear], choice: LinearChoice) -> dict[str
         for lin, (packing, packed) in zip(linears, copies[config], strict=True):
             lin.use_packed(packing, packed)
 
-    large = _sweep(linears, LARGE_ROWS, list(copies), apply)
+    large = _sweep(linears, LARGE_ROWS, list(copies), apply, rounds)
     cost = {k: _geomean(list(v.values())) for k, v in large.items()}
     best = min(cost, key=lambda k: cost[k])
     choice.packed = best != "dense" and cost["dense"] / cost[best] >= PACKING_MIN_GAIN
@@ -228,7 +249,9 @@ def _choose_packing(linears: Sequence[Linear], choice: LinearChoice) -> dict[str
     return large
 
 
-def _small_row_threshold(linears: Sequence[Linear]) -> tuple[int, dict[str, dict[int, float]]]:
+def _small_row_threshold(
+    linears: Sequence[Linear], rounds: int
+) -> tuple[int, dict[str, dict[int, float]]]:
     """The largest row count up to which the few-row path (4-bit or dense GEMV) beats
     the large-row path at every row count of SKINNY_ROWS, and the timings."""
     configs = ["large"]
@@ -239,7 +262,7 @@ def _small_row_threshold(linears: Sequence[Linear]) -> tuple[int, dict[str, dict
         for lin in linears:
             lin.skinny_max_rows = max(SKINNY_ROWS) if config == "small" else 0
 
-    timings = _sweep(linears, SKINNY_ROWS, configs, apply)
+    timings = _sweep(linears, SKINNY_ROWS, configs, apply, rounds)
     base, small = timings["large"], timings.get("small", {})
     threshold = 0
     for m in SKINNY_ROWS:
@@ -251,7 +274,9 @@ def _small_row_threshold(linears: Sequence[Linear]) -> tuple[int, dict[str, dict
     return threshold, timings
 
 
-def tune_linears(linears: Sequence[Linear], choice: LinearChoice) -> LinearChoice:
+def tune_linears(
+    linears: Sequence[Linear], choice: LinearChoice, rounds: int = 5, log: bool = True
+) -> LinearChoice:
     """Set the few-row thresholds and packing of ``linears`` by timing them as loaded.
 
     The projections with a 4-bit copy and the others (the LM head) get a
@@ -262,23 +287,26 @@ def tune_linears(linears: Sequence[Linear], choice: LinearChoice) -> LinearChoic
         linears: the model's projections (all of them: the sweep streams the
             weights from memory the way a decode step does).
         choice: the dtype choice; filled in and returned.
+        rounds: timed rounds per configuration and row count (best of them counts).
+        log: log the outcome (off for the start-up dtype candidates).
     """
     if not linears or linears[0].weight.device.type != "cpu":
         return choice
     with torch.inference_mode():
         for lin in linears:
             lin.skinny_max_rows = 0
-        large = _choose_packing(linears, choice)
+        large = _choose_packing(linears, choice, rounds)
         q4 = [lin for lin in linears if lin.q4 is not None]
         dense = [lin for lin in linears if lin.q4 is None]
         if q4:
-            choice.q4_max_rows, q4_times = _small_row_threshold(q4)
+            choice.q4_max_rows, q4_times = _small_row_threshold(q4, rounds)
             choice.timings_ms["q4-group-large-streamed"] = q4_times["large"]
             choice.timings_ms["q4-group-q4-streamed"] = q4_times.get("small", {})
         if dense:
-            choice.skinny_max_rows, times = _small_row_threshold(dense)
+            choice.skinny_max_rows, times = _small_row_threshold(dense, rounds)
             choice.timings_ms["large-path-streamed"] = times["large"]
             choice.timings_ms["skinny-streamed"] = times.get("small", {})
     choice.timings_ms.update({f"{k}-streamed": v for k, v in large.items()})
-    logger.info("linear layers: %s (measured ms: %s)", choice.name, choice.timings_ms)
+    if log:
+        logger.info("linear layers: %s (measured ms: %s)", choice.name, choice.timings_ms)
     return choice

@@ -38,7 +38,8 @@ from engine_svc.models.llama import LlamaForCausalLM
 
 BENCH_LAYERS = 4  # decoder layers built per candidate (the LM head is always built)
 DECODE_CONTEXT = 256  # tokens already cached per decoding sequence
-ROUNDS = 5
+ROUNDS = 3  # timed rounds per step kind (best of them counts)
+TUNE_ROUNDS = 2  # per path configuration when tuning a candidate's linears
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,7 @@ def _build(
     weights = {n: t.to(dtype) for n, t in exact.items()}
     use_q4 = q4_weights and ops.q4_applies(dtype, torch.device("cpu"))
     model = LlamaForCausalLM(config, weights, torch.float32, exact=exact if use_q4 else None)
-    choice = tune_linears(model.linears(), LinearChoice(dtype, "benchmark"))
+    choice = tune_linears(model.linears(), LinearChoice(dtype, "benchmark"), TUNE_ROUNDS, log=False)
     shape = (2, blocks, block_size, config.num_key_value_heads, config.head_dim)
     kv = kv_dtype(dtype)
     caches = [torch.zeros(shape, dtype=kv) for _ in range(config.num_hidden_layers)]
