@@ -113,9 +113,13 @@ class EngineConfig:
         device: ``cpu``, ``cuda``, ``cuda:1`` … or ``auto`` (CUDA when present).
         block_size: tokens per KV block.
         num_kv_blocks: pool size; 0 = derive from the memory budget below.
-        kv_cache_memory_bytes: KV budget in bytes; 0 = use the fraction.
+        kv_cache_memory_bytes: KV budget in bytes; 0 = sized from the machine and
+            the model: the fraction below, at least one ``max_model_len`` request
+            (within half the free memory) and at most ``max_num_seqs`` sequences of
+            2,048 tokens (or ``max_model_len`` if shorter); the figure is logged and
+            in GetModelInfo's ``compute``.
         kv_cache_memory_fraction: share of free memory (CPU MemAvailable or
-            free GPU memory) given to the KV cache.
+            free GPU memory) given to the KV cache, before that floor and cap.
         max_model_len: prompt + output tokens of one request, capped at the model's
             context; 0 = the model's max_position_embeddings.
         scheduler: the scheduler's limits and ordering policy (``SchedulerConfig``);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from engine_svc.models.config import ModelConfig
 from engine_svc.models.llama import LlamaForCausalLM
 
 _GIB = 1 << 30
+logger = logging.getLogger(__name__)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -33,27 +35,73 @@ def available_memory_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
+# the default budget holds at most every running sequence at this many tokens (a request
+# may still run to max_model_len: the pool is shared, and the floor fits one such request)
+KV_CAP_TOKENS_PER_SEQ = 2048
+
+
+def kv_budget_bytes(
+    available: int, fraction: float, per_token: int, max_num_seqs: int, max_model_len: int
+) -> tuple[int, str]:
+    """The default KV budget: ``fraction`` of ``available`` memory, raised to the floor
+    and lowered to the cap, and which of the three decided.
+
+    - floor: one request of ``max_model_len`` tokens fits (at most half of ``available``)
+    - cap: ``max_num_seqs`` sequences of ``min(max_model_len, KV_CAP_TOKENS_PER_SEQ)``
+      tokens each: the batch the scheduler runs at a working length, not the whole
+      machine (a 135M model does not hold gigabytes on a laptop)
+
+    Args:
+        available: free bytes (CPU MemAvailable or free GPU memory).
+        fraction: ``kv_cache_memory_fraction``.
+        per_token: KV bytes per token of the model in the cache dtype.
+        max_num_seqs, max_model_len: the scheduler's limits.
+
+    Returns:
+        (bytes, ``fraction`` | ``floor`` | ``cap``)
+    """
+    want = int(available * fraction)
+    floor = min(max_model_len * per_token, available // 2)
+    cap = max(max_num_seqs * min(max_model_len, KV_CAP_TOKENS_PER_SEQ) * per_token, floor)
+    if want < floor:
+        return floor, "floor"
+    if want > cap:
+        return cap, "cap"
+    return want, "fraction"
+
+
 def determine_num_blocks(
     config: EngineConfig, model_config: ModelConfig, kv_dtype: torch.dtype, device: torch.device
 ) -> int:
-    """Pool size: explicit ``num_kv_blocks``, else the byte budget over the bytes per block.
+    """Pool size: explicit ``num_kv_blocks``, else the byte budget (explicit
+    ``kv_cache_memory_bytes``, else ``kv_budget_bytes``) over the bytes per block.
 
     Raises:
         ValueError: the budget does not hold a single block.
     """
     if config.num_kv_blocks > 0:
         return config.num_kv_blocks
-    budget = config.kv_cache_memory_bytes
+    per_token = model_config.kv_bytes_per_token(kv_dtype.itemsize)
+    per_block = per_token * config.block_size
+    budget, why = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
     if budget <= 0:
-        budget = int(available_memory_bytes(device) * config.kv_cache_memory_fraction)
-    itemsize = kv_dtype.itemsize
-    per_block = model_config.kv_bytes_per_token(itemsize) * config.block_size
+        sched = config.scheduler_config(model_config.max_position_embeddings)
+        available = available_memory_bytes(device)
+        budget, why = kv_budget_bytes(
+            available, config.kv_cache_memory_fraction, per_token,
+            sched.max_num_seqs, sched.max_model_len,
+        )  # fmt: skip
+        why = f"{why} of {available / _GIB:.1f} GiB available"
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(
             f"KV cache budget of {budget / _GIB:.3f} GiB holds no {per_block}-byte block; "
             "raise kv_cache_memory_bytes or kv_cache_memory_fraction"
         )
+    logger.info(
+        "KV cache: %.2f GiB (%s), %d blocks, %d tokens",
+        num_blocks * per_block / _GIB, why, num_blocks, num_blocks * config.block_size,
+    )  # fmt: skip
     return int(num_blocks)
 
 
