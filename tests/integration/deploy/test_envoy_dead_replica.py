@@ -46,7 +46,7 @@ def one_dead(tmp_path: Path) -> Iterator[tuple[EnvoyProcess, FakeGateway, FakeGa
         live.stop()
 
 
-async def stream(stub: gateway_pb2_grpc.GatewayStub) -> str | grpc.StatusCode:
+async def stream(stub: gateway_pb2_grpc.GatewayAsyncStub) -> str | grpc.StatusCode:
     try:
         chunks = [c.text async for c in stub.Generate(gateway_pb2.GenerateRequest(prompt="hi"))]
     except grpc.aio.AioRpcError as err:
