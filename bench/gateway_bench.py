@@ -2,7 +2,8 @@
 and through its OpenAI-compatible HTTP front (SSE), side by side.
 
     python -m bench.gateway_bench [--rounds 3] [--requests-c1 16] [--requests-c32 64]
-                                  [--max-tokens 16] [--pairs 100] [--engine model|stub]
+                                  [--max-tokens 16] [--pairs 100]
+                                  [--engine model|stub|stock-vllm]
                                   [--stub-first-token-ms 0] [--engine-cores 0]
                                   [--proxy-cores 0]
 
@@ -28,28 +29,59 @@ per request; ``--engine-cores`` / ``--proxy-cores`` place the processes on CPUs 
 own (``bench.gatewaylib.placement``); ``--engine stub`` puts the engine service with no
 model behind both sides (``bench.gatewaylib.stub_engine``).
 
-Writes bench/reports/gateway_bench.json and .png (``bench.gatewaylib.report``, ``.plot``).
+``--engine stock-vllm`` puts the stock vLLM gRPC server (``deploy.stock_vllm``) under
+the gateway (as ``vllm://``) and under SMG, the ``smg`` wheel's gateway, side by side
+(``bench.gatewaylib.stock``): the sides are engine (VllmEngine's Generate), gateway,
+http and smg (SMG's OpenAI API, the http side's request), and each side's CPU per
+request is that of the process in front of the engine (the gateway with its workers,
+or SMG). It writes gateway_bench_stock_vllm.json and .png.
+
+Writes bench/reports/gateway_bench.json and .png (``bench.gatewaylib.report``, ``.plot``);
+every run prints the headline table: per concurrency and side, TTFT p50, what the side
+adds over the engine (paired per round) and the CPU per request of the proxy.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from bench.gatewaylib.measure import measure, run_side
-from bench.gatewaylib.placement import split_cpus
+from bench.gatewaylib.placement import CpuSplit, split_cpus
 from bench.gatewaylib.plot import plot
 from bench.gatewaylib.report import build_report, print_summary
 from bench.gatewaylib.sides import PROMPT, SIDES
 from bench.gatewaylib.stack import ENGINE_MODULES, make_key, start_stack
+from bench.gatewaylib.stock import STOCK_SIDES, cpu_owner, stock_stack
 from bench.loadlib.spawn import on_cpus
 from bench.report import save_report
 from common.config import default_model_dir
 from tokenizer_svc.tokenizer import TextTokenizer
+
+STOCK = "stock-vllm"
+
+
+def bench_sides(engine: str) -> list[str]:
+    """The sides a run measures over ``engine``."""
+    return list(STOCK_SIDES) if engine == STOCK else list(SIDES)
+
+
+def report_name(engine: str) -> str:
+    """The report's name under bench/reports (the stock run keeps its own)."""
+    return "gateway_bench_stock_vllm" if engine == STOCK else "gateway_bench"
+
+
+def cpu_owners(engine: str) -> dict[str, str]:
+    """Whose CPU time each side is charged (printed beside the headline)."""
+    if engine == STOCK:
+        return {s: "SMG" if cpu_owner(s) == "smg" else "gateway" for s in STOCK_SIDES}
+    return {s: "bare relay" if s == "floor" else "gateway" for s in SIDES}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -66,18 +98,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--engine-dtype",
-        default="float32",
-        help="the engine's weight dtype (float32, as the tests; auto: its own choice, as "
-        "`make run`). The engine's step-to-step jitter is the noise every paired "
-        "difference carries",
+        default="",
+        help="the engine's weight dtype (default float32, as the tests; bfloat16 with "
+        "--engine stock-vllm, as its tests; auto: its own choice, as `make run`). The "
+        "engine's step-to-step jitter is the noise every paired difference carries",
     )
     parser.add_argument(
         "--engine",
-        choices=sorted(ENGINE_MODULES),
+        choices=[*sorted(ENGINE_MODULES), STOCK],
         default="model",
         help="model: the real engine; stub: the engine service with no model behind it "
         "(tokens at once), so both sides differ by the gateway alone, without the "
-        "model's jitter (bench.gatewaylib.stub_engine)",
+        "model's jitter (bench.gatewaylib.stub_engine); stock-vllm: the stock vLLM gRPC "
+        "server with the gateway and SMG in front of it (bench.gatewaylib.stock)",
     )
     parser.add_argument(
         "--stub-first-token-ms",
@@ -124,42 +157,61 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="at concurrency 32, the gRPC sides' requests spread over this many "
         "connections (workers share connections, not the streams of one)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.engine_dtype = args.engine_dtype or ("bfloat16" if args.engine == STOCK else "float32")
+    return args
+
+
+def open_sides(
+    args: argparse.Namespace, split: CpuSplit | None, closing: contextlib.ExitStack
+) -> tuple[str, dict[str, str], dict[str, int], dict[str, Any]]:
+    """Start the services of ``args.engine`` (stopped when ``closing`` closes); returns
+    the admin key, each side's address, whose CPU each side is charged and what the
+    report records of the start."""
+    log_dir = Path(tempfile.mkdtemp(prefix="gw-bench-"))
+    engine_cpus = split.engine if split else None
+    proxy_cpus = split.proxy if split else None
+    if args.engine == STOCK:
+        run = closing.enter_context(
+            stock_stack(log_dir, args.engine_dtype, engine_cpus, args.gateway_workers, proxy_cpus)
+        )
+        return run.stack.admin_key, run.addresses, run.cpu_pids, run.facts
+    stack, addresses = start_stack(
+        log_dir,
+        args.engine_dtype,
+        args.engine,
+        args.stub_first_token_ms,
+        engine_cpus,
+        args.gateway_workers,
+        proxy_cpus,
+    )
+    closing.callback(stack.stop)
+    gw_proc, floor_proc = stack.procs["bench-gateway"].proc, stack.procs["floor"].proc
+    assert gw_proc is not None  # started above
+    assert floor_proc is not None
+    # whose CPU each side is charged: the process in front of the engine there
+    cpu_pids = {s: floor_proc.pid if s == "floor" else gw_proc.pid for s in SIDES}
+    return stack.admin_key, addresses, cpu_pids, {}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Start the stack, measure every side, save and print the report."""
     args = parse_args(argv)
     split = split_cpus(args.engine_cores, args.proxy_cores)
+    sides = bench_sides(args.engine)
     loadavg_before = os.getloadavg()
     ids = TextTokenizer(default_model_dir()).encode(PROMPT)
     # this client, Redis and every later child on the others' CPUs (the engine's own
     # are set around its start)
-    with on_cpus(split.rest if split else None):
-        stack, addresses = start_stack(
-            Path(tempfile.mkdtemp(prefix="gw-bench-")),
-            args.engine_dtype,
-            args.engine,
-            args.stub_first_token_ms,
-            split.engine if split else None,
-            args.gateway_workers,
-            split.proxy if split else None,
-        )
-        try:
-            key = make_key(addresses["gateway"], stack.admin_key, not args.unlimited_tenant)
-            for side in SIDES:  # warm every path
-                asyncio.run(run_side(side, addresses, key, ids, 4, 4, 4))
-            gw_proc, floor_proc = stack.procs["bench-gateway"].proc, stack.procs["floor"].proc
-            assert gw_proc is not None  # started above
-            assert floor_proc is not None
-            # whose CPU each side is charged: the process in front of the engine there
-            cpu_pids = {s: floor_proc.pid if s == "floor" else gw_proc.pid for s in SIDES}
-            results = measure(args, addresses, key, ids, cpu_pids)
-        finally:
-            stack.stop()
-    report = build_report(args, split, len(ids), loadavg_before, results)
-    save_report("gateway_bench", report, lambda path: plot(report, path))
-    print_summary(results)
+    with on_cpus(split.rest if split else None), contextlib.ExitStack() as closing:
+        admin_key, addresses, cpu_pids, facts = open_sides(args, split, closing)
+        key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
+        for side in sides:  # warm every path
+            asyncio.run(run_side(side, addresses, key, ids, 4, 4, 4))
+        results = measure(args, addresses, key, ids, cpu_pids, sides)
+    report = build_report(args, split, len(ids), loadavg_before, results, facts)
+    save_report(report_name(args.engine), report, lambda path: plot(report, path))
+    print_summary(results, cpu_owners(args.engine))
 
 
 if __name__ == "__main__":

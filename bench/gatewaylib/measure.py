@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -81,26 +81,98 @@ async def run_paired(
         return out, per_request
 
 
+# what a front adds over the engine side, each round: to the first token (the HTTP
+# sides' first token is their first text event) and the gaps
+ADDED_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+def round_figures(by_side: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """One concurrency's figures from each side's per-round figures: each side's
+    median over rounds, and what each front adds (the median over rounds of that
+    round's difference): ``added_vs_engine`` per side; ``added`` (the gRPC front, all
+    figures), the floor's split and each HTTP client over the gRPC front where those
+    sides ran."""
+    med: dict[str, Any] = {
+        side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
+        for side, rounds in by_side.items()
+        if rounds
+    }
+    med["added"] = round_differences(by_side["gateway"], by_side["engine"])
+    if "floor" in by_side:  # what one more grpc.aio hop costs, the gateway's own work above it
+        med["floor_added"] = round_differences(by_side["floor"], by_side["engine"])
+        med["gateway_vs_floor"] = round_differences(by_side["gateway"], by_side["floor"])
+    for front in (f for f in ("http", "openai", "curl") if f in med):  # the HTTP front
+        med[f"{front}_vs_grpc"] = round_differences(
+            by_side[front],
+            by_side["gateway"],
+            ("first_text_p50_ms", "first_text_p99_ms", "event_gap_p50_ms", "event_gap_p99_ms"),
+        )
+    med["added_vs_engine"] = {
+        side: round_differences(rounds, by_side["engine"], ADDED_KEYS)
+        for side, rounds in by_side.items()
+        if side != "engine" and rounds
+    }
+    return med
+
+
+def paired_figures(
+    paired: dict[str, list[Sample]], cpu_ms: dict[str, float], pairs: int
+) -> dict[str, Any]:
+    """The concurrency-1 pairs' figures: each side's quantiles, the proxy CPU per
+    request, and the per-pair differences (to the first token over the engine for
+    every side; over the bare relay where it ran; each HTTP client's first text event
+    over the gRPC front)."""
+    fronts = {s: rows for s, rows in paired.items() if s not in ("engine", "floor")}
+    out: dict[str, Any] = {
+        "pairs": pairs,
+        "sides": {s: summarize(rows) for s, rows in paired.items()},
+        # the proxy's CPU per request of each side (engine: the gateway's background)
+        "proxy_cpu_ms_per_request": cpu_ms,
+        # every side over the engine: time to the first token (text event over HTTP)
+        "minus_engine_ttft": paired_differences(paired, "engine", 0),
+        # the gRPC front over the engine: time to the first token
+        "gateway_minus_engine_ttft": paired_differences(
+            {"engine": paired["engine"], "gateway": paired["gateway"]}, "engine", 0
+        ),
+        # each HTTP client over the gRPC front: time to the first text event
+        "front_minus_grpc_first_text": paired_differences(fronts, "gateway", 3),
+    }
+    if "floor" in paired:
+        # the bare relay over the engine (the transport's floor), and the gateway over
+        # the bare relay (its own work on the request path): time to the first token
+        out["floor_minus_engine_ttft"] = paired_differences(
+            {"engine": paired["engine"], "floor": paired["floor"]}, "engine", 0
+        )
+        out["gateway_minus_floor_ttft"] = paired_differences(
+            {"floor": paired["floor"], "gateway": paired["gateway"]}, "floor", 0
+        )
+    return out
+
+
 def measure(
     args: argparse.Namespace,
     addresses: dict[str, str],
     key: str,
     ids: list[int],
     cpu_pids: Mapping[str, int] | None = None,
+    sides: Sequence[str] = SIDES,
 ) -> dict[str, Any]:
+    """Every side of ``sides`` at concurrency 1 and 32, ``args.rounds`` rounds, the
+    order rotated each round; then ``args.pairs`` concurrency-1 pairs. ``cpu_pids``
+    names the process whose CPU each side is charged."""
+    order = list(sides)
     runs = {"c1": (1, args.requests_c1), "c32": (32, args.requests_c32)}
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
-        c: {name: [] for name in SIDES} for c in runs
+        c: {name: [] for name in order} for c in runs
     }
     metrics_url = addresses["gateway_metrics"]
     stages: dict[str, dict[str, Histo]] = {}  # per concurrency: what its runs added
-    with tqdm(total=args.rounds * len(runs) * len(SIDES), desc="gateway bench", unit="run") as bar:
+    with tqdm(total=args.rounds * len(runs) * len(order), desc="gateway bench", unit="run") as bar:
         for r in range(args.rounds):
             for conc, (n_conc, n_req) in runs.items():
-                k = r % len(SIDES)
-                sides = SIDES[k:] + SIDES[:k]  # rotate so drift hits every side
+                k = r % len(order)
                 before = scrape_histograms(metrics_url)
-                for name in sides:
+                for name in order[k:] + order[:k]:  # rotate so drift hits every side
                     pid = (cpu_pids or {}).get(name)
                     c0 = process_cpu_seconds(pid)
                     samples = asyncio.run(
@@ -120,51 +192,17 @@ def measure(
                     bar.update(1)
                 after = scrape_histograms(metrics_url)
                 stages[conc] = add_delta(stages.get(conc, {}), before, after)
-    results: dict[str, Any] = {}
-    for conc, by_side in per_round.items():
-        med = {
-            side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
-            for side, rounds in by_side.items()
-            if rounds
-        }
-        med["added"] = round_differences(by_side["gateway"], by_side["engine"])
-        # what one more grpc.aio hop costs, and the gateway's own work above it
-        med["floor_added"] = round_differences(by_side["floor"], by_side["engine"])
-        med["gateway_vs_floor"] = round_differences(by_side["gateway"], by_side["floor"])
-        for front in (f for f in ("http", "openai", "curl") if f in med):  # the HTTP front
-            med[f"{front}_vs_grpc"] = round_differences(
-                by_side[front],
-                by_side["gateway"],
-                ("first_text_p50_ms", "first_text_p99_ms", "event_gap_p50_ms", "event_gap_p99_ms"),
-            )
-        results[conc] = {
-            **med,
+    results: dict[str, Any] = {
+        conc: {
+            **round_figures(by_side),
             "gateway_stages": stage_figures(stages.get(conc, {})),
             "by_round": by_side,  # each side's figures per round, in round order
         }
+        for conc, by_side in per_round.items()
+    }
     if args.pairs:
         paired, cpu_ms = asyncio.run(
-            run_paired(SIDES, addresses, key, ids, args.pairs, args.max_tokens, cpu_pids)
+            run_paired(order, addresses, key, ids, args.pairs, args.max_tokens, cpu_pids)
         )
-        fronts = {s: paired[s] for s in SIDES if s not in ("engine", "floor")}
-        results["c1_paired"] = {
-            "pairs": args.pairs,
-            "sides": {s: summarize(rows) for s, rows in paired.items()},
-            # the proxy's CPU per request of each side (engine: the gateway's background)
-            "proxy_cpu_ms_per_request": cpu_ms,
-            # the gRPC front over the engine: time to the first token
-            "gateway_minus_engine_ttft": paired_differences(
-                {"engine": paired["engine"], "gateway": paired["gateway"]}, "engine", 0
-            ),
-            # the bare relay over the engine (the transport's floor), and the gateway over
-            # the bare relay (its own work on the request path): time to the first token
-            "floor_minus_engine_ttft": paired_differences(
-                {"engine": paired["engine"], "floor": paired["floor"]}, "engine", 0
-            ),
-            "gateway_minus_floor_ttft": paired_differences(
-                {"floor": paired["floor"], "gateway": paired["gateway"]}, "floor", 0
-            ),
-            # each HTTP client over the gRPC front: time to the first text event
-            "front_minus_grpc_first_text": paired_differences(fronts, "gateway", 3),
-        }
+        results["c1_paired"] = paired_figures(paired, cpu_ms, args.pairs)
     return results

@@ -28,7 +28,7 @@ from common.config import ServiceConfig, add_service_args, default_model_dir, se
 from common.log import configure_logging
 from common.server import Context, ServiceHooks, run, run_service
 from common.service_auth import read_service_token, token_metadata
-from gateway.fleet.replica import CHANNEL_OPTIONS
+from gateway.fleet.engine_client.base import CHANNEL_OPTIONS
 from llm.v1 import engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tokenizer_svc.tokenizer import TextTokenizer
 

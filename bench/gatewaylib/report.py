@@ -1,16 +1,63 @@
 """The report of ``bench.gateway_bench``: its JSON (with the run's settings, the CPU
-placement and the machine) and the summary it prints."""
+placement and the machine), the headline table (per concurrency and side: TTFT p50,
+what the side adds over the engine, the CPU per request of the process in front of
+the engine) and the summary it prints."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+from collections.abc import Mapping
 from typing import Any
 
 from bench.gatewaylib.placement import CpuSplit
-from bench.gatewaylib.sides import SIDES
 from bench.gatewaylib.stack import BENCH_LIMITS
+
+# not sides: what measure() derives from them, per concurrency
+DERIVED = ("gateway_stages", "by_round", "added_vs_engine")
+
+
+def sides_of(results: dict[str, Any]) -> list[str]:
+    """The sides a run measured, in its order."""
+    return list(results["c1"]["by_round"])
+
+
+def headline(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per concurrency and side: the median TTFT p50 (ms; an HTTP side's first text
+    event), what the side adds to it over the engine (the median over rounds of that
+    round's difference; 0 for the engine) and the CPU ms per request of the process in
+    front of the engine during that side's runs."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for conc in ("c1", "c32"):
+        res = results[conc]
+        added = res.get("added_vs_engine", {})
+        out[conc] = {
+            side: {
+                "ttft_p50_ms": res[side]["ttft_p50_ms"],
+                "added_ttft_p50_ms": (
+                    0.0 if side == "engine" else added.get(side, {}).get("ttft_p50_ms", math.nan)
+                ),
+                "cpu_ms_per_request": res[side]["proxy_cpu_ms_per_request"],
+            }
+            for side in sides_of(results)
+        }
+    return out
+
+
+def headline_table(head: dict[str, dict[str, dict[str, float]]], cpu_of: Mapping[str, str]) -> str:
+    """``headline`` as a text table; ``cpu_of`` names whose CPU each side's is."""
+    lines = [
+        f"{'conc':<5} {'side':<9} {'TTFT p50 ms':>12} {'added ms':>9} {'CPU ms/req':>11}  CPU of"
+    ]
+    for conc, by_side in head.items():
+        for side, d in by_side.items():
+            lines.append(
+                f"{conc:<5} {side:<9} {d['ttft_p50_ms']:>12.2f} {d['added_ttft_p50_ms']:>9.2f} "
+                f"{d['cpu_ms_per_request']:>11.2f}  {cpu_of.get(side, '?')}"
+            )
+    return "\n".join(lines)
 
 
 def build_report(
@@ -19,8 +66,10 @@ def build_report(
     prompt_tokens: int,
     loadavg_before: tuple[float, float, float],
     results: dict[str, Any],
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The report of one run: its settings, the CPU placement, the machine, ``results``."""
+    """The report of one run: its settings, the CPU placement, the machine, ``results``
+    with their headline, and ``extra`` (what the engine's start-up recorded)."""
     return {
         "benchmark": "gateway_bench",
         "rounds": args.rounds,
@@ -34,6 +83,7 @@ def build_report(
         "gateway_workers": args.gateway_workers,
         "connections_c32": args.connections,
         "stub_first_token_ms": args.stub_first_token_ms if args.engine == "stub" else None,
+        **(extra or {}),
         "placement": (
             {
                 "engine_cpus": sorted(split.engine or split.rest),
@@ -49,20 +99,28 @@ def build_report(
         "time to the first text-bearing event and the gap between such events; "
         "each is the median over rounds of that round's difference (an SSE client "
         "sees text events only; the incremental detokenizer holds back tokens that "
-        "complete no character).",
+        "complete no character). added_vs_engine and headline: each side - engine "
+        "(VllmEngine's Generate under stock-vllm), the median over rounds of that round's "
+        "difference; an HTTP side's first token is its first text event.",
+        "sides": sides_of(results) if results else [],
+        "headline": headline(results) if results else {},
         "results": results,
     }
 
 
-def print_summary(results: dict[str, Any]) -> None:
-    """Each concurrency's medians, proxy CPU and gateway stages, then the paired figures."""
+def print_summary(results: dict[str, Any], cpu_of: Mapping[str, str] | None = None) -> None:
+    """Each concurrency's medians, proxy CPU and gateway stages, then the paired
+    figures, then the headline table (``cpu_of``: whose CPU each side's is; by default
+    the bare relay's on floor, the gateway's elsewhere)."""
+    sides = sides_of(results)
     for conc in ("c1", "c32"):
-        res = {k: d for k, d in results[conc].items() if k not in ("gateway_stages", "by_round")}
+        res = {k: d for k, d in results[conc].items() if k not in DERIVED}
         print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()} for k, d in res.items()}))
-        cpu = {s: results[conc][s]["proxy_cpu_ms_per_request"] for s in SIDES}
+        cpu = {s: results[conc][s]["proxy_cpu_ms_per_request"] for s in sides}
         print(
-            f"  {conc} proxy CPU ms per request (floor: the bare relay's; engine: the "
-            "gateway's background): " + "  ".join(f"{s} {v:.2f}" for s, v in cpu.items())
+            f"  {conc} proxy CPU ms per request (floor: the bare relay's; smg: SMG's; "
+            "engine: the gateway's background): "
+            + "  ".join(f"{s} {v:.2f}" for s, v in cpu.items())
         )
         print(f"  {conc} gateway stages (its own histograms; ms):")
         for label, d in results[conc]["gateway_stages"].items():
@@ -73,13 +131,14 @@ def print_summary(results: dict[str, Any]) -> None:
     if "c1_paired" in results:
         p = results["c1_paired"]
         print(f"c1 paired ({p['pairs']} pairs), per-pair differences in ms:")
-        for name, diffs in (
-            ("gateway gRPC - engine, first token", p["gateway_minus_engine_ttft"]),
-            ("bare relay (floor) - engine, first token", p["floor_minus_engine_ttft"]),
-            ("gateway gRPC - bare relay (floor), first token", p["gateway_minus_floor_ttft"]),
-            ("HTTP front - gRPC front, first text event", p["front_minus_grpc_first_text"]),
+        for name, key in (
+            ("gateway gRPC - engine, first token", "gateway_minus_engine_ttft"),
+            ("bare relay (floor) - engine, first token", "floor_minus_engine_ttft"),
+            ("gateway gRPC - bare relay (floor), first token", "gateway_minus_floor_ttft"),
+            ("HTTP front - gRPC front, first text event", "front_minus_grpc_first_text"),
+            ("side - engine, first token (text event over HTTP)", "minus_engine_ttft"),
         ):
-            for side, d in diffs.items():
+            for side, d in p.get(key, {}).items():
                 print(
                     f"  {name} [{side}]: p1 {d['p1_ms']:.2f}  p10 {d['p10_ms']:.2f}  "
                     f"p50 {d['p50_ms']:.2f}  p90 {d['p90_ms']:.2f}  p99 {d['p99_ms']:.2f}"
@@ -88,3 +147,6 @@ def print_summary(results: dict[str, Any]) -> None:
             "  proxy CPU ms per request: "
             + "  ".join(f"{s} {v:.2f}" for s, v in p["proxy_cpu_ms_per_request"].items())
         )
+    owners = cpu_of or {s: "bare relay" if s == "floor" else "gateway" for s in sides}
+    print("headline (median over rounds; added = side - engine, paired per round):")
+    print(headline_table(headline(results), owners))

@@ -9,6 +9,12 @@ same greedy request (the same prompt tokens, ``max_tokens`` tokens, ignore_eos);
 the official client (httpx) and ``curl`` with ``curl -N`` (its time to the first
 byte; no gaps).
 
+Over a stock vLLM engine (``--engine stock-vllm``, ``bench.gatewaylib.stock``) the
+addresses name ``engine_protocol: vllm``: the ``engine`` side then sends the same
+request as VllmEngine's ``Generate`` (smg-grpc-proto: the prompt's token ids, greedy,
+``max_tokens``, ignore_eos, streamed), and the ``smg`` side is SMG's OpenAI API, the
+``http`` side's request (aiohttp) with the model named as SMG lists it.
+
 Inter-token time is measured two ways: per token (gRPC sides: a chunk with n tokens
 counts n arrivals), and per text-bearing event, which is what a streaming user sees
 and the only thing an SSE client can count (the incremental detokenizer sends no
@@ -29,6 +35,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb  # type: ignore[import-untyped]
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc  # type: ignore[import-untyped]
 
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
@@ -94,7 +102,8 @@ async def side_client(
                 await stack.enter_async_context(grpc.aio.insecure_channel(addresses[side], own))
                 for _ in range(connections)
             ]
-            ones = [_grpc_one(side, ch, key, ids, max_tokens) for ch in channels]
+            protocol = addresses.get("engine_protocol", "llm")
+            ones = [_grpc_one(side, ch, key, ids, max_tokens, protocol) for ch in channels]
             turn = itertools.count()
             for one in ones[1:]:
                 await one()  # opens that channel's connection (the first opens on its own)
@@ -103,13 +112,14 @@ async def side_client(
                 return await ones[next(turn) % len(ones)]()
 
             yield spread if connections > 1 else ones[0]
-    elif side == "http":
+    elif side in ("http", "smg"):
         import aiohttp
 
         async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=300), connector=aiohttp.TCPConnector(limit=0)
         ) as session:
-            one = _aiohttp_one(session, addresses["http"], key, max_tokens)
+            body = completions_body(max_tokens, addresses.get(f"{side}_model", ""))
+            one = _aiohttp_one(session, addresses[side], key, body)
             await one()  # opens the connection (a gRPC channel is open already too)
             yield one
     elif side == "openai":
@@ -127,13 +137,49 @@ async def side_client(
         raise ValueError(f"unknown side {side!r}")
 
 
+def vllm_request(ids: list[int], max_tokens: int) -> vllm_pb.GenerateRequest:
+    """The engine side's request as VllmEngine's ``Generate``: the prompt's ids, greedy
+    (as the gateway sends greedy to VllmEngine), ``max_tokens`` tokens, ignore_eos,
+    streamed."""
+    return vllm_pb.GenerateRequest(
+        request_id=f"bench-{secrets.token_hex(8)}",
+        tokenized=vllm_pb.TokenizedInput(input_ids=ids),
+        sampling_params=vllm_pb.SamplingParams(
+            temperature=0.0,
+            top_p=1.0,
+            repetition_penalty=1.0,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            n=1,
+        ),
+        stream=True,
+    )
+
+
+async def vllm_chunks(call: Any) -> AsyncIterator[Any]:
+    """VllmEngine's stream chunks (each with ``token_ids``). The closing
+    GenerateComplete repeats the last delta's tokens, so it is not counted."""
+    async for resp in call:
+        if resp.WhichOneof("response") == "chunk":
+            yield resp.chunk
+
+
 def _grpc_one(
-    side: str, channel: grpc.aio.Channel, key: str, ids: list[int], max_tokens: int
+    side: str,
+    channel: grpc.aio.Channel,
+    key: str,
+    ids: list[int],
+    max_tokens: int,
+    protocol: str = "llm",
 ) -> OneRequest:
     engine = engine_pb2_grpc.EngineStub(channel)
     gateway = gateway_pb2_grpc.GatewayStub(channel)
+    vllm = vllm_grpc.VllmEngineStub(channel)
 
     async def one() -> Sample:
+        if side == "engine" and protocol == "vllm":
+            call = vllm.Generate(vllm_request(ids, max_tokens), timeout=300)
+            return await timed_stream(vllm_chunks(call))
         if side == "engine":
             req = engine_pb2.EngineGenerateRequest(
                 request_id=f"bench-{secrets.token_hex(8)}",
@@ -149,10 +195,11 @@ def _grpc_one(
     return one
 
 
-def completions_body(max_tokens: int) -> dict[str, Any]:
-    """The HTTP sides' request: the gateway side's, as ``POST /v1/completions``."""
+def completions_body(max_tokens: int, model: str = "") -> dict[str, Any]:
+    """The HTTP sides' request: the gateway side's, as ``POST /v1/completions``
+    (``model``: the name the front lists; the gateway takes "" for its default)."""
     return {
-        "model": "",
+        "model": model,
         "prompt": PROMPT,
         "max_tokens": max_tokens,
         "stream": True,
@@ -161,8 +208,7 @@ def completions_body(max_tokens: int) -> dict[str, Any]:
     }
 
 
-def _aiohttp_one(session: Any, base_url: str, key: str, max_tokens: int) -> OneRequest:
-    body = completions_body(max_tokens)
+def _aiohttp_one(session: Any, base_url: str, key: str, body: dict[str, Any]) -> OneRequest:
     headers = {"Authorization": f"Bearer {key}"}
 
     async def one() -> Sample:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +11,7 @@ import pytest
 
 from bench import gateway_bench
 from bench.gatewaylib.sides import SIDES
+from bench.gatewaylib.stock import STOCK_SIDES, StockRun
 
 
 def test_the_flags_and_their_defaults() -> None:
@@ -38,6 +41,28 @@ def test_the_flags_and_their_defaults() -> None:
     )
     with pytest.raises(SystemExit):
         gateway_bench.parse_args(["--engine", "vllm"])
+
+
+def test_the_stock_engine_defaults_to_bfloat16_unless_a_dtype_is_named() -> None:
+    assert gateway_bench.parse_args(["--engine", "stock-vllm"]).engine_dtype == "bfloat16"
+    named = gateway_bench.parse_args(["--engine", "stock-vllm", "--engine-dtype", "float32"])
+    assert named.engine_dtype == "float32"
+    assert gateway_bench.parse_args(["--engine", "stub"]).engine_dtype == "float32"
+
+
+def test_each_engine_has_its_sides_report_and_cpu_owners() -> None:
+    assert gateway_bench.bench_sides("stock-vllm") == ["engine", "gateway", "http", "smg"]
+    assert gateway_bench.bench_sides("model") == SIDES
+    assert "smg" not in gateway_bench.bench_sides("stub")
+    assert gateway_bench.report_name("stock-vllm") == "gateway_bench_stock_vllm"
+    assert gateway_bench.report_name("model") == "gateway_bench"
+    assert gateway_bench.cpu_owners("stock-vllm") == {
+        "engine": "gateway",
+        "gateway": "gateway",
+        "http": "gateway",
+        "smg": "SMG",
+    }
+    assert gateway_bench.cpu_owners("model")["floor"] == "bare relay"
 
 
 class FakeProc:
@@ -70,8 +95,11 @@ def test_main_starts_the_stack_measures_saves_and_stops(
         seen.setdefault("warmed", []).append(side)
         return []
 
-    def measure(args: Any, addr: Any, key: str, ids: list[int], pids: dict[str, int]) -> Any:
+    def measure(
+        args: Any, addr: Any, key: str, ids: list[int], pids: dict[str, int], sides: list[str]
+    ) -> Any:
         seen["measure"] = (args.rounds, key, ids, pids)
+        seen["sides"] = sides
         return fake_results
 
     monkeypatch.setattr(
@@ -91,6 +119,50 @@ def test_main_starts_the_stack_measures_saves_and_stops(
     assert seen["warmed"] == SIDES
     pids = {s: 202 if s == "floor" else 101 for s in SIDES}
     assert seen["measure"] == (1, "sk-False", [7, 8, 9], pids)
+    assert seen["sides"] == SIDES
     assert seen["report"]["prompt_tokens"] == 3
     assert seen["report"]["results"] is fake_results
     assert FakeStack.stopped
+
+
+def test_main_over_the_stock_engine_measures_its_four_sides_and_closes_them(
+    monkeypatch: pytest.MonkeyPatch, fake_results: dict[str, Any]
+) -> None:
+    seen: dict[str, Any] = {}
+    addresses = {"gateway": "127.0.0.1:1", "gateway_metrics": "u", "smg": "http://x"}
+    pids = {"engine": 11, "gateway": 11, "http": 11, "smg": 22}
+
+    @contextlib.contextmanager
+    def stock_stack(log_dir: Path, *rest: Any) -> Iterator[StockRun]:
+        seen["stack"] = rest
+        yield StockRun(FakeStack(), addresses, pids, {"engine_dtype": "bfloat16"})  # type: ignore[arg-type]
+        seen["closed"] = True
+
+    async def run_side(side: str, *_: Any) -> list[Any]:
+        seen.setdefault("warmed", []).append(side)
+        return []
+
+    def measure(*args: Any) -> Any:
+        seen["measure"] = args[2:]
+        return fake_results
+
+    def save_report(name: str, report: dict[str, Any], draw: Any) -> None:
+        seen.update(name=name, report=report)
+
+    monkeypatch.setattr(
+        gateway_bench,
+        "TextTokenizer",
+        lambda _d: type("T", (), {"encode": staticmethod(lambda text: [7, 8])})(),
+    )
+    monkeypatch.setattr(gateway_bench, "stock_stack", stock_stack)
+    monkeypatch.setattr(gateway_bench, "make_key", lambda addr, admin, limited: f"sk-{admin}")
+    monkeypatch.setattr(gateway_bench, "run_side", run_side)
+    monkeypatch.setattr(gateway_bench, "measure", measure)
+    monkeypatch.setattr(gateway_bench, "save_report", save_report)
+    gateway_bench.main(["--engine", "stock-vllm", "--rounds", "1", "--pairs", "0"])
+    assert seen["stack"] == ("bfloat16", None, 1, None)
+    assert seen["warmed"] == STOCK_SIDES
+    assert seen["measure"] == ("sk-adm", [7, 8], pids, STOCK_SIDES)
+    assert seen["name"] == "gateway_bench_stock_vllm"
+    assert (seen["report"]["engine"], seen["report"]["engine_dtype"]) == ("stock-vllm", "bfloat16")
+    assert seen["closed"]
