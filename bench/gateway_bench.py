@@ -78,10 +78,11 @@ def report_name(engine: str) -> str:
 
 
 def cpu_owners(engine: str) -> dict[str, str]:
-    """Whose CPU time each side is charged (printed beside the headline)."""
+    """Which proxy's CPU time each side is charged: the process in front of the engine
+    there (on the engine side, the gateway's background)."""
     if engine == STOCK:
-        return {s: "SMG" if cpu_owner(s) == "smg" else "gateway" for s in STOCK_SIDES}
-    return {s: "bare relay" if s == "floor" else "gateway" for s in SIDES}
+        return {s: cpu_owner(s) for s in STOCK_SIDES}
+    return {s: "floor" if s == "floor" else "gateway" for s in SIDES}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -166,8 +167,8 @@ def open_sides(
     args: argparse.Namespace, split: CpuSplit | None, closing: contextlib.ExitStack
 ) -> tuple[str, dict[str, str], dict[str, int], dict[str, Any]]:
     """Start the services of ``args.engine`` (stopped when ``closing`` closes); returns
-    the admin key, each side's address, whose CPU each side is charged and what the
-    report records of the start."""
+    the admin key, each side's address, the proxies' pids by name (``cpu_owners``) and
+    what the report records of the start."""
     log_dir = Path(tempfile.mkdtemp(prefix="gw-bench-"))
     engine_cpus = split.engine if split else None
     proxy_cpus = split.proxy if split else None
@@ -175,7 +176,7 @@ def open_sides(
         run = closing.enter_context(
             stock_stack(log_dir, args.engine_dtype, engine_cpus, args.gateway_workers, proxy_cpus)
         )
-        return run.stack.admin_key, run.addresses, run.cpu_pids, run.facts
+        return run.stack.admin_key, run.addresses, run.proxies, run.facts
     stack, addresses = start_stack(
         log_dir,
         args.engine_dtype,
@@ -189,9 +190,7 @@ def open_sides(
     gw_proc, floor_proc = stack.procs["bench-gateway"].proc, stack.procs["floor"].proc
     assert gw_proc is not None  # started above
     assert floor_proc is not None
-    # whose CPU each side is charged: the process in front of the engine there
-    cpu_pids = {s: floor_proc.pid if s == "floor" else gw_proc.pid for s in SIDES}
-    return stack.admin_key, addresses, cpu_pids, {}
+    return stack.admin_key, addresses, {"gateway": gw_proc.pid, "floor": floor_proc.pid}, {}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -204,11 +203,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     # this client, Redis and every later child on the others' CPUs (the engine's own
     # are set around its start)
     with on_cpus(split.rest if split else None), contextlib.ExitStack() as closing:
-        admin_key, addresses, cpu_pids, facts = open_sides(args, split, closing)
+        admin_key, addresses, proxies, facts = open_sides(args, split, closing)
+        owners = cpu_owners(args.engine)
+        cpu_pids = {side: proxies[owners[side]] for side in sides}
         key = make_key(addresses["gateway"], admin_key, not args.unlimited_tenant)
         for side in sides:  # warm every path
             asyncio.run(run_side(side, addresses, key, ids, 4, 4, 4))
-        results = measure(args, addresses, key, ids, cpu_pids, sides)
+        results = measure(args, addresses, key, ids, cpu_pids, sides, proxies)
     report = build_report(args, split, len(ids), loadavg_before, results, facts)
     save_report(report_name(args.engine), report, lambda path: plot(report, path))
     print_summary(results, cpu_owners(args.engine))

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import math
 import statistics
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from bench.gatewaylib.placement import process_cpu_seconds
 from bench.gatewaylib.scrape import Histo, add_delta, scrape_histograms, stage_figures
 from bench.gatewaylib.sides import SIDES, OneRequest, Sample, side_client
-from bench.gatewaylib.stats import paired_differences, round_differences, summarize
+from bench.gatewaylib.stats import net_cpu_ms, paired_differences, round_differences, summarize
 
 
 async def limited(one: OneRequest, num_requests: int, concurrency: int) -> list[Sample]:
@@ -86,12 +87,15 @@ async def run_paired(
 ADDED_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
 
-def round_figures(by_side: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+def round_figures(
+    by_side: dict[str, list[dict[str, float]]], owners: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """One concurrency's figures from each side's per-round figures: each side's
     median over rounds, and what each front adds (the median over rounds of that
     round's difference): ``added_vs_engine`` per side; ``added`` (the gRPC front, all
     figures), the floor's split and each HTTP client over the gRPC front where those
-    sides ran."""
+    sides ran; ``net_cpu_ms_per_request`` per side, the CPU of the proxy ``owners``
+    names for it net of that proxy's background (``stats.net_cpu_ms``)."""
     med: dict[str, Any] = {
         side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
         for side, rounds in by_side.items()
@@ -111,6 +115,11 @@ def round_figures(by_side: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
         side: round_differences(rounds, by_side["engine"], ADDED_KEYS)
         for side, rounds in by_side.items()
         if side != "engine" and rounds
+    }
+    med["net_cpu_ms_per_request"] = {
+        side: net_cpu_ms(by_side[side], by_side["engine"], proxy)
+        for side, proxy in (owners or {}).items()
+        if side != "engine" and by_side.get(side)
     }
     return med
 
@@ -156,11 +165,21 @@ def measure(
     ids: list[int],
     cpu_pids: Mapping[str, int] | None = None,
     sides: Sequence[str] = SIDES,
+    proxies: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Every side of ``sides`` at concurrency 1 and 32, ``args.rounds`` rounds, the
     order rotated each round; then ``args.pairs`` concurrency-1 pairs. ``cpu_pids``
-    names the process whose CPU each side is charged."""
+    names the process whose CPU each side is charged; ``proxies`` (name -> pid) the
+    processes whose CPU every run records (``<name>_cpu_s``, with the run's time), so
+    each side's can be read net of that process's background."""
     order = list(sides)
+    proxies = proxies or {}
+    owners = {
+        side: name
+        for side, pid in (cpu_pids or {}).items()
+        for name, ppid in proxies.items()
+        if pid == ppid
+    }
     runs = {"c1": (1, args.requests_c1), "c32": (32, args.requests_c32)}
     per_round: dict[str, dict[str, list[dict[str, float]]]] = {
         c: {name: [] for name in order} for c in runs
@@ -175,6 +194,8 @@ def measure(
                 for name in order[k:] + order[:k]:  # rotate so drift hits every side
                     pid = (cpu_pids or {}).get(name)
                     c0 = process_cpu_seconds(pid)
+                    p0 = {p: process_cpu_seconds(ppid) for p, ppid in proxies.items()}
+                    t0 = time.perf_counter()
                     samples = asyncio.run(
                         run_side(
                             name,
@@ -187,14 +208,18 @@ def measure(
                             args.connections if n_conc > 1 else 1,
                         )
                     )
-                    cpu = process_cpu_seconds(pid) - c0
-                    per_round[conc][name].append(summarize(samples, cpu))
+                    row = summarize(samples, process_cpu_seconds(pid) - c0)
+                    row["run_s"] = time.perf_counter() - t0
+                    row["requests"] = len(samples)
+                    for p, ppid in proxies.items():
+                        row[f"{p}_cpu_s"] = process_cpu_seconds(ppid) - p0[p]
+                    per_round[conc][name].append(row)
                     bar.update(1)
                 after = scrape_histograms(metrics_url)
                 stages[conc] = add_delta(stages.get(conc, {}), before, after)
     results: dict[str, Any] = {
         conc: {
-            **round_figures(by_side),
+            **round_figures(by_side, owners),
             "gateway_stages": stage_figures(stages.get(conc, {})),
             "by_round": by_side,  # each side's figures per round, in round order
         }

@@ -16,7 +16,7 @@ from bench.gatewaylib.placement import CpuSplit
 from bench.gatewaylib.stack import BENCH_LIMITS
 
 # not sides: what measure() derives from them, per concurrency
-DERIVED = ("gateway_stages", "by_round", "added_vs_engine")
+DERIVED = ("gateway_stages", "by_round", "added_vs_engine", "net_cpu_ms_per_request")
 
 
 def sides_of(results: dict[str, Any]) -> list[str]:
@@ -28,11 +28,13 @@ def headline(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
     """Per concurrency and side: the median TTFT p50 (ms; an HTTP side's first text
     event), what the side adds to it over the engine (the median over rounds of that
     round's difference; 0 for the engine) and the CPU ms per request of the process in
-    front of the engine during that side's runs."""
+    front of the engine during that side's runs: all of it, and net of that process's
+    background (its rate during the engine side's runs; NaN where not recorded)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for conc in ("c1", "c32"):
         res = results[conc]
         added = res.get("added_vs_engine", {})
+        net = res.get("net_cpu_ms_per_request", {})
         out[conc] = {
             side: {
                 "ttft_p50_ms": res[side]["ttft_p50_ms"],
@@ -40,6 +42,7 @@ def headline(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
                     0.0 if side == "engine" else added.get(side, {}).get("ttft_p50_ms", math.nan)
                 ),
                 "cpu_ms_per_request": res[side]["proxy_cpu_ms_per_request"],
+                "net_cpu_ms_per_request": 0.0 if side == "engine" else net.get(side, math.nan),
             }
             for side in sides_of(results)
         }
@@ -49,13 +52,15 @@ def headline(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
 def headline_table(head: dict[str, dict[str, dict[str, float]]], cpu_of: Mapping[str, str]) -> str:
     """``headline`` as a text table; ``cpu_of`` names whose CPU each side's is."""
     lines = [
-        f"{'conc':<5} {'side':<9} {'TTFT p50 ms':>12} {'added ms':>9} {'CPU ms/req':>11}  CPU of"
+        f"{'conc':<5} {'side':<9} {'TTFT p50 ms':>12} {'added ms':>9} {'CPU ms/req':>11} "
+        f"{'net CPU':>8}  CPU of"
     ]
     for conc, by_side in head.items():
         for side, d in by_side.items():
             lines.append(
                 f"{conc:<5} {side:<9} {d['ttft_p50_ms']:>12.2f} {d['added_ttft_p50_ms']:>9.2f} "
-                f"{d['cpu_ms_per_request']:>11.2f}  {cpu_of.get(side, '?')}"
+                f"{d['cpu_ms_per_request']:>11.2f} {d['net_cpu_ms_per_request']:>8.2f}  "
+                f"{cpu_of.get(side, '?')}"
             )
     return "\n".join(lines)
 

@@ -68,3 +68,18 @@ def paired_differences(
             "p99_ms": percentile(diffs, 99),
         }
     return out
+
+
+def net_cpu_ms(side: list[dict[str, float]], base: list[dict[str, float]], proxy: str) -> float:
+    """CPU ms per request ``proxy`` spent on ``side``'s requests, net of its background:
+    per round, its CPU during the side's run less its rate during ``base``'s run (the
+    engine side, which no proxy serves: health and stats polls) times the side's run
+    time, per request; the median over rounds. Rows carry ``<proxy>_cpu_s``, ``run_s``
+    and ``requests``; NaN where they do not."""
+    key = f"{proxy}_cpu_s"
+    nets = [
+        (a[key] - b[key] / b["run_s"] * a["run_s"]) / a["requests"] * 1000
+        for a, b in zip(side, base, strict=True)
+        if key in a and key in b and b["run_s"] > 0 and a["requests"]
+    ]
+    return statistics.median(nets) if nets else math.nan

@@ -36,12 +36,12 @@ FRONTS = ("gateway", "http", "smg")
 
 @dataclass
 class StockRun:
-    """The started services: addresses per side, whose CPU each side is charged, and
+    """The started services: addresses per side, the proxies' pids (gateway, smg) and
     what the report records of the engine and SMG."""
 
     stack: Stack
     addresses: dict[str, str]
-    cpu_pids: dict[str, int]
+    proxies: dict[str, int]
     facts: dict[str, Any]
 
 
@@ -73,6 +73,9 @@ def stock_stack(
             log_dir,
             num_engines=0,
             gateway=True,
+            # the gateway's own stats poll (not the load bench's faster one): its
+            # background CPU is what a deployment pays, as SMG's is
+            gateway_env={"LLM_GATEWAY_GRACE_SECONDS": "2"},
             gateway_args=["--log-level", "warning", "--workers", str(gateway_workers)],
             http_port=free_port(),
             proxy_cpus=proxy_cpus,
@@ -89,7 +92,6 @@ def stock_stack(
         gw = stack.procs["bench-gateway"].proc
         assert gw is not None  # started above
         assert smg.proc is not None
-        pids = {"gateway": gw.pid, "smg": smg.proc.pid}
         yield StockRun(
             stack=stack,
             addresses={
@@ -101,9 +103,9 @@ def stock_stack(
                 "smg_model": engine.served_model_name or model_dir.name,
                 "gateway_metrics": stack.metrics_url("bench-gateway"),
             },
-            cpu_pids={side: pids[cpu_owner(side)] for side in STOCK_SIDES},
+            proxies={"gateway": gw.pid, "smg": smg.proc.pid},
             facts={
-                "engine": "stock vLLM gRPC server (vllm.entrypoints.launchers.grpc_server, "
+                "engine_server": "stock vLLM gRPC server (vllm.entrypoints.launchers.grpc_server, "
                 "smg-grpc-servicer)",
                 "engine_dtype": engine.dtype,
                 "engine_omp_threads_bind": ",".join(

@@ -60,9 +60,10 @@ def test_each_engine_has_its_sides_report_and_cpu_owners() -> None:
         "engine": "gateway",
         "gateway": "gateway",
         "http": "gateway",
-        "smg": "SMG",
+        "smg": "smg",
     }
-    assert gateway_bench.cpu_owners("model")["floor"] == "bare relay"
+    assert gateway_bench.cpu_owners("model")["floor"] == "floor"
+    assert gateway_bench.cpu_owners("model")["http"] == "gateway"
 
 
 class FakeProc:
@@ -96,7 +97,13 @@ def test_main_starts_the_stack_measures_saves_and_stops(
         return []
 
     def measure(
-        args: Any, addr: Any, key: str, ids: list[int], pids: dict[str, int], sides: list[str]
+        args: Any,
+        addr: Any,
+        key: str,
+        ids: list[int],
+        pids: dict[str, int],
+        sides: list[str],
+        proxies: dict[str, int],
     ) -> Any:
         seen["measure"] = (args.rounds, key, ids, pids)
         seen["sides"] = sides
@@ -130,12 +137,12 @@ def test_main_over_the_stock_engine_measures_its_four_sides_and_closes_them(
 ) -> None:
     seen: dict[str, Any] = {}
     addresses = {"gateway": "127.0.0.1:1", "gateway_metrics": "u", "smg": "http://x"}
-    pids = {"engine": 11, "gateway": 11, "http": 11, "smg": 22}
+    proxies = {"gateway": 11, "smg": 22}
 
     @contextlib.contextmanager
     def stock_stack(log_dir: Path, *rest: Any) -> Iterator[StockRun]:
         seen["stack"] = rest
-        yield StockRun(FakeStack(), addresses, pids, {"engine_dtype": "bfloat16"})  # type: ignore[arg-type]
+        yield StockRun(FakeStack(), addresses, proxies, {"engine_dtype": "bfloat16"})  # type: ignore[arg-type]
         seen["closed"] = True
 
     async def run_side(side: str, *_: Any) -> list[Any]:
@@ -162,7 +169,8 @@ def test_main_over_the_stock_engine_measures_its_four_sides_and_closes_them(
     gateway_bench.main(["--engine", "stock-vllm", "--rounds", "1", "--pairs", "0"])
     assert seen["stack"] == ("bfloat16", None, 1, None)
     assert seen["warmed"] == STOCK_SIDES
-    assert seen["measure"] == ("sk-adm", [7, 8], pids, STOCK_SIDES)
+    pids = {"engine": 11, "gateway": 11, "http": 11, "smg": 22}
+    assert seen["measure"] == ("sk-adm", [7, 8], pids, STOCK_SIDES, proxies)
     assert seen["name"] == "gateway_bench_stock_vllm"
     assert (seen["report"]["engine"], seen["report"]["engine_dtype"]) == ("stock-vllm", "bfloat16")
     assert seen["closed"]

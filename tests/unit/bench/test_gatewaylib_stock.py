@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import http.server
 import json
+import math
+import os
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from bench.gatewaylib.plot import plot
 from bench.gatewaylib.report import build_report, headline, headline_table, print_summary
 from bench.gatewaylib.sides import PROMPT, OneRequest, Sample, side_client, vllm_request
 from bench.gatewaylib.smg import models_listed, smg_command
+from bench.gatewaylib.stats import net_cpu_ms
 from bench.gatewaylib.stock import STOCK_SIDES, cpu_owner
 from tests.unit.bench.fakes import bench_args
 
@@ -192,7 +195,32 @@ async def stock_fake_client(side: str, *_: Any, **__: Any) -> AsyncIterator[OneR
 def stock_results(monkeypatch: pytest.MonkeyPatch, fake_sides: list[str]) -> dict[str, Any]:
     """measure() over the four stock sides, each answering with STOCK_TTFT."""
     monkeypatch.setattr(measure_mod, "side_client", stock_fake_client)
-    return measure_mod.measure(bench_args(), {"gateway_metrics": "u"}, "sk", [1], None, STOCK_SIDES)
+    # this process stands in for both proxies: its CPU is real, so every run records it
+    me = os.getpid()
+    return measure_mod.measure(
+        bench_args(),
+        {"gateway_metrics": "u"},
+        "sk",
+        [1],
+        dict.fromkeys(STOCK_SIDES, me),
+        STOCK_SIDES,
+        {"gateway": me},
+    )
+
+
+def test_net_cpu_takes_the_proxys_background_rate_off_each_round() -> None:
+    # round 1: 0.5 s of background in 1 s of engine-side run; the side ran 2 s and used
+    # 1.5 s over 10 requests -> (1.5 - 1.0) / 10 = 50 ms; round 2: (0.9 - 0.1) / 10 = 80
+    base = [
+        {"gateway_cpu_s": 0.5, "run_s": 1.0, "requests": 10},
+        {"gateway_cpu_s": 0.1, "run_s": 1.0, "requests": 10},
+    ]
+    side = [
+        {"gateway_cpu_s": 1.5, "run_s": 2.0, "requests": 10},
+        {"gateway_cpu_s": 0.9, "run_s": 1.0, "requests": 10},
+    ]
+    assert net_cpu_ms(side, base, "gateway") == pytest.approx(65.0)  # median of 50 and 80
+    assert math.isnan(net_cpu_ms(side, base, "smg"))  # not recorded
 
 
 def test_measure_reads_what_each_front_adds_over_the_engine(
@@ -208,6 +236,13 @@ def test_measure_reads_what_each_front_adds_over_the_engine(
         assert added["smg"]["ttft_p50_ms"] == pytest.approx(7.0)
         assert added["smg"]["itl_p50_ms"] == pytest.approx(0.0)
         assert "floor_added" not in res
+        row = res["by_round"]["smg"][0]
+        assert row["requests"] == (3 if conc == "c1" else 4)
+        assert row["run_s"] > 0
+        assert row["gateway_cpu_s"] >= 0
+        # every side charged to the one proxy: each has a net figure, the engine none
+        assert set(res["net_cpu_ms_per_request"]) == {"gateway", "http", "smg"}
+        assert all(math.isfinite(v) for v in res["net_cpu_ms_per_request"].values())
         assert res["http_vs_grpc"]["first_text_p50_ms"] == pytest.approx(2.0)
     paired = stock_results["c1_paired"]
     assert "floor_minus_engine_ttft" not in paired
@@ -222,10 +257,14 @@ def test_the_headline_holds_ttft_added_and_cpu_per_side(stock_results: dict[str,
     assert head["c1"]["engine"]["added_ttft_p50_ms"] == 0.0
     assert head["c1"]["smg"]["ttft_p50_ms"] == pytest.approx(107.0)
     assert head["c32"]["http"]["added_ttft_p50_ms"] == pytest.approx(4.0)
+    assert head["c1"]["engine"]["net_cpu_ms_per_request"] == 0.0
+    net = stock_results["c1"]["net_cpu_ms_per_request"]["smg"]
+    assert head["c1"]["smg"]["net_cpu_ms_per_request"] == net
     table = headline_table(head, {"smg": "SMG"}).splitlines()
     assert table[0].split()[:3] == ["conc", "side", "TTFT"]
     smg_row = next(row for row in table if row.startswith("c32   smg"))
     assert smg_row.split()[2:4] == ["107.00", "7.00"]
+    assert len(smg_row.split()) == 7  # conc side ttft added cpu net owner
     assert smg_row.endswith("SMG")
     assert len(table) == 1 + 2 * len(STOCK_SIDES)
 
