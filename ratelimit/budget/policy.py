@@ -179,10 +179,7 @@ def calendar_period(period: Period, tz: ZoneInfo, now_ms: float) -> tuple[int, i
     """(start, end) in ms of the calendar hour/day/month containing ``now_ms`` in ``tz``."""
     local = datetime.fromtimestamp(now_ms / 1000, tz)
     if period == Period.HOUR:
-        # an hour is 3600 s in UTC; local hour boundaries follow the zone's offset
-        start = local.replace(minute=0, second=0, microsecond=0)
-        start_utc = start.astimezone(UTC)
-        end_utc = start_utc + timedelta(hours=1)
+        return _local_hour(tz, now_ms)
     else:
         day = local.date().replace(day=1) if period == Period.MONTH else local.date()
         if period == Period.MONTH:
@@ -192,6 +189,29 @@ def calendar_period(period: Period, tz: ZoneInfo, now_ms: float) -> tuple[int, i
         start_utc = _midnight(day, tz)
         end_utc = _midnight(following, tz)
     return int(start_utc.timestamp() * 1000), int(end_utc.timestamp() * 1000)
+
+
+_QUARTER_MS = 15 * 60 * 1000  # every zone's offsets and changes fall on quarter hours
+
+
+def _hour_boundary(tz: ZoneInfo, t_ms: int) -> bool:
+    """True at a local hour's start: the wall clock reads :00, or the offset changes
+    here (Lord Howe's 30-minute DST shift leaves a part-hour between two :00s)."""
+    here = datetime.fromtimestamp(t_ms / 1000, tz)
+    before = datetime.fromtimestamp((t_ms - _QUARTER_MS) / 1000, tz)
+    return here.minute == 0 or here.utcoffset() != before.utcoffset()
+
+
+def _local_hour(tz: ZoneInfo, now_ms: float) -> tuple[int, int]:
+    """The local hour containing ``now_ms``: from the last boundary at or before it to
+    the next one after it (at most an hour; a DST change can cut one short)."""
+    start = int(now_ms // _QUARTER_MS) * _QUARTER_MS
+    while not _hour_boundary(tz, start):
+        start -= _QUARTER_MS
+    end = start + _QUARTER_MS
+    while not _hour_boundary(tz, end):
+        end += _QUARTER_MS
+    return start, end
 
 
 def _midnight(day: date, tz: ZoneInfo) -> datetime:

@@ -125,3 +125,14 @@ def test_describe_names_the_window() -> None:
     assert b.describe() == "5000 tokens per calendar day (Europe/Berlin)"
     r = Budget("h", Metric.COST, Period.HOUR, 2.5, rolling=True)
     assert r.describe() == "2.5 USD per rolling 60 minutes"
+
+
+def test_lord_howes_half_hour_dst_shift_tiles_hours() -> None:
+    # 2009-04-05 02:00 +11:00 -> 01:30 +10:30: a whole hour from 14:00Z would end at
+    # 15:00Z, inside the repeated half hour, where the next period started at 14:00Z
+    tz = ZoneInfo("Australia/Lord_Howe")
+    first = calendar_period(Period.HOUR, tz, 1_238_853_600_000)  # 14:00Z
+    second = calendar_period(Period.HOUR, tz, first[1])
+    assert first == (1_238_853_600_000, 1_238_857_200_000)
+    assert second[0] == first[1]
+    assert calendar_period(Period.HOUR, tz, second[1])[0] == second[1]
