@@ -18,6 +18,11 @@ stream), ``vllm`` (offline LLM.generate, bf16 and fp32), ``transformers``
 this CPU is the one with the higher W1 figure; ratios are against it. With
 ``--device cuda`` every side runs on the GPU (vLLM then from a CUDA build's venv)
 and ``--grpc-backend vllm`` serves the gRPC side with vLLM.
+``--isa`` caps every side at a CPU tier (``engine_svc.models.cpu_tier``): our
+kernels (``LLM_ENGINE_CORE_CPU_ISA``), ATen (``ATEN_CPU_CAPABILITY``) and oneDNN
+(``ONEDNN_MAX_CPU_ISA``) for our engine and vLLM alike; the report says what each
+side's Python really ran (ATen's capability, oneDNN's ISA from its verbose line)
+and whether the tier is capped rather than the CPU's own.
 The report records the CPU model, its ISA flags, threads, the load
 average before and after every side, and each side's peak RSS (process and
 children: the vLLM engine core, our engine service). Writes bench/reports/peers.{json,png}.
@@ -49,6 +54,7 @@ ALL_SIDES: dict[str, tuple[str, str]] = {
     "ours": ("ours", "auto"),
     "ours-grpc": ("ours-grpc", "auto"),
     "ours-fp32": ("ours", "float32"),
+    "ours-grpc-fp32": ("ours-grpc", "float32"),
     "vllm-bf16": ("vllm", "bfloat16"),
     "vllm-fp32": ("vllm", "float32"),
     "transformers-bf16": ("transformers", "bfloat16"),
@@ -128,6 +134,52 @@ def run_side(label: str, wl_path: Path, args: argparse.Namespace) -> dict[str, A
     return result
 
 
+# one bf16 matmul under oneDNN verbose: its info lines name the ISA it dispatches to
+_PROBE = (
+    "import torch; x = torch.randn(64, 64, dtype=torch.bfloat16); torch.nn.functional.linear(x, x);"
+    "print('aten', torch.backends.cpu.get_cpu_capability())"
+)
+
+
+def probe_tier(python: str, env: dict[str, str]) -> dict[str, str]:
+    """What a side's Python runs under ``env``: ATen's capability and oneDNN's ISA."""
+    proc = subprocess.run(
+        [python, "-c", _PROBE],
+        env=os.environ | env | {"ONEDNN_VERBOSE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out = {"aten": "", "onednn": ""}
+    for line in proc.stdout.splitlines():
+        if line.startswith("aten "):
+            out["aten"] = line.split(" ", 1)[1]
+        elif ",info,cpu,isa:" in line:
+            out["onednn"] = line.split("isa:", 1)[1].strip()
+    return out
+
+
+def isa_facts(isa: str, sides: list[str], vllm_python: Path) -> dict[str, Any]:
+    """The tier cap's environment (set for every side) and what each Python ran under it."""
+    from engine_svc.models import cpu_tier
+
+    env = cpu_tier.cap_env(isa)
+    pythons = {"ours": sys.executable}
+    if any(ALL_SIDES[s][0] == "vllm" for s in sides):
+        pythons["vllm"] = str(vllm_python)
+    native = cpu_tier.native_tier()
+    tier = cpu_tier.capped(native, isa)
+    return {
+        "requested": isa,
+        "cpu_tier": native,
+        "tier": tier,
+        "capped": tier != native,
+        "env": env,
+        "ran": {name: probe_tier(py, env) for name, py in pythons.items()},
+    }
+
+
 def summarize(
     workloads: dict[str, Any], runs: dict[str, list[dict[str, Any]]]
 ) -> dict[str, dict[str, float]]:
@@ -154,7 +206,7 @@ def best_of(table: dict[str, dict[str, float]], peer: str) -> str | None:
 def ratios(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     """ours and ours-grpc over each peer's best dtype, per workload."""
     out: dict[str, dict[str, float]] = {}
-    for ours in ("ours", "ours-grpc"):
+    for ours in ("ours", "ours-grpc", "ours-grpc-fp32"):
         if ours not in table:
             continue
         for peer in PEERS:
@@ -222,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="", help="comma-separated subset (default: all)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (every side)")
     ap.add_argument(
+        "--isa",
+        default="native",
+        choices=["native", "avx512_bf16", "avx512", "avx2"],
+        help="cap every side at this CPU tier (a capped figure is labelled so)",
+    )
+    ap.add_argument(
         "--grpc-backend",
         default="native",
         choices=["native", "vllm"],
@@ -248,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     wl_path = Path(tempfile.mkstemp(suffix="-workloads.json")[1])
     wl_path.write_text(json.dumps(workloads))
     facts = machine_facts()
+    facts["isa_cap"] = isa_facts(args.isa, sides, args.vllm_python)
+    os.environ.update(facts["isa_cap"]["env"])  # every side's process inherits the cap
+    print(f"CPU tier: {facts['isa_cap']}", file=sys.stderr)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     with tqdm(total=len(sides) * args.rounds, desc="peers", unit="side") as bar:
         for _ in range(args.rounds):
