@@ -35,7 +35,7 @@ from common import tracing
 from common.config import ServiceConfig
 from common.interceptors import DecodeErrorInterceptor, Handler, ServiceTokenInterceptor
 from common.log import get_logger
-from common.service_auth import read_service_token
+from common.service_auth import ServerTls, read_service_token
 
 log = get_logger(__name__)
 
@@ -106,6 +106,9 @@ class ServiceHooks:
     interceptors: Sequence[Any] = ()
     # internal services (engine, tokenizer): refuse calls without the service token
     require_service_token: bool = False
+    # TLS on the gRPC port (None = plaintext); mutual TLS authenticates callers by
+    # their client certificate instead of the service token
+    tls: ServerTls | None = None
 
 
 @dataclass(slots=True)
@@ -125,6 +128,12 @@ def write_port_file(path: str, ports: BoundPorts, **extra: Any) -> None:
 def _auth_interceptors(config: ServiceConfig, hooks: ServiceHooks) -> list[Any]:
     if not hooks.require_service_token:
         return []
+    if hooks.tls is not None and hooks.tls.mutual:
+        log.info(
+            "mutual TLS: every caller is authenticated by a client certificate signed by "
+            "the client CA; the service token is not asked for"
+        )
+        return []
     token = read_service_token(config.service_token_file)
     if not token:
         log.warning(
@@ -133,6 +142,19 @@ def _auth_interceptors(config: ServiceConfig, hooks: ServiceHooks) -> list[Any]:
         )
         return []
     return [ServiceTokenInterceptor(token)]
+
+
+def bind(server: grpc.aio.Server, address: str, tls: ServerTls | None) -> int:
+    """Add the gRPC port: plaintext, TLS, or mutual TLS (a client certificate signed by
+    ``tls.client_ca`` required in the handshake). Returns the bound port (0 = failed)."""
+    if tls is None:
+        return server.add_insecure_port(address)
+    creds = grpc.ssl_server_credentials(
+        [(tls.private_key, tls.cert_chain)],
+        root_certificates=tls.client_ca or None,
+        require_client_auth=tls.mutual,
+    )
+    return server.add_secure_port(address, creds)
 
 
 async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
@@ -169,7 +191,7 @@ async def _serve(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
         ],
         server,
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = bind(server, f"{config.host}:{config.port}", hooks.tls)
     if port == 0:
         raise RuntimeError(f"{name}: could not bind {config.host}:{config.port}")
     metrics_port: int | None = None
@@ -197,6 +219,7 @@ async def _serve(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
             "serving",
             host=config.host,
             port=port,
+            tls="mutual" if hooks.tls and hooks.tls.mutual else ("on" if hooks.tls else "off"),
             metrics_port=metrics_port,
             services=names,
             event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],

@@ -1,6 +1,6 @@
 """`python -m engine_svc`: serve llm.v1.Engine (config sections `engine`, `engine_core`).
 
-    python -m engine_svc [--backend native|trtllm|vllm] [--port 50071] [--model-dir DIR] ...
+    python -m engine_svc [--backend native|vllm] [--port 50071] [--model-dir DIR] ...
 
 Health stays NOT_SERVING until a real warm-up batch has run. SIGTERM drains:
 new requests get UNAVAILABLE, in-flight streams get ``grace_seconds`` to
@@ -31,6 +31,7 @@ from common.config import (
 )
 from common.log import configure_logging, get_logger
 from common.server import ServiceHooks, run, run_service
+from common.service_auth import read_server_tls
 from engine_svc import metrics
 from engine_svc.backends.base import Backend, GenerateInput
 from engine_svc.config import EngineServiceConfig
@@ -89,15 +90,14 @@ def make_backend(svc: EngineServiceConfig, core: EngineConfig) -> Backend:
         from engine_svc.core.llm_engine import LLMEngine
 
         return NativeBackend(lambda: LLMEngine(core))
-    if svc.backend == "trtllm":
-        from engine_svc.backends.trtllm import TrtLlmBackend
-
-        return TrtLlmBackend(core)
     if svc.backend == "vllm":
         from engine_svc.backends.vllm import VllmBackend
 
         return VllmBackend(core, engine_args={"enforce_eager": svc.vllm_enforce_eager})
-    raise ValueError(f"unknown backend {svc.backend!r}; choose native, trtllm or vllm")
+    raise ValueError(
+        f"unknown backend {svc.backend!r}; choose native or vllm "
+        "(TensorRT-LLM runs as the stock trtllm-serve --grpc: deploy/README.md)"
+    )
 
 
 async def warm_up(backend: Backend) -> None:
@@ -125,11 +125,16 @@ def main(
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m engine_svc", description=__doc__)
     add_service_args(parser)
-    parser.add_argument("--backend", choices=["native", "trtllm", "vllm"])
+    parser.add_argument("--backend", choices=["native", "vllm"])
     parser.add_argument("--model-dir")
     parser.add_argument("--model-version")
     parser.add_argument("--num-kv-blocks", type=int)
     parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--tls-cert-file", help="PEM server certificate: the port is TLS")
+    parser.add_argument("--tls-key-file", help="PEM key of --tls-cert-file")
+    parser.add_argument(
+        "--tls-client-ca-file", help="PEM CA of the client certificates required (mutual TLS)"
+    )
     args = parser.parse_args(argv)
     svc = load_config(
         EngineServiceConfig,
@@ -139,6 +144,9 @@ def main(
             **service_overrides(args),
             "backend": args.backend,
             "model_version": args.model_version,
+            "tls_cert_file": args.tls_cert_file,
+            "tls_key_file": args.tls_key_file,
+            "tls_client_ca_file": args.tls_client_ca_file,
         },
     )
     core = load_config(
@@ -214,6 +222,7 @@ def main(
         on_drain=on_drain,
         on_stop=backend.stop,
         require_service_token=True,
+        tls=read_server_tls(svc.tls_cert_file, svc.tls_key_file, svc.tls_client_ca_file),
     )
     run(run_service("engine", svc, hooks))
 

@@ -14,8 +14,8 @@ class EngineServiceConfig(ServiceConfig):
     """The engine's gRPC service (``python -m engine_svc``).
 
     Attributes:
-        backend: The engine behind the service: ``native`` (PyTorch, CPU or CUDA),
-            ``trtllm`` (TensorRT-LLM, NVIDIA GPUs) or ``vllm``.
+        backend: The engine behind the service: ``native`` (PyTorch, CPU or CUDA) or
+            ``vllm`` (TensorRT-LLM runs as the stock ``trtllm-serve --grpc``, no backend).
         model_name: The name the engine serves its model under (what requests ask for).
         model_version: The served model's version; "" = ``sha-<checksum>`` of the
             checkpoint's weights.
@@ -25,6 +25,13 @@ class EngineServiceConfig(ServiceConfig):
         standard_protocols: The standard engine protocols (smg-grpc-proto) served beside
             llm.v1.Engine on the same port and authentication: ``vllm``
             (vllm.grpc.engine.VllmEngine) and ``trtllm`` (trtllm.TrtllmService); [] = none.
+        tls_cert_file: PEM server certificate (chain) for the gRPC port; "" = plaintext.
+            Set with ``tls_key_file``.
+        tls_key_file: PEM private key of ``tls_cert_file``.
+        tls_client_ca_file: PEM CA whose client certificates the port requires (mutual
+            TLS): a caller without one fails the handshake, and one with it needs no
+            service token (for clients that authenticate with certificates and cannot
+            send metadata); "" = no client certificates (the service token applies).
     """
 
     port: int = 50071
@@ -35,3 +42,6 @@ class EngineServiceConfig(ServiceConfig):
     warmup: bool = True
     vllm_enforce_eager: bool = False
     standard_protocols: list[str] = field(default_factory=lambda: ["vllm", "trtllm"])
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
