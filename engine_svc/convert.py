@@ -58,6 +58,7 @@ def generate_input_from_proto(
         priority=int(req.priority),
         tenant_id=req.tenant_id,
         tenant_weight=req.tenant_weight or 1.0,  # checked with the rest (validate_request)
+        cache_salt=req.cache_salt,
         resumed_output_token_ids=list(req.resumed_output_token_ids),
         speculative_decoding=(
             req.speculative_decoding if req.HasField("speculative_decoding") else None

@@ -146,15 +146,32 @@ class Tenant:
     updated_at: float = 0.0
     budgets: tuple[Budget, ...] = ()
     fair_share: int = 1  # share of the engines within its class when others are busy
+    # tenants naming the same group share prefix-cache blocks; "" = its own cache
+    prefix_cache_group: str = ""
 
     def __post_init__(self) -> None:
         validate_tenant_id(self.tenant_id)
+        if self.prefix_cache_group and not TENANT_ID_RE.match(self.prefix_cache_group):
+            raise ValueError(
+                f"tenant {self.tenant_id!r}: invalid prefix_cache_group "
+                f"{self.prefix_cache_group!r}: use 1-64 characters of letters, digits, '.', "
+                "'_' or '-', starting with a letter or digit (or \"\" for the tenant's own cache)"
+            )
         validate_budgets(f"tenant {self.tenant_id!r}", self.budgets)
         if not 1 <= self.fair_share <= MAX_FAIR_SHARE:
             raise ValueError(
                 f"tenant {self.tenant_id!r}: fair_share must be 1-{MAX_FAIR_SHARE} "
                 f"(0 = 1), got {self.fair_share}"
             )
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache salt of its requests: its group's, else its own, so engines
+        reuse KV blocks (and report cached tokens) only within a tenant or a group an
+        admin declared."""
+        if self.prefix_cache_group:
+            return f"group:{self.prefix_cache_group}"
+        return f"tenant:{self.tenant_id}"
 
     def allows_model(self, model: str) -> bool:
         """True when the tenant may call ``model`` (an empty list allows every model)."""

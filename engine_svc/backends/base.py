@@ -57,6 +57,7 @@ class GenerateInput:
     priority: int = 2
     tenant_id: str = ""
     tenant_weight: float = 1.0
+    cache_salt: str = ""  # prefix-cache blocks are shared only under the same salt
     resumed_output_token_ids: list[int] = field(default_factory=list)
     speculative_decoding: bool | None = None
     validated: bool = field(default=False, compare=False)

@@ -278,6 +278,7 @@ class NativeBackend:
                 speculative=inp.speculative_decoding,
                 tenant_id=inp.tenant_id,
                 tenant_weight=inp.tenant_weight,
+                cache_salt=inp.cache_salt,
                 validated=inp.validated,
             )
         except ValueError as e:

@@ -224,7 +224,9 @@ class VllmBackend:
         self._totals["requests"] += 1
         self._totals["prompt"] += len(prompt)
         stream = self._llm.generate(
-            TokensPrompt(prompt_token_ids=prompt),
+            TokensPrompt(prompt_token_ids=prompt, cache_salt=inp.cache_salt)
+            if inp.cache_salt
+            else TokensPrompt(prompt_token_ids=prompt),
             params,
             inp.request_id,
             priority=vllm_priority(inp.priority),

@@ -36,6 +36,15 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     return BlockHash(hash((parent_value, tokens)), parent_value, tokens)
 
 
+def salt_root(cache_salt: str) -> BlockHash | None:
+    """The parent of a salted request's first block: chains under different salts
+    never meet, so a block is reused only under the salt it was computed with
+    (None for the unsalted pool). Two salts collide only if their 64-bit hashes do."""
+    if not cache_salt:
+        return None
+    return BlockHash(hash(("cache_salt", cache_salt)), None, ())
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """One block of ``block_size`` token slots in every layer's K/V cache.

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine_svc.core.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from engine_svc.core.block_pool import (
+    BlockHash,
+    BlockPool,
+    KVCacheBlock,
+    hash_block_tokens,
+    salt_root,
+)
 from engine_svc.core.request import Request
 
 
@@ -57,15 +63,18 @@ class KVCacheManager:
         return self.block_pool.usage
 
     def block_hashes(self, request: Request) -> list[BlockHash]:
-        """Hash chain of ``request``'s full blocks, extended lazily and kept on the request."""
+        """Hash chain of ``request``'s full blocks, extended lazily and kept on the request.
+
+        A salted request's chain starts under its salt (``salt_root``): it finds only
+        blocks computed under the same salt."""
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
+        root = salt_root(request.cache_salt) if not hashes else None
         while len(hashes) < len(tokens) // bs:
             i = len(hashes)
-            hashes.append(
-                hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs])
-            )
+            parent = hashes[-1] if hashes else root
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -165,6 +165,7 @@ class LLMEngine:
         tenant_id: str = "",
         tenant_weight: float = 1.0,
         validated: bool = False,
+        cache_salt: str = "",
     ) -> bool:
         """Queue a request.
 
@@ -181,6 +182,8 @@ class LLMEngine:
             tenant_id: whose request it is: within a priority class the tenant
                 served least goes first (fair share); "" = one anonymous tenant.
             tenant_weight: that tenant's share (> 0; 2 = twice a weight-1 tenant's).
+            cache_salt: prefix-cache blocks are reused only between requests with the
+                same salt ("" = the unsalted pool).
             validated: the caller has run ``validate_request`` on these fields against
                 this engine's model (the engine service does, once per request); the
                 engine's own checks (a live id, the KV pool) run either way.
@@ -217,6 +220,7 @@ class LLMEngine:
             self.eos_token_ids,
             tenant_id,
             tenant_weight,
+            cache_salt,
         )
         req.use_spec = (
             self.config.enable_speculative_decoding if speculative is None else speculative

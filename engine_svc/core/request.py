@@ -73,6 +73,7 @@ class Request:
         priority: larger is more urgent (llm.v1.Priority: LOW 1, NORMAL 2, CRITICAL 3).
         tenant_id / tenant_weight: whose request it is and that tenant's share
             (fair share between tenants within a priority class; "" = anonymous).
+        cache_salt: prefix-cache blocks are reused only under the same salt.
         num_streamed: output tokens handed to the caller so far.
         num_stop_tokens: length of the matched stop (id or sequence) at the end
             of the output, withheld from the stream unless include_stop_in_output.
@@ -86,6 +87,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     tenant_id: str = ""
     tenant_weight: float = 1.0
+    cache_salt: str = ""
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
@@ -118,6 +120,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         tenant_id: str = "",
         tenant_weight: float = 1.0,
+        cache_salt: str = "",
     ) -> Request:
         """Build a request; resumed tokens extend the prompt and count as output."""
         resumed = list(resumed_output_token_ids or [])
@@ -130,6 +133,7 @@ class Request:
             eos_token_ids=eos_token_ids,
             tenant_id=tenant_id,
             tenant_weight=tenant_weight,
+            cache_salt=cache_salt,
             all_token_ids=list(prompt_token_ids) + resumed,
             output_token_ids=resumed,
             num_resumed_tokens=len(resumed),

@@ -3,10 +3,10 @@
 Translation functions (proto <-> domain) first, then the servicer. What this engine
 cannot apply (beam search, several sequences, guided decoding, bad words, LoRA,
 prompt tuning, media, KV retention, disaggregation, lookahead, logits, prompt
-logprobs, a cache salt) is refused with INVALID_ARGUMENT naming the field.
+logprobs) is refused with INVALID_ARGUMENT naming the field.
 
-``cache_salt_id`` is refused rather than ignored: the engine's prefix cache is shared
-by every request, and a salt promises isolation it would not give.
+``cache_salt_id`` salts the prefix cache: KV blocks are reused only between requests
+with the same salt (the gateway sends one per tenant or cache group).
 
 Streaming: each chunk carries the new token ids with cumulative counts, then one
 GenerateComplete with every output token id; ``streaming=false`` sends only the
@@ -89,11 +89,6 @@ def _refuse_unsupported(req: trtllm_service_pb2.GenerateRequest) -> None:
         (len(req.bad) > 0, "bad", "no bad-word suppression"),
         (len(req.bad_token_ids) > 0, "bad_token_ids", "no bad-word suppression"),
         (len(req.tokenized.query_token_ids) > 0, "tokenized.query_token_ids", ""),
-        (
-            req.HasField("cache_salt_id"),
-            "cache_salt_id",
-            "the prefix cache is shared by all requests; a salt would not isolate it",
-        ),
     ]
     for bad, field, why in checks:
         if bad:
@@ -137,6 +132,7 @@ def generate_input_from_trtllm(
         request_id=req.request_id,
         prompt_token_ids=list(req.tokenized.input_token_ids),
         sampling_params=params,
+        cache_salt=f"trtllm:{req.cache_salt_id}" if req.HasField("cache_salt_id") else "",
     )
     return inp, list(req.stop)
 

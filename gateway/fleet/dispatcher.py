@@ -110,6 +110,7 @@ class EngineJob:
     fallback_versions: tuple[str, ...] = ()  # tried in order when model_version has none
     correlation_id: str = ""
     tenant_weight: float = 1.0  # the tenant's fair share in the engines' scheduling
+    cache_salt: str = ""  # prefix-cache isolation: the tenant's (or its group's) salt
     trace: Trace | None = None
 
 
@@ -352,6 +353,7 @@ class Dispatcher:
             priority=job.priority,
             tenant_id=job.tenant_id,
             tenant_weight=job.tenant_weight,
+            cache_salt=job.cache_salt,
             deadline=deadline,
             model=job.model,
             resumed_output_token_ids=text.token_ids,

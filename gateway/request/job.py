@@ -71,6 +71,7 @@ class JobBuilder:
             traceparent=call.traceparent,
             tenant_id=tenant.tenant_id,
             tenant_weight=float(tenant.fair_share),
+            cache_salt=tenant.cache_salt,
             priority=priority,
             model=model,
             model_version=route.version,

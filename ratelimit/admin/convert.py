@@ -107,6 +107,7 @@ def tenant_from_proto(msg: admin_pb2.Tenant) -> Tenant:
         display_name=msg.display_name,
         budgets=tuple(budget_from_proto(b) for b in msg.budgets),
         fair_share=msg.fair_share or 1,
+        prefix_cache_group=msg.prefix_cache_group,
     )
 
 
@@ -123,6 +124,7 @@ def tenant_to_proto(tenant: Tenant) -> admin_pb2.Tenant:
         updated_at=_ts(tenant.updated_at),
         budgets=[budget_to_proto(b) for b in tenant.budgets],
         fair_share=tenant.fair_share,
+        prefix_cache_group=tenant.prefix_cache_group,
     )
 
 
@@ -192,6 +194,7 @@ TENANT_MUTABLE = (
     "display_name",
     "budgets",
     "fair_share",
+    "prefix_cache_group",
 )
 
 

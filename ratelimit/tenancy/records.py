@@ -173,6 +173,7 @@ def tenant_to_json(tenant: Tenant) -> str:
             "updated_at": tenant.updated_at,
             "budgets": [budget_to_dict(b) for b in tenant.budgets],
             "fair_share": tenant.fair_share,
+            "prefix_cache_group": tenant.prefix_cache_group,
         }
     )
 
@@ -218,4 +219,5 @@ def tenant_from_json(raw: str) -> Tenant:
         updated_at=float(d["updated_at"]),
         budgets=tuple(budget_from_dict(b) for b in d.get("budgets", ())),
         fair_share=int(d.get("fair_share", 1)),  # records from before shares: 1
+        prefix_cache_group=str(d.get("prefix_cache_group", "")),
     )

@@ -140,9 +140,10 @@ def check_request(request: engine_pb2.EngineGenerateRequest, engine: str) -> Non
         )
 
 
-def cache_salt(tenant_id: str) -> int:
-    """A tenant's prefix-cache salt (int64): tenants never share cached blocks."""
-    digest = hashlib.blake2b(f"llm-gateway-cache\0{tenant_id}".encode(), digest_size=8).digest()
+def cache_salt(salt: str) -> int:
+    """The request's prefix-cache salt (``EngineGenerateRequest.cache_salt``: the tenant's
+    or its cache group's) as an int64, for protocols whose salt is a number."""
+    digest = hashlib.blake2b(f"llm-gateway-cache\0{salt}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
 
 

@@ -4,9 +4,9 @@ llm.v1                         TrtllmService
 EngineGenerateRequest      ->  GenerateRequest (tokenized, SamplingConfig,
                                OutputConfig, max_tokens, streaming)
   resumed_output_token_ids ->  appended to the prompt; max/min_tokens shrink
-  tenant_id                ->  cache_salt_id: a salt per tenant, so tenants never
-                               share prefix-cache blocks and each one's cached-token
-                               count is its own
+  cache_salt               ->  cache_salt_id (its int64 digest): the tenant's or its
+                               cache group's salt, so tenants never share prefix-cache
+                               blocks and each one's cached-token count is its own
   priority, tenant_weight  ->  kept by the gateway (fair queue, per-replica load)
   speculative_decoding,    ->  refused (INVALID_ARGUMENT naming the field)
   stop_sequences
@@ -79,7 +79,7 @@ def generate_request(request: engine_pb2.EngineGenerateRequest, engine: str) -> 
         output_config=output,
         max_tokens=max_tokens,
         streaming=True,
-        cache_salt_id=cache_salt(request.tenant_id),
+        cache_salt_id=cache_salt(request.cache_salt) if request.cache_salt else None,
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
         include_stop_token_in_output=p.include_stop_in_output,

@@ -219,7 +219,6 @@ def test_trtllm_fields_map_to_the_engine() -> None:
 @pytest.mark.parametrize(
     ("field", "extra"),
     [
-        ("cache_salt_id", {"cache_salt_id": 0}),
         (
             "sampling_config.num_return_sequences",
             {"sampling_config": trtllm_service_pb2.SamplingConfig(num_return_sequences=2)},
@@ -305,3 +304,12 @@ def test_tokenizer_bundle_is_reproducible_with_its_sha256(model_dir: Path) -> No
     assert b"".join(d for d, _ in pieces) == bundle
     assert [s for _, s in pieces] == [""] * (len(pieces) - 1) + [hashlib.sha256(bundle).hexdigest()]
     assert tokenizer_bundle(model_dir / "nope") == b""
+
+
+def test_trtllm_cache_salt_id_salts_the_prefix_cache() -> None:
+    salted, _ = trt.generate_input_from_trtllm(treq(cache_salt_id=7))
+    other, _ = trt.generate_input_from_trtllm(treq(cache_salt_id=-7))
+    zero, _ = trt.generate_input_from_trtllm(treq(cache_salt_id=0))
+    unsalted, _ = trt.generate_input_from_trtllm(treq())
+    assert len({salted.cache_salt, other.cache_salt, zero.cache_salt}) == 3
+    assert unsalted.cache_salt == ""

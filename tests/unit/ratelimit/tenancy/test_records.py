@@ -76,3 +76,25 @@ def test_fair_share_over_the_admin_api() -> None:
     assert tenant_from_proto(admin_pb2.Tenant(id="t")).fair_share == 1  # 0 = 1
     shared = tenant_from_proto(admin_pb2.Tenant(id="t", fair_share=5))
     assert tenant_to_proto(shared).fair_share == 5
+
+
+def test_prefix_cache_group_round_trips_and_sets_the_cache_salt() -> None:
+    grouped = Tenant("a", prefix_cache_group="team-x")
+    assert tenant_from_json(tenant_to_json(grouped)) == grouped
+    assert tenant_to_proto(grouped).prefix_cache_group == "team-x"
+    assert tenant_from_proto(admin_pb2.Tenant(id="a", prefix_cache_group="team-x")) == grouped
+    raw = json.loads(tenant_to_json(Tenant("old")))
+    del raw["prefix_cache_group"]  # records from before groups: the tenant's own cache
+    assert tenant_from_json(json.dumps(raw)).prefix_cache_group == ""
+    # the same group shares a salt; a tenant alone never shares one with another tenant
+    assert grouped.cache_salt == Tenant("b", prefix_cache_group="team-x").cache_salt
+    assert Tenant("a").cache_salt != Tenant("b").cache_salt
+    assert Tenant("a").cache_salt != grouped.cache_salt
+    # a tenant id equal to a group name still gets a salt of its own
+    assert Tenant("team-x").cache_salt != grouped.cache_salt
+
+
+@pytest.mark.parametrize("group", ["a:b", "{x}", "x" * 65, "-lead"])
+def test_a_bad_prefix_cache_group_is_refused_naming_it(group: str) -> None:
+    with pytest.raises(ValueError, match="prefix_cache_group"):
+        Tenant("t", prefix_cache_group=group)

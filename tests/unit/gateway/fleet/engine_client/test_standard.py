@@ -97,8 +97,8 @@ def test_resumption_and_refusals() -> None:
     )
 
 
-def test_the_cache_salt_is_per_tenant_and_fits_int64() -> None:
-    salts = {cache_salt(t) for t in ("a", "b", "c", "")}
+def test_the_cache_salt_is_per_salt_and_fits_int64() -> None:
+    salts = {cache_salt(t) for t in ("tenant:a", "tenant:b", "group:a", "")}
     assert len(salts) == 4
     assert all(-(2**63) <= s < 2**63 for s in salts)
-    assert cache_salt("a") == cache_salt("a")
+    assert cache_salt("tenant:a") == cache_salt("tenant:a")

@@ -74,6 +74,7 @@ def request(tenant: str = "t1", **sampling: Any) -> engine_pb2.EngineGenerateReq
         prompt_token_ids=[10, 11],
         sampling=engine_pb2.EngineSamplingParams(**{"max_tokens": 8, **sampling}),
         tenant_id=tenant,
+        cache_salt=f"tenant:{tenant}",
     )
 
 
@@ -127,6 +128,17 @@ async def test_each_tenant_gets_its_own_cache_salt(
         await collect(client, request(tenant))
     salts = [r.cache_salt_id for r in servicer.script.requests]
     assert salts[0] == salts[2] != salts[1]
+
+
+async def test_no_salt_is_sent_for_an_unsalted_request(
+    engine: tuple[ScriptedTrtllm, TrtllmClient, str],
+) -> None:
+    servicer, client, _ = engine
+    servicer.script.responses = [complete(finish_reason="length")]
+    unsalted = request("a")
+    unsalted.ClearField("cache_salt")
+    await collect(client, unsalted)
+    assert not servicer.script.requests[-1].HasField("cache_salt_id")
 
 
 async def test_cancel_sends_abort(engine: tuple[ScriptedTrtllm, TrtllmClient, str]) -> None:
