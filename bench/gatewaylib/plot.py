@@ -40,9 +40,18 @@ def _paired_rows(paired: dict[str, Any]) -> dict[str, dict[str, float]]:
     }
 
 
+def _cpu_label(d: dict[str, float]) -> str:
+    """A headline bar's CPU per request: net of the proxy's background where recorded."""
+    net = d.get("net_cpu_ms_per_request", math.nan)
+    if math.isnan(net):
+        return f"{d['cpu_ms_per_request']:.1f} cpu-ms"
+    return f"{net:.1f} net cpu-ms"
+
+
 def _headline_panel(ax: Any, head: dict[str, dict[str, dict[str, float]]]) -> None:
     """What each side adds to TTFT p50 over the engine at each concurrency, each bar
-    labelled with the CPU ms per request of the process in front of the engine."""
+    labelled with the CPU ms per request of the process in front of the engine (net of
+    its background where recorded)."""
     fronts = [s for s in head["c1"] if s != "engine"]
     xs = range(len(fronts))
     for i, conc in enumerate(head):
@@ -53,7 +62,7 @@ def _headline_panel(ax: Any, head: dict[str, dict[str, dict[str, float]]]) -> No
             0.4,
             label=f"concurrency {conc[1:]}",
         )
-        ax.bar_label(bars, [f"{d['cpu_ms_per_request']:.1f} cpu-ms" for d in rows], fontsize=6)
+        ax.bar_label(bars, [_cpu_label(d) for d in rows], fontsize=6)
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_xticks(list(xs), [SIDE_LABELS.get(s, s) for s in fronts], fontsize=7, rotation=20)
     ax.set_ylabel("TTFT p50 added over the engine, ms")

@@ -287,3 +287,15 @@ def test_the_stock_report_summary_and_figure(
     path = tmp_path / "stock.png"
     plot(report, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_headline_bars_name_the_net_cpu_where_recorded() -> None:
+    from bench.gatewaylib.plot import _cpu_label
+
+    assert _cpu_label({"cpu_ms_per_request": 5.0, "net_cpu_ms_per_request": 1.25}) == (
+        "1.2 net cpu-ms"
+    )
+    assert _cpu_label({"cpu_ms_per_request": 5.0, "net_cpu_ms_per_request": math.nan}) == (
+        "5.0 cpu-ms"
+    )
+    assert _cpu_label({"cpu_ms_per_request": 5.0}) == "5.0 cpu-ms"
