@@ -1,0 +1,137 @@
+"""The gateway over the standard engine protocols, against our own engine serving them.
+
+The session's engine serves llm.v1.Engine, VllmEngine and TrtllmService on one port;
+gateways here address it as ``vllm://`` and ``trtllm://``, so the gateway's clients
+of both protocols run over real gRPC against a real model. (A stock vLLM server
+behind the gateway: tests/integration/stock, run by ``make test-vllm``.)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from common.procs import ManagedProcess
+from common.redis_server import RedisServer
+from llm.v1 import common_pb2
+from tests.integration.gateway.conftest import GatewayProcess, chat, start_gateway
+from tests.integration.gateway.test_gw_faults import engine_stats, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def auth(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+@pytest.fixture(scope="module", params=["vllm", "trtllm"])
+def gw_standard(
+    request: pytest.FixtureRequest,
+    engine_server: ManagedProcess,
+    tokenizer_server: ManagedProcess,
+    gw_redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, GatewayProcess]]:
+    protocol = str(request.param)
+    gw = start_gateway(
+        f"gw-{protocol}",
+        [f"{protocol}://{engine_server.address}"],
+        tokenizer_server.address,
+        gw_redis.url,
+        tmp_path_factory.mktemp(f"gw-{protocol}"),
+    )
+    try:
+        yield protocol, gw
+    finally:
+        gw.stop()
+
+
+def test_streams_with_usage_over_the_protocol(gw_standard: tuple[str, GatewayProcess]) -> None:
+    protocol, gw = gw_standard
+    _, key = gw.tenant()
+    req = chat("Count from one to ten.", max_tokens=12, temperature=0.0)
+    req.sampling.ignore_eos = True
+    chunks = gw.generate(key, req)
+    ids = [t for c in chunks for t in c.token_ids]
+    assert "".join(c.text for c in chunks).strip()
+    assert chunks[-1].finish_reason == common_pb2.LENGTH
+    assert chunks[-1].usage.completion_tokens == len(ids) == 12
+    assert chunks[-1].usage.prompt_tokens > 5
+    again = gw.generate(key, req)
+    assert [t for c in again for t in c.token_ids] == ids  # greedy: the same tokens
+    if protocol == "vllm":
+        # no cache salt on VllmEngine: cached-token counts never reach the tenant
+        assert again[-1].usage.cached_prompt_tokens == 0
+
+
+def test_stop_string_over_the_protocol(gw_standard: tuple[str, GatewayProcess]) -> None:
+    _, gw = gw_standard
+    _, key = gw.tenant()
+    req = chat("Count from one to twenty in words.", max_tokens=24, temperature=0.0)
+    req.sampling.ignore_eos = True
+    full = "".join(c.text for c in gw.generate(key, req))
+    words = full.split(" ")
+    assert len(words) > 3, full
+    stop = " " + words[2]
+    req.sampling.stop.append(stop)
+    chunks = gw.generate(key, req)
+    assert chunks[-1].finish_reason == common_pb2.STOP
+    assert "".join(c.text for c in chunks) == full[: full.index(stop)]
+
+
+def test_cancels_free_every_kv_block(
+    gw_standard: tuple[str, GatewayProcess], engine_server: ManagedProcess
+) -> None:
+    _, gw = gw_standard
+    n = 6
+    _, key = gw.tenant(max_concurrent=n)
+    req = chat("Write a very long essay about the sea.", max_tokens=64)
+    req.sampling.ignore_eos = True
+    calls = [gw.stub.Generate(req, metadata=auth(key), timeout=120) for _ in range(n)]
+    started = threading.Barrier(n + 1, timeout=120)
+
+    def read_one(call: Any) -> None:
+        try:
+            next(iter(call))
+        finally:
+            started.wait()
+
+    threads = [threading.Thread(target=read_one, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    started.wait()
+    for c in calls:
+        c.cancel()  # type: ignore[no-untyped-call]
+    for t in threads:
+        t.join(30)
+
+    def idle() -> bool:
+        s = engine_stats(engine_server.address)
+        return s.num_running == 0 and s.num_waiting == 0 and s.num_kv_blocks_used == 0
+
+    wait_until(idle, timeout=60)
+    again = [gw.stub.Generate(chat("hi", max_tokens=1), metadata=auth(key)) for _ in range(n)]
+    for call in again:  # every concurrency lease came back
+        assert list(call)[-1].finish_reason
+
+
+def test_a_seed_vllm_engine_cannot_carry_is_refused_naming_it(
+    gw_standard: tuple[str, GatewayProcess],
+) -> None:
+    protocol, gw = gw_standard
+    _, key = gw.tenant()
+    req = chat("hi", max_tokens=2, temperature=0.7)
+    req.sampling.seed = 2**40
+    if protocol == "trtllm":  # TrtllmService's random_seed is 64-bit: carried
+        assert gw.generate(key, req)[-1].finish_reason
+        return
+    with pytest.raises(grpc.RpcError) as err:
+        gw.generate(key, req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    details = err.value.details() or ""
+    assert "seed" in details
+    assert "VllmEngine" in details or "vllm" in details
