@@ -41,6 +41,8 @@ def update_tenant(t: admin_pb2.Tenant, a: argparse.Namespace) -> None:
         t.priority = common_pb2.Priority.Value(a.priority)
     if a.share is not None:
         t.fair_share = a.share
+    if a.cache_group is not None:
+        t.prefix_cache_group = a.cache_group
     if a.all_models:
         del t.allowed_models[:]
     elif a.model:

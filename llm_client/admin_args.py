@@ -84,6 +84,12 @@ def add_admin_parser(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--token-burst", type=int, help="token bucket size, 0 = a minute's")
     t.add_argument("--priority", choices=["LOW", "NORMAL", "CRITICAL"])
     t.add_argument("--share", type=int, help="fair share of the engines within its class (1-100)")
+    t.add_argument(
+        "--cache-group",
+        metavar="GROUP",
+        help="share prefix-cache blocks with the tenants naming the same group "
+        "('' = its own cache, shared with no other tenant)",
+    )
     t.add_argument("--model", action="append", help="allowed model (repeat; replaces the list)")
     t.add_argument("--all-models", action="store_true", help="allow every model again")
     t.add_argument(

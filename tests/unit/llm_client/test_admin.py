@@ -67,6 +67,11 @@ def test_changing_one_setting_keeps_the_others() -> None:
     t = run(stub, "team-a", "--shadow", "--rpm", "0")  # 0 = unlimited, said explicitly
     assert t.shadow_mode
     assert (t.limits.requests_per_minute, t.limits.tokens_per_minute) == (0, 50000)
+    t = run(stub, "team-a", "--cache-group", "search")
+    assert t.prefix_cache_group == "search"
+    assert t.fair_share == 3
+    t = run(stub, "team-a", "--cache-group", "")
+    assert t.prefix_cache_group == ""
     t = run(stub, "team-a", "--no-shadow", "--all-models")
     assert not t.shadow_mode
     assert list(t.allowed_models) == []
