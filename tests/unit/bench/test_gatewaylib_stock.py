@@ -244,6 +244,7 @@ def test_measure_reads_what_each_front_adds_over_the_engine(
         assert set(res["net_cpu_ms_per_request"]) == {"gateway", "http", "smg"}
         assert all(math.isfinite(v) for v in res["net_cpu_ms_per_request"].values())
         assert res["http_vs_grpc"]["first_text_p50_ms"] == pytest.approx(2.0)
+        assert res["smg_vs_http"]["ttft_p50_ms"] == pytest.approx(3.0)
     paired = stock_results["c1_paired"]
     assert "floor_minus_engine_ttft" not in paired
     assert paired["minus_engine_ttft"]["smg"]["p50_ms"] == pytest.approx(7.0)
