@@ -12,6 +12,11 @@ never hits blocks the sequential run cached. Figures per (cache, pattern): TTFT
 p50 (engine timestamps ``first_token_time - arrival_time``), prefill tokens
 actually computed (prompt tokens - ``num_cached_tokens``), cache hit rate (hit
 over queried tokens, from ``EngineStats``), wall time; ratio on/off.
+Then, on the caching engine, the cross-tenant check (``cross_tenant``): per round a
+fresh shared prompt is sent by tenant A (cold), then by A again and by tenant B (each
+request salted with its tenant, as the gateway salts them), in alternating order;
+B's TTFT must match a cold prompt's (no timing oracle) and B must get no cached
+tokens (the run fails otherwise), while A's repeat hits.
 With ``--dtype float32`` the greedy outputs must be identical (the run fails
 otherwise); in bfloat16 (the default, what the service runs on CPU) they are
 reported, not asserted: bf16 matmuls round differently by batch shape, and
@@ -97,6 +102,43 @@ def run(
     }
 
 
+def cross_tenant(
+    engine: LLMEngine, system: list[int], rounds: int, new_tokens: int
+) -> dict[str, Any]:
+    """TTFT and cached tokens of a cold prompt (tenant A), A's repeat and tenant B's
+    copy, each round on a prompt no earlier round sent (a distinct first token)."""
+    params = SamplingParams(max_tokens=new_tokens)
+    ttft: dict[str, list[float]] = {"cold": [], "same_tenant": [], "other_tenant": []}
+    cached: dict[str, list[int]] = {k: [] for k in ttft}
+
+    def one(rid: str, prompt: list[int], salt: str) -> RequestOutput:
+        assert engine.add_request(rid, prompt, params, cache_salt=salt)
+        final = None
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    final = o
+        assert final is not None
+        return final
+
+    for r in range(rounds):
+        prompt = [2000 + r, *system]
+        sides = [("same_tenant", "tenant:a", 1), ("other_tenant", "tenant:b", 2)]
+        for side, salt, k in [("cold", "tenant:a", 0), *(sides if r % 2 == 0 else sides[::-1])]:
+            out = one(f"x{r}-{side}", [*prompt, 500 + k], salt)
+            ttft[side].append((out.first_token_time or out.arrival_time) - out.arrival_time)
+            cached[side].append(out.num_cached_tokens)
+    p50 = {k: 1000 * statistics.median(v) for k, v in ttft.items()}
+    return {
+        "rounds": rounds,
+        "ttft_p50_ms": p50,
+        "cached_tokens_p50": {k: statistics.median(v) for k, v in cached.items()},
+        "other_over_cold": p50["other_tenant"] / p50["cold"],
+        "same_over_cold": p50["same_tenant"] / p50["cold"],
+        "other_tenant_cached_max": max(cached["other_tenant"]),
+    }
+
+
 def write_chart(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -138,7 +180,7 @@ def main() -> None:
         "system_tokens": args.system_tokens,
         "new_tokens": args.new_tokens,
     }
-    with tqdm(total=4, desc="prefix bench", unit="run") as bar:
+    with tqdm(total=5, desc="prefix bench", unit="run") as bar:
         for side, caching in (("off", False), ("on", True)):
             engine = LLMEngine(
                 EngineConfig(
@@ -159,6 +201,10 @@ def main() -> None:
                 bar.set_postfix_str(f"cache {side}, {pattern}")
                 report[side][pattern] = run(engine, prompts[pattern], pattern, args.new_tokens)
                 bar.update(1)
+        bar.set_postfix_str("cache on, cross-tenant")
+        system = prompts["sequential"][0][: args.system_tokens]
+        report["cross_tenant"] = cross_tenant(engine, system, args.num_requests, args.new_tokens)
+        bar.update(1)
     identical = all(report["off"][p]["outputs"] == report["on"][p]["outputs"] for p in PATTERNS)
     report["outputs_identical"] = identical
     report["ratio_on_over_off"] = {
@@ -188,7 +234,16 @@ def main() -> None:
             f"{ratio['prefill_computed']:>17.2f}x{'':>20}{ratio['wall_s']:>7.2f}x"
         )
     print(f"greedy outputs identical with and without caching: {identical}")
+    x = report["cross_tenant"]
+    print(
+        f"cross-tenant ({x['rounds']} rounds): TTFT p50 cold {x['ttft_p50_ms']['cold']:.1f} ms, "
+        f"same tenant {x['ttft_p50_ms']['same_tenant']:.1f} ms ({x['same_over_cold']:.2f}x), "
+        f"other tenant {x['ttft_p50_ms']['other_tenant']:.1f} ms ({x['other_over_cold']:.2f}x); "
+        f"cached tokens p50 {x['cached_tokens_p50']}"
+    )
     save_report("prefix_bench", report, lambda path: write_chart(report, path))
+    if x["other_tenant_cached_max"]:
+        raise SystemExit("another tenant's request hit the prefix cache of tenant A's prompt")
     if args.dtype == "float32" and not identical:
         raise SystemExit("prefix caching changed greedy outputs in float32")
 
