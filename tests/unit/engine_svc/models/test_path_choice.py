@@ -17,7 +17,7 @@ AVX512_BF16 = {
     "float32": {"decode": 76.0, "prefill": 647.0, "single": 17.8},
     "bfloat16": {"decode": 44.5, "prefill": 399.0, "single": 8.4},
 }
-# and on an AVX2-only CPU, where a bf16 GEMM has no bf16 units (PERF-NOTES)
+# and on an AVX2-only CPU, where a bf16 GEMM has no bf16 units
 AVX2 = {
     "float32": {"decode": 251.0, "prefill": 600.0, "single": 51.0},
     "bfloat16": {"decode": 611.0, "prefill": 3100.0, "single": 31.0},
