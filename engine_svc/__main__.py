@@ -1,6 +1,6 @@
 """`python -m engine_svc`: serve llm.v1.Engine (config sections `engine`, `engine_core`).
 
-    python -m engine_svc [--backend native|vllm] [--port 50071] [--model-dir DIR] ...
+    python -m engine_svc [--port 50071] [--model-dir DIR] ...
 
 Health stays NOT_SERVING until a real warm-up batch has run. SIGTERM drains:
 new requests get UNAVAILABLE, in-flight streams get ``grace_seconds`` to
@@ -85,19 +85,11 @@ def engine_build() -> str:
 
 
 def make_backend(svc: EngineServiceConfig, core: EngineConfig) -> Backend:
-    if svc.backend == "native":
-        from engine_svc.backends.native import NativeBackend
-        from engine_svc.core.llm_engine import LLMEngine
+    """The native backend (``engine.backend`` allows no other: EngineServiceConfig)."""
+    from engine_svc.backends.native import NativeBackend
+    from engine_svc.core.llm_engine import LLMEngine
 
-        return NativeBackend(lambda: LLMEngine(core))
-    if svc.backend == "vllm":
-        from engine_svc.backends.vllm import VllmBackend
-
-        return VllmBackend(core, engine_args={"enforce_eager": svc.vllm_enforce_eager})
-    raise ValueError(
-        f"unknown backend {svc.backend!r}; choose native or vllm "
-        "(TensorRT-LLM runs as the stock trtllm-serve --grpc: deploy/README.md)"
-    )
+    return NativeBackend(lambda: LLMEngine(core))
 
 
 async def warm_up(backend: Backend) -> None:
@@ -125,7 +117,10 @@ def main(
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m engine_svc", description=__doc__)
     add_service_args(parser)
-    parser.add_argument("--backend", choices=["native", "vllm"])
+    parser.add_argument(
+        "--backend",
+        help="native, the only one (vLLM runs as its stock gRPC server: docs/engines.md)",
+    )
     parser.add_argument("--model-dir")
     parser.add_argument("--model-version")
     parser.add_argument("--num-kv-blocks", type=int)
@@ -185,7 +180,7 @@ def main(
     async def ready() -> None:
         await backend.start()
         metrics.register_stats(backend.stats)
-        metrics.export(svc.model_name, vllm_names=svc.backend != "vllm")
+        metrics.export(svc.model_name)
         info = backend.model_info()
         metrics.MODEL.info(
             {

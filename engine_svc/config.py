@@ -14,14 +14,13 @@ class EngineServiceConfig(ServiceConfig):
     """The engine's gRPC service (``python -m engine_svc``).
 
     Attributes:
-        backend: The engine behind the service: ``native`` (PyTorch, CPU or CUDA) or
-            ``vllm`` (TensorRT-LLM runs as the stock ``trtllm-serve --grpc``, no backend).
+        backend: The engine behind the service: ``native`` (PyTorch, CPU or CUDA), the only
+            one. vLLM and TensorRT-LLM run as their stock gRPC servers, which the gateway
+            reaches directly (``vllm://`` and ``trtllm://`` engine addresses).
         model_name: The name the engine serves its model under (what requests ask for).
         model_version: The served model's version; "" = ``sha-<checksum>`` of the
             checkpoint's weights.
         warmup: Run one small batch before reporting SERVING.
-        vllm_enforce_eager: Backend vllm: skip its graph compilation at start (a faster
-            start, slower steps).
         standard_protocols: The standard engine protocols (smg-grpc-proto) served beside
             llm.v1.Engine on the same port and authentication: ``vllm``
             (vllm.grpc.engine.VllmEngine) and ``trtllm`` (trtllm.TrtllmService); [] = none.
@@ -40,8 +39,22 @@ class EngineServiceConfig(ServiceConfig):
     model_name: str = DEFAULT_MODEL_NAME
     model_version: str = ""
     warmup: bool = True
-    vllm_enforce_eager: bool = False
     standard_protocols: list[str] = field(default_factory=lambda: ["vllm", "trtllm"])
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""
+
+    def __post_init__(self) -> None:
+        if self.backend == "vllm":
+            raise ValueError(
+                "[engine] backend: vllm is no longer a backend of the engine service (the "
+                "in-process adapter was removed). Run vLLM's stock gRPC server instead "
+                "(`vllm serve <model dir> --grpc`, or deploy/stock_vllm.py) and list it in "
+                "the gateway's engines as vllm://host:port (docs/engines.md); drop "
+                "engine.backend and engine.vllm_enforce_eager from this config."
+            )
+        if self.backend != "native":
+            raise ValueError(
+                f"[engine] backend: unknown backend {self.backend!r}; the only one is native "
+                "(vLLM and TensorRT-LLM run as their stock gRPC servers: docs/engines.md)"
+            )

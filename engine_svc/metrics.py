@@ -215,21 +215,18 @@ def _relabelled(family: Metric, name: str, model_name: str) -> Metric:
 class ExportCollector(Collector):
     """The engine's series with ``model_name``, under their names and vLLM's."""
 
-    def __init__(
-        self, model_name: str, source: CollectorRegistry = ENGINE, vllm_names: bool = True
-    ) -> None:
-        self.model_name, self.source, self.vllm_names = model_name, source, vllm_names
+    def __init__(self, model_name: str, source: CollectorRegistry = ENGINE) -> None:
+        self.model_name, self.source = model_name, source
 
     def collect(self) -> Iterator[Metric]:
         for family in self.source.collect():
             yield _relabelled(family, family.name, self.model_name)
-            if self.vllm_names and family.name in VLLM_NAMES:
+            if family.name in VLLM_NAMES:
                 yield _relabelled(family, VLLM_NAMES[family.name], self.model_name)
 
 
-def export(model_name: str, vllm_names: bool = True) -> ExportCollector:
-    """Publish the engine's series (with ``model_name``) on the process's /metrics;
-    ``vllm_names`` False where vLLM itself serves (it publishes its own ``vllm:*``)."""
-    collector = ExportCollector(model_name, vllm_names=vllm_names)
+def export(model_name: str) -> ExportCollector:
+    """Publish the engine's series (with ``model_name``) on the process's /metrics."""
+    collector = ExportCollector(model_name)
     REGISTRY.register(collector)
     return collector

@@ -85,16 +85,14 @@ async def _grpc_workload(address: str, reqs: list[Request], tag: str) -> tuple[f
         return time.perf_counter() - start, generated
 
 
-def run_ours_grpc(
-    workloads: dict[str, Any], dtype: str, device: str, backend: str
-) -> dict[str, Any]:
+def run_ours_grpc(workloads: dict[str, Any], dtype: str, device: str) -> dict[str, Any]:
     from bench.loadlib.spawn import Stack
 
     env = {"LLM_ENGINE_CORE_ENABLE_PREFIX_CACHING": "false", "LLM_ENGINE_CORE_DEVICE": device}
     if dtype != "auto":
         env["LLM_ENGINE_CORE_DTYPE"] = dtype
     services = Stack.alone(Path(tempfile.mkdtemp(prefix="peers-")))
-    args = ["--metrics-port", "-1", "--log-level", "warning", "--backend", backend]
+    args = ["--metrics-port", "-1", "--log-level", "warning"]
     t0 = time.perf_counter()
     server = services.service("peer-engine", "engine_svc", args, env, 300)
     load_s = time.perf_counter() - t0
@@ -142,13 +140,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--backend", default="native", help="the engine service's (ours-grpc)")
     args = ap.parse_args()
     workloads = json.loads(Path(args.workloads).read_text())
     if args.side == "ours":
         out = run_ours(workloads, args.dtype, args.model_dir, args.device)
     elif args.side == "ours-grpc":
-        out = run_ours_grpc(workloads, args.dtype, args.device, args.backend)
+        out = run_ours_grpc(workloads, args.dtype, args.device)
     else:
         out = run_transformers(workloads, args.dtype, args.model_dir, args.device)
     out["peak_rss_mib"] = peak_rss_mib()

@@ -1,19 +1,16 @@
-"""The real engine service over loopback gRPC, real model, for each backend that runs
-here: native always; vLLM where it is installed (``make test-vllm`` runs these in
-vLLM's venv; elsewhere they are skipped with that reason). One API, one set of
-checks: what differs by backend is said where it differs."""
+"""The real engine service over loopback gRPC, real model, native backend (the only one:
+vLLM and TensorRT-LLM run as their stock gRPC servers, tested behind the gateway in
+tests/integration/stock)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import importlib.util
 import os
 import signal
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,70 +31,22 @@ pytestmark = pytest.mark.integration
 NOISE_MARGIN = 1e-3  # top-1/top-2 logprob gap below which argmax may flip with batching
 
 
-BACKENDS = [
-    "native",
-    pytest.param(
-        "vllm",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("vllm") is None,
-            reason="vLLM is not installed here; make test-vllm runs these in vLLM's venv",
-        ),
-    ),
-]
-# vLLM on the CPU: no graph compilation at start, a 1 GiB KV pool, every core
-VLLM_ENV = {
-    "LLM_ENGINE_VLLM_ENFORCE_EAGER": "true",
-    "LLM_ENGINE_WARMUP": "false",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-}
-
-
-@dataclass
-class Served:
-    backend: str
-    proc: ManagedProcess
-
-
-def start_backend(
-    backend: str, name: str, model_dir: Path, log_dir: Path, env: dict[str, str] | None = None
-) -> ManagedProcess:
-    if backend == "vllm":
-        return start_engine(
-            f"{name}-vllm",
-            model_dir,
-            log_dir,
-            args=["--backend", "vllm"],
-            env={**VLLM_ENV, **(env or {})},
-            timeout=600,
-        )
-    return start_engine(name, model_dir, log_dir, env=env)
-
-
-@pytest.fixture(scope="module", params=BACKENDS)
-def served(
-    request: pytest.FixtureRequest, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Served]:
-    if request.param == "native":  # the session's shared engine
-        yield Served("native", request.getfixturevalue("engine_server"))
-        return
-    proc = start_backend(
-        request.param, "engine", model_dir, tmp_path_factory.mktemp(f"engine-{request.param}")
-    )
-    try:
-        yield Served(request.param, proc)
-    finally:
-        proc.stop()
+# The backend under test, as the tests' id (deploy/gpu-check-offline.sh selects them
+# with -k native): the session's shared engine.
+@pytest.fixture(scope="module", params=["native"])
+def served(engine_server: ManagedProcess) -> ManagedProcess:
+    return engine_server
 
 
 @pytest.fixture(scope="module")
-def stub(served: Served) -> Iterator[engine_pb2_grpc.EngineStub]:
-    with grpc.insecure_channel(served.proc.address) as ch:
+def stub(served: ManagedProcess) -> Iterator[engine_pb2_grpc.EngineStub]:
+    with grpc.insecure_channel(served.address) as ch:
         yield engine_pb2_grpc.EngineStub(ch)
 
 
 @pytest.fixture(scope="module")
 def native_stub(engine_server: ManagedProcess) -> Iterator[engine_pb2_grpc.EngineStub]:
+    """The same engine outside the ``served`` id: what -k native leaves out."""
     with grpc.insecure_channel(engine_server.address) as ch:
         yield engine_pb2_grpc.EngineStub(ch)
 
@@ -133,11 +82,11 @@ def wait_for_idle_kv(stub: engine_pb2_grpc.EngineStub, timeout: float = 30) -> i
         time.sleep(0.05)
 
 
-def test_model_info(stub: engine_pb2_grpc.EngineStub, served: Served) -> None:
+def test_model_info(stub: engine_pb2_grpc.EngineStub) -> None:
     info = stub.GetModelInfo(engine_pb2.GetModelInfoRequest())
     assert info.model == "SmolLM2-135M-Instruct"
     assert info.version.startswith("sha-")
-    assert (info.vocab_size, list(info.eos_token_ids), info.backend) == (49152, [2], served.backend)
+    assert (info.vocab_size, list(info.eos_token_ids), info.backend) == (49152, [2], "native")
     assert info.kv_block_size > 0
     assert info.max_context_length == 2048  # from the env override
     assert info.weight_dtype == "float32"
@@ -219,8 +168,8 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(
 def test_speculative_decoding_over_grpc(
     native_stub: engine_pb2_grpc.EngineStub, tok: TextTokenizer
 ) -> None:
-    """Native only (request-level prompt-lookup speculation): asking for it gives the
-    same greedy tokens with drafts accepted."""
+    """Request-level prompt-lookup speculation: asking for it gives the same greedy
+    tokens with drafts accepted."""
     stub = native_stub
     ids, _ = tok.encode_chat(
         [
@@ -337,21 +286,17 @@ def test_bad_input_is_invalid_argument(
     assert message in (err.value.details() or "")
 
 
-def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub, served: Served) -> None:
+def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub, served: ManagedProcess) -> None:
     collect(stub, request("m1", [1, 2, 3], 5))
     with pytest.raises(grpc.RpcError):  # one rejection, counted by type
         collect(stub, request("m2", [], 5))
     s = stub.GetStats(engine_pb2.GetStatsRequest())
-    if served.backend == "native":
-        assert s.num_kv_blocks_total == 512  # the env override
-    else:
-        assert s.num_kv_blocks_total > 0  # vLLM sizes its own pool
+    assert s.num_kv_blocks_total == 512  # the env override
     assert s.num_requests_total >= 1
     assert s.model_version.startswith("sha-")
-    if served.backend == "native":  # idle: no tenant's fair-share counter is kept
-        wait_for_idle_kv(stub)
-        assert stub.GetStats(engine_pb2.GetStatsRequest()).num_fair_share_tenants == 0
-    url = f"http://127.0.0.1:{served.proc.metrics_port}/metrics"
+    wait_for_idle_kv(stub)  # idle: no tenant's fair-share counter is kept
+    assert stub.GetStats(engine_pb2.GetStatsRequest()).num_fair_share_tenants == 0
+    url = f"http://127.0.0.1:{served.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as r:
         body = r.read().decode()
     for name in (
@@ -362,8 +307,8 @@ def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub, served: Served) -> 
         "engine_request_success_total{finished_reason=",
         'engine_request_errors_total{error_type="invalid"',
         "engine_generation_tokens_total",
-        f'engine_model_info{{backend="{served.backend}"',
-        # vLLM's names (with backend vllm, vLLM's own series), for its dashboards
+        'engine_model_info{backend="native"',
+        # the same series under vLLM's names, for dashboards written for vLLM
         "vllm:num_requests_running{",
         "vllm:time_to_first_token_seconds_bucket{",
         "vllm:generation_tokens_total{",
@@ -382,11 +327,10 @@ def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub, served: Served) -> 
 
 @pytest.fixture(scope="module")
 def small_engine(
-    served: Served, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    served: ManagedProcess, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ManagedProcess]:
-    """One running slot and one waiting slot: easy to fill."""
-    proc = start_backend(
-        served.backend,
+    """One running slot and one waiting slot: easy to fill (``served`` for the id)."""
+    proc = start_engine(
         "engine-small",
         model_dir,
         tmp_path_factory.mktemp("small-engine"),
@@ -441,8 +385,7 @@ def test_sigterm_drains_in_flight_then_exits(small_engine: ManagedProcess) -> No
         while not stub.GetStats(engine_pb2.GetStatsRequest()).num_running:
             assert time.monotonic() < deadline, "drain-1 never started running"
             time.sleep(0.02)
-        # to the main process, as Kubernetes sends it; vLLM's worker processes die at
-        # once on a SIGTERM of their own, so a supervisor must not signal the group
+        # to the main process only, as Kubernetes sends it
         small_engine.signal(signal.SIGTERM, group=False)
         deadline = time.monotonic() + 30  # until the engine says it handled the signal
         while '"draining"' not in small_engine.log_path.read_text():

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
+from pathlib import Path
+
 import pytest
 
-from bench.peers import best_of, figure, main, make_workloads, peak_rss, ratios, summarize
+from bench.peers import (
+    best_of,
+    figure,
+    main,
+    make_workloads,
+    peak_rss,
+    ratios,
+    side_command,
+    summarize,
+)
 
 
 def test_workloads_are_the_issue_shapes_and_the_same_every_time() -> None:
@@ -53,10 +66,32 @@ def test_a_run_without_w1_picks_the_best_dtype_by_its_first_workload() -> None:
     assert best_of(table, "transformers") is None
 
 
-def test_an_unknown_workload_is_refused_before_any_side_runs(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workloads", "W1,W9"], "unknown workload"),
+        # vLLM is its own side; the engine service has the native backend only
+        (["--grpc-backend", "vllm"], "unrecognized arguments: --grpc-backend"),
+    ],
+    ids=["unknown-workload", "no-grpc-backend"],
+)
+def test_bad_arguments_are_refused_before_any_side_runs(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
 ) -> None:
     with pytest.raises(SystemExit) as err:
-        main(["--sides", "ours", "--workloads", "W1,W9"])
+        main(["--sides", "ours", *argv])
     assert err.value.code == 2
-    assert "unknown workload" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
+
+
+def test_each_side_runs_its_own_worker_with_the_run_s_dtype_and_device() -> None:
+    args = argparse.Namespace(vllm_python=Path("/v/bin/python"), model_dir="/m", device="cuda")
+    wl, out = Path("/t/wl.json"), Path("/t/out.json")
+    grpc = side_command("ours-grpc-fp32", wl, out, args)
+    assert grpc[:4] == [sys.executable, "-m", "bench.peerlib.ours_worker", "ours-grpc"]
+    opts = dict(zip(grpc[6::2], grpc[7::2], strict=True))
+    assert opts == {"--dtype": "float32", "--model-dir": "/m", "--device": "cuda"}
+    vllm = side_command("vllm-bf16", wl, out, args)
+    assert vllm[0] == "/v/bin/python"
+    assert vllm[1].endswith("bench/peerlib/vllm_worker.py")
+    assert vllm[vllm.index("--dtype") + 1] == "bfloat16"

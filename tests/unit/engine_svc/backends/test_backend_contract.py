@@ -1,11 +1,11 @@
 """What a client of any Backend sees, asserted through the Backend protocol alone.
 
-Parametrized over every backend present: the native engine always (a tiny
-random Llama on the CPU: the contract is about streaming, stops, limits,
-resumption, sampling and clean-up, not model quality); vLLM in vLLM's venv.
-For the native backend the expected outputs come from an offline LLMEngine run
-of the same request. (TensorRT-LLM is reached as the stock ``trtllm-serve
---grpc`` server over TrtllmService, not through a backend.)
+Parametrized over the backends (the id names each; native is the only one now): the
+native engine on a tiny random Llama on the CPU (the contract is about streaming,
+stops, limits, resumption, sampling and clean-up, not model quality), its expected
+outputs from an offline LLMEngine run of the same request. (vLLM and TensorRT-LLM
+are reached as their stock gRPC servers, ``vllm serve --grpc`` and ``trtllm-serve
+--grpc``, not through a backend.)
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ def engine_config(model_dir: Path) -> EngineConfig:
 class Harness:
     """A started backend on an event loop of its own thread; ``run`` waits for a coroutine."""
 
-    def __init__(self, label: str, backend: Backend) -> None:
-        self.label = label
+    def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -92,43 +91,12 @@ def _native(model_dir: Path) -> Backend:
     return NativeBackend(lambda: LLMEngine(engine_config(model_dir)))
 
 
-def _vllm(model_dir: Path) -> Backend:  # pragma: no cover - in vLLM's venv only
-    """vLLM on the real model (its CPU kernels want real head sizes; the tiny model's
-    are not among them): run in the environment ``make vllm-venv`` builds."""
-    from common.config import default_model_dir
-    from engine_svc.backends.vllm import VllmBackend
-
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return VllmBackend(
-        EngineConfig(
-            model_dir=str(default_model_dir()),
-            dtype="float32",
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=512, max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING
-            ),
-            max_model_len=1024,
-            enable_prefix_caching=False,
-        ),
-        engine_args={"enforce_eager": True},
-    )  # no graph compile at start
-
-
-def _has_vllm() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 BACKENDS: dict[str, Callable[[Path], Backend]] = {"native": _native}
-if _has_vllm():  # pragma: no cover - in vLLM's venv (make test-vllm)
-    BACKENDS["vllm"] = _vllm
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
 def harness(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Harness]:
-    h = Harness(request.param, BACKENDS[request.param](tiny_model_dir))
+    h = Harness(BACKENDS[request.param](tiny_model_dir))
     try:
         yield h
     finally:
@@ -136,12 +104,9 @@ def harness(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Ha
 
 
 @pytest.fixture(scope="module")
-def offline(harness: Harness, tiny_model_dir: Path) -> Callable[[SamplingParams], list[int]]:
+def offline(tiny_model_dir: Path) -> Callable[[SamplingParams], list[int]]:
     """The reference output of a request: the offline CPU engine (same numerics as the
-    native backend); for vLLM, the backend's own plain run of the request (other
-    kernels: the contract there is consistency)."""
-    if harness.label == "vllm":  # pragma: no cover - other kernels
-        return lambda params: streamed(harness.stream(inp(params)))
+    native backend)."""
     engine = LLMEngine(engine_config(tiny_model_dir))
     n = 0
 
