@@ -136,7 +136,8 @@ OVERLAP_REFUSALS = Counter(
 MODEL_FALLBACKS = Counter(
     "gateway_model_fallbacks_total",
     "Requests a model route sent past its first target: 'unavailable' (no replica of it "
-    "ready), 'context' (the prompt does not fit its context)",
+    "ready), 'context' (the prompt does not fit its context), 'capacity' (every replica of "
+    "it at capacity) or 'failure' (it failed before the first token)",
     ["reason"],
 )
 RETRIES = Counter("gateway_retries_total", "Engine attempts retried on another replica")

@@ -5,6 +5,8 @@
     attempt on A ──fails after k tokens (UNAVAILABLE/INTERNAL/UNKNOWN/server CANCELLED)──►
         failover on, failovers left ──► same prompt + the k tokens as
         resumed_output_token_ids on replica B, remaining max_tokens budget and deadline
+    every replica of the model at capacity, or each attempt failed, nothing streamed ──►
+        a model route's next target (EngineJob.fallback_models), budget permitting
 
 Every attempt goes to a replica this request has not tried, through its engine client
 (``gateway.fleet.engine_client``), whatever protocol that engine speaks. Whatever ends an
@@ -51,6 +53,8 @@ FAILOVER_CODES = frozenset(
         grpc.StatusCode.DATA_LOSS,
     }
 )
+# what moves a request to its model route's next target (nothing streamed yet)
+FALLBACK_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE})
 
 
 class TokenStream(Protocol):
@@ -108,6 +112,9 @@ class EngineJob:
     deadline: Deadline
     stop_strings: list[str]
     fallback_versions: tuple[str, ...] = ()  # tried in order when model_version has none
+    # a model route's next targets, (model, version), same tokenizer and the prompt fits:
+    # tried in order when this model is at capacity or fails before the first token
+    fallback_models: tuple[tuple[str, str], ...] = ()
     correlation_id: str = ""
     tenant_weight: float = 1.0  # the tenant's fair share in the engines' scheduling
     cache_salt: str = ""  # prefix-cache isolation: the tenant's (or its group's) salt
@@ -209,42 +216,71 @@ class Dispatcher:
             try:
                 replica, ticket = self._pick(job, tried, errors)
             except GatewayError as e:
-                notify()
-                if not await self._wait_for_capacity(e, queue, job, text, waited):
-                    raise
-                tried, errors, num_retries, waited = [], [], 0, True
+                refused = e
+            else:
+                tried.append(replica.address)
+                try:
+                    # aclosing: a client gone mid-stream closes the attempt (cancel the
+                    # engine call, release the replica) now, not when it is collected
+                    attempt = self._attempt(replica, ticket, job, text, progress, notify)
+                    async with contextlib.aclosing(attempt) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    return
+                except EngineCallError as e:
+                    errors.append(e)
+                    if e.num_tokens == 0 and self._may_retry(e, job, num_retries):
+                        num_retries += 1
+                        metrics.RETRIES.inc()
+                        delay = min(self.policy.backoff(num_retries - 1), job.deadline.remaining())
+                        log.info("retrying on another replica", error=str(e), delay_s=delay)
+                        await asyncio.sleep(delay)
+                        continue
+                    if e.num_tokens > 0 and self._may_fail_over(e, num_failovers):
+                        num_failovers += 1
+                        metrics.FAILOVERS.inc()
+                        log.warning(
+                            "engine failed mid-stream; failing over",
+                            error=str(e),
+                            num_tokens=len(text.token_ids),
+                        )
+                        continue
+                    refused = self._final_error(e, errors, text, job)
+            # refused with nothing more to try on this model: its route's next target, a
+            # turn in the fair queue, or the error
+            if self._fall_back(refused, job, text):
+                queue = self.queues.of(job.model) if self.queues is not None else None
+                tried, errors, waited = [], [], False
                 continue
-            tried.append(replica.address)
-            try:
-                # aclosing: a client gone mid-stream closes the attempt (cancel the engine
-                # call, release the replica) now, not when the generator is collected
-                attempt = self._attempt(replica, ticket, job, text, progress, notify)
-                async with contextlib.aclosing(attempt) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
-                return
-            except EngineCallError as e:
-                errors.append(e)
-                if e.num_tokens == 0 and self._may_retry(e, job, num_retries):
-                    num_retries += 1
-                    metrics.RETRIES.inc()
-                    delay = min(self.policy.backoff(num_retries - 1), job.deadline.remaining())
-                    log.info("retrying on another replica", error=str(e), delay_s=delay)
-                    await asyncio.sleep(delay)
-                elif e.num_tokens > 0 and self._may_fail_over(e, num_failovers):
-                    num_failovers += 1
-                    metrics.FAILOVERS.inc()
-                    log.warning(
-                        "engine failed mid-stream; failing over",
-                        error=str(e),
-                        num_tokens=len(text.token_ids),
-                    )
-                else:
-                    final = self._final_error(e, errors, text, job)
-                    notify()
-                    if not await self._wait_for_capacity(final, queue, job, text, waited):
-                        raise final from None
-                    tried, errors, num_retries, waited = [], [], 0, True
+            notify()
+            if not await self._wait_for_capacity(refused, queue, job, text, waited):
+                raise refused from None
+            tried, errors, num_retries, waited = [], [], 0, True
+
+    def _fall_back(self, error: GatewayError, job: EngineJob, text: TokenStream) -> bool:
+        """Move ``job`` to its model route's next target (True) when its model is at
+        capacity or failed before anything was streamed, within the retry budget; False
+        when it has no next target or may not move (the caller goes on as before)."""
+        if (
+            not job.fallback_models
+            or text.token_ids
+            or error.code not in FALLBACK_CODES
+            or job.deadline.expired
+            or not self.budget.try_withdraw()
+        ):
+            return False
+        (model, version), job.fallback_models = job.fallback_models[0], job.fallback_models[1:]
+        reason = "capacity" if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "failure"
+        metrics.MODEL_FALLBACKS.labels(reason).inc()
+        log.info(
+            "model route target refused before the first token; falling back",
+            from_model=job.model,
+            to_model=model,
+            reason=reason,
+            error=error.message,
+        )
+        job.model, job.model_version, job.fallback_versions = model, version, ()
+        return True
 
     async def _wait_for_capacity(
         self,

@@ -80,6 +80,7 @@ class JobBuilder:
             deadline=deadline,
             stop_strings=list(request.sampling.stop),
             fallback_versions=route.fallbacks,
+            fallback_models=choice.next_targets(len(prompt_ids) + max_tokens),
             trace=call.trace,
         )
         return job, route.shadow_version

@@ -5,7 +5,9 @@ model's own name). ``ModelChooser.choose`` lists the route's targets that some
 replica serves, those with a replica able to take a request now first, and
 keeps only the ones with the first target's tokenizer (the prompt is
 tokenized once). ``Choice.fit`` moves on to the next target when the prompt,
-once counted, does not fit the chosen model's context.
+once counted, does not fit the chosen model's context; ``Choice.next_targets``
+are where the dispatcher moves it when the chosen one is at capacity or fails
+before the first token.
 """
 
 from __future__ import annotations
@@ -66,6 +68,17 @@ class Choice:
     def max_context_length(self) -> int:
         """The largest context among the candidates (the bound a prompt must fit)."""
         return max(info.max_context_length for _, info in self.candidates)
+
+    def next_targets(self, num_tokens: int) -> tuple[tuple[str, str], ...]:
+        """The candidates after the chosen one whose context holds ``num_tokens`` (prompt
+        and max_tokens), as (model, version): where the dispatcher goes when the chosen
+        one is at capacity or fails before the first token. Same tokenizer as the
+        chosen one, so the prompt's ids stand."""
+        return tuple(
+            (target.model, target.version)
+            for target, info in self.candidates[self.index + 1 :]
+            if num_tokens <= info.max_context_length
+        )
 
     def fit(self, prompt_tokens: int, output_tokens: int = 1) -> None:
         """Move to the first candidate from the chosen one whose context holds the prompt

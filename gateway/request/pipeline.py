@@ -16,7 +16,8 @@ version) ``gateway.request.job``, the outcome's usage record and trace attribute
 The model step resolves model routes (``gateway.request.models``): an alias or
 fallback chain picks its first target with a ready replica there, and moves on
 at the context step when the counted prompt and the requested output do not fit
-that target.
+that target; the dispatcher moves on to the next one when that target is at
+capacity or fails before the first token.
 
 Usage from any front (the gRPC servicer today, the OpenAI-compatible HTTP
 front later)::
@@ -277,6 +278,7 @@ class Pipeline:
                 ):
                     async for chunk in relay:
                         outcome.version = progress.model_version or outcome.version
+                        outcome.model = progress.model or outcome.model
                         if first_at is None and chunk.token_ids:
                             first_at = time.perf_counter()
                             metrics.TTFT.labels(tenant, job.model, outcome.version).observe(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -61,7 +62,11 @@ def tokenizer(model_dir: Path) -> TextTokenizer:
 
 
 async def setup(
-    modes: list[str], *, failover: bool = True, budget_min: int = 5
+    modes: list[str],
+    *,
+    failover: bool = True,
+    budget_min: int = 5,
+    models: list[str] | None = None,
 ) -> tuple[Dispatcher, list[ScriptedEngine], list[grpc.aio.Server]]:
     engines, servers, addresses = [], [], []
     for mode in modes:
@@ -74,29 +79,30 @@ async def setup(
         servers.append(server)
         addresses.append(f"127.0.0.1:{port}")
     pool = ReplicaPool(addresses, BreakerPolicy())
-    for r in pool.replicas:
+    for r, model in zip(pool.replicas, models or ["m"] * len(modes), strict=True):
         r.healthy = True
-        r.info = engine_pb2.ModelInfo(model="m", version="v1", max_context_length=2048)
+        r.info = engine_pb2.ModelInfo(model=model, version="v1", max_context_length=2048)
     dispatcher = Dispatcher(
         pool, RetryPolicy(3, 0.001, 0.002), RetryBudget(0.2, budget_min, 10.0), failover=failover
     )
     return dispatcher, engines, servers
 
 
-def job() -> EngineJob:
-    return EngineJob(
-        request_id="r1",
-        traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
-        tenant_id="t",
-        priority=common_pb2.NORMAL,
-        model="m",
-        model_version="",
-        prompt_token_ids=[1, 2, 3],
-        sampling=engine_pb2.EngineSamplingParams(max_tokens=len(TOKENS)),
-        deadline=Deadline(30),
-        stop_strings=[],
-        tenant_weight=3.0,
-    )
+def job(**fields: Any) -> EngineJob:
+    base: dict[str, Any] = {
+        "request_id": "r1",
+        "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+        "tenant_id": "t",
+        "priority": common_pb2.NORMAL,
+        "model": "m",
+        "model_version": "",
+        "prompt_token_ids": [1, 2, 3],
+        "sampling": engine_pb2.EngineSamplingParams(max_tokens=len(TOKENS)),
+        "deadline": Deadline(30),
+        "stop_strings": [],
+        "tenant_weight": 3.0,
+    }
+    return EngineJob(**{**base, **fields})
 
 
 async def run(
@@ -104,12 +110,13 @@ async def run(
     servers: list[grpc.aio.Server],
     tokenizer: TextTokenizer,
     progress: AttemptProgress | None = None,
+    the_job: EngineJob | None = None,
 ) -> tuple[list[int], str, TextStream]:
     text = TextStream("r1", tokenizer, [], 3)
     ids: list[int] = []
     out = ""
     try:
-        async for chunk in dispatcher.run(job(), text, progress or AttemptProgress()):
+        async for chunk in dispatcher.run(the_job or job(), text, progress or AttemptProgress()):
             ids.extend(chunk.token_ids)
             out += chunk.text
     finally:
@@ -237,3 +244,48 @@ async def test_a_tenant_goes_to_its_shard_and_spills_only_when_it_refuses(
     assert len(engines[home].requests) == 1
     assert len(served) == 1  # exactly one replica streamed it
     assert (served[0] != home) == shard_full
+
+
+@pytest.mark.parametrize("mode", ["full", "unavailable"])
+async def test_a_route_moves_to_its_next_target_when_the_first_refuses(
+    tokenizer: TextTokenizer, mode: str
+) -> None:
+    """Every replica of the route's first target at capacity (or failing) before any
+    token: the next target serves it, within the retry budget."""
+    dispatcher, engines, servers = await setup([mode, mode, "ok"], models=["a", "a", "b"])
+    progress = AttemptProgress()
+    the_job = job(model="a", fallback_models=(("b", ""),))
+    ids, _, _ = await run(dispatcher, servers, tokenizer, progress, the_job)
+    assert ids == TOKENS
+    assert [len(e.requests) for e in engines] == [1, 1, 1]  # both of a's, then b
+    assert (progress.model, the_job.model) == ("b", "b")
+    assert engines[2].requests[0].model == "b"
+
+
+async def test_no_fallback_once_tokens_were_streamed(tokenizer: TextTokenizer) -> None:
+    """A stream that broke after tokens continues only on its own model (failover);
+    another model would continue someone else's text."""
+    dispatcher, engines, servers = await setup(["die:2", "ok"], models=["a", "b"])
+    the_job = job(model="a", fallback_models=(("b", ""),))
+    with pytest.raises(GatewayError) as info:
+        await run(dispatcher, servers, tokenizer, the_job=the_job)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert [len(e.requests) for e in engines] == [1, 0]
+
+
+async def test_no_fallback_past_the_retry_budget(tokenizer: TextTokenizer) -> None:
+    dispatcher, engines, servers = await setup(["full", "ok"], models=["a", "b"], budget_min=0)
+    the_job = job(model="a", fallback_models=(("b", ""),))
+    with pytest.raises(GatewayError) as info:
+        await run(dispatcher, servers, tokenizer, the_job=the_job)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert [len(e.requests) for e in engines] == [1, 0]
+
+
+async def test_invalid_argument_never_falls_back(tokenizer: TextTokenizer) -> None:
+    dispatcher, engines, servers = await setup(["invalid", "ok"], models=["a", "b"])
+    the_job = job(model="a", fallback_models=(("b", ""),))
+    with pytest.raises(GatewayError) as info:
+        await run(dispatcher, servers, tokenizer, the_job=the_job)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert [len(e.requests) for e in engines] == [1, 0]

@@ -123,6 +123,18 @@ def test_a_prompt_too_long_for_the_first_target_moves_to_one_it_fits() -> None:
     assert c.model == "long"
 
 
+def test_next_targets_are_the_later_candidates_the_request_fits() -> None:
+    served = {("a", ""): (2048, 100, True), ("tiny", ""): (256, 100, True)}
+    pool = FakePool({**served, ("c", "v3"): (4096, 100, True)})
+    c = asyncio.run(chooser(pool, route("r", "a", "tiny", "c@v3")).choose("r", ""))
+    assert c.model == "a"
+    assert c.next_targets(200) == (("tiny", ""), ("c", "v3"))
+    assert c.next_targets(1000) == (("c", "v3"),)  # tiny cannot hold it
+    c.fit(3000)  # only c holds it: nothing after it
+    assert (c.model, c.next_targets(3001)) == ("c", ())
+    assert asyncio.run(chooser(pool).choose("a", "")).next_targets(10) == ()
+
+
 def test_only_targets_with_the_first_targets_vocabulary_are_fallbacks() -> None:
     pool = FakePool({("a", ""): (512, 100, True), ("b", ""): (8192, 999, True)})
     c = asyncio.run(chooser(pool, route("r", "a", "b")).choose("r", ""))
