@@ -53,6 +53,17 @@ from ratelimit.tenancy.records import generate_key
 from tokenizer_svc.config import TokenizerConfig
 
 RUN_DIR = Path(os.environ.get("LLM_RUN_DIR", ROOT / ".run")).resolve()
+
+
+def run_dir_path(path: str) -> Path:
+    """``path`` from the config; one under ``.run/`` moves with ``LLM_RUN_DIR`` (so a
+    second stack, a test's, never takes over the first one's files)."""
+    p = Path(path)
+    if not p.is_absolute() and p.parts[:1] == (".run",):
+        return RUN_DIR.joinpath(*p.parts[1:])
+    return p
+
+
 DEMO_TENANT = "demo"
 
 
@@ -247,7 +258,7 @@ def bring_up(stack: Stack, second_model: str = "") -> None:
         RUN_DIR / "envoy.yaml",
         listener_host=ev.host,
         listener_port=ev.port,
-        admin_socket=ev.admin_socket,  # a unix socket, mode 0600: never TCP
+        admin_socket=run_dir_path(ev.admin_socket),  # a unix socket, mode 0600: never TCP
         gateway=[gateway],
         admin=[gateway],
         gateway_http=[f"{gw.host}:{gw.http_port}"],

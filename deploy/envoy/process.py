@@ -172,6 +172,8 @@ class EnvoyProcess(LoggedChild):
         self.admin_address_path.unlink(missing_ok=True)
         config = yaml.safe_load(self.config_path.read_text())
         self.admin_socket = self.cwd / admin_socket_path(config)
+        # Envoy binds but never creates its directory (a fresh clone has no .run/)
+        self.admin_socket.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.admin_socket.unlink(missing_ok=True)  # a dead Envoy's: bind would fail
         for path in (self.log_path, *_file_logs(config)):
             private_file(self.cwd / path)
