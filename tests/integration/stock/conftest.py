@@ -25,6 +25,8 @@ from tests.integration.gateway.conftest import GatewayProcess, free_port, start_
 
 pytestmark = [pytest.mark.integration, pytest.mark.stock_engine]
 
+VLLM_VERSION = "vllm-canary"
+
 
 def wait_until(fn: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
     """Poll ``fn`` until it holds; a bound on waiting, not a speed assertion."""
@@ -108,10 +110,11 @@ def gw_mixed(
     stock_redis: RedisServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[GatewayProcess]:
-    """A gateway over a native replica and a stock vLLM replica of the same model."""
+    """A gateway over a native replica and a stock vLLM replica of the same model, the
+    vLLM one as version ``VLLM_VERSION`` (the protocol carries none of its own)."""
     gw = start_gateway(
         "gw-mixed",
-        [native_engine.address, f"vllm://{stock_vllm.address}"],
+        [native_engine.address, f"vllm://{stock_vllm.address}?version={VLLM_VERSION}"],
         tokenizer_server.address,
         stock_redis.url,
         tmp_path_factory.mktemp("gw-mixed"),

@@ -19,10 +19,10 @@ import pytest
 
 from common.procs import ManagedProcess
 from deploy.stock_vllm import StockVllm
-from llm.v1 import common_pb2
+from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2, engine_pb2, engine_pb2_grpc
 from tests.integration.gateway.conftest import GatewayProcess, chat
 from tests.integration.gateway.test_gw_faults import engine_stats
-from tests.integration.stock.conftest import vllm_load, wait_until
+from tests.integration.stock.conftest import VLLM_VERSION, vllm_load, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.stock_engine]
 
@@ -146,6 +146,34 @@ def test_a_flood_of_cancels_leaves_nothing_held(
     again = [gw_vllm.stub.Generate(chat("hi", max_tokens=1), metadata=auth(key)) for _ in range(n)]
     for call in again:
         assert list(call)[-1].finish_reason
+
+
+def test_a_canary_split_between_a_native_and_a_stock_vllm_version(
+    gw_mixed: GatewayProcess, native_engine: ManagedProcess
+) -> None:
+    with grpc.insecure_channel(native_engine.address) as ch:
+        info = engine_pb2_grpc.EngineStub(ch).GetModelInfo(engine_pb2.GetModelInfoRequest())
+    routing = admin_pb2_grpc.RoutingAdminStub(gw_mixed.channel)
+    policy = admin_pb2.RoutingPolicy(
+        model=info.model,
+        stable_version=info.version,
+        weights={info.version: 50, VLLM_VERSION: 50},
+        sticky=admin_pb2.STICKY_NONE,
+    )
+    routing.SetRoutingPolicy(policy, metadata=gw_mixed.admin_md)
+    _, key = gw_mixed.tenant()
+    served = [gw_mixed.generate(key, chat(f"Hi {i}", max_tokens=2)) for i in range(24)]
+    versions = {chunks[0].model_version for chunks in served}
+    assert versions == {info.version, VLLM_VERSION}  # both sides of the split served
+    assert all(chunks[-1].finish_reason for chunks in served)
+    # the canary rolled back: the native version alone takes new requests
+    routing.Rollback(admin_pb2.RollbackRequest(model=info.model), metadata=gw_mixed.admin_md)
+    after = {gw_mixed.generate(key, chat("hi", max_tokens=1))[0].model_version for _ in range(6)}
+    assert after == {info.version}
+    # no policy again: any version serves (the failover test below moves between them)
+    routing.DeleteRoutingPolicy(
+        admin_pb2.DeleteRoutingPolicyRequest(model=info.model), metadata=gw_mixed.admin_md
+    )
 
 
 def test_failover_mid_stream_from_native_to_stock_vllm(
