@@ -34,13 +34,12 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from common.config import ROOT
 from common.pgroup import LoggedChild
-from common.procs import ManagedProcess, check_health
+from common.procs import ManagedProcess
 from common.server import bind
 from common.service_auth import read_server_tls
 from llm.v1 import engine_pb2, engine_pb2_grpc
 from tests.integration.engine.test_standard_auth import (
     Pki,
-    engine_process,
     make_pki,
     mtls_credentials,
 )
@@ -63,12 +62,9 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 
 
 @pytest.fixture(scope="module")
-def engine(
-    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, pki: Pki
-) -> Iterator[ManagedProcess]:
-    logs = tmp_path_factory.mktemp("smg-engine-logs")
-    with engine_process("engine-smg", model_dir, logs, [], check_health) as proc:
-        yield proc
+def engine(engine_server: ManagedProcess) -> ManagedProcess:
+    """The session's engine (plaintext, no service token: see the module docstring)."""
+    return engine_server
 
 
 def get_json(url: str, timeout: float = 5) -> object:

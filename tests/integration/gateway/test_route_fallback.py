@@ -1,9 +1,10 @@
 """A model route falls back to its next target when the first is at capacity.
 
 Two real engines serve the same weights under two names: ``fb-small`` with room for
-two requests (one running, one waiting) and ``fb-big``. The route ``fb-chat`` sends
-requests to ``fb-small``, then ``fb-big``. With ``fb-small`` full, a request to the
-route is served by ``fb-big`` instead of being refused or queued behind the flood.
+two requests (one running, one waiting), and the session's engine under the default
+name. The route ``fb-chat`` sends requests to ``fb-small``, then the default model.
+With ``fb-small`` full, a request to the route is served by the default model instead
+of being refused or queued behind the flood.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from common.config import DEFAULT_MODEL_NAME
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
 from llm.v1 import admin_pb2, admin_pb2_grpc
@@ -23,23 +25,21 @@ from tests.integration.gateway.conftest import GatewayProcess, chat, start_gatew
 from tests.integration.gateway.test_gw_faults import engine_stats, wait_until
 
 pytestmark = pytest.mark.integration
+DEFAULT = DEFAULT_MODEL_NAME  # what the session's engine serves
 
 
 @pytest.fixture(scope="module")
 def fb_engines(
-    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, engine_server: ManagedProcess
 ) -> Iterator[tuple[ManagedProcess, ManagedProcess]]:
-    logs = tmp_path_factory.mktemp("fb-engines")
     small_env = {
         "LLM_ENGINE_MODEL_NAME": "fb-small",
         "LLM_ENGINE_CORE_SCHEDULER_MAX_NUM_SEQS": "1",
         "LLM_ENGINE_CORE_SCHEDULER_MAX_WAITING": "1",
     }
-    with (
-        engine_running("fb-small", model_dir, logs, env=small_env) as small,
-        engine_running("fb-big", model_dir, logs, env={"LLM_ENGINE_MODEL_NAME": "fb-big"}) as big,
-    ):
-        yield small, big
+    logs = tmp_path_factory.mktemp("fb-engines")
+    with engine_running("fb-small", model_dir, logs, env=small_env) as small:
+        yield small, engine_server
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_a_full_first_target_sends_the_request_to_the_next(
     routing = admin_pb2_grpc.RoutingAdminStub(gw.channel)
     route = admin_pb2.ModelRoute(
         name="fb-chat",
-        targets=[admin_pb2.RouteTarget(model="fb-small"), admin_pb2.RouteTarget(model="fb-big")],
+        targets=[admin_pb2.RouteTarget(model="fb-small"), admin_pb2.RouteTarget(model=DEFAULT)],
     )
     routing.SetModelRoute(route, metadata=gw.admin_md)
     _, key = gw.tenant()
@@ -99,7 +99,7 @@ def test_a_full_first_target_sends_the_request_to_the_next(
         wait_until(full)
         before = gw.metric("gateway_model_fallbacks_total", reason="capacity")
         chunks = gw.generate(key, req)
-        assert chunks[0].model == "fb-big"
+        assert chunks[0].model == DEFAULT
         assert chunks[-1].usage.completion_tokens == 2
         assert gw.metric("gateway_model_fallbacks_total", reason="capacity") == before + 1
     finally:
