@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 import grpc
 import structlog
@@ -23,6 +23,7 @@ from engine_svc.backends.base import (
     Backend,
     BackendUnavailableError,
     DuplicateRequestError,
+    GenerateInput,
     QueueFullError,
 )
 from engine_svc.core.outputs import RequestOutput
@@ -104,19 +105,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Generate(
         self, request: engine_pb2.EngineGenerateRequest, context: Context
     ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
-        if self.draining:
-            await reject(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                "this engine replica is draining; retry on another replica",
-                "draining",
-            )
         try:
             inp = convert.generate_input_from_proto(request, self._model)
-            # once, here, for every backend (they see it validated and do not repeat it)
-            inp.validate(self._backend.model_info())
         except ValueError as e:
             await reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
+        await self.admit(inp, context)
         structlog.contextvars.bind_contextvars(request_id=inp.request_id, tenant=inp.tenant_id)
         timeout = convert.deadline_seconds(request, context.time_remaining())
         tracer = tracing.tracer()
@@ -125,11 +118,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             trace = EngineTrace(tracer, context.invocation_metadata() or (), self._model)
             trace.request(inp)
         try:
-            with self.in_flight():
-                async for resp in self._stream(
-                    inp.priority, self._backend.generate(inp), timeout, context, trace
-                ):
-                    yield resp
+            first = True
+            async for out in self.outputs(inp, timeout, context, trace):
+                yield convert.response_from_output(out, first, time.monotonic())
+                first = False
         finally:
             if trace is not None:
                 trace.end(context.code())
@@ -147,52 +139,81 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             if self.num_active == 0:
                 self._idle.set()
 
-    async def _stream(
+    async def admit(self, inp: GenerateInput, context: Context) -> None:
+        """Refuse what cannot start: UNAVAILABLE while draining, INVALID_ARGUMENT for a
+        request the model can never run (validated once, here, for every backend and
+        protocol; the backends see it validated and do not repeat it)."""
+        if self.draining:
+            await reject(
+                context,
+                grpc.StatusCode.UNAVAILABLE,
+                "this engine replica is draining; retry on another replica",
+                "draining",
+            )
+        try:
+            inp.validate(self._backend.model_info())
+        except ValueError as e:
+            await reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
+
+    async def outputs(
         self,
-        priority: int,
-        stream: AsyncIterator[RequestOutput],
+        inp: GenerateInput,
         seconds_left: float | None,
         context: Context,
         trace: EngineTrace | None = None,
-    ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        edit: Callable[[RequestOutput], RequestOutput] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The backend's outputs of an admitted request, the last one finished, counted in
+        flight; whatever protocol serves it. ``edit`` may end an output early (a stop
+        string the servicer matched). Failures end the call with their status; leaving
+        early (client gone, deadline, a stop string) aborts the request and frees its KV
+        blocks."""
         loop = asyncio.get_running_loop()
         when = None if seconds_left is None else loop.time() + max(0.0, seconds_left)
-        first, finished, sent_tokens = True, False, 0
-        try:
-            while not finished:
-                async with asyncio.timeout_at(when):
-                    out = await anext(stream)
-                if trace is not None:
-                    trace.last = out
-                finished = out.finished
-                if finished:
-                    metrics.observe_finished(out, priority)
-                    log.info(
-                        "request finished",
-                        finish_reason=str(out.finish_reason),
-                        prompt_tokens=out.num_prompt_tokens,
-                        output_tokens=out.num_output_tokens,
-                        cached_tokens=out.num_cached_tokens,
-                        preemptions=out.num_preemptions,
-                    )
-                    if out.finish_reason == FinishReason.ERROR and sent_tokens == 0:
-                        await reject(
-                            context,
-                            grpc.StatusCode.UNAVAILABLE,
-                            "the engine failed to run this request; retry on another replica",
-                            "engine_error",
-                        )
-                sent_tokens += len(out.new_token_ids)
-                yield convert.response_from_output(out, first, time.monotonic())
-                first = False
-        except Exception as e:  # a backend failure ends the call with its status
-            await reject_backend_failure(context, e, sent_tokens)
-            raise
-        finally:
-            # Closing the backend's stream aborts the request this call registered (client
-            # gone, deadline, error) and frees its KV blocks at once. Never abort by id here:
-            # a call refused as a duplicate must not end the live request holding that id.
-            await stream.aclose()  # type: ignore[attr-defined]
+        stream = self._backend.generate(inp)
+        finished, sent_tokens = False, 0
+        with self.in_flight():
+            try:
+                while not finished:
+                    async with asyncio.timeout_at(when):
+                        out = await anext(stream)
+                    if edit is not None:
+                        out = edit(out)
+                    if trace is not None:
+                        trace.last = out
+                    finished = out.finished
+                    if finished:
+                        self._finished(out, inp.priority)
+                        if out.finish_reason == FinishReason.ERROR and sent_tokens == 0:
+                            await reject(
+                                context,
+                                grpc.StatusCode.UNAVAILABLE,
+                                "the engine failed to run this request; retry on another replica",
+                                "engine_error",
+                            )
+                    sent_tokens += len(out.new_token_ids)
+                    yield out
+            except Exception as e:  # a backend failure ends the call with its status
+                await reject_backend_failure(context, e, sent_tokens)
+                raise
+            finally:
+                # Closing the backend's stream aborts the request this call registered
+                # (client gone, deadline, error, stop string) and frees its KV blocks at
+                # once. Never abort by id here: a call refused as a duplicate must not end
+                # the live request holding that id.
+                await stream.aclose()  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _finished(out: RequestOutput, priority: int) -> None:
+        metrics.observe_finished(out, priority)
+        log.info(
+            "request finished",
+            finish_reason=str(out.finish_reason),
+            prompt_tokens=out.num_prompt_tokens,
+            output_tokens=out.num_output_tokens,
+            cached_tokens=out.num_cached_tokens,
+            preemptions=out.num_preemptions,
+        )
 
     async def GetStats(
         self, request: engine_pb2.GetStatsRequest, context: Context

@@ -11,7 +11,6 @@ are freed at once) with finish reason "stop" and the matched string.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import io
@@ -26,11 +25,10 @@ import grpc
 
 from common.log import get_logger
 from common.server import Context
-from engine_svc import metrics
 from engine_svc.backends.base import Backend, GenerateInput
 from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.request import FinishReason
-from engine_svc.service import EngineServicer, reject, reject_backend_failure
+from engine_svc.service import EngineServicer
 from tokenizer_svc.tokenizer import TOKENIZER_FILES, TextTokenizer
 
 log = get_logger(__name__)
@@ -181,60 +179,24 @@ class StandardEngine:
             raise unsupported(protocol, "stop", "the engine has no tokenizer to match strings")
         return StopStrings(self.tokenizer, stops, min_tokens)
 
-    async def admit(self, inp: GenerateInput, context: Context) -> None:
-        """Refuse (with the llm.v1 servicer's statuses) what cannot start."""
-        if self.engine.draining:
-            await reject(
-                context,
-                grpc.StatusCode.UNAVAILABLE,
-                "this engine replica is draining; retry on another replica",
-                "draining",
-            )
-        try:
-            inp.validate(self.backend.model_info())
-        except ValueError as e:
-            await reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(e), "invalid")
-
     async def run(
         self, inp: GenerateInput, stops: StopStrings | None, context: Context
     ) -> AsyncIterator[Step]:
-        """The request's outputs (the last one finished); failures end the call with
-        the status the llm.v1 servicer gives them. Leaving early aborts the request."""
-        await self.admit(inp, context)
-        seconds = context.time_remaining()
-        when = None if seconds is None else asyncio.get_running_loop().time() + max(0.0, seconds)
-        stream = self.backend.generate(inp)
-        sent = 0
-        with self.engine.in_flight():
-            try:
-                finished = False
-                while not finished:
-                    async with asyncio.timeout_at(when):
-                        out = await anext(stream)
-                    matched = None
-                    if stops is not None and out.new_token_ids:
-                        keep, matched = stops.add(out.new_token_ids)
-                        if matched is not None:
-                            out = _stopped_at(out, keep)
-                    finished = out.finished
-                    if finished:
-                        metrics.observe_finished(out, inp.priority)
-                        if out.finish_reason == FinishReason.ERROR and sent == 0:
-                            await reject(
-                                context,
-                                grpc.StatusCode.UNAVAILABLE,
-                                "the engine failed to run this request; retry on another replica",
-                                "engine_error",
-                            )
-                    sent += len(out.new_token_ids)
-                    yield Step(out, matched)
-            except Exception as e:  # a backend failure ends the call with its status
-                await reject_backend_failure(context, e, sent)
-                raise
-            finally:
-                # an unfinished stream (client gone, stop string, deadline) aborts its
-                # request and frees its KV blocks; a refused duplicate touches nothing
-                await stream.aclose()  # type: ignore[attr-defined]
+        """The request's outputs (the last one finished), through the llm.v1 servicer's
+        admission and output loop (``EngineServicer.admit`` / ``outputs``): the same
+        statuses, draining and in-flight count. A matched stop string ends the output
+        it lands in; leaving early aborts the request."""
+        await self.engine.admit(inp, context)
+        matched: list[str | None] = [None]
+
+        def edit(out: RequestOutput) -> RequestOutput:
+            if stops is None or not out.new_token_ids:
+                return out
+            keep, matched[0] = stops.add(out.new_token_ids)
+            return out if matched[0] is None else _stopped_at(out, keep)
+
+        async for out in self.engine.outputs(inp, context.time_remaining(), context, edit=edit):
+            yield Step(out, matched[0])
 
     async def tokenizer_chunks(
         self, protocol: str, context: Context
