@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+import threading
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -323,3 +324,28 @@ def http_gateway(
         yield hg
     finally:
         hg.gw.stop()
+
+
+def cancel_after_first_chunk(gw: GatewayProcess, key: str, n: int) -> None:
+    """Start ``n`` long streams at once, wait until each has its first chunk, then cancel
+    them all (a flood of cancels mid-stream)."""
+    req = chat("Write a very long essay about the sea.", max_tokens=64)
+    req.sampling.ignore_eos = True
+    md = (("authorization", f"Bearer {key}"),)
+    calls: list[Any] = [gw.stub.Generate(req, metadata=md, timeout=120) for _ in range(n)]
+    started = threading.Barrier(n + 1, timeout=120)
+
+    def read_one(call: Any) -> None:
+        try:
+            next(iter(call))
+        finally:
+            started.wait()
+
+    threads = [threading.Thread(target=read_one, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    started.wait()
+    for c in calls:
+        c.cancel()
+    for t in threads:
+        t.join(30)

@@ -8,9 +8,7 @@ behind the gateway: tests/integration/stock, run by ``make test-vllm``.)
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import pytest
@@ -18,7 +16,12 @@ import pytest
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
 from llm.v1 import common_pb2
-from tests.integration.gateway.conftest import GatewayProcess, chat, start_gateway
+from tests.integration.gateway.conftest import (
+    GatewayProcess,
+    cancel_after_first_chunk,
+    chat,
+    start_gateway,
+)
 from tests.integration.gateway.test_gw_faults import engine_stats, wait_until
 
 pytestmark = pytest.mark.integration
@@ -89,25 +92,7 @@ def test_cancels_free_every_kv_block(
     _, gw = gw_standard
     n = 6
     _, key = gw.tenant(max_concurrent=n)
-    req = chat("Write a very long essay about the sea.", max_tokens=64)
-    req.sampling.ignore_eos = True
-    calls = [gw.stub.Generate(req, metadata=auth(key), timeout=120) for _ in range(n)]
-    started = threading.Barrier(n + 1, timeout=120)
-
-    def read_one(call: Any) -> None:
-        try:
-            next(iter(call))
-        finally:
-            started.wait()
-
-    threads = [threading.Thread(target=read_one, args=(c,)) for c in calls]
-    for t in threads:
-        t.start()
-    started.wait()
-    for c in calls:
-        c.cancel()  # type: ignore[no-untyped-call]
-    for t in threads:
-        t.join(30)
+    cancel_after_first_chunk(gw, key, n)
 
     def idle() -> bool:
         s = engine_stats(engine_server.address)

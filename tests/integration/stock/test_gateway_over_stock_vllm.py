@@ -11,8 +11,6 @@ the vLLM replica of the same model.
 from __future__ import annotations
 
 import signal
-import threading
-from typing import Any
 
 import grpc
 import pytest
@@ -20,7 +18,7 @@ import pytest
 from common.procs import ManagedProcess
 from deploy.stock_vllm import StockVllm
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2, engine_pb2, engine_pb2_grpc
-from tests.integration.gateway.conftest import GatewayProcess, chat
+from tests.integration.gateway.conftest import GatewayProcess, cancel_after_first_chunk, chat
 from tests.integration.gateway.test_gw_faults import engine_stats
 from tests.integration.stock.conftest import VLLM_VERSION, vllm_load, wait_until
 
@@ -116,25 +114,7 @@ def test_a_flood_of_cancels_leaves_nothing_held(
 ) -> None:
     n = 12
     _, key = gw_vllm.tenant(max_concurrent=n)
-    req = chat("Write a very long essay about the sea.", max_tokens=64)
-    req.sampling.ignore_eos = True
-    calls = [gw_vllm.stub.Generate(req, metadata=auth(key), timeout=120) for _ in range(n)]
-    started = threading.Barrier(n + 1, timeout=120)
-
-    def read_one(call: Any) -> None:
-        try:
-            next(iter(call))
-        finally:
-            started.wait()
-
-    threads = [threading.Thread(target=read_one, args=(c,)) for c in calls]
-    for t in threads:
-        t.start()
-    started.wait()
-    for c in calls:
-        c.cancel()  # type: ignore[no-untyped-call]
-    for t in threads:
-        t.join(30)
+    cancel_after_first_chunk(gw_vllm, key, n)
 
     def engine_idle() -> bool:
         load = vllm_load(stock_vllm.address)
