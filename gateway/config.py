@@ -95,6 +95,24 @@ def parse_engine_entry(text: str) -> EngineEntry:
     return EngineEntry(scheme, host, int(port), **options)
 
 
+TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("think",)
+
+
+def _per_model(value: Any, key: str, allowed: tuple[str, ...]) -> dict[str, str]:
+    """A model -> name table (a YAML/JSON string from the environment), names checked."""
+    if isinstance(value, str):
+        value = yaml.safe_load(value) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"[gateway] {key} must map model names to one of {', '.join(allowed)}")
+    for model, name in value.items():
+        if name not in allowed:
+            raise ValueError(
+                f"[gateway] {key}[{model!r}] must be one of {', '.join(allowed)}, got {name!r}"
+            )
+    return {str(k): str(v) for k, v in value.items()}
+
+
 @dataclass(slots=True)
 class GatewayConfig(ServiceConfig):
     """Settings of one gateway replica.
@@ -189,6 +207,16 @@ class GatewayConfig(ServiceConfig):
         prices: USD per million tokens per model, for cost budgets (model ->
             ``{prompt_per_million, completion_per_million}``; ``"*"`` = every other
             model; a YAML/JSON string from the environment). Unpriced models cost 0.
+        max_guided_chars: The most characters of one guided-decoding constraint a
+            request may send (``response_format``'s JSON schema, a regex, a grammar, a
+            choice list, a tool's parameters schema); longer ones are refused with 400.
+        tool_parsers: The tool-call parser per model (model -> ``hermes`` |
+            ``llama3_json`` | ``mistral``; ``"*"`` = every other model). Unset: the one
+            the model's chat template implies (``[TOOL_CALLS]`` -> mistral,
+            ``<|python_tag|>`` -> llama3_json), else hermes (the default tool prompt's).
+        reasoning_parsers: Models whose output marks a thought (model -> ``think``:
+            ``<think>...</think>`` goes to ``reasoning_content``; ``"*"`` = every other
+            model). Unset: none (off).
     """
 
     port: int = 50051
@@ -241,6 +269,9 @@ class GatewayConfig(ServiceConfig):
     trusted_proxies: list[str] = field(default_factory=list)
     workers: int = 1
     prices: dict[str, Any] = field(default_factory=dict)
+    max_guided_chars: int = 65_536
+    tool_parsers: dict[str, str] = field(default_factory=dict)
+    reasoning_parsers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -266,6 +297,7 @@ class GatewayConfig(ServiceConfig):
             "queue_max_waiting",
             "queue_max_waiting_per_tenant",
             "workers",
+            "max_guided_chars",
         )
         for name in positive:
             if getattr(self, name) <= 0:
@@ -295,6 +327,15 @@ class GatewayConfig(ServiceConfig):
         self._validate_breaker()
         self._parse_routing_policies()
         self._parse_prices()
+        self.tool_parsers = _per_model(self.tool_parsers, "tool_parsers", TOOL_PARSERS)
+        self.reasoning_parsers = _per_model(
+            self.reasoning_parsers, "reasoning_parsers", REASONING_PARSERS
+        )
+
+    def parser_of(self, table: dict[str, str], model: str) -> str:
+        """A per-model setting (``tool_parsers``, ``reasoning_parsers``): the model's, or
+        ``"*"``'s, or ""."""
+        return table.get(model, table.get("*", ""))
 
     def _validate_engine_tls(self) -> None:
         pair = (self.engine_tls_cert_file, self.engine_tls_key_file)

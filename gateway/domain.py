@@ -268,3 +268,5 @@ class Chunk:
     usage: common_pb2.Usage | None = None
     model: str = ""
     model_version: str = ""
+    tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)  # deltas
+    reasoning_text: str = ""  # reasoning models: the thought's delta, apart from text

@@ -2,6 +2,11 @@
 
 Same environment as transformers: sandboxed, ``trim_blocks``/``lstrip_blocks``,
 ``raise_exception``, a ``tojson`` that keeps non-ASCII, and ``strftime_now``.
+Tools go to the template as transformers passes them (``tools``: a list of
+``{"type": "function", "function": {...}}``, or None), and an assistant turn's
+calls as ``tool_calls`` (``{"id", "type", "function": {"name", "arguments"}}``,
+arguments decoded to an object); ``supports_tools`` says whether the template
+reads ``tools`` at all (``tokenizer_svc.tool_prompt`` renders them otherwise).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -25,8 +30,24 @@ class ChatTemplateError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class Message:
+    """One chat turn as the template sees it (tool fields only where set)."""
+
     role: str
     content: str
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message object the template iterates over."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
 
 
 def _raise_exception(message: str) -> None:
@@ -62,8 +83,14 @@ class ChatTemplate:
         self._template = env.from_string(source)
         self._special = special_tokens
         self.source = source
+        self.supports_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
         """Render ``messages``. Raises ChatTemplateError with an actionable message."""
         if not messages:
             raise ChatTemplateError("messages is empty: send at least one message")
@@ -74,8 +101,9 @@ class ChatTemplate:
                 )
         try:
             return self._template.render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[m.as_dict() for m in messages],
                 add_generation_prompt=add_generation_prompt,
+                tools=list(tools) if tools else None,
                 **self._special,
             )
         except ChatTemplateError:

@@ -13,8 +13,8 @@ from prometheus_client import Counter, Histogram
 from common.log import get_logger
 from common.server import Context
 from llm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.chat_template import Message
 from tokenizer_svc.tokenizer import TextTokenizer, TokenizerInputError
+from tokenizer_svc.tool_prompt import chat_input, tools_chars
 
 log = get_logger(__name__)
 
@@ -37,8 +37,11 @@ T = TypeVar("T")
 
 
 def request_chars(req: tokenizer_pb2.EncodeRequest) -> int:
-    """Characters an EncodeRequest asks to encode (text, or every message's content)."""
-    return len(req.text) + sum(len(m.content) for m in req.messages.messages)
+    """Characters an EncodeRequest asks to encode (text, or every message's content,
+    calls and the tools)."""
+    msgs = req.messages.messages
+    calls = sum(len(c.name) + len(c.arguments) for m in msgs for c in m.tool_calls)
+    return len(req.text) + sum(len(m.content) for m in msgs) + calls + tools_chars(req.tools)
 
 
 def encode_request(tok: TextTokenizer, req: tokenizer_pb2.EncodeRequest) -> tuple[list[int], str]:
@@ -50,9 +53,9 @@ def encode_request(tok: TextTokenizer, req: tokenizer_pb2.EncodeRequest) -> tupl
     """
     which = req.WhichOneof("input")
     if which == "messages":
-        msgs = [Message(m.role, m.content) for m in req.messages.messages]
+        msgs, tools = chat_input(tok.chat_template, req.messages.messages, req.tools)
         add_gen = req.add_generation_prompt if req.HasField("add_generation_prompt") else True
-        return tok.encode_chat(msgs, add_gen)
+        return tok.encode_chat(msgs, add_gen, tools)
     if which == "text":
         add_sp = req.add_special_tokens if req.HasField("add_special_tokens") else True
         return tok.encode(req.text, add_sp), req.text

@@ -189,8 +189,14 @@ class TextTokenizer:
         encs = self.tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         return [list(e.ids) for e in encs]
 
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """Apply the chat template. Raises TokenizerInputError."""
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """Apply the chat template (``tools`` for a template that reads them).
+        Raises TokenizerInputError."""
         if self.chat_template is None:
             raise TokenizerInputError(
                 "this model has no chat template: send a plain prompt instead of messages"
@@ -201,17 +207,20 @@ class TextTokenizer:
                 f"messages hold {total} characters; the limit is {self.max_input_chars}"
             )
         try:
-            text = self.chat_template.render(messages, add_generation_prompt)
+            text = self.chat_template.render(messages, add_generation_prompt, tools)
         except ChatTemplateError as e:
             raise TokenizerInputError(str(e)) from e
         self._check_text(text, "rendered chat prompt")
         return text
 
     def encode_chat(
-        self, messages: Sequence[Message], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> tuple[list[int], str]:
         """Render then encode. Special tokens come from the template, none are added."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids), text
 
     def check_ids(self, ids: Sequence[int]) -> None:

@@ -1,6 +1,7 @@
 """``llm.v1.Gateway``: a thin gRPC front over the pipeline.
 
-It only converts: metadata -> ``CallContext``, ``Chunk`` -> GenerateResponse,
+It only converts: metadata -> ``CallContext``, ``Chunk`` -> GenerateResponse (tool
+call deltas and the thought included: the pipeline shapes them for every front),
 ``GatewayError`` -> status + trailing metadata. Headers are sent with the
 first chunk, never earlier, so a failure before the first token is a
 trailers-only status that Envoy may retry on another gateway replica. The
@@ -60,6 +61,8 @@ def chunk_to_proto(chunk: Chunk) -> gateway_pb2.GenerateResponse:
         finish_reason=chunk.finish_reason,  # type: ignore[arg-type]
         model=chunk.model,
         model_version=chunk.model_version,
+        tool_calls=chunk.tool_calls,
+        reasoning_text=chunk.reasoning_text,
     )
     if chunk.usage is not None:
         resp.usage.CopyFrom(chunk.usage)

@@ -22,6 +22,7 @@ from gateway.domain import CallContext, Deadline, GatewayError
 from llm.v1 import gateway_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.service import OFFLOAD_CHARS, encode_request, request_chars
 from tokenizer_svc.tokenizer import TextTokenizer, TokenizerInputError
+from tokenizer_svc.tool_prompt import tools_chars
 
 # No token of the tokenizers this stack serves is longer than this many characters
 # (SmolLM2's longest is 81: a run of '#'): a prompt above
@@ -36,7 +37,10 @@ def check_prompt_size(request: gateway_pb2.GenerateRequest, max_context_tokens: 
         GatewayError: INVALID_ARGUMENT naming the sizes.
     """
     if request.WhichOneof("input") == "messages":
-        chars = sum(len(m.content) + len(m.role) for m in request.messages.messages)
+        msgs = request.messages.messages
+        chars = sum(len(m.content) + len(m.role) for m in msgs)
+        chars += sum(len(c.arguments) + len(c.name) for m in msgs for c in m.tool_calls)
+        chars += tools_chars(request.tools)
     else:
         chars = len(request.prompt)
     limit = max_context_tokens * MAX_CHARS_PER_TOKEN
@@ -101,7 +105,7 @@ class Encoder:
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "messages is empty: send at least one chat message",
                 )
-            req = tokenizer_pb2.EncodeRequest(messages=request.messages)
+            req = tokenizer_pb2.EncodeRequest(messages=request.messages, tools=request.tools)
         else:
             raise GatewayError(
                 grpc.StatusCode.INVALID_ARGUMENT, "set either `prompt` or `messages` in the request"

@@ -137,6 +137,8 @@ def engine_sampling(
     )
     if p.HasField("seed"):
         out.seed = p.seed
+    if p.HasField("guided"):
+        out.guided.CopyFrom(p.guided)
     return out
 
 

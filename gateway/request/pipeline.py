@@ -66,6 +66,7 @@ from gateway.request.job import JobBuilder
 from gateway.request.models import ModelChooser
 from gateway.request.outcome import Outcome
 from gateway.request.params import request_priority, validate_sampling, validate_stop_token_ids
+from gateway.request.tools import OutputPlan, OutputShaper, plan_output
 from gateway.spans import RequestTrace, stage
 from llm.v1 import gateway_pb2
 from ratelimit.budget.policy import PriceTable
@@ -83,6 +84,7 @@ class _Admitted:
     ticket: AdmissionTicket
     tokenizer: TextTokenizer
     shadow_version: str = ""
+    plan: OutputPlan = field(default_factory=OutputPlan)  # tool calls, reasoning
     progress: AttemptProgress = field(default_factory=AttemptProgress)  # the engine attempts'
 
 
@@ -180,9 +182,10 @@ class Pipeline:
             outcome.model, outcome.version = admitted.job.model, admitted.job.model_version
             # closed here, not by the garbage collector, when the caller closes this stream:
             # the engine call is cancelled and the request settled before the usage below
+            shaper = OutputShaper(admitted.plan) if admitted.plan.active else None
             async with contextlib.aclosing(self._serve(admitted, start, outcome)) as chunks:
                 async for chunk in chunks:
-                    yield chunk
+                    yield chunk if shaper is None else shaper.apply(chunk)
         except GatewayError as e:
             code = e.code
             raise
@@ -236,6 +239,7 @@ class Pipeline:
                 f"model {choice.model!r} has no ready replica yet (its tokenizer is not "
                 "loaded); retry shortly",
             )
+        plan = self._plan(request, choice.model, tokenizer)
         ticket = await self.admission.start(tenant, call)
         try:
             t1 = time.perf_counter()
@@ -246,6 +250,8 @@ class Pipeline:
             job, shadow_version = await self.jobs.build(
                 request, call, tenant, choice, prompt_ids, deadline, priority
             )
+            if plan.guided is not None:  # the tool choice's constraint
+                job.sampling.guided.CopyFrom(plan.guided)
             metrics.STAGE_ROUTE.observe(time.perf_counter() - t2)
             max_tokens = job.sampling.max_tokens
             await self.admission.take(ticket, len(prompt_ids) + max_tokens, call)
@@ -253,7 +259,33 @@ class Pipeline:
             await self.admission.abandon(ticket, call)  # nothing was served
             raise
         await self.admission.finish(ticket, job, max_tokens, call)
-        return _Admitted(job, ticket, tokenizer, shadow_version)
+        return _Admitted(job, ticket, tokenizer, shadow_version, plan)
+
+    def _plan(
+        self, request: gateway_pb2.GenerateRequest, model: str, tokenizer: TextTokenizer
+    ) -> OutputPlan:
+        """How the output is read (tool calls, reasoning), and the constraint of a tool
+        choice; before any request unit is spent.
+
+        Raises:
+            GatewayError: INVALID_ARGUMENT naming the field.
+        """
+        cfg = self.config
+        if request.tools and request.WhichOneof("input") != "messages":
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT, "tools need chat messages, not a prompt"
+            )
+        template = tokenizer.chat_template
+        try:
+            return plan_output(
+                request,
+                template.source if template is not None else "",
+                tool_parser=cfg.parser_of(cfg.tool_parsers, model),
+                reasoning=cfg.parser_of(cfg.reasoning_parsers, model),
+                max_guided_chars=cfg.max_guided_chars,
+            )
+        except ValueError as e:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     async def _serve(
         self, admitted: _Admitted, start: float, outcome: Outcome

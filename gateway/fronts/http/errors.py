@@ -47,7 +47,12 @@ _THROTTLED = "failed authentications"  # the failed-auth throttle's message
 OVERLOAD_RETRY_MS = 1000  # an overload answer without a wait of its own
 _SAMPLING_FIELD = re.compile(r"\bsampling\.([a-z_]+)")
 # pipeline field names -> OpenAI request fields (chat / completions)
-_PARAMS = {"logprobs": ("top_logprobs", "logprobs"), "stop_token_ids": ("stop_token_ids",) * 2}
+_PARAMS = {
+    "logprobs": ("top_logprobs", "logprobs"),
+    "stop_token_ids": ("stop_token_ids",) * 2,
+    "guided": ("response_format", "response_format"),
+}
+_TOOL_FIELD = re.compile(r"^(tools\[\d+\]|tools|tool_choice)\b")
 
 
 class ApiError(Exception):
@@ -138,6 +143,9 @@ def _param(e: GatewayError, chat: bool) -> str | None:
         return "model"
     if e.code != grpc.StatusCode.INVALID_ARGUMENT:
         return None
+    tool = _TOOL_FIELD.match(e.message)
+    if tool:
+        return tool.group(1)
     m = _SAMPLING_FIELD.search(e.message)
     if m:
         names = _PARAMS.get(m.group(1))

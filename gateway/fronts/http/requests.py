@@ -6,7 +6,8 @@ naming its ``param``. Ranges the pipeline checks anyway (temperature,
 penalties, stop strings, max_tokens against the context) are left to it, so
 gRPC and HTTP callers get the same limits. vLLM's extra sampling fields
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``) are accepted too, and ``priority``
+``ignore_eos``, ``stop_token_ids``) are accepted too, so are structured outputs
+and tools (``gateway.fronts.http.structured``), and ``priority``
 (``"low"``, ``"normal"`` or ``"critical"``): the request's scheduling class,
 capped at the tenant's by the pipeline.
 """
@@ -18,6 +19,7 @@ from typing import Any
 
 from gateway.fronts.http.errors import ApiError
 from gateway.fronts.http.fields import Fields
+from gateway.fronts.http.structured import guided, tool_calls, tools
 from llm.v1 import common_pb2, gateway_pb2
 
 ROLES = {
@@ -94,9 +96,13 @@ def _messages(f: Fields) -> common_pb2.ChatMessages:
                 f"messages[{i}].role",
                 f"role must be one of {', '.join(ROLES)}, got {m.get('role')!r}",
             )
+        msg = out.messages.add(role=role, content=_content(f, i, m.get("content")))
         if m.get("tool_calls"):
-            raise ApiError.invalid(f"messages[{i}].tool_calls", "tool calls are not supported")
-        out.messages.add(role=role, content=_content(f, i, m.get("content")))
+            msg.tool_calls.extend(tool_calls(m["tool_calls"], f"messages[{i}].tool_calls"))
+        if m.get("tool_call_id") is not None:
+            msg.tool_call_id = f.typed(m["tool_call_id"], str, f"messages[{i}].tool_call_id")
+        if m.get("name") is not None:
+            msg.name = f.typed(m["name"], str, f"messages[{i}].name")
     return out
 
 
@@ -140,6 +146,9 @@ def _sampling(f: Fields) -> common_pb2.SamplingParams:
     seed = f.int_("seed", lo=-(1 << 63), hi=UINT64 - 1)
     if seed is not None:
         p.seed = seed % UINT64
+    constraint = guided(f)
+    if constraint is not None:
+        p.guided.CopyFrom(constraint)
     return p
 
 
@@ -156,13 +165,8 @@ def _check_unsupported(f: Fields, chat: bool) -> None:
             raise ApiError.invalid("best_of", "only best_of=1 is supported")
     if f.body.get("logit_bias"):
         raise ApiError.invalid("logit_bias", "logit_bias is not supported")
-    if f.body.get("tools") and f.body.get("tool_choice") != "none":
-        raise ApiError.invalid("tools", "tools (function calling) are not supported")
-    fmt = f.body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise ApiError.invalid(
-            "response_format", 'only response_format {"type": "text"} is supported'
-        )
+    if not chat and f.body.get("tools"):
+        raise ApiError.invalid("tools", "tools need /v1/chat/completions")
 
 
 def _priority(f: Fields) -> common_pb2.Priority.ValueType:
@@ -202,6 +206,7 @@ def parse(body: Any, *, chat: bool) -> ParsedRequest:
     )
     if chat:
         req.messages.CopyFrom(_messages(f))
+        tools(f, req)
     else:
         req.prompt = _prompt(f)
     stream = f.bool_("stream")

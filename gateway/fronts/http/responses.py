@@ -1,7 +1,10 @@
 """Pipeline ``Chunk``s -> OpenAI response objects (chat and text completions, streamed or not).
 
-    streamed chat:   {role} chunk, {content} chunks, last chunk with finish_reason,
-                     [usage chunk with "choices": []], then the SSE "[DONE]"
+    streamed chat:   {role} chunk, {content} / {reasoning_content} chunks, one chunk per
+                     tool call delta ({"tool_calls": [{index, id, type, function: {name,
+                     arguments: ""}}]} then {"tool_calls": [{index, function: {arguments}}]}),
+                     last chunk with finish_reason, [usage chunk with "choices": []],
+                     then the SSE "[DONE]"
     streamed text:   {text} chunks, last chunk with finish_reason, [usage chunk]
     non-streamed:    one object with the whole text, finish_reason and usage
 
@@ -18,7 +21,11 @@ from gateway.domain import Chunk
 from gateway.fronts.http.requests import ParsedRequest
 from llm.v1 import common_pb2
 
-FINISH_REASONS: dict[int, str] = {common_pb2.STOP: "stop", common_pb2.LENGTH: "length"}
+FINISH_REASONS: dict[int, str] = {
+    common_pb2.STOP: "stop",
+    common_pb2.LENGTH: "length",
+    common_pb2.TOOL_CALLS: "tool_calls",
+}
 Json = dict[str, Any]
 
 
@@ -30,6 +37,18 @@ def usage_json(u: common_pb2.Usage) -> Json:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
     }
+
+
+def _call_delta(tc: common_pb2.ToolCall) -> Json:
+    """One tool call delta: the first one of a call names it, the next ones add arguments."""
+    if tc.name:
+        return {
+            "index": tc.index,
+            "id": tc.id,
+            "type": "function",
+            "function": {"name": tc.name, "arguments": tc.arguments},
+        }
+    return {"index": tc.index, "function": {"arguments": tc.arguments}}
 
 
 def _token(t: common_pb2.TokenLogprob) -> Json:
@@ -55,6 +74,8 @@ class Formatter:
         self.positions: list[common_pb2.PositionLogprobs] = []
         self.finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
         self.usage: common_pb2.Usage | None = None
+        self.reasoning: list[str] = []
+        self.calls: dict[int, Json] = {}  # the tool calls, merged from their deltas
         self._num_chars = 0
 
     def add(self, chunk: Chunk) -> None:
@@ -68,6 +89,14 @@ class Formatter:
             self.finish_reason = chunk.finish_reason
         if chunk.usage is not None:
             self.usage = chunk.usage
+        self.reasoning.append(chunk.reasoning_text)
+        for tc in chunk.tool_calls:
+            call = self.calls.setdefault(
+                tc.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+            )
+            call["id"] = tc.id or call["id"]
+            call["function"]["name"] += tc.name
+            call["function"]["arguments"] += tc.arguments
 
     def _head(self, kind: str) -> Json:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
@@ -109,10 +138,19 @@ class Formatter:
         elif delta is not None:
             choice["delta"] = delta
         else:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = self._message(text)
         choice["logprobs"] = self._logprobs(positions)
         choice["finish_reason"] = FINISH_REASONS.get(finish) if finish else None
         return choice
+
+    def _message(self, text: str) -> Json:
+        message: Json = {"role": "assistant", "content": text or (None if self.calls else "")}
+        reasoning = "".join(self.reasoning)
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if self.calls:
+            message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        return message
 
     def role_chunk(self) -> Json:
         """The first chunk of a streamed chat: the assistant role, no content yet."""
@@ -127,17 +165,33 @@ class Formatter:
         ]
         return self._stream_usage(out)
 
-    def stream_chunk(self, chunk: Chunk) -> Json | None:
-        """One streamed chunk, or None when it carries nothing to show."""
+    def stream_chunk(self, chunk: Chunk) -> list[Json]:
+        """The streamed objects of one chunk (none when it carries nothing to show): its
+        text, then one per tool call delta; the finish reason on the last one."""
         self.add(chunk)
-        if not (chunk.text or chunk.finish_reason or (self.parsed.logprobs and chunk.logprobs)):
-            return None
-        delta = {"content": chunk.text} if chunk.text else {}
-        out = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        out["choices"] = [
-            self._choice(chunk.text, list(chunk.logprobs), chunk.finish_reason, delta=delta)
-        ]
-        return self._stream_usage(out)
+        deltas: list[Json] = []
+        if chunk.text or chunk.reasoning_text or (self.parsed.logprobs and chunk.logprobs):
+            delta: Json = {"content": chunk.text} if chunk.text else {}
+            if chunk.reasoning_text:
+                delta["reasoning_content"] = chunk.reasoning_text
+            deltas.append(delta)
+        deltas.extend({"tool_calls": [_call_delta(tc)]} for tc in chunk.tool_calls)
+        if chunk.finish_reason and not deltas:
+            deltas.append({})
+        out = []
+        for i, delta in enumerate(deltas):
+            obj = self._head("chat.completion.chunk" if self.chat else "text_completion")
+            last = i == len(deltas) - 1
+            obj["choices"] = [
+                self._choice(
+                    chunk.text if i == 0 else "",
+                    list(chunk.logprobs) if i == 0 else [],
+                    chunk.finish_reason if last else 0,
+                    delta=delta,
+                )
+            ]
+            out.append(self._stream_usage(obj))
+        return out
 
     def usage_chunk(self) -> Json:
         """The last streamed object when ``stream_options.include_usage``: usage, no choices."""

@@ -238,8 +238,7 @@ class OpenAIRoutes:
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         "the request deadline passed before the completion finished",
                     )
-                obj = fmt.stream_chunk(chunk)
-                if obj is not None:
+                for obj in fmt.stream_chunk(chunk):
                     await events.send(obj)
         except GatewayError as e:
             if not events.started:

@@ -104,8 +104,8 @@ def test_defaults_follow_openai() -> None:
         ({"messages": MSGS, "top_logprobs": 2}, True, "top_logprobs"),
         ({"messages": MSGS, "top_logprobs": 21, "logprobs": True}, True, "top_logprobs"),
         ({"messages": MSGS, "stream_options": {"include_usage": True}}, True, "stream_options"),
-        ({"messages": MSGS, "tools": [{"type": "function"}]}, True, "tools"),
-        ({"messages": MSGS, "response_format": {"type": "json_object"}}, True, "response_format"),
+        ({"messages": MSGS, "tools": [{"type": "function"}]}, True, "tools[0]"),
+        ({"messages": MSGS, "response_format": {"type": "xml"}}, True, "response_format.type"),
         ({"messages": MSGS, "logit_bias": {"1": 5}}, True, "logit_bias"),
         ({"prompt": [1, 2]}, False, "prompt"),
         ({"prompt": "x", "echo": True}, False, "echo"),
@@ -211,20 +211,18 @@ def test_streamed_chat_objects() -> None:
     role = f.role_chunk()
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert role["usage"] is None
-    first = f.stream_chunk(
+    [first] = f.stream_chunk(
         Chunk("rid", text="He", token_ids=[1], logprobs=[_pos(1, "He", -0.5)], model="m")
     )
-    assert first is not None
     assert first["model"] == "m"
     assert first["id"] == "chatcmpl-rid"
     (c,) = first["choices"][0]["logprobs"]["content"]
     assert (c["token"], c["bytes"], len(c["top_logprobs"])) == ("He", [72, 101], 1)
-    assert f.stream_chunk(Chunk("rid")) is None  # nothing to show
+    assert f.stream_chunk(Chunk("rid")) == []  # nothing to show
     usage = common_pb2.Usage(prompt_tokens=3, completion_tokens=2, cached_prompt_tokens=1)
-    last = f.stream_chunk(
+    [last] = f.stream_chunk(
         Chunk("rid", text="y", token_ids=[2], finish_reason=common_pb2.STOP, usage=usage)
     )
-    assert last is not None
     assert last["choices"][0]["finish_reason"] == "stop"
     tail = f.usage_chunk()
     assert tail["choices"] == []
