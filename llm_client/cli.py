@@ -3,6 +3,8 @@
     llm-client chat "What is the capital of France?"
     llm-client prompt "Once upon a time" --max-tokens 64 --temperature 0.8
     llm-client --json chat "Hi"              # one JSON object per chunk
+    llm-client chat "A city as JSON" --json-schema city.schema.json   # or --regex RE
+    llm-client chat "Weather in Paris?" --tool weather.json --tool-choice required
     llm-client admin tenants                 # list
     llm-client admin tenant team-a --rpm 60 --tpm 50000 --concurrent 4 \\
         --priority CRITICAL                                # create
@@ -47,6 +49,7 @@ from google.protobuf import json_format
 from llm.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from llm_client.admin import admin
 from llm_client.admin_args import add_admin_parser
+from llm_client.structured import CallPrinter, add_args, apply
 from llm_client.transport import open_channel, read_key
 
 
@@ -71,18 +74,26 @@ def generate(channel: grpc.Channel, args: argparse.Namespace) -> int:
         if args.system:
             msgs.insert(0, common_pb2.ChatMessage(role="system", content=args.system))
         req.messages.CopyFrom(common_pb2.ChatMessages(messages=msgs))
+        apply(req, args)
     else:
         req.prompt = args.text
     md = (("authorization", f"Bearer {read_key(args.api_key, 'LLM_API_KEY', 'demo.key')}"),)
     last = None
     model = ""  # the first chunk names the model (and version) that served it
+    calls = CallPrinter()
     for chunk in stub.Generate(req, metadata=md, timeout=args.timeout):
         if args.json:
             print(json_format.MessageToJson(chunk, indent=None), flush=True)
         else:
+            if chunk.reasoning_text:
+                print(chunk.reasoning_text, end="", file=sys.stderr, flush=True)
             print(chunk.text, end="", flush=True)
+        calls.add(chunk)
         model = model or chunk.model
         last = chunk
+    if not args.json:
+        for line in calls.lines():
+            print(f"\n{line}", end="", flush=True)
     if last is not None and not args.json:
         u = last.usage
         reason = common_pb2.FinishReason.Name(last.finish_reason)
@@ -129,6 +140,7 @@ def parser() -> argparse.ArgumentParser:
         g.add_argument("--stop", action="append")
         if name == "chat":
             g.add_argument("--system")
+            add_args(g)
     add_admin_parser(sub.add_parser("admin"))
     return p
 
