@@ -180,8 +180,8 @@ def main(
     async def ready() -> None:
         await backend.start()
         metrics.register_stats(backend.stats)
-        metrics.export(svc.model_name)
         info = backend.model_info()
+        metrics.export(svc.model_name, info.max_context_length)
         metrics.MODEL.info(
             {
                 "model": svc.model_name,

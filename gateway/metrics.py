@@ -2,6 +2,8 @@
 
     gateway_requests_total{tenant,code,model,version}    requests by final status
     gateway_tokens_charged_total{tenant,kind}            kind = prompt | completion
+    gateway_tenant_spend_usd_total{tenant,model}         USD by the configured prices
+                                                         (gateway.pricing; none unpriced)
     gateway_time_to_first_token_seconds{tenant,model,version}
                                                          request start -> first token sent
     gateway_e2e_latency_seconds{model,version}           request start -> end
@@ -71,6 +73,12 @@ REQUESTS = Counter(
 )
 TOKENS_CHARGED = Counter(
     "gateway_tokens_charged_total", "Tokens settled against tenants' limits", ["tenant", "kind"]
+)
+TENANT_SPEND = Counter(
+    "gateway_tenant_spend_usd",
+    "USD spent by tenant and model, by the configured prices per million prompt and "
+    "completion tokens (unpriced models count nothing)",
+    ["tenant", "model"],
 )
 TTFT = Histogram(
     "gateway_time_to_first_token_seconds",

@@ -216,6 +216,7 @@ class NativeBackend:
     def _emit(self, outputs: list[RequestOutput]) -> None:
         """Hand outputs to their streams (the step's, or a nested step's mid-step)."""
         assert self._loop is not None
+        metrics.observe_outputs(outputs)
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)

@@ -48,7 +48,7 @@ import structlog
 
 from common import tracing
 from common.log import get_logger
-from gateway import metrics
+from gateway import metrics, pricing
 from gateway.config import GatewayConfig
 from gateway.domain import CallContext, Chunk, Deadline, GatewayError
 from gateway.fleet.dispatcher import AttemptProgress, Dispatcher, EngineJob
@@ -204,6 +204,9 @@ class Pipeline:
             model, version = outcome.model, outcome.version
             metrics.REQUESTS.labels(tenant_label, code.name, model, version).inc()
             metrics.E2E.labels(model, version).observe(time.perf_counter() - start)
+            pricing.count_spend(
+                self.prices, tenant_id, model, outcome.prompt_tokens, outcome.completion_tokens
+            )
             if tenant_id and self.usage is not None:
                 self.usage.record(outcome.usage_event(tenant_id, call.key_id, code, self.prices))
             if call.trace is not None:
