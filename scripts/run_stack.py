@@ -18,6 +18,11 @@ rest are stopped too.
 starts a second engine serving the same weights under NAME, on the engine port + 1:
 one gateway then serves two models, each tokenized with the tokenizer its engine
 serves, and a model route can alias or fall back between them.
+
+``--model DIR`` (``make run MODEL=DIR``, or ``LLM_RUN_MODEL``) serves the Hugging Face
+checkpoint in DIR instead of the configured one (``engine_core.model_dir``, else the
+prepared SmolLM2), under ``--model-name`` (``MODEL_NAME=``), else DIR's own name; the
+tokenizer service and every engine load it.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from types import FrameType
 
 import grpc
 
-from common.config import ROOT, load_config
+from common.config import ROOT, default_model_dir, load_config
 from common.pgroup import tail
 from common.procs import ManagedProcess, ServiceStartError
 from common.redis_acl import SERVICE_USER
@@ -46,6 +51,7 @@ from deploy.envoy import EnvoyProcess, render_config_file
 from deploy.envoy.config import EnvoyConfig
 from deploy.envoy.tls import TlsFiles, ensure_local_tls
 from engine_svc.config import EngineServiceConfig
+from engine_svc.core.config import EngineConfig
 from gateway.config import GatewayConfig
 from llm.v1 import admin_pb2, admin_pb2_grpc, common_pb2
 from ratelimit.config import RateLimitConfig
@@ -65,6 +71,43 @@ def run_dir_path(path: str) -> Path:
 
 
 DEMO_TENANT = "demo"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The checkpoint `make run` serves and the name it is served under."""
+
+    dir: Path
+    name: str
+
+    @classmethod
+    def resolve(cls, model: str = "", name: str = "") -> ServedModel:
+        """``model`` (a checkpoint directory) under ``name``, else its directory's name;
+        no ``model``: ``engine_core.model_dir`` from the config (else the prepared
+        default) under ``engine.model_name`` (or ``name``). Raises ValueError, naming
+        what is missing, when the directory is no checkpoint."""
+        if model:
+            path, served = Path(model).expanduser().resolve(), name or Path(model).name
+        else:
+            core = load_config(EngineConfig, "engine_core")
+            path = Path(core.model_dir).resolve() if core.model_dir else default_model_dir()
+            served = name or load_config(EngineServiceConfig, "engine").model_name
+        missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+        if missing:
+            raise ValueError(
+                f"{path} is not a Hugging Face checkpoint directory (no {', '.join(missing)})"
+                + ("" if model else ": run `make model`, or make run MODEL=<checkpoint dir>")
+            )
+        return cls(path, served)
+
+    def env(self) -> dict[str, str]:
+        """What points the tokenizer service and the engines at it."""
+        return {
+            "LLM_TOKENIZER_MODEL_DIR": str(self.dir),
+            "LLM_TOKENIZER_MODEL_NAME": self.name,
+            "LLM_ENGINE_CORE_MODEL_DIR": str(self.dir),
+            "LLM_ENGINE_MODEL_NAME": self.name,
+        }
 
 
 def port_free(host: str, port: int) -> bool:
@@ -89,6 +132,7 @@ class Stack:
     admin_key: str = ""
     demo_key: str = ""
     second_model: str = ""  # the second engine's model name ("" = one engine)
+    model: ServedModel | None = None
 
     def by_name(self, name: str) -> ManagedProcess:
         return next(p for p in self.procs if p.name == name)
@@ -182,7 +226,7 @@ async def create_demo_tenant(address: str, key: str, ca_cert: bytes) -> str:
     return str(resp.key)
 
 
-def bring_up(stack: Stack, second_model: str = "") -> None:
+def bring_up(stack: Stack, model: ServedModel, second_model: str = "") -> None:
     rl = load_config(RateLimitConfig, "ratelimit")
     tok = load_config(TokenizerConfig, "tokenizer")
     eng = load_config(EngineServiceConfig, "engine")
@@ -201,13 +245,14 @@ def bring_up(stack: Stack, second_model: str = "") -> None:
             log_dir=stack.log_dir,
             stop_timeout=stop_after(tok.grace_seconds),
             host=tok.host,
+            env=model.env(),
             args=["--port", str(tok.port), "--metrics-port", str(tok.metrics_port), *common],
         )
     )
-    engines = [("engine-0", eng.model_name, eng.port, eng.metrics_port)]
+    engines = [("engine-0", model.name, eng.port, eng.metrics_port)]
     if second_model:  # the same weights under another name, on the next ports (0 = any)
         engines.append(("engine-1", second_model, _next(eng.port), _next(eng.metrics_port)))
-    for name, model, port, metrics_port in engines:
+    for name, served, port, metrics_port in engines:
         stack.start(
             ManagedProcess(
                 name=name,
@@ -215,7 +260,7 @@ def bring_up(stack: Stack, second_model: str = "") -> None:
                 log_dir=stack.log_dir,
                 stop_timeout=stop_after(eng.grace_seconds),
                 host=eng.host,
-                env={"LLM_ENGINE_MODEL_NAME": model},
+                env={**model.env(), "LLM_ENGINE_MODEL_NAME": served},
                 args=["--port", str(port), "--metrics-port", str(metrics_port), *common],
             )
         )
@@ -285,59 +330,56 @@ def _next(port: int) -> int:
     return port + 1 if port > 0 else port
 
 
-def _rel(path: Path) -> Path:
-    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-
-
 def banner(stack: Stack) -> str:
-    py = _rel(Path(sys.executable))
-    cli = _rel(Path(sys.executable).parent / "llm-client")
+    py = Path(sys.executable)
+    cli = Path(sys.executable).parent / "llm-client"
     assert stack.redis is not None
     assert stack.envoy is not None
     assert stack.tls is not None
     edge = stack.envoy.listener_address()
-    ca = _rel(stack.tls.ca_cert)
+    ca = stack.tls.ca_cert
+    assert stack.model is not None
     lines = [
         "",
-        "The stack is up:",
+        f"The stack is up, serving {stack.model.name!r} ({stack.model.dir}):",
         f"  {'redis':<10} {stack.redis.url} (ACL user {SERVICE_USER!r}, password "
-        f"{_rel(RUN_DIR / 'redis.password')})",
+        f"{RUN_DIR / 'redis.password'})",
         *(
             f"  {p.name:<10} grpc {p.address:<22} metrics http://{p.host}:{p.metrics_port}/metrics"
-            f"   log {_rel(p.log_path)}"
+            f"   log {p.log_path}"
             for p in stack.procs
         ),
         f"  {'envoy':<10} {edge:<27} (public, TLS only: llm.v1.Gateway, OpenAI /v1/*, admin "
-        f"as HTTP/JSON under /v1/admin/)   log {_rel(stack.log_dir / 'envoy-access.log')}",
+        f"as HTTP/JSON under /v1/admin/)   log {stack.log_dir / 'envoy-access.log'}",
         "",
-        f"TLS: Envoy's certificate ({_rel(stack.tls.cert)}, for localhost, 127.0.0.1 and ::1) "
+        f"TLS: Envoy's certificate ({stack.tls.cert}, for localhost, 127.0.0.1 and ::1) "
         f"is signed by the local CA {ca}; clients trust that file (curl --cacert, grpcurl "
         "-cacert, llm-client finds it itself); kept and reused while valid.",
         "",
-        f"Keys: admin {_rel(RUN_DIR / 'admin.key')}, demo tenant {DEMO_TENANT!r} "
-        f"{_rel(RUN_DIR / 'demo.key')} "
+        f"Keys: admin {RUN_DIR / 'admin.key'}, demo tenant {DEMO_TENANT!r} "
+        f"{RUN_DIR / 'demo.key'} "
         f"({stack.demo_key[:11]}...); engines and the tokenizer answer only callers with "
-        f"{_rel(RUN_DIR / 'service.token')} (x-service-token)",
+        f"{RUN_DIR / 'service.token'} (x-service-token)",
         "",
         "Try it (through Envoy, over TLS):",
         f"  {cli} --address {edge} chat 'What is the capital of France?'",
         f"  {cli} --address {edge} --json prompt 'Once upon a time'",
         f"  {cli} --address {edge} --ca-cert {ca} admin usage {DEMO_TENANT}",
         f'  curl -s --cacert {ca} -H "authorization: Bearer '
-        f'$(cat {_rel(RUN_DIR / "admin.key")})" '
+        f'$(cat {RUN_DIR / "admin.key"})" '
         f"https://{edge}/v1/admin/tenants/{DEMO_TENANT}/usage",
         f"  grpcurl -cacert {ca} "
-        f'-H "authorization: Bearer $(cat {_rel(RUN_DIR / "demo.key")})" '
+        f'-H "authorization: Bearer $(cat {RUN_DIR / "demo.key"})" '
         f'-d \'{{"prompt": "Hi"}}\' {edge} llm.v1.Gateway/Generate',
         "",
         "OpenAI-compatible HTTP (same keys, limits and metrics):",
         f"  curl -N --cacert {ca} https://{edge}/v1/chat/completions "
-        f'-H "Authorization: Bearer $(cat {_rel(RUN_DIR / "demo.key")})" '
+        f'-H "Authorization: Bearer $(cat {RUN_DIR / "demo.key"})" '
         '-H \'Content-Type: application/json\' -d \'{"model": "", "messages": '
         '[{"role": "user", "content": "Hi"}], "max_tokens": 32, "stream": true}\'',
         f'  {py} -c "import ssl; from openai import OpenAI, DefaultHttpxClient; '
         f"c = OpenAI(base_url='https://{edge}/v1', "
-        f"api_key=open('{_rel(RUN_DIR / 'demo.key')}').read().strip(), "
+        f"api_key=open('{RUN_DIR / 'demo.key'}').read().strip(), "
         f"http_client=DefaultHttpxClient(verify=ssl.create_default_context(cafile='{ca}'))); "
         "print(c.chat.completions.create(model='', max_tokens=32, "
         "messages=[{'role': 'user', 'content': 'What is the capital of France?'}])"
@@ -357,7 +399,8 @@ def banner(stack: Stack) -> str:
 def _second_model_lines(stack: Stack, cli: str, edge: str) -> list[str]:
     if not stack.second_model:
         return []
-    first = load_config(EngineServiceConfig, "engine").model_name
+    assert stack.model is not None
+    first = stack.model.name
     second = stack.second_model
     return [
         f"Two models behind one gateway: {first} (engine-0) and {second} (engine-1, the same "
@@ -377,9 +420,28 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME",
         help="also serve the same weights under NAME (a second engine replica)",
     )
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("LLM_RUN_MODEL", ""),
+        metavar="DIR",
+        help="serve this Hugging Face checkpoint directory (default: engine_core.model_dir, "
+        "else the prepared SmolLM2)",
+    )
+    parser.add_argument(
+        "--model-name",
+        default=os.environ.get("LLM_RUN_MODEL_NAME", ""),
+        metavar="NAME",
+        help="the name it is served under (default: the directory's name)",
+    )
     args = parser.parse_args(argv)
+    try:
+        model = ServedModel.resolve(args.model, args.model_name)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     stack = Stack(log_dir=RUN_DIR / "logs")
     stack.second_model = args.second_model
+    stack.model = model
     stack.log_dir.mkdir(parents=True, exist_ok=True)
     stopping = False
 
@@ -392,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     code = 0
     try:
-        bring_up(stack, args.second_model)
+        bring_up(stack, model, args.second_model)
         print(banner(stack), flush=True)
         while not stopping:
             for p in stack.procs:

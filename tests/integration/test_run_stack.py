@@ -7,6 +7,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,12 +46,13 @@ def banner_example(
     )
 
 
-def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+def stack_env(run_dir: Path) -> dict[str, str]:
+    """make run's environment for a test: its files in ``run_dir``, every port free."""
     env = {
         **os.environ,
         **ENGINE_TEST_ENV,
         "PYTHONPATH": str(ROOT),
-        "LLM_RUN_DIR": str(tmp_path),
+        "LLM_RUN_DIR": str(run_dir),
         "LLM_RATELIMIT_REDIS_URL": "redis://127.0.0.1:0/0",
     }
     env.pop("ADMIN_KEY", None)
@@ -59,27 +61,51 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
     env["LLM_ENVOY_PORT"] = env["LLM_ENVOY_ADMIN_PORT"] = "0"
     env["LLM_GATEWAY_HTTP_PORT"] = str(free_port())
     env["LLM_ENVOY_HOST"] = "127.0.0.1"
-    env["LLM_RUN_SECOND_MODEL"] = SECOND  # make run SECOND_MODEL=...: a second engine
+    return env
+
+
+def start_stack(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """``python -m scripts.run_stack ARGS`` (what make run starts) and its banner, read
+    until the stack is up (or the process ends)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "scripts.run_stack"],
+        [sys.executable, "-m", "scripts.run_stack", *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+    assert proc.stdout is not None
     lines: list[str] = []
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if "Ctrl-C stops everything" in line:
+            break
+    return proc, "".join(lines)
+
+
+def stop_stack(proc: subprocess.Popen[str]) -> None:
+    """After a failure: let make run stop its services first, kill it only after that."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its children would be orphaned: only after the grace
+            proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> None:
+    env = stack_env(tmp_path)
+    env["LLM_RUN_SECOND_MODEL"] = SECOND  # make run SECOND_MODEL=...: a second engine
+    proc, out = start_stack([], env)
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        out = "".join(lines)
         addr = dict(
             re.findall(r"^\s+(tokenizer|gateway|envoy)\s+(?:grpc )?(127\.0\.0\.1:\d+)", out, re.M)
         )
@@ -271,12 +297,75 @@ def test_run_stack_serves_then_stops_everything_on_ctrl_c(tmp_path: Path) -> Non
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)  # every service is gone, none orphaned
     finally:
-        if proc.poll() is None:  # a failure above: let make run stop its services first
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()  # its children would be orphaned: only after the grace
-                proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        stop_stack(proc)
+
+
+def tiny_llama(out: Path, model_dir: Path) -> Path:
+    """A Llama checkpoint of random weights (2 layers, hidden size 64) as
+    ``save_pretrained`` writes it, with the prepared model's tokenizer: a user's own
+    checkpoint directory, made here in a second (nothing downloaded)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,  # the tokenizer's
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(model_dir / name, out / name)
+    return out
+
+
+def test_run_stack_refuses_a_directory_that_is_no_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from scripts.run_stack import main
+
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["--model", str(tmp_path)]) == 2  # before anything starts
+    assert f"{tmp_path} is not a Hugging Face checkpoint directory (no tokenizer.json)" in (
+        capsys.readouterr().err
+    )
+
+
+def test_run_stack_serves_your_own_checkpoint(tmp_path: Path, model_dir: Path) -> None:
+    """make run MODEL=<dir>: the tokenizer and the engine load that checkpoint, served
+    under the directory's name, and the banner's chat example reaches it."""
+    ckpt = tiny_llama(tmp_path / "tiny-llama", model_dir)
+    proc, out = start_stack(["--model", str(ckpt)], stack_env(tmp_path / "run"))
+    try:
+        assert f"serving 'tiny-llama' ({ckpt})" in out, out
+        edge = re.search(r"^\s+envoy\s+(127\.0\.0\.1:\d+)", out, re.M)
+        assert edge is not None, out
+        demo_key = (tmp_path / "run" / "demo.key").read_text().strip()
+        ca = (tmp_path / "run" / "tls" / "ca.crt").read_bytes()
+        md = (("authorization", f"Bearer {demo_key}"),)
+        with grpc.secure_channel(edge.group(1), grpc.ssl_channel_credentials(ca)) as ch:
+            gateway = gateway_pb2_grpc.GatewayStub(ch)
+            cards = gateway.ListModels(gateway_pb2.ListModelsRequest(), metadata=md, timeout=10)
+            assert [c.id for c in cards.models] == ["tiny-llama"]
+            chunks = list(
+                gateway.Generate(
+                    gateway_pb2.GenerateRequest(
+                        prompt="Hello",
+                        sampling=common_pb2.SamplingParams(max_tokens=3, ignore_eos=True),
+                    ),
+                    metadata=md,
+                    timeout=60,
+                )
+            )
+        assert chunks[0].model == "tiny-llama"
+        assert chunks[-1].usage.completion_tokens == 3
+        chat = banner_example(out, stack_env(tmp_path / "run"), " chat 'What is")
+        assert chat.returncode == 0, chat.stderr
+        assert "model tiny-llama" in chat.stderr, chat.stderr
+    finally:
+        stop_stack(proc)
