@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from engine_svc.backends.base import GenerateInput
+from engine_svc.core.guided import GuidedSpec
 from engine_svc.core.outputs import ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason, TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
@@ -16,6 +17,20 @@ _FINISH = {
     FinishReason.ABORT: common_pb2.CANCELLED,
     FinishReason.ERROR: common_pb2.ERROR,
 }
+
+
+def guided_from_proto(g: common_pb2.GuidedDecoding) -> GuidedSpec | None:
+    """The constraint of an llm.v1 GuidedDecoding (None when none is set)."""
+    kind = g.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return GuidedSpec.choice(g.choice.choices)
+    if kind == "json_object":
+        if not g.json_object:
+            return None  # false: no constraint
+        return GuidedSpec("json_object")
+    return GuidedSpec(kind, getattr(g, kind))
 
 
 def sampling_params_from_proto(p: engine_pb2.EngineSamplingParams) -> SamplingParams:
@@ -38,6 +53,7 @@ def sampling_params_from_proto(p: engine_pb2.EngineSamplingParams) -> SamplingPa
         stop_sequences=[list(s.token_ids) for s in p.stop_sequences],
         ignore_eos=p.ignore_eos,
         include_stop_in_output=p.include_stop_in_output,
+        guided=guided_from_proto(p.guided),
     )
 
 

@@ -186,6 +186,8 @@ def open_stream(
             retry_after_ms(len(live) - max_num_seqs, max_num_seqs),
         )
     inp.validate(info)
+    if (guided := inp.sampling_params.guided) is not None:
+        raise ValueError(f"{guided.field}: the {engine} adapter has no guided decoding")
     return StreamState(
         inp.request_id,
         len(inp.prompt_token_ids),

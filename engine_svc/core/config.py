@@ -147,6 +147,9 @@ class EngineConfig:
             lossless) as one more path for the tuning to time; it streams 3.2x
             fewer bytes per decode step. Ignored without ``tune_linear_paths``.
         seed: seed of the engine's unseeded sampling stream.
+        guided_cache_entries: compiled output constraints (JSON schemas, regexes,
+            grammars of guided decoding) kept for reuse, least recently used dropped
+            first; a request whose constraint is cached skips its compilation.
         tensor_parallel_size / pipeline_parallel_size: GPUs one TensorRT-LLM engine
             spans (their product); the native engine runs on one device and
             refuses anything but 1.
@@ -176,6 +179,7 @@ class EngineConfig:
     tune_linear_paths: bool = True
     q4_weights: bool = True
     seed: int = 0
+    guided_cache_entries: int = 256
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
 

@@ -15,12 +15,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 from common.config import default_model_dir
 from engine_svc.core.compute_choice import choose_linear, kv_cache_dtype
 from engine_svc.core.config import EngineConfig
+from engine_svc.core.guided import GuidedCompiler, GuidedMatcher
+from engine_svc.core.guided_mask import GuidedMasks
 from engine_svc.core.kv_cache_manager import KVCacheManager, cdiv
 from engine_svc.core.model_runner import ModelRunner, determine_num_blocks
 from engine_svc.core.ngram_proposer import NgramProposer
@@ -139,6 +142,12 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.kv_cache_manager, clock, proposer)
         self.sampler = Sampler(self.model_config.vocab_size, self.device, config.seed)
         self.eos_token_ids = tuple(self.model_config.eos_token_ids)
+        vocab = self.model_config.vocab_size
+        self.guided = GuidedCompiler(
+            Path(self.model_dir) / "tokenizer.json", vocab, self.eos_token_ids,
+            config.guided_cache_entries,
+        )  # fmt: skip
+        self.guided_masks = GuidedMasks(vocab)
         self._pending: list[RequestOutput] = []
         # requests of the step being run (its blocks are being written): an abort of one
         # of these must wait for the step's end; empty between steps
@@ -166,6 +175,7 @@ class LLMEngine:
         tenant_weight: float = 1.0,
         validated: bool = False,
         cache_salt: str = "",
+        guided: GuidedMatcher | None = None,
     ) -> bool:
         """Queue a request.
 
@@ -187,6 +197,9 @@ class LLMEngine:
             validated: the caller has run ``validate_request`` on these fields against
                 this engine's model (the engine service does, once per request); the
                 engine's own checks (a live id, the KV pool) run either way.
+            guided: a fresh matcher of ``sampling_params.guided`` compiled by the caller
+                (``self.guided.matcher``, off this thread); None = compiled here.
+                The resumed tokens are fed to it; a guided request never speculates.
 
         Returns:
             True when queued, False when the waiting queue is full (retry later).
@@ -210,6 +223,9 @@ class LLMEngine:
                 tenant_weight=tenant_weight,
             )
         self._check_pool(prompt_token_ids, params)
+        if params.guided is not None:
+            guided = guided or self.guided.matcher(params.guided)
+            guided.resume(resumed)
         req = Request.create(
             request_id,
             list(prompt_token_ids),
@@ -222,9 +238,10 @@ class LLMEngine:
             tenant_weight,
             cache_salt,
         )
-        req.use_spec = (
+        req.use_spec = guided is None and (
             self.config.enable_speculative_decoding if speculative is None else speculative
         )
+        req.guided = guided
         if not self.scheduler.add_request(req):
             return False
         self._totals["requests"] += 1
@@ -305,13 +322,14 @@ class LLMEngine:
     ) -> tuple[list[RequestOutput], bool]:
         """Execute, sample and update a scheduled step: (its outputs, whether the model ran)."""
         try:
+            rows = expand_rows(sched_out.scheduled)
+            masks = self.guided_masks.start(rows)  # computed while the model runs
             logits, reqs = self.runner.execute_model(sched_out, hook)
             timings.prepare = self.runner.last_prepare_s
             timings.forward = self.runner.last_forward_s
             t_sample = time.perf_counter()
-            rows = expand_rows(sched_out.scheduled)
             assert len(rows) == len(reqs)
-            sampled = self.sampler(logits, rows) if rows else None
+            sampled = self.sampler(logits, rows, masks) if rows else None
             timings.sample = time.perf_counter() - t_sample
         except Exception:
             logger.exception(

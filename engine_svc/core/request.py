@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine_svc.core.block_pool import BlockHash
+from engine_svc.core.guided import GuidedMatcher
 from engine_svc.core.sampling_params import SamplingParams
 
 
@@ -74,6 +75,8 @@ class Request:
         tenant_id / tenant_weight: whose request it is and that tenant's share
             (fair share between tenants within a priority class; "" = anonymous).
         cache_salt: prefix-cache blocks are reused only under the same salt.
+        guided: the request's place in its output constraint (None = unconstrained);
+            advanced on every accepted token, resumed ones included.
         num_streamed: output tokens handed to the caller so far.
         num_stop_tokens: length of the matched stop (id or sequence) at the end
             of the output, withheld from the stream unless include_stop_in_output.
@@ -107,6 +110,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    guided: GuidedMatcher | None = None
 
     @classmethod
     def create(

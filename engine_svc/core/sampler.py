@@ -1,7 +1,7 @@
 """Vectorized sampling over the step's batch.
 
 Pipeline per row (all rows at once, a stage skipped when no row needs it):
-penalties → min_tokens suppression → temperature → top-k → top-p → min-p →
+penalties → min_tokens suppression → guided masks → temperature → top-k → top-p → min-p →
 draw. The draw is an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``,
 which samples exactly from ``p``. A seeded row takes its ``E`` from a
 generator seeded with ``mix(seed, output_position)``, so its tokens depend
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_svc.core.guided_mask import PendingMasks
 from engine_svc.core.request import Request, TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.models import ops
@@ -60,14 +61,22 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._row_gen = torch.Generator(device=device)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
-        """Sample one token per row of ``logits`` (row i belongs to ``requests[i]``)."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        guided: PendingMasks | None = None,
+    ) -> SamplerOutput:
+        """Sample one token per row of ``logits`` (row i belongs to ``requests[i]``);
+        ``guided``: the masks of the guided rows (``GuidedMasks.start`` over these rows)."""
         params = [r.sampling_params for r in requests]
         raw = logits
         want_lp = [p.logprobs > 0 for p in params]
         lp = torch.log_softmax(raw, dim=-1) if any(want_lp) else None
         logits = self._apply_penalties(logits, requests)
         logits = self._suppress_stops(logits, requests)
+        if guided is not None:
+            logits = guided.apply(logits)
         if all(p.greedy for p in params):
             chosen = ops.argmax_rows(logits)
         else:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine_svc.core.guided import GuidedSpec
+
 _MAX_LOGPROBS = 20
 _MAX_SEED = 2**64 - 1
 # below this a temperature is greedy: logits / 1e-30 overflow fp32 and the softmax
@@ -39,6 +41,10 @@ class SamplingParams:
             back from the stream until they are resolved.
         ignore_eos: keep going past EOS.
         include_stop_in_output: keep the matched stop token(s) in the output.
+        guided: constrain the output (a JSON schema, regex, grammar, ...): the
+            sampler masks every token the constraint forbids, EOS is allowed only
+            where the output is complete, and the request stops when the constraint
+            allows nothing more; None = unconstrained.
     """
 
     max_tokens: int = 16
@@ -56,6 +62,7 @@ class SamplingParams:
     stop_sequences: list[list[int]] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_in_output: bool = False
+    guided: GuidedSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -115,6 +122,8 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.guided is not None:
+            self.guided.validate()
         for tid in self.stop_token_ids:
             if not 0 <= tid < vocab_size:
                 raise ValueError(

@@ -431,6 +431,8 @@ class Scheduler:
             if i > 0:  # token i-1 was an accepted draft: its KV is valid
                 req.num_computed_tokens += 1
             req.append_output_token(tok)
+            if req.guided is not None:
+                req.guided.advance(tok)
             status = check_stop(req, self.config.max_model_len)
             if status is not None:
                 break

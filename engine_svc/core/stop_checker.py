@@ -32,16 +32,27 @@ def stop_holdback(out: list[int], stop_sequences: list[list[int]]) -> int:
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     """Decide whether the last appended token ends ``request``.
 
-    Order: min_tokens gate, EOS (unless ignore_eos), stop token ids, stop
-    sequences over the whole output (resumed tokens included), then length
-    (max_tokens, or the context is full). Sets ``stop_token_id`` and
-    ``num_stop_tokens`` on a stop.
+    Order: a guided request's constraint (rejected the token: error; complete
+    and allowing nothing more: stop, whatever min_tokens says), min_tokens gate,
+    EOS (unless ignore_eos), stop token ids, stop sequences over the whole output
+    (resumed tokens included), then length (max_tokens, or the context is full).
+    Sets ``stop_token_id`` and ``num_stop_tokens`` on a stop.
 
     Returns:
         The finished status, or None to keep going.
     """
     params = request.sampling_params
     out = request.output_token_ids
+    guided = request.guided
+    if guided is not None and out:
+        if guided.failed:
+            return RequestStatus.FINISHED_ERROR
+        if guided.done:
+            last = out[-1]
+            if last in request.eos_token_ids or last in params.stop_token_ids:
+                request.stop_token_id = last
+                request.num_stop_tokens = 1
+            return RequestStatus.FINISHED_STOPPED
     if len(out) >= params.min_tokens and out:
         last = out[-1]
         if (not params.ignore_eos and last in request.eos_token_ids) or (

@@ -1,7 +1,7 @@
 """``trtllm.TrtllmService`` (smg-grpc-proto) over this engine's backend.
 
 Translation functions (proto <-> domain) first, then the servicer. What this engine
-cannot apply (beam search, several sequences, guided decoding, bad words, LoRA,
+cannot apply (beam search, several sequences, bad words, LoRA,
 prompt tuning, media, KV retention, disaggregation, lookahead, logits, prompt
 logprobs) is refused with INVALID_ARGUMENT naming the field.
 
@@ -27,6 +27,7 @@ from smg_grpc_proto.generated import (  # type: ignore[import-untyped]
 
 from common.server import Context
 from engine_svc.backends.base import GenerateInput
+from engine_svc.core.guided import GuidedSpec
 from engine_svc.core.outputs import ModelInfo, RequestOutput
 from engine_svc.core.request import TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
@@ -52,7 +53,6 @@ _SAMPLING_REFUSED = (
     "no_repeat_ngram_size",
 )
 _REQUEST_REFUSED = (
-    "guided_decoding",
     "lora_config",
     "prompt_tuning_config",
     "multimodal_input",
@@ -95,6 +95,32 @@ def _refuse_unsupported(req: trtllm_service_pb2.GenerateRequest) -> None:
             raise unsupported(PROTOCOL, field, why)
 
 
+_GUIDES = {
+    trtllm_service_pb2.GuidedDecodingParams.GUIDE_TYPE_JSON_SCHEMA: "json_schema",
+    trtllm_service_pb2.GuidedDecodingParams.GUIDE_TYPE_REGEX: "regex",
+    trtllm_service_pb2.GuidedDecodingParams.GUIDE_TYPE_EBNF_GRAMMAR: "grammar",
+    trtllm_service_pb2.GuidedDecodingParams.GUIDE_TYPE_STRUCTURAL_TAG: "structural_tag",
+}
+_ANY_JSON = "{}"  # GUIDE_TYPE_JSON: any JSON value, a schema with no constraint
+
+
+def guided_from_trtllm(req: trtllm_service_pb2.GenerateRequest) -> GuidedSpec | None:
+    """The constraint of TrtllmService's ``guided_decoding`` (None when unset).
+
+    Raises:
+        ValueError: an unspecified guide type (the message names the field).
+    """
+    if not req.HasField("guided_decoding"):
+        return None
+    g = req.guided_decoding
+    if g.guide_type == trtllm_service_pb2.GuidedDecodingParams.GUIDE_TYPE_JSON:
+        return GuidedSpec("json_schema", g.guide or _ANY_JSON)
+    kind = _GUIDES.get(g.guide_type)
+    if kind is None:
+        raise ValueError(f"{PROTOCOL}: guided_decoding.guide_type must be set")
+    return GuidedSpec(kind, g.guide)
+
+
 def generate_input_from_trtllm(
     req: trtllm_service_pb2.GenerateRequest,
 ) -> tuple[GenerateInput, list[str]]:
@@ -127,6 +153,7 @@ def generate_input_from_trtllm(
         stop_token_ids=list(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
         include_stop_in_output=req.include_stop_token_in_output,
+        guided=guided_from_trtllm(req),
     )
     inp = GenerateInput(
         request_id=req.request_id,

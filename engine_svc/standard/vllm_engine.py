@@ -1,7 +1,7 @@
 """``vllm.grpc.engine.VllmEngine`` (smg-grpc-proto) over this engine's backend.
 
 Translation functions (proto <-> domain) first, then the servicer. What the request
-asks that this engine cannot apply (constrained decoding, n > 1, logit_bias, prompt
+asks that this engine cannot apply (n > 1, logit_bias, prompt
 logprobs, media, KV transfer, another data-parallel rank, text input) is refused
 with INVALID_ARGUMENT naming the field; nothing is dropped silently.
 
@@ -26,6 +26,7 @@ from smg_grpc_proto.generated import (  # type: ignore[import-untyped]
 
 from common.server import Context
 from engine_svc.backends.base import GenerateInput
+from engine_svc.core.guided import GuidedSpec
 from engine_svc.core.outputs import ModelInfo, RequestOutput
 from engine_svc.core.request import TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
@@ -67,12 +68,21 @@ def _refuse_unsupported(req: vllm_engine_pb2.GenerateRequest) -> None:
             "-1 (every token) is not offered; ask for 0..20",
         ),
     ]
-    constraint = p.WhichOneof("constraint")
-    if constraint is not None:
-        checks.append((True, f"sampling_params.{constraint}", "no constrained decoding"))
     for bad, field, why in checks:
         if bad:
             raise unsupported(PROTOCOL, field, why)
+
+
+def guided_from_vllm(p: vllm_engine_pb2.SamplingParams) -> GuidedSpec | None:
+    """The constraint of VllmEngine's ``constraint`` oneof (None when unset)."""
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):
+        return None
+    if kind == "choice":
+        return GuidedSpec.choice(p.choice.choices)
+    if kind == "json_object":
+        return GuidedSpec("json_object")
+    return GuidedSpec(kind, getattr(p, kind))  # json_schema, regex, grammar, structural_tag
 
 
 def generate_input_from_vllm(
@@ -113,6 +123,7 @@ def generate_input_from_vllm(
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         include_stop_in_output=p.include_stop_str_in_output,
+        guided=guided_from_vllm(p),
     )
     inp = GenerateInput(request_id=req.request_id, prompt_token_ids=prompt, sampling_params=params)
     return inp, list(p.stop)

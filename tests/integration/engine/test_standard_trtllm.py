@@ -103,7 +103,6 @@ def test_abort_frees_kv_blocks(
 @pytest.mark.parametrize(
     ("field", "extra"),
     [
-        ("guided_decoding", {"guided_decoding": trtllm_service_pb2.GuidedDecodingParams()}),
         ("bad_token_ids", {"bad_token_ids": [5]}),
         ("lora_config", {"lora_config": trtllm_service_pb2.LoraConfig(task_id=1)}),
         (

@@ -209,8 +209,6 @@ def test_client_cancel_frees_kv_blocks(
     ("field", "req"),
     [
         ("text", vllm_engine_pb2.GenerateRequest(request_id="t", text="hello")),
-        ("sampling_params.json_schema", vllm_request("c", PROMPT, 4, json_schema="{}")),
-        ("sampling_params.regex", vllm_request("c", PROMPT, 4, regex="a+")),
         ("sampling_params.n", vllm_request("n", PROMPT, 4, n=2)),
         ("sampling_params.logit_bias", vllm_request("b", PROMPT, 4, logit_bias={5: 1.0})),
         ("sampling_params.prompt_logprobs", vllm_request("p", PROMPT, 4, prompt_logprobs=1)),
