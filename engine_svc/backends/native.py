@@ -33,6 +33,7 @@ from engine_svc.backends.base import (
     QueueFullError,
     retry_after_ms,
 )
+from engine_svc.core.guided import GuidedMatcher
 from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason
@@ -129,12 +130,13 @@ class NativeBackend:
             )
         if self._info is not None:  # else the engine validates it (start() is not done)
             inp.validate(self._info)  # a no-op after the engine service's
+        guided = await self._compile(inp)
         out_q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[inp.request_id] = out_q
         finished = False
         try:
             fut: asyncio.Future[bool] = self._loop.create_future()
-            self._cmds.put(("add", inp, fut))
+            self._cmds.put(("add", inp, fut, guided))
             if not await fut:
                 raise QueueFullError(
                     "the engine's waiting queue is full; retry later or on another replica",
@@ -150,6 +152,19 @@ class NativeBackend:
             self._queues.pop(inp.request_id, None)
             if not finished:
                 self._cmds.put(("abort", inp.request_id))
+
+    async def _compile(self, inp: GenerateInput) -> GuidedMatcher | None:
+        """The request's guided matcher, compiled here (a worker thread for a constraint
+        not cached yet), never on the step loop; None for an unconstrained request.
+
+        Raises:
+            ValueError: the constraint is malformed (before anything is queued).
+        """
+        spec = inp.sampling_params.guided
+        if spec is None or self._engine is None:
+            return None  # not started yet: the engine compiles it
+        compiler = self._engine.guided
+        return compiler.cached(spec) or await asyncio.to_thread(compiler.matcher, spec)
 
     async def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -238,7 +253,7 @@ class NativeBackend:
             if stopping:
                 self._held.append(cmd)
             elif cmd[0] == "add" and cmd[1].request_id not in held_ids:
-                self._add(engine, cmd[1], cmd[2])
+                self._add(engine, *cmd[1:])
             elif cmd[0] == "abort" and cmd[1] not in engine.in_flight_request_ids | held_ids:
                 engine.abort_request(cmd[1])
             else:
@@ -262,12 +277,18 @@ class NativeBackend:
             if cmd[0] == "stop":
                 return False
             if cmd[0] == "add":
-                self._add(engine, cmd[1], cmd[2])
+                self._add(engine, *cmd[1:])
             elif cmd[0] == "abort":
                 engine.abort_request(cmd[1])
             self._publish(engine)
 
-    def _add(self, engine: LLMEngine, inp: GenerateInput, fut: asyncio.Future[bool]) -> None:
+    def _add(
+        self,
+        engine: LLMEngine,
+        inp: GenerateInput,
+        fut: asyncio.Future[bool],
+        guided: GuidedMatcher | None,
+    ) -> None:
         assert self._loop is not None
         try:
             ok = engine.add_request(
@@ -281,6 +302,7 @@ class NativeBackend:
                 tenant_weight=inp.tenant_weight,
                 cache_salt=inp.cache_salt,
                 validated=inp.validated,
+                guided=guided,
             )
         except ValueError as e:
             self._loop.call_soon_threadsafe(_resolve, fut, None, e)
