@@ -140,6 +140,41 @@ def check_request(request: engine_pb2.EngineGenerateRequest, engine: str) -> Non
         )
 
 
+def guided_constraint(
+    request: engine_pb2.EngineGenerateRequest, engine: str
+) -> tuple[str, str | list[str]] | None:
+    """The request's guided-decoding constraint as (llm.v1 field name, value), for a
+    standard protocol to carry; None when unconstrained.
+
+    Raises:
+        grpc.aio.AioRpcError: INVALID_ARGUMENT for a Lark grammar (no standard protocol
+            takes one) and for a guided request resumed after a failover (the protocols
+            resume by extending the prompt, where the constraint would start over).
+    """
+    g = request.sampling.guided
+    kind = g.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not g.json_object):
+        return None
+    if kind == "lark_grammar":
+        raise refuse(
+            "sampling.guided.lark_grammar",
+            engine,
+            "the standard protocols take JSON schemas, regexes, GBNF grammars, choices and "
+            "structural tags, not Lark",
+        )
+    if request.resumed_output_token_ids:
+        raise refuse(
+            f"sampling.guided.{kind}",
+            engine,
+            "a resumed stream continues as a longer prompt, where the constraint would start over",
+        )
+    if kind == "choice":
+        return kind, list(g.choice.choices)
+    if kind == "json_object":
+        return kind, ""
+    return kind, str(getattr(g, kind))
+
+
 def cache_salt(salt: str) -> int:
     """The request's prefix-cache salt (``EngineGenerateRequest.cache_salt``: the tenant's
     or its cache group's) as an int64, for protocols whose salt is a number."""

@@ -11,6 +11,9 @@ EngineGenerateRequest      ->  GenerateRequest (tokenized, SamplingConfig,
   speculative_decoding,    ->  refused (INVALID_ARGUMENT naming the field)
   stop_sequences
   include_stop_in_output   ->  include_stop_token_in_output
+  sampling.guided          ->  guided_decoding (json_object as the schema {"type":
+                               "object"}, choice as an EBNF grammar); lark_grammar, and
+                               a guided request resumed after failover, refused
 EngineGenerateResponse     <-  GenerateStreamChunk / GenerateComplete (cached tokens
                                reported: the cache is salted per tenant)
 EngineStats                <-  no load RPC on this protocol: only max_num_seqs (the
@@ -22,6 +25,7 @@ health                     <-  HealthCheck polled (+ grpc.health.v1 where offere
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,11 +39,39 @@ from gateway.fleet.engine_client.standard import (
     WirePiece,
     cache_salt,
     check_request,
+    guided_constraint,
     last_piece,
     position_logprobs,
     resumed_prompt,
 )
 from llm.v1 import common_pb2, engine_pb2
+
+_GUIDE = pb.GuidedDecodingParams
+_GUIDE_TYPES = {
+    "json_schema": _GUIDE.GUIDE_TYPE_JSON_SCHEMA,
+    "regex": _GUIDE.GUIDE_TYPE_REGEX,
+    "grammar": _GUIDE.GUIDE_TYPE_EBNF_GRAMMAR,
+    "structural_tag": _GUIDE.GUIDE_TYPE_STRUCTURAL_TAG,
+}
+_ANY_OBJECT = '{"type": "object"}'  # the protocol's GUIDE_TYPE_JSON is any JSON value
+
+
+def guided_decoding(
+    request: engine_pb2.EngineGenerateRequest, engine: str
+) -> pb.GuidedDecodingParams | None:
+    """TrtllmService's guided_decoding of an llm.v1 constraint: a JSON object as the schema
+    ``{"type": "object"}``, a choice as the EBNF grammar ``root ::= "a" | "b"``."""
+    guided = guided_constraint(request, engine)
+    if guided is None:
+        return None
+    kind, value = guided
+    if kind == "json_object":
+        return _GUIDE(guide_type=_GUIDE.GUIDE_TYPE_JSON_SCHEMA, guide=_ANY_OBJECT)
+    if kind == "choice":
+        options = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+        return _GUIDE(guide_type=_GUIDE.GUIDE_TYPE_EBNF_GRAMMAR, guide=f"root ::= {options}")
+    assert isinstance(value, str)
+    return _GUIDE(guide_type=_GUIDE_TYPES[kind], guide=value)
 
 
 def generate_request(request: engine_pb2.EngineGenerateRequest, engine: str) -> pb.GenerateRequest:
@@ -83,6 +115,7 @@ def generate_request(request: engine_pb2.EngineGenerateRequest, engine: str) -> 
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
         include_stop_token_in_output=p.include_stop_in_output,
+        guided_decoding=guided_decoding(request, engine),
     )
 
 

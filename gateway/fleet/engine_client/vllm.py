@@ -7,6 +7,8 @@ EngineGenerateRequest      ->  GenerateRequest (tokenized, SamplingParams, strea
   seed (uint64)            ->  seed (int32): one above 2^31-1 is refused
   speculative_decoding,    ->  refused (INVALID_ARGUMENT naming the field)
   stop_sequences
+  sampling.guided          ->  the constraint oneof (same names); lark_grammar, and a
+                               guided request resumed after failover, refused
 EngineGenerateResponse     <-  GenerateStreamChunk / GenerateComplete
   usage.cached_prompt_tokens <- 0: the protocol has no cache salt, so the engine's
                                prefix cache is shared by every tenant and its hit
@@ -29,6 +31,7 @@ from gateway.fleet.engine_client.standard import (
     StandardStream,
     WirePiece,
     check_request,
+    guided_constraint,
     last_piece,
     position_logprobs,
     resumed_prompt,
@@ -69,6 +72,15 @@ def sampling_params(request: engine_pb2.EngineGenerateRequest, engine: str) -> p
                 "sampling.seed", engine, f"VllmEngine's seed is an int32 (at most {MAX_SEED})"
             )
         out.seed = p.seed
+    guided = guided_constraint(request, engine)
+    if guided is not None:  # the constraint oneof has llm.v1's field names
+        kind, value = guided
+        if kind == "choice":
+            out.choice.choices.extend(value)
+        elif kind == "json_object":
+            out.json_object = True
+        else:
+            setattr(out, kind, value)
     return out
 
 
