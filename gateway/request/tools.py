@@ -30,6 +30,7 @@ from llm.v1 import common_pb2, gateway_pb2
 MAX_TOOLS = 128
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 MODES = ("auto", "none", "required")
+_WHOLE_ENDS = (common_pb2.STOP, common_pb2.LENGTH)
 
 
 @dataclass(slots=True)
@@ -156,6 +157,7 @@ class OutputShaper:
     _parser: ToolParser | None = None
     _think: ThinkSplitter | None = None
     _buf: list[str] = field(default_factory=list)
+    _ends: tuple[int, ...] = ()
     num_calls: int = 0
 
     def __post_init__(self) -> None:
@@ -163,6 +165,10 @@ class OutputShaper:
             self._parser = PARSERS[self.plan.parser]()
         if self.plan.reasoning:
             self._think = ThinkSplitter()
+        # the finish reasons a turn with calls reports as TOOL_CALLS: parsed calls are
+        # whole even when the output ran on to max_tokens; a named call's arguments are
+        # cut there
+        self._ends = (common_pb2.STOP,) if self.plan.mode == "named" else _WHOLE_ENDS
 
     def apply(self, chunk: Chunk) -> Chunk:
         """Move the chunk's text into content, reasoning and tool call deltas."""
@@ -176,7 +182,7 @@ class OutputShaper:
         content, calls = self._content(text, last)
         chunk.text = content
         chunk.tool_calls = self._deltas(calls)
-        if last and self.num_calls and chunk.finish_reason == common_pb2.STOP:
+        if last and self.num_calls and chunk.finish_reason in self._ends:
             chunk.finish_reason = common_pb2.TOOL_CALLS
         return chunk
 
