@@ -113,6 +113,7 @@ def test_enums() -> None:
         "LENGTH": 2,
         "CANCELLED": 3,
         "ERROR": 4,
+        "TOOL_CALLS": 5,
     }
     assert dict(common_pb2.Priority.items()) == {
         "PRIORITY_UNSPECIFIED": 0,
