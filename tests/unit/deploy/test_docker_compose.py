@@ -35,6 +35,7 @@ MODULE_OF = {
 @dataclass
 class Stage:
     base: str
+    name: str = ""  # FROM ... AS name
     instructions: list[tuple[str, str]] = field(default_factory=list)
 
     def all(self, op: str) -> list[str]:
@@ -53,9 +54,9 @@ def parse_dockerfile(path: Path) -> tuple[dict[str, str], list[Stage]]:
         op, _, rest = line.partition(" ")
         op = op.upper()
         if op == "FROM":
-            base = rest.split()[0]
+            base, *alias = rest.split()
             base = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), base)
-            stages.append(Stage(base))
+            stages.append(Stage(base, alias[1] if len(alias) == 2 else ""))
         elif stages:
             stages[-1].instructions.append((op, rest.strip()))
         elif op == "ARG" and "=" in rest:
@@ -66,10 +67,26 @@ def parse_dockerfile(path: Path) -> tuple[dict[str, str], list[Stage]]:
 
 def test_there_is_a_dockerfile_per_service() -> None:
     names = {p.name.removesuffix(".Dockerfile") for p in DOCKERFILES}
-    assert names == {"tokenizer", "engine", "trtllm-serve", "gateway", "envoy"}
+    # model: a checkpoint as an image layer (data only), the services' images the rest
+    assert names == {"tokenizer", "engine", "trtllm-serve", "gateway", "envoy", "model"}
 
 
-@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+SERVICE_DOCKERFILES = [p for p in DOCKERFILES if p.name != "model.Dockerfile"]
+
+
+def test_the_model_image_is_a_checkpoint_and_nothing_else() -> None:
+    """No process runs from it (FROM scratch): pods mount it as a read-only volume."""
+    args, stages = parse_dockerfile(DOCKER / "model.Dockerfile")
+    by_name = {s.name: s for s in stages}
+    assert by_name["checkpoint"].base == by_name["smollm2"].base == "scratch"
+    assert by_name["checkpoint"].all("COPY") == [". /"]  # the build context: your checkpoint
+    assert stages[-1].name == "smollm2"  # the default target
+    assert stages[-1].all("COPY") == ["--from=convert /tmp/model /"]
+    assert by_name["convert"].base == args["ENGINE_IMAGE"] == "llm-stack/engine:latest"
+    assert "engine_tools.prepare_model --model-dir /tmp/model" in by_name["convert"].all("RUN")[0]
+
+
+@pytest.mark.parametrize("path", SERVICE_DOCKERFILES, ids=lambda p: p.name)
 def test_final_stage_is_slim_non_root_and_health_checked(path: Path) -> None:
     _, stages = parse_dockerfile(path)
     final = stages[-1]
@@ -199,8 +216,11 @@ def test_compose_references_resolve(compose: dict[str, Any]) -> None:
             image = svc["image"]
             assert "/" in image or ":" in image
         for vol in svc.get("volumes", []):
-            src = vol["source"] if isinstance(vol, dict) else vol.split(":")[0]
-            if src.startswith("${"):  # a host path the operator names
+            src = vol["source"] if isinstance(vol, dict) else vol.split(":/")[0]
+            default = re.fullmatch(r"\$\{\w+:-([\w-]+)\}", src)
+            if default:  # a host path the operator may name, else a declared volume
+                assert default.group(1) in volumes, f"{name}: volume {src} not declared"
+            elif src.startswith("${"):  # a host path the operator names
                 assert ":?" in src, f"{name}: {src} must be required, not defaulted"
             elif src.startswith("."):
                 assert (DEPLOY / src).exists(), f"{name}: {src} missing"
@@ -270,3 +290,19 @@ def test_envoy_mounts_the_tls_directory_its_config_reads(compose: dict[str, Any]
     (certificate,) = tls_context(cfg)["common_tls_context"]["tls_certificates"]
     assert certificate["certificate_chain"]["filename"] == f"{CONTAINER_TLS_DIR}/tls.crt"
     assert certificate["private_key"]["filename"] == f"{CONTAINER_TLS_DIR}/tls.key"
+
+
+def test_engine_and_tokenizer_serve_one_model_from_one_source(compose: dict[str, Any]) -> None:
+    """MODELS (a host directory of checkpoints) replaces the "models" volume and
+    MODEL_NAME picks one: the engine and the tokenizer load the same directory and
+    serve it under the same name, SmolLM2 from the volume when neither is set."""
+    services = compose["services"]
+    model_dir = "/models/${MODEL_NAME:-SmolLM2-135M-Instruct}"
+    for name in ("engine", "tokenizer"):
+        env = env_of(services[name])
+        assert services[name]["volumes"] == ["${MODELS:-models}:/models:ro"]
+        assert env["LLM_MODEL_DIR"] == model_dir
+        assert env[f"LLM_{name.upper()}_MODEL_NAME"] == "${MODEL_NAME:-SmolLM2-135M-Instruct}"
+    model = services["model"]  # the default's one-shot conversion, into the volume
+    assert model["volumes"] == ["models:/models"]
+    assert model["command"] == ["--model-dir", "/models/SmolLM2-135M-Instruct"]

@@ -398,3 +398,30 @@ def test_network_policies_allow_only_the_call_graph(docs: list[Doc]) -> None:
     assert backends["egress"] == []
     selected = set(backends["podSelector"]["matchExpressions"][0]["values"])
     assert selected == {"engine", "tokenizer", "redis"}
+
+
+def test_engine_and_tokenizer_mount_one_model_image_and_convert_nothing(docs: list[Doc]) -> None:
+    """The model is an image layer (deploy/docker/model.Dockerfile) mounted read-only where
+    the ConfigMap's model_dir points, the same image for the engines and the tokenizer;
+    no pod prepares or copies a model at start."""
+    stack = yaml.safe_load(find(docs, "ConfigMap", "llm-stack-config")["data"]["stack.yaml"])
+    model_dirs = {
+        "engine": stack["engine_core"]["model_dir"],
+        "tokenizer": stack["tokenizer"]["model_dir"],
+    }
+    assert stack["tokenizer"]["model_name"] == stack["engine"]["model_name"]
+    images = set()
+    for name, model_dir in model_dirs.items():
+        spec = pod_spec(find(docs, "Deployment", name))
+        (volume,) = [v for v in spec["volumes"] if "image" in v]
+        images.add(volume["image"]["reference"])
+        (mount,) = [
+            m
+            for m in container(find(docs, "Deployment", name), name)["volumeMounts"]
+            if m["name"] == volume["name"]
+        ]
+        assert mount == {"name": volume["name"], "mountPath": model_dir, "readOnly": True}
+        assert "initContainers" not in spec
+    assert images == {"llm-stack/model:latest"}
+    for doc in docs:
+        assert "prepare_model" not in yaml.safe_dump(doc), doc["metadata"]["name"]

@@ -184,7 +184,7 @@ def test_the_server_runs_the_renderers_arguments_on_the_rendered_options(
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert c[probe]["tcpSocket"] == {"port": "grpc"}, probe
     inits = {i["name"]: i for i in pod_spec(engine)["initContainers"]}
-    assert list(inits) == ["prepare-model", "quantize-fp8", "render-options"]  # in this order
+    assert list(inits) == ["quantize-fp8", "render-options"]  # in this order
     render_cmd = inits["render-options"]["command"]
     config_mount = next(
         m for m in inits["render-options"]["volumeMounts"] if m["name"] == "trtllm-config"
@@ -194,6 +194,11 @@ def test_the_server_runs_the_renderers_arguments_on_the_rendered_options(
     assert out == trtllm_options.OPTIONS_PATH
     quantize = inits["quantize-fp8"]["command"]
     assert quantize[quantize.index("--out") + 1] == core.model_dir  # the FP8 export is served
+    # of the model image's checkpoint, as the base mounts it (no per-pod conversion)
+    (image,) = [v for v in pod_spec(engine)["volumes"] if "image" in v]
+    assert image["image"]["reference"] == "llm-stack/model:latest"
+    (mount,) = [m for m in inits["quantize-fp8"]["volumeMounts"] if m["name"] == image["name"]]
+    assert quantize[quantize.index("--model") + 1] == mount["mountPath"]
     # the options file reaches the server through a volume both mount
     (options_mount,) = [m for m in c["volumeMounts"] if m["name"] == "trtllm-options"]
     assert Path(out).parent == Path(options_mount["mountPath"])
