@@ -80,9 +80,6 @@ def test_vllm_fields_map_to_the_engine() -> None:
     ("field", "req"),
     [
         ("text", vllm_engine_pb2.GenerateRequest(request_id="r", text="hi")),
-        ("sampling_params.choice", vreq(choice=vllm_engine_pb2.ChoiceConstraint(choices=["a"]))),
-        ("sampling_params.json_object", vreq(json_object=True)),
-        ("sampling_params.grammar", vreq(grammar="root ::= 'a'")),
         ("sampling_params.n", vreq(n=3)),
         ("sampling_params.truncate_prompt_tokens", vreq(truncate_prompt_tokens=5)),
         (

@@ -29,7 +29,9 @@ CASES = [
 ]
 
 
-def request(guided: common_pb2.GuidedDecoding, resumed: list[int] | None = None) -> object:
+def request(
+    guided: common_pb2.GuidedDecoding, resumed: list[int] | None = None
+) -> engine_pb2.EngineGenerateRequest:
     return engine_pb2.EngineGenerateRequest(
         request_id="g",
         prompt_token_ids=[1, 2, 3],
@@ -82,5 +84,5 @@ def test_trtllm_unspecified_guide_type_is_refused() -> None:
     req = trtllm_service_pb2.GenerateRequest(
         guided_decoding=trtllm_service_pb2.GuidedDecodingParams(guide="x")
     )
-    with pytest.raises(ValueError, match="guided_decoding.guide_type"):
+    with pytest.raises(ValueError, match=r"guided_decoding\.guide_type"):
         guided_from_trtllm(req)
