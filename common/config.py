@@ -59,6 +59,9 @@ class ServiceConfig:
         reuse_port: Share the listening ports with sibling processes (SO_REUSEPORT);
             set by a supervisor for its workers; off otherwise, so a second process on
             a taken port fails to start.
+        otlp_protocol: How traces and metrics go to the OTLP endpoint (set by the
+            standard ``OTEL_EXPORTER_OTLP_ENDPOINT``): ``grpc`` or ``http/protobuf``
+            ("" = the standard ``OTEL_EXPORTER_OTLP_PROTOCOL``, else ``grpc``).
     """
 
     host: str = "127.0.0.1"
@@ -71,6 +74,7 @@ class ServiceConfig:
     service_token_file: str = ""
     max_message_bytes: int = 4 * 1024 * 1024
     reuse_port: bool = False
+    otlp_protocol: str = ""
 
 
 C = TypeVar("C")

@@ -159,7 +159,7 @@ def bind(server: grpc.aio.Server, address: str, tls: ServerTls | None) -> int:
 
 async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully. Returns after cleanup."""
-    tracing.setup(name)
+    tracing.setup(name, config.otlp_protocol)
     try:
         await _serve(name, config, hooks)
     finally:

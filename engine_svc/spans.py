@@ -53,7 +53,11 @@ class EngineTrace:
             "engine.generate",
             context=tracing.parent_from_traceparent(_traceparent(metadata)),
             kind=trace.SpanKind.SERVER,
-            attributes={"gen_ai.request.model": model},
+            attributes={
+                "gen_ai.operation.name": "text_completion",  # token ids in, token ids out
+                "gen_ai.request.model": model,
+                "gen_ai.response.model": model,
+            },
         )
         self.last: RequestOutput | None = None  # the servicer keeps it current
 
@@ -65,6 +69,9 @@ class EngineTrace:
                 "llm.tenant_id": inp.tenant_id,
                 "llm.priority": inp.priority,
                 "gen_ai.request.max_tokens": inp.sampling_params.max_tokens,
+                "gen_ai.request.temperature": inp.sampling_params.temperature,
+                "gen_ai.request.top_p": inp.sampling_params.top_p,
+                "gen_ai.response.id": inp.request_id,
                 "llm.resumed_tokens": len(inp.resumed_output_token_ids),
             }
         )
@@ -90,6 +97,8 @@ class EngineTrace:
                     "llm.finish_reason": str(out.finish_reason or ""),
                 }
             )
+            if out.finish_reason is not None:
+                self.span.set_attribute("gen_ai.response.finish_reasons", [str(out.finish_reason)])
         if failure:
             tracing.end_with_error(self.span, failure)
         else:

@@ -158,7 +158,7 @@ class Pipeline:
         tenant_id = ""  # set once authenticated: then the request is recorded
         outcome = Outcome()
         if (tracer := tracing.tracer()) is not None:
-            call.trace = RequestTrace(tracer, call, start)  # its trace id is the logs' too
+            call.trace = RequestTrace(tracer, call, start, request)  # its trace id: the logs'
         structlog.contextvars.bind_contextvars(request_id=call.request_id, trace_id=call.trace_id)
         try:
             self.in_flight.enter()

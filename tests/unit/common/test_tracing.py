@@ -1,4 +1,6 @@
-"""common.tracing: the standard OTEL_* variables decide whether a service traces."""
+"""common.tracing: the standard OTEL_* variables decide whether a service traces and
+exports metrics, and over which OTLP transport (gRPC, or HTTP with protobuf bodies:
+spans and metrics reach a real receiver on loopback)."""
 
 from __future__ import annotations
 
@@ -8,13 +10,19 @@ import pytest
 from opentelemetry.sdk.trace import Tracer
 from opentelemetry.trace import get_current_span
 
-from common import tracing
+from common import genai, tracing
+from tests.support.otlp_http import OtlpHttpReceiver, Received
 
 OTEL_VARS = (
     "OTEL_SDK_DISABLED",
     "OTEL_TRACES_EXPORTER",
+    "OTEL_METRICS_EXPORTER",
     "OTEL_EXPORTER_OTLP_ENDPOINT",
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL",
     "OTEL_SERVICE_NAME",
     "OTEL_RESOURCE_ATTRIBUTES",
     "OTEL_TRACES_SAMPLER",
@@ -98,3 +106,59 @@ def test_remote_parent_and_traceparent_round_trip() -> None:
     assert (read.trace_id, read.span_id) == (int(trace_id, 16), int(span_id, 16))
     assert read.is_remote
     provider.shutdown()
+
+
+def test_the_protocol_key_then_the_standard_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tracing.otlp_protocol() == "grpc"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    assert tracing.otlp_protocol() == "http/protobuf"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    assert tracing.otlp_protocol(signal="TRACES") == "grpc"
+    assert tracing.otlp_protocol(signal="METRICS") == "http/protobuf"
+    assert tracing.otlp_protocol("http/protobuf", "TRACES") == "http/protobuf"
+
+
+@pytest.mark.parametrize("bad", ["http/json", "zipkin"])
+def test_an_unsupported_protocol_is_refused(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="not supported"):
+        tracing.setup("gateway", bad)
+
+
+def test_metrics_follow_their_own_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9")
+    assert tracing.setup("gateway") is True
+    assert tracing.meter() is None  # no endpoint for metrics
+    tracing.shutdown()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "none")
+    tracing.setup("gateway")
+    assert tracing.meter() is None
+    assert tracing.tracer() is not None
+
+
+def _exported(got: Received) -> bool:
+    return bool(got.spans) and "gen_ai.client.token.usage" in got.points
+
+
+@pytest.mark.parametrize("how", ["key", "env"])
+def test_spans_and_metrics_over_http(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    with OtlpHttpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        if how == "env":
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        assert tracing.setup("probe", "http/protobuf" if how == "key" else "") is True
+        tracer, instruments = tracing.tracer(), genai.instruments(tracing.meter())
+        assert tracer is not None
+        assert instruments is not None
+        tracer.start_span("probe.span", attributes={"gen_ai.operation.name": "chat"}).end()
+        instruments.token_usage.record(7, {"gen_ai.token.type": "input"})
+        tracing.shutdown()  # flushes both
+        got = receiver.wait(_exported)
+    assert {"/v1/traces", "/v1/metrics"} <= set(got.paths)
+    (span,) = got.spans
+    assert (span.service, span.name) == ("probe", "probe.span")
+    assert span.attributes["gen_ai.operation.name"] == "chat"
+    (point,) = got.points["gen_ai.client.token.usage"]
+    assert (point.unit, point.sum, point.count) == ("{token}", 7, 1)
+    assert point.bounds[:3] == [1, 4, 16]
