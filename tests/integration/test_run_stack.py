@@ -31,6 +31,7 @@ from llm.v1 import (
     tokenizer_pb2_grpc,
 )
 from tests.conftest import ENGINE_TEST_ENV
+from tests.unit.deploy.helpers import OPENSSL_WHY, require_tool
 
 pytestmark = pytest.mark.integration
 SECOND = "smol-second"
@@ -67,6 +68,7 @@ def stack_env(run_dir: Path) -> dict[str, str]:
 def start_stack(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
     """``python -m scripts.run_stack ARGS`` (what make run starts) and its banner, read
     until the stack is up (or the process ends)."""
+    require_tool("openssl", OPENSSL_WHY)
     proc = subprocess.Popen(
         [sys.executable, "-m", "scripts.run_stack", *args],
         cwd=ROOT,

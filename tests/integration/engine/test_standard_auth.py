@@ -36,6 +36,7 @@ from deploy.envoy.tls import TlsFiles, ensure_local_tls, openssl
 from llm.v1 import engine_pb2, engine_pb2_grpc
 from tests.conftest import ENGINE_TEST_ENV
 from tests.integration.engine.test_standard_vllm import PROMPT, vllm_request
+from tests.unit.deploy.helpers import OPENSSL_WHY, require_tool
 
 # an engine start measures its kernels first: minutes on a loaded machine
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -75,6 +76,7 @@ def issue_client_cert(ca: TlsFiles, out: Path, name: str) -> tuple[Path, Path]:
 
 
 def make_pki(root: Path) -> Pki:
+    require_tool("openssl", OPENSSL_WHY)
     tls = ensure_local_tls(root / "tls")
     cert, key = issue_client_cert(tls, root, "gateway")
     other = ensure_local_tls(root / "other")

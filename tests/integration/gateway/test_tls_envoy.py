@@ -32,6 +32,7 @@ from deploy.envoy import EnvoyProcess
 from deploy.envoy.tls import TlsFiles, ensure_local_tls
 from llm.v1 import admin_pb2, admin_pb2_grpc, gateway_pb2_grpc
 from tests.integration.gateway.conftest import ADMIN_KEY, HttpGateway, chat
+from tests.unit.deploy.helpers import OPENSSL_WHY, require_tool
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +54,7 @@ class TlsEdge:
 
 @pytest.fixture(scope="module")
 def edge(http_gateway: HttpGateway, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsEdge]:
+    require_tool("openssl", OPENSSL_WHY)
     workdir = tmp_path_factory.mktemp("envoy-tls")
     tls = ensure_local_tls(workdir / "tls")
     # TLS as envoy.yaml has it; only the certificate and key are this test's

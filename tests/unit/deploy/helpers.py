@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from common.config import ROOT
@@ -81,3 +84,22 @@ def cluster_acl_lines(key_prefix: str) -> list[str]:
         f"user {REPLICATION_USER} on >%s {REPLICATION_RULES}",
         f"user {ADMIN_USER} on >%s {ADMIN_RULES}",
     ]
+
+
+def require_tool(name: str, why: str, found: str | None = None) -> str:
+    """The path of the command ``name`` (``found`` when the caller looked further than
+    PATH); without one, a skip that names the tool, what needs it and how to get it, and
+    a failure under CI=true, where a skip would hide a part of the set-up."""
+    path = found or shutil.which(name)
+    if path is None:
+        message = f"{name} not found: {why}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+OPENSSL_WHY = (
+    "make run and these tests make the local CA and Envoy's certificate with it "
+    "(Debian/Ubuntu: apt-get install openssl)"
+)

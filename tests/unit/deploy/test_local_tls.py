@@ -15,6 +15,12 @@ from deploy.envoy.tls import (
     ensure_local_tls,
     server_problem,
 )
+from tests.unit.deploy.helpers import OPENSSL_WHY, require_tool
+
+
+@pytest.fixture(autouse=True)
+def _openssl() -> None:
+    require_tool("openssl", OPENSSL_WHY)
 
 
 def handshake(files: TlsFiles, server_name: str, ca: Path | None = None) -> str:

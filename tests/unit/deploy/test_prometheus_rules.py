@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from common.config import ROOT
-from tests.unit.deploy.helpers import DEPLOY
+from tests.unit.deploy.helpers import DEPLOY, require_tool
 from tests.unit.deploy.promql import RULES, recorded, rule_files, rules
 
 PROMETHEUS = DEPLOY / "prometheus"
@@ -40,16 +40,12 @@ def find_promtool() -> str | None:
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    found = find_promtool()
-    if found is None:
-        why = (
-            "promtool not found: run `make promtool` (Debian's prometheus package, "
-            "unpacked without root), install the 'prometheus' package, or set $PROMTOOL"
-        )
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    return found
+    return require_tool(
+        "promtool",
+        "run `make promtool` (Debian's prometheus package, unpacked without root), install "
+        "the 'prometheus' package, or set $PROMTOOL",
+        found=find_promtool(),
+    )
 
 
 def run(promtool: str, *args: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
