@@ -60,7 +60,7 @@ class ServiceConfig:
             set by a supervisor for its workers; off otherwise, so a second process on
             a taken port fails to start.
         otlp_protocol: How traces and metrics go to the OTLP endpoint (set by the
-            standard ``OTEL_EXPORTER_OTLP_ENDPOINT``): ``grpc`` or ``http/protobuf``
+            standard ``OTEL_EXPORTER_OTLP_ENDPOINT``): ``grpc`` or ``"http/protobuf"``
             ("" = the standard ``OTEL_EXPORTER_OTLP_PROTOCOL``, else ``grpc``).
     """
 
