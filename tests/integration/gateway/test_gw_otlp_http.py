@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.procs import ManagedProcess
 from common.redis_server import RedisServer
@@ -111,6 +112,11 @@ def scrape_spend(gw: GatewayProcess, tenant: str, model: str) -> float:
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(url, timeout=10) as r:
         text = r.read().decode()
-    want = f'gateway_tenant_spend_usd_total{{tenant="{tenant}",model="{model}"}} '
-    (line,) = [ln for ln in text.splitlines() if ln.startswith(want)]
-    return float(line.split()[-1])
+    (value,) = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "gateway_tenant_spend_usd_total"
+        and s.labels == {"tenant": tenant, "model": model}
+    ]
+    return float(value)
