@@ -10,7 +10,9 @@ The engine core stays free of tracing: the phase spans are made afterwards, with
 explicit start and end times, from the ``RequestOutput`` timestamps (engine
 clock: ``time.monotonic()``) of the last output the servicer saw. A request that
 ended early (cancelled, deadline, error) gets the phases it reached, the last
-one ending when the stream did. Built only while tracing is on.
+one ending when the stream did. Built only while tracing is on; while OTLP metrics
+are on too, the same timestamps make the engine's GenAI server metrics
+(``common.genai``: request duration, time to first token, time per output token).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterable
 import grpc
 from opentelemetry import trace
 
-from common import tracing
+from common import genai, tracing
 from engine_svc.backends.base import GenerateInput
 from engine_svc.core.outputs import RequestOutput
 from engine_svc.core.request import FinishReason
@@ -48,7 +50,7 @@ class EngineTrace:
     def __init__(
         self, tracer: trace.Tracer, metadata: Iterable[tuple[str, str | bytes]], model: str
     ) -> None:
-        self._tracer = tracer
+        self._tracer, self._model = tracer, model
         self.span = tracer.start_span(
             "engine.generate",
             context=tracing.parent_from_traceparent(_traceparent(metadata)),
@@ -88,6 +90,7 @@ class EngineTrace:
             failure = "ERROR" if out.finish_reason == FinishReason.ERROR else ""
         if out is not None:
             self._phases(out)
+            self._record_metrics(out, failure)
             self.span.set_attributes(
                 {
                     "gen_ai.usage.input_tokens": out.num_prompt_tokens,
@@ -116,3 +119,23 @@ class EngineTrace:
                 return
             span = self._tracer.start_span(name, context=context, start_time=wall(start))
             span.end(end_time=wall(stop if end is None else end))
+
+    def _record_metrics(self, out: RequestOutput, failure: str) -> None:
+        instruments = genai.instruments(tracing.meter())
+        if instruments is None:
+            return
+        common = {
+            genai.OPERATION: "text_completion",
+            genai.REQUEST_MODEL: self._model,
+            genai.RESPONSE_MODEL: self._model,
+        }
+        end = out.finished_time if out.finished_time is not None else time.monotonic()
+        failed = {genai.ERROR_TYPE: failure} if failure else {}
+        instruments.request_duration.record(end - out.arrival_time, {**common, **failed})
+        first = out.first_token_time
+        if failure or first is None:
+            return
+        instruments.time_to_first_token.record(first - out.arrival_time, common)
+        generated = out.num_output_tokens - out.num_resumed_tokens
+        if generated > 1:
+            instruments.time_per_output_token.record((end - first) / (generated - 1), common)
