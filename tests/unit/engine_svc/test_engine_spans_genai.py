@@ -4,7 +4,6 @@ from the outputs' own timestamps (the scripted backend of test_engine_spans)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import pytest
@@ -13,6 +12,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from common import tracing
+from tests.support.otel import points
 from tests.unit.engine_svc.test_engine_spans import (
     DECODE_S,
     PREFILL_S,
@@ -32,17 +32,6 @@ def reader() -> Iterator[InMemoryMetricReader]:
         yield got
     finally:
         tracing.use_meter_provider(None)
-
-
-def points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
-    data = reader.get_metrics_data()
-    assert data is not None
-    return {
-        m.name: list(m.data.data_points)
-        for rm in data.resource_metrics
-        for sm in rm.scope_metrics
-        for m in sm.metrics
-    }
 
 
 def test_the_engine_span_has_genai_attributes(exporter: InMemorySpanExporter) -> None:  # noqa: F811
@@ -78,4 +67,4 @@ def test_a_refusal_records_no_timings(
 ) -> None:
     assert generate(ScriptedBackend("full")) == grpc.StatusCode.RESOURCE_EXHAUSTED
     # refused before any output: nothing to time (the span says why)
-    assert reader.get_metrics_data() is None or not points(reader)
+    assert not points(reader)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import grpc
 import pytest
@@ -19,6 +18,7 @@ from common import tracing
 from gateway.domain import CallContext
 from gateway.spans import FIRST_TOKEN, RequestTrace
 from llm.v1 import common_pb2, gateway_pb2
+from tests.support.otel import points
 
 
 @pytest.fixture
@@ -30,18 +30,6 @@ def otel() -> Iterator[tuple[TracerProvider, InMemorySpanExporter, InMemoryMetri
     yield provider, exp, reader
     tracing.shutdown()
     provider.shutdown()
-
-
-def points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
-    """Metric name -> its histogram data points."""
-    data = reader.get_metrics_data()
-    assert data is not None
-    return {
-        m.name: list(m.data.data_points)
-        for rm in data.resource_metrics
-        for sm in rm.scope_metrics
-        for m in sm.metrics
-    }
 
 
 def chat_request() -> gateway_pb2.GenerateRequest:
@@ -133,4 +121,4 @@ def test_no_meter_no_metrics(
     tracing.use_meter_provider(None)
     run_request(provider, chat_request(), grpc.StatusCode.OK)
     assert exp.get_finished_spans()
-    assert reader.get_metrics_data() is None or not points(reader)
+    assert not points(reader)
