@@ -78,8 +78,7 @@ def configure_logging(service: str, level: str = "info", fmt: str = "auto") -> N
 def _capture_stderr(service: str) -> TextIO:
     """Point file descriptor 2 at a pipe whose lines become log events; returns a stream
     on the real stderr for the loggers. Once per process (a later call reuses it). The
-    lines are read from the first structlog event of the pipe's reader, so after
-    ``structlog.configure``."""
+    pipe's reader is started by ``configure_logging`` once structlog is configured."""
     if _real_stderr:
         return _real_stderr[0]
     try:
@@ -101,7 +100,8 @@ def _capture_stderr(service: str) -> TextIO:
         # written what is left (a crash's traceback included)
         sys.stderr.flush()
         os.dup2(real.fileno(), 2)
-        reader.join(timeout=2)
+        if reader.is_alive():
+            reader.join(timeout=2)
 
     _start_reader.append(reader.start)
     atexit.register(restore)
@@ -116,14 +116,14 @@ def _forward_lines(read_fd: int, out: TextIO, service: str) -> None:
     """Each line written to fd 2: passed on when it already is a JSON object (a child
     service's own log), else wrapped as a warning event."""
     log = structlog.get_logger(component="stderr").bind(service=service)
+    passed_on = structlog.PrintLogger(out)  # shares the loggers' lock on ``out``
     with open(read_fd, "rb") as pipe:
         for raw in pipe:
             line = raw.decode("utf-8", "backslashreplace").rstrip("\r\n")
             if not line.strip():
                 continue
             if _is_json_object(line):
-                out.write(line + "\n")
-                out.flush()
+                passed_on.msg(line)
             else:
                 log.warning(line)
 

@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent(
     warnings.warn("a library warning")
     os.write(2, b"native line one\\nnative line two\\n")
     subprocess.run(["sh", "-c", "echo compiler output >&2"], check=True)
+    os.write(2, b'{"event": "a child service", "service": "child"}\n')
     """
 )
 
@@ -59,7 +60,9 @@ def test_every_line_is_a_json_object() -> None:
     for raw in ("native line one", "native line two", "compiler output"):
         assert by_event[raw]["component"] == "stderr", raw
         assert by_event[raw]["service"] == "probe"
-    assert all("timestamp" in e for e in got)
+    # a child service's own JSON line is passed on as it is, not wrapped
+    assert by_event["a child service"] == {"event": "a child service", "service": "child"}
+    assert all("timestamp" in e for e in got if e["service"] == "probe")
 
 
 def test_a_crash_traceback_is_logged_too() -> None:
