@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent(
     warnings.warn("a library warning")
     os.write(2, b"native line one\\nnative line two\\n")
     subprocess.run(["sh", "-c", "echo compiler output >&2"], check=True)
-    os.write(2, b'{"event": "a child service", "service": "child"}\n')
+    os.write(2, b'{"event": "a child service", "service": "child"}\\n')
     """
 )
 
