@@ -5,8 +5,14 @@ spans and metrics reach a real receiver on loopback)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent import futures
 
+import grpc
 import pytest
+from opentelemetry.proto.collector.metrics.v1 import (
+    metrics_service_pb2,
+    metrics_service_pb2_grpc,
+)
 from opentelemetry.sdk.trace import Tracer
 from opentelemetry.trace import get_current_span
 
@@ -162,3 +168,34 @@ def test_spans_and_metrics_over_http(monkeypatch: pytest.MonkeyPatch, how: str) 
     (point,) = got.points["gen_ai.client.token.usage"]
     assert (point.unit, point.sum, point.count) == ("{token}", 7, 1)
     assert point.bounds[:3] == [1, 4, 16]
+
+
+class _Metrics(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def Export(
+        self, request: metrics_service_pb2.ExportMetricsServiceRequest, context: object
+    ) -> metrics_service_pb2.ExportMetricsServiceResponse:
+        self.names += [
+            m.name for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        ]
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+def test_metrics_over_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
+    received = _Metrics()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(received, server)  # type: ignore[no-untyped-call]
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", f"http://127.0.0.1:{port}")
+        assert tracing.setup("probe") is False  # metrics only: no endpoint for traces
+        instruments = genai.instruments(tracing.meter())
+        assert instruments is not None
+        instruments.request_duration.record(0.5, {"gen_ai.operation.name": "chat"})
+        tracing.shutdown()
+    finally:
+        server.stop(None)
+    assert received.names == ["gen_ai.server.request.duration"]
