@@ -1,0 +1,216 @@
+"""Guided decoding's cost in the native engine: generated tok/s and TTFT with and
+without a JSON schema, side by side in one run, and the schema compile time.
+
+    python -m bench.structured [--runs 3] [--new-tokens 48] [--streams 1 32]
+
+Per stream count, plain and schema-constrained batches alternate ``--runs`` times in
+one engine (prefix caching off, so both prefill alike); the figures are medians over
+the runs: generated tok/s (every stream's tokens over the batch's wall time) and TTFT
+(median over the batch's streams, the engine's own arrival-to-first-token). The
+schema (an array of at least 1,000 records with a name, an age and enum tags) cannot
+complete within ``--new-tokens``, so both sides generate exactly as many tokens; the
+plain side ignores EOS. The schema is compiled before the timed runs (the cached
+case, what a repeated schema costs); the cold compile of a large schema (200
+properties of nested objects, enums, patterns and arrays) and its cached copy are
+timed apart, with the first mask (llguidance builds its lexer lazily).
+Targets (issue 48): <= 10% tok/s cost at 32 streams, <= 5 ms added TTFT for a cached
+schema. Writes bench/reports/structured.json and structured.png with the CPU flags,
+threads and load average: figures from a shared machine are noisy, quote them with
+the load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.report import save_report
+from common.config import default_model_dir
+from engine_svc.core import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from engine_svc.core.guided import GuidedSpec
+from engine_svc.core.guided_mask import bitmask_width
+
+RECORDS = {
+    "type": "array",
+    "minItems": 1000,
+    "items": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 130},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}},
+        },
+        "required": ["name", "age", "tags"],
+        "additionalProperties": False,
+    },
+}
+PROMPTS = (
+    "List some people as JSON records.",
+    "Give me a JSON list of people with their ages.",
+    "Write records of club members as JSON.",
+    "Produce a JSON array describing a few people.",
+)
+
+
+def large_schema(n: int = 200) -> dict[str, Any]:
+    """``n`` properties cycling through nested objects, enums, patterns and arrays."""
+    kinds: list[dict[str, Any]] = [
+        {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
+        {"type": "integer", "minimum": -1000, "maximum": 1000},
+        {"enum": [f"option_{i}" for i in range(12)]},
+        {"type": "array", "items": {"type": "number"}, "maxItems": 8},
+        {
+            "type": "object",
+            "properties": {"x": {"type": "number"}, "y": {"type": "string", "format": "date"}},
+            "required": ["x"],
+        },
+    ]
+    props = {f"field_{i}": kinds[i % len(kinds)] for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props)[: n // 2]}
+
+
+def chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def run_batch(
+    engine: LLMEngine, prompts: list[list[int]], new_tokens: int, spec: GuidedSpec | None, tag: str
+) -> dict[str, float]:
+    """One batch to completion: generated tok/s and the median TTFT (ms)."""
+    ids = []
+    for i, p in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, guided=spec)
+        engine.add_request(rid, p, params)
+        ids.append(rid)
+    ttft: list[float] = []
+    tokens = 0
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += len(out.new_token_ids)
+            if out.finished and out.first_token_time is not None:
+                ttft.append((out.first_token_time - out.arrival_time) * 1e3)
+    wall = time.perf_counter() - t0
+    assert tokens == new_tokens * len(prompts), (tag, tokens)
+    return {"tok_s": tokens / wall, "ttft_ms": statistics.median(ttft)}
+
+
+def compile_times(engine: LLMEngine) -> dict[str, float]:
+    """Cold and cached compile of the large schema, and its first mask (ms)."""
+    spec = GuidedSpec("json_schema", json.dumps(large_schema()))
+    _ = engine.guided.tokenizer  # loaded once per engine, not per schema
+    t0 = time.perf_counter()
+    m = engine.guided.matcher(spec)
+    cold = time.perf_counter() - t0
+    bitmask = torch.empty(1, bitmask_width(engine.model_config.vocab_size), dtype=torch.int32)
+    t0 = time.perf_counter()
+    m.matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
+    first_mask = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    engine.guided.matcher(spec)
+    cached = time.perf_counter() - t0
+    return {
+        "schema_chars": len(spec.text),
+        "cold_ms": cold * 1e3,
+        "first_mask_ms": first_mask * 1e3,
+        "cached_ms": cached * 1e3,
+    }
+
+
+def write_chart(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    labels = [f"{r['streams']} stream(s)" for r in rows]
+    x = range(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((a, "tok_s", "generated tok/s"), (b, "ttft_ms", "TTFT ms (median)")):
+        ax.bar([i - 0.2 for i in x], [r["plain"][key] for r in rows], 0.4, label="plain")
+        ax.bar([i + 0.2 for i in x], [r["schema"][key] for r in rows], 0.4, label="JSON schema")
+        ax.set_xticks(list(x), labels)
+        ax.set_title(title)
+        ax.legend()
+    c = report["compile"]
+    fig.suptitle(
+        f"guided decoding, native engine (load {report['machine']['loadavg'][0]:.1f}); "
+        f"large schema compile cold {c['cold_ms']:.1f} ms, cached {c['cached_ms']:.3f} ms"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--model-dir", default=str(default_model_dir()))
+    parser.add_argument("--name", default="structured", help="report name")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=args.model_dir,
+            enable_prefix_caching=False,
+            scheduler=SchedulerConfig(max_num_seqs=max(args.streams), max_num_batched_tokens=1024),
+        )
+    )
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(args.model_dir) / "tokenizer.json"))
+    compiled = compile_times(engine)
+    spec = GuidedSpec("json_schema", json.dumps(RECORDS))
+    engine.guided.matcher(spec)  # the timed runs use a cached schema
+    results = []
+    for n in args.streams:
+        prompts = [tok.encode(chat(PROMPTS[i % len(PROMPTS)])).ids for i in range(n)]
+        run_batch(engine, prompts, 4, spec, f"warm-{n}")
+        runs: dict[str, list[dict[str, float]]] = {"plain": [], "schema": []}
+        for r in range(args.runs):
+            for side, s in (("plain", None), ("schema", spec)):
+                runs[side].append(run_batch(engine, prompts, args.new_tokens, s, f"{side}-{n}-{r}"))
+        med = {
+            side: {k: statistics.median(x[k] for x in rs) for k in ("tok_s", "ttft_ms")}
+            for side, rs in runs.items()
+        }
+        med["cost"] = {
+            "tok_s_pct": 100 * (1 - med["schema"]["tok_s"] / med["plain"]["tok_s"]),
+            "added_ttft_ms": med["schema"]["ttft_ms"] - med["plain"]["ttft_ms"],
+        }
+        results.append({"streams": n, **med, "runs": runs})
+        print(
+            f"{n:>3} streams: plain {med['plain']['tok_s']:.1f} tok/s, TTFT "
+            f"{med['plain']['ttft_ms']:.1f} ms | schema {med['schema']['tok_s']:.1f} tok/s, "
+            f"TTFT {med['schema']['ttft_ms']:.1f} ms | cost {med['cost']['tok_s_pct']:.1f}% "
+            f"tok/s, {med['cost']['added_ttft_ms']:+.1f} ms TTFT"
+        )
+    print(
+        f"large schema ({compiled['schema_chars']} chars): compile cold "
+        f"{compiled['cold_ms']:.1f} ms, first mask {compiled['first_mask_ms']:.1f} ms, "
+        f"cached {compiled['cached_ms']:.3f} ms"
+    )
+    report = {
+        "args": vars(args),
+        "engine": engine.compute_description,
+        "results": results,
+        "compile": compiled,
+        "targets": {"tok_s_cost_pct_at_32": 10, "added_ttft_ms_cached": 5},
+        "machine": {"loadavg": load_before},
+    }
+    save_report(args.name, report, lambda path: write_chart(report, path))
+
+
+if __name__ == "__main__":
+    main()
