@@ -13,7 +13,7 @@ plain side ignores EOS. The schema is compiled before the timed runs (the cached
 case, what a repeated schema costs); the cold compile of a large schema (200
 properties of nested objects, enums, patterns and arrays) and its cached copy are
 timed apart, with the first mask (llguidance builds its lexer lazily).
-Targets (issue 48): <= 10% tok/s cost at 32 streams, <= 5 ms added TTFT for a cached
+Targets: <= 10% tok/s cost at 32 streams, <= 5 ms added TTFT for a cached
 schema. Writes bench/reports/structured.json and structured.png with the CPU flags,
 threads and load average: figures from a shared machine are noisy, quote them with
 the load.
