@@ -114,8 +114,7 @@ def test_the_check_finds_what_a_panel_lacks(samples: Samples) -> None:
     assert problems(samples, "no-such-model", {"x": ["vllm:generation_tokens_total"]})
 
 
-def test_vllms_labels_and_no_removed_series(
-    samples: Samples) -> None:
+def test_vllms_labels_and_no_removed_series(samples: Samples) -> None:
     for name, rows in samples.items():
         if name.startswith("vllm:"):
             assert all({"model_name", "engine"} <= set(lbl) for lbl, _ in rows), name

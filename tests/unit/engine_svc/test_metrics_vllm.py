@@ -61,9 +61,7 @@ def _scrape(max_model_len: int = 2048) -> tuple[str, dict[str, str]]:
         metrics.observe_finished(done, priority=0)
         metrics.observe_step(StepTimings(num_decodes=3, num_prefill_tokens=9))
         registry = CollectorRegistry()
-        registry.register(
-            metrics.ExportCollector("smol", source=source, vllm=series.registry)
-        )
+        registry.register(metrics.ExportCollector("smol", source=source, vllm=series.registry))
         text = generate_latest(registry).decode()
     finally:
         metrics._vllm[0] = saved
