@@ -217,6 +217,8 @@ class GatewayConfig(ServiceConfig):
         reasoning_parsers: Models whose output marks a thought (model -> ``think``:
             ``<think>...</think>`` goes to ``reasoning_content``; ``"*"`` = every other
             model). Unset: none (off).
+        max_n: The most parallel samples one request may ask for (``n``); each is
+            admitted and counted as a request of its own.
     """
 
     port: int = 50051
@@ -272,6 +274,7 @@ class GatewayConfig(ServiceConfig):
     max_guided_chars: int = 65_536
     tool_parsers: dict[str, str] = field(default_factory=dict)
     reasoning_parsers: dict[str, str] = field(default_factory=dict)
+    max_n: int = 8
 
     def __post_init__(self) -> None:
         if not self.engines:
@@ -298,6 +301,7 @@ class GatewayConfig(ServiceConfig):
             "queue_max_waiting_per_tenant",
             "workers",
             "max_guided_chars",
+            "max_n",
         )
         for name in positive:
             if getattr(self, name) <= 0:

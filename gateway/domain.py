@@ -270,3 +270,4 @@ class Chunk:
     model_version: str = ""
     tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)  # deltas
     reasoning_text: str = ""  # reasoning models: the thought's delta, apart from text
+    index: int = 0  # which sample (GenerateRequest.n), 0-based

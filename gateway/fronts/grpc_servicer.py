@@ -63,6 +63,7 @@ def chunk_to_proto(chunk: Chunk) -> gateway_pb2.GenerateResponse:
         model_version=chunk.model_version,
         tool_calls=chunk.tool_calls,
         reasoning_text=chunk.reasoning_text,
+        index=chunk.index,
     )
     if chunk.usage is not None:
         resp.usage.CopyFrom(chunk.usage)

@@ -66,6 +66,7 @@ from gateway.request.job import JobBuilder
 from gateway.request.models import ModelChooser
 from gateway.request.outcome import Outcome
 from gateway.request.params import request_priority, validate_sampling, validate_stop_token_ids
+from gateway.request.samples import merged
 from gateway.request.tools import OutputPlan, OutputShaper, plan_output
 from gateway.spans import RequestTrace, stage
 from llm.v1 import gateway_pb2
@@ -145,14 +146,35 @@ class Pipeline:
         entries = [e for e in entries if tenant.allows_model(e.model)]
         return await self.router.annotate(entries) if self.router is not None else entries
 
-    async def generate(
+    def generate(
         self, request: gateway_pb2.GenerateRequest, call: CallContext
     ) -> AsyncGenerator[Chunk, None]:
-        """Stream one completion; see the module docstring for the contract.
+        """Stream one completion (``n`` > 1: its samples, merged; ``Chunk.index`` names
+        each); see the module docstring for the contract.
 
         Raises:
             GatewayError: with the status code and message for the caller.
         """
+        if request.n > 1:
+            return self._samples(request, call)
+        return self._generate_one(request, call)
+
+    async def _samples(
+        self, request: gateway_pb2.GenerateRequest, call: CallContext
+    ) -> AsyncGenerator[Chunk, None]:
+        if request.n > self.config.max_n:
+            raise GatewayError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"n is {request.n}; this gateway serves at most {self.config.max_n} "
+                "samples per request ([gateway] max_n)",
+            )
+        async with contextlib.aclosing(merged(self._generate_one, request, call)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _generate_one(
+        self, request: gateway_pb2.GenerateRequest, call: CallContext
+    ) -> AsyncGenerator[Chunk, None]:
         start = time.perf_counter()
         tenant_label, code = "unauthenticated", grpc.StatusCode.OK
         tenant_id = ""  # set once authenticated: then the request is recorded

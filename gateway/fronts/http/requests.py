@@ -153,9 +153,6 @@ def _sampling(f: Fields) -> common_pb2.SamplingParams:
 
 
 def _check_unsupported(f: Fields, chat: bool) -> None:
-    n = f.int_("n", 1)
-    if n not in (None, 1):
-        raise ApiError.invalid("n", f"only n=1 is supported, got n={n}: send {n} requests")
     if not chat:
         if f.bool_("echo"):
             raise ApiError.invalid("echo", "echo is not supported")
@@ -202,7 +199,7 @@ def parse(body: Any, *, chat: bool) -> ParsedRequest:
     f = Fields(body)
     _check_unsupported(f, chat)
     req = gateway_pb2.GenerateRequest(
-        model=f.str_("model"), sampling=_sampling(f), priority=_priority(f)
+        model=f.str_("model"), sampling=_sampling(f), priority=_priority(f), n=f.int_("n", 1) or 1
     )
     if chat:
         req.messages.CopyFrom(_messages(f))

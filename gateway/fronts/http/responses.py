@@ -8,6 +8,9 @@
     streamed text:   {text} chunks, last chunk with finish_reason, [usage chunk]
     non-streamed:    one object with the whole text, finish_reason and usage
 
+With ``n`` > 1 each sample is a choice (``index``), streamed interleaved as its chunks
+come; the usage counts the prompt once and every sample's output.
+
 Every object of one request shares ``id`` (``chatcmpl-<request id>`` or
 ``cmpl-<request id>``), ``created`` and ``model``.
 """
@@ -15,6 +18,7 @@ Every object of one request shares ``id`` (``chatcmpl-<request id>`` or
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.domain import Chunk
@@ -55,8 +59,21 @@ def _token(t: common_pb2.TokenLogprob) -> Json:
     return {"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
 
 
+@dataclass(slots=True)
+class _Sample:
+    """What one choice (sample) has received so far."""
+
+    text: list[str] = field(default_factory=list)
+    positions: list[common_pb2.PositionLogprobs] = field(default_factory=list)
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    usage: common_pb2.Usage | None = None
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, Json] = field(default_factory=dict)  # tool calls, merged from deltas
+    num_chars: int = 0  # text completions' logprob offsets
+
+
 class Formatter:
-    """Builds the response objects of one request.
+    """Builds the response objects of one request (one choice per sample, ``n``).
 
     Args:
         parsed: The converted request (kind, logprobs, usage options).
@@ -70,28 +87,41 @@ class Formatter:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + request_id
         self.created = int(time.time())
         self.model = model
-        self.text: list[str] = []
-        self.positions: list[common_pb2.PositionLogprobs] = []
-        self.finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-        self.usage: common_pb2.Usage | None = None
-        self.reasoning: list[str] = []
-        self.calls: dict[int, Json] = {}  # the tool calls, merged from their deltas
-        self._num_chars = 0
+        self.samples = [_Sample() for _ in range(max(1, parsed.request.n))]
+
+    @property
+    def finish_reason(self) -> int:
+        """CANCELLED when any sample was cut by the deadline, else the first sample's."""
+        reasons = [s.finish_reason for s in self.samples]
+        return common_pb2.CANCELLED if common_pb2.CANCELLED in reasons else reasons[0]
+
+    @property
+    def usage(self) -> common_pb2.Usage | None:
+        """The samples' usage together: the prompt once, every sample's output."""
+        got = [s.usage for s in self.samples if s.usage is not None]
+        if not got:
+            return None
+        return common_pb2.Usage(
+            prompt_tokens=max(u.prompt_tokens for u in got),
+            completion_tokens=sum(u.completion_tokens for u in got),
+            cached_prompt_tokens=max(u.cached_prompt_tokens for u in got),
+        )
 
     def add(self, chunk: Chunk) -> None:
-        """Record one chunk (text, logprobs, finish, usage)."""
+        """Record one chunk (text, logprobs, finish, usage, calls) in its sample."""
         if chunk.model:
             self.model = chunk.model
-        self.text.append(chunk.text)
+        s = self.samples[chunk.index]
+        s.text.append(chunk.text)
         if self.parsed.logprobs:
-            self.positions.extend(chunk.logprobs)
+            s.positions.extend(chunk.logprobs)
         if chunk.finish_reason:
-            self.finish_reason = chunk.finish_reason
+            s.finish_reason = chunk.finish_reason
         if chunk.usage is not None:
-            self.usage = chunk.usage
-        self.reasoning.append(chunk.reasoning_text)
+            s.usage = chunk.usage
+        s.reasoning.append(chunk.reasoning_text)
         for tc in chunk.tool_calls:
-            call = self.calls.setdefault(
+            call = s.calls.setdefault(
                 tc.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
             )
             call["id"] = tc.id or call["id"]
@@ -101,7 +131,7 @@ class Formatter:
     def _head(self, kind: str) -> Json:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def _logprobs(self, positions: list[common_pb2.PositionLogprobs]) -> Json | None:
+    def _logprobs(self, s: _Sample, positions: list[common_pb2.PositionLogprobs]) -> Json | None:
         if not self.parsed.logprobs:
             return None
         n = self.parsed.top_logprobs
@@ -115,8 +145,8 @@ class Formatter:
             }
         offsets = []
         for p in positions:
-            offsets.append(self._num_chars)
-            self._num_chars += len(p.chosen.text)
+            offsets.append(s.num_chars)
+            s.num_chars += len(p.chosen.text)
         return {
             "tokens": [p.chosen.text for p in positions],
             "token_logprobs": [p.chosen.logprob for p in positions],
@@ -126,44 +156,50 @@ class Formatter:
 
     def _choice(
         self,
+        index: int,
         text: str,
         positions: list[common_pb2.PositionLogprobs],
         finish: int,
         *,
         delta: Json | None,
     ) -> Json:
-        choice: Json = {"index": 0}
+        s = self.samples[index]
+        choice: Json = {"index": index}
         if not self.chat:
             choice["text"] = text
         elif delta is not None:
             choice["delta"] = delta
         else:
-            choice["message"] = self._message(text)
-        choice["logprobs"] = self._logprobs(positions)
+            choice["message"] = self._message(s, text)
+        choice["logprobs"] = self._logprobs(s, positions)
         choice["finish_reason"] = FINISH_REASONS.get(finish) if finish else None
         return choice
 
-    def _message(self, text: str) -> Json:
-        message: Json = {"role": "assistant", "content": text or (None if self.calls else "")}
-        reasoning = "".join(self.reasoning)
+    @staticmethod
+    def _message(s: _Sample, text: str) -> Json:
+        message: Json = {"role": "assistant", "content": text or (None if s.calls else "")}
+        reasoning = "".join(s.reasoning)
         if reasoning:
             message["reasoning_content"] = reasoning
-        if self.calls:
-            message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        if s.calls:
+            message["tool_calls"] = [s.calls[i] for i in sorted(s.calls)]
         return message
 
-    def role_chunk(self) -> Json:
-        """The first chunk of a streamed chat: the assistant role, no content yet."""
-        out = self._head("chat.completion.chunk")
-        out["choices"] = [
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        ]
-        return self._stream_usage(out)
+    def role_chunks(self) -> list[Json]:
+        """The first chunks of a streamed chat: the assistant role per choice, no content."""
+        out = []
+        for i in range(len(self.samples)):
+            obj = self._head("chat.completion.chunk")
+            obj["choices"] = [
+                {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+            out.append(self._stream_usage(obj))
+        return out
 
     def stream_chunk(self, chunk: Chunk) -> list[Json]:
         """The streamed objects of one chunk (none when it carries nothing to show): its
@@ -184,6 +220,7 @@ class Formatter:
             last = i == len(deltas) - 1
             obj["choices"] = [
                 self._choice(
+                    chunk.index,
                     chunk.text if i == 0 else "",
                     list(chunk.logprobs) if i == 0 else [],
                     chunk.finish_reason if last else 0,
@@ -209,7 +246,8 @@ class Formatter:
         """The non-streamed response object."""
         out = self._head("chat.completion" if self.chat else "text_completion")
         out["choices"] = [
-            self._choice("".join(self.text), self.positions, self.finish_reason, delta=None)
+            self._choice(i, "".join(s.text), s.positions, s.finish_reason, delta=None)
+            for i, s in enumerate(self.samples)
         ]
         out["usage"] = usage_json(self.usage or common_pb2.Usage())
         return out

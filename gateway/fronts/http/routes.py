@@ -232,7 +232,8 @@ class OpenAIRoutes:
         try:
             async for chunk in chunks:
                 if fmt.chat and not events.started:
-                    await events.send(fmt.role_chunk())
+                    for obj in fmt.role_chunks():
+                        await events.send(obj)
                 if chunk.finish_reason == common_pb2.CANCELLED:
                     raise GatewayError(
                         grpc.StatusCode.DEADLINE_EXCEEDED,

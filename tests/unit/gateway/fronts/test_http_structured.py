@@ -133,7 +133,7 @@ def test_streamed_tool_calls_accumulate_in_the_openai_client() -> None:
     parsed = parse({"messages": MSGS, "tools": [TOOL], "stream": True}, chat=True)
     fmt = Formatter(parsed, "rid", "m")
     state: ChatCompletionStreamState[Any] = ChatCompletionStreamState()
-    objs = [fmt.role_chunk()] + [o for c in chunks() for o in fmt.stream_chunk(c)]
+    objs = fmt.role_chunks() + [o for c in chunks() for o in fmt.stream_chunk(c)]
     for obj in objs:
         state.handle_chunk(ChatCompletionChunk.model_validate(obj))
     first_call = next(o for o in objs if o["choices"][0]["delta"].get("tool_calls"))

@@ -85,7 +85,7 @@ def test_defaults_follow_openai() -> None:
 @pytest.mark.parametrize(
     ("body", "chat", "param"),
     [
-        ({"messages": MSGS, "n": 2}, True, "n"),
+        ({"messages": MSGS, "n": "two"}, True, "n"),
         ({"messages": MSGS, "n": 0}, True, "n"),
         ({"messages": []}, True, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, True, "messages[0].role"),
@@ -208,7 +208,7 @@ def test_streamed_chat_objects() -> None:
         chat=True,
     )
     f = Formatter(p, "rid", "")
-    role = f.role_chunk()
+    [role] = f.role_chunks()
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert role["usage"] is None
     [first] = f.stream_chunk(
