@@ -39,7 +39,8 @@ def sample_requests(request: gateway_pb2.GenerateRequest) -> list[gateway_pb2.Ge
 def sample_call(call: CallContext) -> CallContext:
     """A sample's own call context: the same caller, key and deadline, its own trace."""
     sub = dataclasses.replace(call)
-    sub.request_id = call.request_id
+    sub.request_id, sub.request_id_error = call.request_id, call.request_id_error
+    sub.client_traceparent = call.client_traceparent
     sub.key_id, sub.key_budgets, sub.auth_at = call.key_id, call.key_budgets, call.auth_at
     return sub
 

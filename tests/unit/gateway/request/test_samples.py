@@ -14,7 +14,7 @@ import pytest
 
 from gateway.domain import CallContext, Chunk, GatewayError
 from gateway.request.pipeline import Pipeline
-from gateway.request.samples import merged, sample_requests
+from gateway.request.samples import merged, sample_call, sample_requests
 from llm.v1 import common_pb2, gateway_pb2
 from tests.unit.gateway.request.fakes import TENANT, FakeDispatcher, limiter
 from tests.unit.gateway.request.test_pipeline import pipeline_of
@@ -34,6 +34,16 @@ def test_each_sample_has_its_own_seed() -> None:
     assert [s.sampling.seed for s in subs] == [(1 << 64) - 2, (1 << 64) - 1, 0]
     unseeded = sample_requests(gateway_pb2.GenerateRequest(prompt="x", n=2))
     assert not any(s.sampling.HasField("seed") for s in unseeded)
+
+
+def test_a_samples_call_keeps_the_callers_key_and_id_checks() -> None:
+    call = CallContext(request_id="bad id", authorization="Bearer k")
+    call.key_id = "key-1"
+    sub = sample_call(call)
+    assert (sub.request_id, sub.request_id_error) == (call.request_id, call.request_id_error)
+    assert sub.request_id_error  # a bad id is refused for every sample too
+    assert (sub.authorization, sub.key_id) == ("Bearer k", "key-1")
+    assert sub.ratelimit is not call.ratelimit
 
 
 async def test_the_merge_names_each_sample_and_an_error_closes_the_rest() -> None:
