@@ -143,6 +143,8 @@ def _param(e: GatewayError, chat: bool) -> str | None:
         return "model"
     if e.code != grpc.StatusCode.INVALID_ARGUMENT:
         return None
+    if e.message.startswith("n is "):
+        return "n"
     tool = _TOOL_FIELD.match(e.message)
     if tool:
         return tool.group(1)

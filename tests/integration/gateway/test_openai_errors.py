@@ -85,7 +85,7 @@ def test_revoked_key_is_403(http_gateway: HttpGateway) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),  # over [gateway] max_n
         ({"temperature": 5.0}, "temperature"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"max_tokens": 100_000}, "max_tokens"),

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from openai.types.shared_params import ResponseFormatJSONSchema
 from pydantic import BaseModel, Field
 
 from tests.integration.gateway.conftest import HttpGateway
@@ -25,6 +26,10 @@ class City(BaseModel):
     population_millions: int = Field(ge=0, le=100)
 
 
+CITY_FORMAT: ResponseFormatJSONSchema = {
+    "type": "json_schema",
+    "json_schema": {"name": "City", "schema": City.model_json_schema()},
+}
 ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Describe Paris as JSON."}]
 
 
@@ -119,3 +124,31 @@ def test_oversized_and_conflicting_constraints_are_400s_naming_the_field(
             extra_body={"guided_regex": "a+"},
         )
     assert info.value.body["param"] == "guided_regex"  # type: ignore[index]
+
+
+def test_n_samples_each_fit_the_schema(client: openai.OpenAI) -> None:
+    done = client.chat.completions.parse(
+        model="", messages=ASK, response_format=City, n=2, max_tokens=64, temperature=0
+    )
+    assert [c.index for c in done.choices] == [0, 1]
+    assert all(isinstance(c.message.parsed, City) for c in done.choices)
+    assert done.usage is not None
+    one = client.chat.completions.parse(
+        model="", messages=ASK, response_format=City, max_tokens=64, temperature=0
+    )
+    assert one.usage is not None
+    assert done.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt once
+    assert done.usage.completion_tokens == 2 * one.usage.completion_tokens  # greedy: twins
+    texts = ["", ""]
+    for chunk in client.chat.completions.create(
+        model="",
+        messages=ASK,
+        response_format=CITY_FORMAT,
+        n=2,
+        max_tokens=64,
+        temperature=0,
+        stream=True,
+    ):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert [City.model_validate_json(t) for t in texts]

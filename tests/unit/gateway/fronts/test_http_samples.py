@@ -3,7 +3,10 @@ prompt once and every sample's output."""
 
 from __future__ import annotations
 
-from gateway.domain import Chunk
+import grpc
+
+from gateway.domain import Chunk, GatewayError
+from gateway.fronts.http.errors import ApiError
 from gateway.fronts.http.requests import parse
 from gateway.fronts.http.responses import Formatter
 from llm.v1 import common_pb2
@@ -55,3 +58,8 @@ def test_streamed_samples_name_their_choice() -> None:
     for c in samples():
         fmt.add(c)
     assert [c["text"] for c in fmt.final()["choices"]] == ["xy", "ab"]
+
+
+def test_too_many_samples_name_n() -> None:
+    e = GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "n is 9; this gateway serves at most 8")
+    assert ApiError.from_gateway(e).param == "n"
