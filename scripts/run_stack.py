@@ -370,7 +370,8 @@ def banner(stack: Stack) -> str:
         f"https://{edge}/v1/admin/tenants/{DEMO_TENANT}/usage",
         f"  grpcurl -cacert {ca} "
         f'-H "authorization: Bearer $(cat {RUN_DIR / "demo.key"})" '
-        f'-d \'{{"prompt": "Hi"}}\' {edge} llm.v1.Gateway/Generate',
+        f'-d \'{{"prompt": "Hi"}}\' {edge} llm.v1.Gateway/Generate'
+        "   # where grpcurl is installed",
         "",
         "OpenAI-compatible HTTP (same keys, limits and metrics):",
         f"  curl -N --cacert {ca} https://{edge}/v1/chat/completions "
@@ -386,10 +387,10 @@ def banner(stack: Stack) -> str:
         '.choices[0].message.content)"',
         "",
         *_second_model_lines(stack, str(cli), edge),
-        "Monitoring: dashboards deploy/grafana/dashboards/, alert and recording rules "
-        "deploy/prometheus/rules/",
-        "  (docker compose -f deploy/compose.yaml --profile monitoring runs Prometheus and "
-        "Grafana with them; docs/operations.md section 12)",
+        f"Monitoring: dashboards {ROOT / 'deploy/grafana/dashboards'}/, alert and recording "
+        f"rules {ROOT / 'deploy/prometheus/rules'}/ (Prometheus and Grafana with them: "
+        f"docker compose -f {ROOT / 'deploy/compose.yaml'} --profile monitoring up; "
+        "docs/operations.md section 12)",
         "",
         "Ctrl-C stops everything.",
     ]
