@@ -86,6 +86,7 @@ def required_calls(tools: Sequence[common_pb2.Tool], parallel: bool) -> common_p
                 "parameters": parameters_schema(t),
             },
             "required": ["name", "parameters"],
+            "additionalProperties": False,
         }
         for t in tools
     ]

@@ -70,7 +70,12 @@ def test_required_constrains_to_a_list_of_calls_of_the_tools() -> None:
         [{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "now", "parameters": {}}],
         schema,
     )
-    for bad in ([], [{"name": "other", "parameters": {}}], [{"name": "weather", "parameters": {}}]):
+    for bad in (
+        [],
+        [{"name": "other", "parameters": {}}],
+        [{"name": "weather", "parameters": {}}],
+        [{"name": "now", "parameters": {}, "description": "x"}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     one = json.loads(required_calls([NOW], parallel=False).json_schema)
