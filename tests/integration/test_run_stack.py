@@ -338,6 +338,28 @@ def test_run_stack_refuses_a_directory_that_is_no_checkpoint(
     )
 
 
+def test_make_run_serves_the_configured_model_dir_unless_told_another(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """engine_core.model_dir (here from the environment, as from config/stack.yaml) is what
+    the tokenizer and the engines load under engine.model_name; MODEL= wins, named after
+    its directory unless MODEL_NAME= says otherwise."""
+    from scripts.run_stack import ServedModel
+
+    monkeypatch.setenv("LLM_ENGINE_CORE_MODEL_DIR", str(model_dir))
+    monkeypatch.setenv("LLM_ENGINE_MODEL_NAME", "configured")
+    configured = ServedModel.resolve()
+    assert configured == ServedModel(model_dir.resolve(), "configured")
+    assert configured.env()["LLM_TOKENIZER_MODEL_DIR"] == str(model_dir.resolve())
+    assert configured.env()["LLM_TOKENIZER_MODEL_NAME"] == "configured"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(model_dir / name, mine / name)
+    assert ServedModel.resolve(str(mine)) == ServedModel(mine, "mine")
+    assert ServedModel.resolve(str(mine), "alias").env()["LLM_ENGINE_MODEL_NAME"] == "alias"
+
+
 def test_run_stack_serves_your_own_checkpoint(tmp_path: Path, model_dir: Path) -> None:
     """make run MODEL=<dir>: the tokenizer and the engine load that checkpoint, served
     under the directory's name, and the banner's chat example reaches it."""
