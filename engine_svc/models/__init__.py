@@ -1,4 +1,4 @@
-"""Model definitions on paged attention (Llama family) and their HF loader."""
+"""Model definitions on paged attention (Llama, Mistral, Qwen2/3, Gemma 2/3) and their HF loader."""
 
 from engine_svc.models.config import ModelConfig, load_model_config
 from engine_svc.models.llama import LlamaForCausalLM

@@ -1,5 +1,9 @@
 """Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) on paged attention.
 
+The same decoder serves Mistral, Qwen2/3 and Gemma 2/3 through ``ModelConfig``'s
+flags: q/k/v bias, q/k norms before RoPE, scaled embeddings, GeGLU, norms on
+both sublayers' outputs, softcapping and sliding windows (``windowed``).
+
 Projections are fused (q|k|v and gate|up) so a layer is four matmuls plus
 four fused small ops (``ops``: add+RMSNorm, RoPE with the KV write, decode
 attention, SiLU-and-mul). Weights live in ``dtype`` as ``Linear`` objects
@@ -22,6 +26,7 @@ from engine_svc.models.fp8 import Fp8Weight, fp8_linear
 from engine_svc.models.linear import Linear
 from engine_svc.models.q4 import q4_pack
 from engine_svc.models.rotary import RotaryEmbedding
+from engine_svc.models.windowed import windowed_attention
 
 Projection = Linear | Fp8Weight
 
@@ -40,7 +45,10 @@ class LlamaLayer:
             each projection that is exactly 4-bit per block (``q4.q4_pack``).
     """
 
-    __slots__ = ("down", "gate_up", "in_norm", "o_proj", "post_norm", "qkv")
+    __slots__ = (
+        "down", "gate_up", "in_norm", "k_norm", "o_proj", "post_ff_norm", "post_norm",
+        "pre_ff_norm", "q_norm", "qkv",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -57,9 +65,14 @@ class LlamaLayer:
         self.in_norm = tensors["input_layernorm"]
         self.post_norm = tensors["post_attention_layernorm"]
         self.qkv = proj("qkv_proj", tensors.get("qkv_bias"))
-        self.o_proj = proj("o_proj")
+        self.o_proj = proj("o_proj", tensors.get("o_bias"))
         self.gate_up = proj("gate_up_proj")
         self.down = proj("down_proj")
+        # Qwen3 / Gemma 3 q and k norms; Gemma's norms around the MLP (None elsewhere)
+        self.q_norm = tensors.get("q_norm")
+        self.k_norm = tensors.get("k_norm")
+        self.pre_ff_norm = tensors.get("pre_feedforward_layernorm")
+        self.post_ff_norm = tensors.get("post_feedforward_layernorm")
 
 
 class LlamaForCausalLM:
@@ -89,11 +102,14 @@ class LlamaForCausalLM:
         self.attn_dtype = attn_dtype
         self.prefill_attn_dtype: torch.dtype | None = None  # None = attn_dtype
         self.prefill_attn_kernel = False  # the fused AMX prefill attention (paged bf16 cache)
-        self.norm = weights["model.norm.weight"]
-        self.lm_head = Linear(weights.get("lm_head.weight", self.embed_tokens))
+        self.norm = _norm_weight(weights["model.norm.weight"], config)
+        head = None if config.tie_word_embeddings else weights.get("lm_head.weight")
+        self.lm_head = Linear(self.embed_tokens if head is None else head)
         self.layers = [
             LlamaLayer(
-                _fuse_layer(weights, i), fp8, None if exact is None else _fuse_layer(exact, i)
+                _fuse_layer(weights, i, config),
+                fp8,
+                None if exact is None else _fuse_layer(exact, i, config),
             )
             for i in range(config.num_hidden_layers)
         ]
@@ -104,13 +120,33 @@ class LlamaForCausalLM:
             config.rope_scaling,
             self.device,
         )
+        local = self.rotary
+        if config.local_rope_theta is not None:
+            local = RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, config.local_rope_theta, None,
+                self.device,
+            )  # fmt: skip
+        self.sliding = [config.is_sliding(i) for i in range(config.num_hidden_layers)]
+        self.rope = [local if s else self.rotary for s in self.sliding]
+        # Gemma: embeddings times sqrt(hidden) rounded to the weight dtype, as HF does
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=self.dtype, device=self.device)
+            if config.scale_embeddings
+            else None
+        )
+        self.act = ops.silu_and_mul if config.hidden_act == "silu" else ops.gelu_tanh_and_mul
         self.eps = config.rms_norm_eps
-        # the compiled whole-step decode path needs plain (unbiased, non-FP8) projections
+        # the compiled whole-step decode path is Llama's layer with plain (unbiased,
+        # non-FP8) projections: no q/k norm, GeGLU, extra norms or softcapped attention
+        llama_layer = not (
+            config.qk_norm or config.sandwich_norm or config.hidden_act != "silu"
+            or config.attn_softcap is not None
+        )  # fmt: skip
         projections = [
             w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
         ]
         self._plain: list[Linear] | None = None
-        if all(isinstance(w, Linear) and w.bias is None for w in projections):
+        if llama_layer and all(isinstance(w, Linear) and w.bias is None for w in projections):
             self._plain = [w for w in projections if isinstance(w, Linear)]
         # their 4-bit copies (fixed at load), all or none: the few-row path of the step
         small = [w.q4 for w in self._plain or () if w.q4 is not None]
@@ -154,14 +190,19 @@ class LlamaForCausalLM:
             [T, hidden] final hidden states (after the last norm).
         """
         nq, nkv = self.num_heads, self.num_kv_heads
-        cos, sin = self.rotary.cos, self.rotary.sin
         residual = F.embedding(input_ids, self.embed_tokens)
-        if self._plain is not None and meta.num_decode_tokens == input_ids.shape[0]:
+        if self.embed_scale is not None:
+            residual = residual * self.embed_scale
+        # a context past the sliding window: the sliding layers attend in ``windowed``
+        window = self.config.sliding_window
+        beyond = window is not None and int(positions.max()) >= window
+        if self._plain is not None and not beyond and meta.num_decode_tokens == len(input_ids):
             out = self._decode_step(residual, positions, meta, kv_caches, kv_scales)
             if out is not None:
                 return out
         # the fused prefill kernel reads q in bf16: the rotation writes it so, no fp32 copy
         rotated = torch.bfloat16 if meta.prefill_kernel else None
+        softcap = self.config.attn_softcap
         h: torch.Tensor | None = None
         last = len(self.layers) - 1
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -170,28 +211,51 @@ class LlamaForCausalLM:
             else:
                 x = ops.add_rms_norm(h, residual, layer.in_norm, self.eps)
             scales = None if kv_scales is None else kv_scales[i]
+            qkv = _project(x, layer.qkv)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                qkv = self._qk_norm(qkv, layer.q_norm, layer.k_norm)
+            rope = self.rope[i]
             qkv = ops.rotary_qkv(
-                _project(x, layer.qkv), cos, sin, positions, meta.slot_mapping,
+                qkv, rope.cos, rope.sin, positions, meta.slot_mapping,
                 k_cache, v_cache, nq, nkv, scales, rotated,
             )  # fmt: skip
-            attn = paged_attention(
-                qkv[:, :nq],
-                qkv[:, nq : nq + nkv],
-                qkv[:, nq + nkv :],
-                k_cache,
-                v_cache,
-                meta,
-                scales,
-                cache_written=True,
-                out_dtype=self.dtype,
-            )
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
+            if softcap is not None or (beyond and self.sliding[i]):
+                attn = windowed_attention(
+                    q, k, v, k_cache, v_cache, positions, meta,
+                    window if self.sliding[i] else None, softcap, scales, self.dtype,
+                )  # fmt: skip
+            else:
+                attn = paged_attention(
+                    q, k, v, k_cache, v_cache, meta, scales,
+                    cache_written=True, out_dtype=self.dtype,
+                )  # fmt: skip
             h = _project(attn, layer.o_proj)
-            x = ops.add_rms_norm(h, residual, layer.post_norm, self.eps)
-            h = _project(ops.silu_and_mul(_project(x, layer.gate_up)), layer.down)
+            if layer.pre_ff_norm is not None and layer.post_ff_norm is not None:  # Gemma
+                h = ops.rms_norm(h, layer.post_norm, self.eps)
+                x = ops.add_rms_norm(h, residual, layer.pre_ff_norm, self.eps)
+                h = ops.rms_norm(
+                    _project(self.act(_project(x, layer.gate_up)), layer.down),
+                    layer.post_ff_norm,
+                    self.eps,
+                )
+            else:
+                x = ops.add_rms_norm(h, residual, layer.post_norm, self.eps)
+                h = _project(self.act(_project(x, layer.gate_up)), layer.down)
             if between_layers is not None and i < last:
                 between_layers()
         assert h is not None, "a model has at least one layer"
         return ops.add_rms_norm(h, residual, self.norm, self.eps)
+
+    def _qk_norm(
+        self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor
+    ) -> torch.Tensor:
+        """RMSNorm of every q and k head (Qwen3, Gemma 3) in a fused projection [T, ...]."""
+        t, nq, nkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        x = qkv.reshape(t, -1, d)
+        q = ops.rms_norm(x[:, :nq].reshape(-1, d), q_norm, self.eps).view(t, nq, d)
+        k = ops.rms_norm(x[:, nq : nq + nkv].reshape(-1, d), k_norm, self.eps).view(t, nkv, d)
+        return torch.cat((q, k, x[:, nq + nkv :]), dim=1).view(t, -1)
 
     def _decode_step(
         self,
@@ -231,17 +295,47 @@ class LlamaForCausalLM:
         )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project selected hidden states [N, hidden] to fp32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        """Project selected hidden states [N, hidden] to fp32 logits [N, vocab]
+        (softcapped where the config says so: Gemma 2)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def _fuse_layer(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+def _norm_weight(w: torch.Tensor, config: ModelConfig, scale: float = 1.0) -> torch.Tensor:
+    """A norm's weight as the kernels take it: Gemma's ``1 + w`` folded in fp32, times
+    ``scale``, in the stored dtype."""
+    if not config.norm_offset and scale == 1.0:
+        return w
+    return ((1.0 + w.float() if config.norm_offset else w.float()) * scale).to(w.dtype)
+
+
+def _fuse_layer(
+    weights: dict[str, torch.Tensor], i: int, config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Layer ``i``'s tensors fused (q|k|v, gate|up), norms as the kernels take them, and
+    any query scale other than head_dim ** -0.5 (Gemma) folded into q (its norm, or its
+    rows and bias): every attention path then scales by head_dim ** -0.5."""
     p = f"model.layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
+    q_scale = 1.0
+    if config.query_scale is not None:
+        q_scale = config.query_scale * config.head_dim**0.5
+    qk_norm = attn + "q_norm.weight" in weights
+    row_scale = 1.0 if qk_norm else q_scale
+
+    def scaled(t: torch.Tensor) -> torch.Tensor:
+        return t if row_scale == 1.0 else (t.float() * row_scale).to(t.dtype)
+
     out = {
-        "input_layernorm": weights[p + "input_layernorm.weight"],
-        "post_attention_layernorm": weights[p + "post_attention_layernorm.weight"],
-        "qkv_proj": torch.cat([weights[attn + f"{n}_proj.weight"] for n in "qkv"]),
+        "input_layernorm": _norm_weight(weights[p + "input_layernorm.weight"], config),
+        "post_attention_layernorm": _norm_weight(
+            weights[p + "post_attention_layernorm.weight"], config
+        ),
+        "qkv_proj": torch.cat(
+            [scaled(weights[attn + "q_proj.weight"])]
+            + [weights[attn + f"{n}_proj.weight"] for n in "kv"]
+        ),
         "o_proj": weights[attn + "o_proj.weight"],
         "gate_up_proj": torch.cat(
             [weights[mlp + "gate_proj.weight"], weights[mlp + "up_proj.weight"]]
@@ -249,5 +343,16 @@ def _fuse_layer(weights: dict[str, torch.Tensor], i: int) -> dict[str, torch.Ten
         "down_proj": weights[mlp + "down_proj.weight"],
     }
     if attn + "q_proj.bias" in weights:
-        out["qkv_bias"] = torch.cat([weights[attn + f"{n}_proj.bias"] for n in "qkv"])
+        out["qkv_bias"] = torch.cat(
+            [scaled(weights[attn + "q_proj.bias"])]
+            + [weights[attn + f"{n}_proj.bias"] for n in "kv"]
+        )
+    if attn + "o_proj.bias" in weights:
+        out["o_bias"] = weights[attn + "o_proj.bias"]
+    if qk_norm:
+        out["q_norm"] = _norm_weight(weights[attn + "q_norm.weight"], config, q_scale)
+        out["k_norm"] = _norm_weight(weights[attn + "k_norm.weight"], config)
+    for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        if p + name + ".weight" in weights:
+            out[name] = _norm_weight(weights[p + name + ".weight"], config)
     return out

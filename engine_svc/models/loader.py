@@ -33,6 +33,10 @@ def _required_names(config: ModelConfig) -> list[str]:
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
         names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        if config.qk_norm:
+            names += [p + f"self_attn.{n}_norm.weight" for n in "qk"]
+        if config.sandwich_norm:
+            names += [p + f"{n}_feedforward_layernorm.weight" for n in ("pre", "post")]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
     return names

@@ -47,6 +47,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(x.dtype)
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``x = [gate | up]`` (Gemma's GeGLU; torch only)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(x.dtype)
+
+
 def skinny_available(weight: torch.Tensor) -> bool:
     """True when ``skinny_linear`` runs the compiled kernel for this weight."""
     return _native(weight) and weight.dtype in (torch.float32, torch.bfloat16)

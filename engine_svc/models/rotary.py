@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# "dynamic" is plain RoPE up to the original length, where the config caps the context
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
