@@ -91,7 +91,7 @@ def test_auto_answers_parse_either_way(client: openai.OpenAI, stream: bool) -> N
         "model": "",
         "messages": ASK,
         "tools": TOOLS,
-        "max_tokens": 48,
+        "max_tokens": 24,
         "temperature": 0,
     }
     content, calls = "", dict[int, str]()
