@@ -8,7 +8,8 @@ the next delta decides it). A call is ``(name, arguments)``, arguments as JSON t
     hermes       <tool_call>{"name": F, "arguments": {...}}</tool_call>   (Hermes, Qwen;
                  the default prompt of templates without tools renders this format)
     llama3_json  {"name": F, "parameters": {...}}; {...}   (a reply that starts with "{")
-    mistral      [TOOL_CALLS][{"name": F, "arguments": {...}}, ...]
+    mistral      [TOOL_CALLS][{"name": F, "arguments": {...}}, ...]   (or the bare array:
+                 the marker is a special token the detokenizer skips)
 
 Text that looks like a call but does not parse stays content, unchanged. Whitespace
 at the end of the content is held until more text follows; a reply that made calls
@@ -145,11 +146,13 @@ class JsonCallsParser(ToolParser):
 
     name = "llama3_json"
     marker = ""
+    bare_start = "\0"  # with a marker: how a reply starts whose marker the detokenizer dropped
     args_keys: tuple[str, ...] = ("parameters", "arguments")
 
     def __init__(self) -> None:
         super().__init__()
         self._mode = "start"  # start -> calls | content
+        self._marked = False
 
     def feed(self, text: str) -> Parsed:
         self._buf += text
@@ -169,7 +172,9 @@ class JsonCallsParser(ToolParser):
             self._mode = "calls" if head[0] == "{" else "content"
             return
         if head.startswith(self.marker):
-            self._mode, self._buf = "calls", head[len(self.marker) :]
+            self._mode, self._buf, self._marked = "calls", head[len(self.marker) :], True
+        elif head.startswith(self.bare_start):  # the marker was a special token, skipped
+            self._mode = "calls"
         elif not self.marker.startswith(head):
             self._mode = "content"
 
@@ -202,17 +207,20 @@ class JsonCallsParser(ToolParser):
             self._mode = "content"
         calls = self._calls(self._decode()) if self._mode == "calls" else []
         buf, self._buf = self._buf, ""
-        if buf.strip() and self._mode == "calls" and self.marker and not self.num_calls:
+        if buf.strip() and self._mode == "calls" and self._marked and not self.num_calls:
             buf = self.marker + buf
         return self._content(buf, last=True), calls
 
 
 class MistralParser(JsonCallsParser):
-    """``[TOOL_CALLS]`` then a JSON array of calls (content may come before the marker
-    only when it starts the reply; Mistral's models put it first)."""
+    """``[TOOL_CALLS]`` then a JSON array of calls, at the start of the reply (Mistral's
+    models put it first). ``[TOOL_CALLS]`` is a special token in Mistral's tokenizers,
+    which the gateway's detokenizer skips: a reply starting with ``[{`` is read as the
+    array (items that are not calls leave it content)."""
 
     name = "mistral"
     marker = "[TOOL_CALLS]"
+    bare_start = "[{"
     args_keys = ("arguments", "parameters")
 
     def _each(self, value: Any) -> list[Call] | None:

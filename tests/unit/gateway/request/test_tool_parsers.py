@@ -55,6 +55,9 @@ CASES: list[tuple[str, str, tuple[str, list[Call]]]] = [
     ),
     ("mistral", "[TOOL_CALLS] nope", ("[TOOL_CALLS]nope", [])),
     ("mistral", "[TOOL] is a word", ("[TOOL] is a word", [])),
+    ("mistral", '[{"name": "f", "arguments": {}}]', ("", [("f", "{}")])),  # marker skipped
+    ("mistral", "[{1: 2}] is not a call", ("[{1: 2}] is not a call", [])),
+    ("mistral", '[{"a": 1}]', ('[{"a": 1}]', [])),
 ]
 
 
