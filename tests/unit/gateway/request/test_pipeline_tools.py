@@ -91,3 +91,15 @@ async def test_response_format_reaches_the_engine_and_a_bad_tool_is_refused_firs
     assert "tool_choice names function 'later'" in info.value.message
     assert len(engine.jobs) == 1
     assert len(lim.settles) == 1  # the refused one reserved nothing
+
+
+async def test_a_configured_model_gets_its_thought_apart(tokenizer: TextTokenizer) -> None:
+    out = "<think>Paris, surely.</think>Paris."
+    engine = FakeDispatcher(tokens=tuple(tokenizer.encode(out, add_special_tokens=False)))
+    async with pipeline_of(tokenizer, engine, limiter()) as pipeline:
+        plain = await collect(pipeline, request())
+        pipeline.config.reasoning_parsers = {"m": "think"}  # the served model's name
+        chunks = await collect(pipeline, request())
+    assert "".join(c.text for c in plain) == out  # off by default
+    assert "".join(c.reasoning_text for c in chunks) == "Paris, surely."
+    assert "".join(c.text for c in chunks) == "Paris."
