@@ -110,5 +110,15 @@ class CallPrinter:
             call[2] += tc.arguments
 
     def lines(self) -> list[str]:
-        """``[tool call <id>] <name>(<arguments>)`` per call, in order."""
-        return [f"[tool call {i}] {n}({a})" for _, (i, n, a) in sorted(self.calls.items())]
+        """``[tool call <id>] <name>(<arguments>)`` per call, in order (the arguments on
+        one line: compact JSON where they parse)."""
+        return [
+            f"[tool call {i}] {n}({_compact(a)})" for _, (i, n, a) in sorted(self.calls.items())
+        ]
+
+
+def _compact(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), ensure_ascii=False)
+    except ValueError:
+        return arguments.replace("\n", " ")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -15,6 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolPara
 from pydantic import BaseModel, Field
 
 from llm.v1 import common_pb2, gateway_pb2
+from llm_client import cli
 from tests.integration.gateway.conftest import HttpGateway, chat
 
 pytestmark = pytest.mark.integration
@@ -170,3 +172,20 @@ def test_grpc_carries_tool_call_deltas_and_finish_reason(http_gateway: HttpGatew
     assert "".join(c.text for c in chunks) == ""
     assert chunks[-1].finish_reason == common_pb2.TOOL_CALLS
     GetWeather.model_validate_json("".join(d.arguments for d in deltas))
+
+
+def test_llm_client_prints_the_call(
+    http_gateway: HttpGateway, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, key = http_gateway.gw.tenant()
+    tool = tmp_path / "weather.json"
+    tool.write_text(json.dumps(TOOLS[0]))
+    argv = ["--plaintext", "--address", http_gateway.gw.proc.address, "--api-key", key]
+    chat_args = ["chat", "Weather in Oslo?", "--tool", str(tool), "--tool-choice", "GetWeather"]
+    assert cli.main([*argv, *chat_args, "--max-tokens", "48", "--seed", "4"]) == 0
+    out, err = capsys.readouterr()
+    line = next(x for x in out.splitlines() if x.startswith("[tool call call_"))
+    name, _, args = line.split("] ", 1)[1].partition("(")
+    assert name == "GetWeather"
+    GetWeather.model_validate_json(args[:-1])
+    assert "[TOOL_CALLS]" in err

@@ -60,6 +60,8 @@ def test_streamed_deltas_print_as_whole_calls() -> None:
         )
     )
     p.add(
-        gateway_pb2.GenerateResponse(tool_calls=[common_pb2.ToolCall(index=0, arguments='"Oslo"}')])
+        gateway_pb2.GenerateResponse(
+            tool_calls=[common_pb2.ToolCall(index=0, arguments='\n  "Oslo"}')]
+        )
     )
     assert p.lines() == ['[tool call call_1] weather({"city": "Oslo"})']
