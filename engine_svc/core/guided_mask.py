@@ -3,14 +3,15 @@
 A guided request's mask at a step depends only on the tokens it accepted before
 that step, so the engine starts computing the step's masks (``GuidedMasks.start``,
 on a worker thread; llguidance releases the GIL) before the forward pass and the
-sampler collects them after it (``GuidedMasks.apply``). Only the guided rows get a
+sampler collects them after it (``PendingMasks.apply``). Only the guided rows get a
 mask: an int32 bitmask [guided rows, vocab/32] that is unpacked on the logits'
-device into a bool tensor and applied with one ``masked_fill``; a step without a
-guided row costs nothing.
+device into an additive bias (0 or -inf, one table lookup per mask byte) and added
+to those rows; a step without a guided row costs nothing.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -35,14 +36,30 @@ def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+# bias of the 8 tokens of one mask byte: 0 where allowed, -inf where not (bit k = token k)
+_BYTE_BITS = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
+_BYTE_BIAS = torch.where(_BYTE_BITS.bool(), 0.0, float("-inf"))
+
+
+def mask_bias(bitmask: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, vocab_size] of 0 (allowed) and -inf (forbidden) of an int32 bitmask, built
+    on the bitmask's device by one table lookup per mask byte (several times faster on
+    CPU than unpacking bits into a bool mask and a ``masked_fill``)."""
+    assert sys.byteorder == "little", "the mask's bytes are read little-endian"
+    rows = bitmask.shape[0]
+    table = _BYTE_BIAS.to(bitmask.device, dtype)
+    per_byte = torch.nn.functional.embedding(bitmask.contiguous().view(torch.uint8).long(), table)
+    return per_byte.reshape(rows, -1)[:, :vocab_size]
+
+
 def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` with the tokens the bitmask forbids at ``-inf`` in ``rows`` (a copy)."""
-    vocab = logits.shape[1]
-    allowed = unpack(bitmask.to(logits.device, non_blocking=True), vocab)
+    """``logits`` with the tokens the bitmask forbids at ``-inf`` in ``rows`` (a copy;
+    allowed logits are kept exactly)."""
+    bias = mask_bias(bitmask.to(logits.device, non_blocking=True), logits.shape[1], logits.dtype)
+    if len(rows) == logits.shape[0]:  # every row guided (rows are in order)
+        return logits + bias
     idx = torch.tensor(rows, device=logits.device)
-    out = logits.clone()
-    out[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
-    return out
+    return logits.index_add(0, idx, bias)
 
 
 class GuidedMasks:
