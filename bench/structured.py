@@ -12,9 +12,13 @@ complete within ``--new-tokens``, so both sides generate exactly as many tokens;
 plain side ignores EOS. The schema is compiled before the timed runs (the cached
 case, what a repeated schema costs); the cold compile of a large schema (200
 properties of nested objects, enums, patterns and arrays) and its cached copy are
-timed apart, with the first mask (llguidance builds its lexer lazily).
+timed apart, with the first mask (llguidance builds its lexer lazily), and, for the
+record, xgrammar's compile of it where a venv has xgrammar (``--xgrammar-python``,
+default the vLLM peer's venv).
 Targets: <= 10% tok/s cost at 32 streams, <= 5 ms added TTFT for a cached
-schema. Writes bench/reports/structured.json and structured.png with the CPU flags,
+schema; what a cached schema adds before the first token is also timed part by part
+(its copy, first mask and masking; best of 50), free of the end-to-end noise. Writes
+bench/reports/structured.json and structured.png with the CPU flags,
 threads and load average: figures from a shared machine are noisy, quote them with
 the load.
 """
@@ -25,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -32,10 +37,10 @@ from typing import Any
 import torch
 
 from bench.report import save_report
-from common.config import default_model_dir
+from common.config import ROOT, default_model_dir
 from engine_svc.core import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from engine_svc.core.guided import GuidedSpec
-from engine_svc.core.guided_mask import bitmask_width
+from engine_svc.core.guided_mask import apply_bitmask, bitmask_width
 
 RECORDS = {
     "type": "array",
@@ -125,6 +130,63 @@ def compile_times(engine: LLMEngine) -> dict[str, float]:
     }
 
 
+XGRAMMAR = """
+import json, sys, time
+import xgrammar as xgr
+from transformers import AutoTokenizer
+model_dir, vocab, schema = sys.argv[1], int(sys.argv[2]), sys.stdin.read()
+hf = AutoTokenizer.from_pretrained(model_dir)
+info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab)
+comp = xgr.GrammarCompiler(info)
+t0 = time.perf_counter(); comp.compile_json_schema(schema); cold = time.perf_counter() - t0
+t0 = time.perf_counter(); comp.compile_json_schema(schema); cached = time.perf_counter() - t0
+print(json.dumps({"cold_ms": cold * 1e3, "cached_ms": cached * 1e3}))
+"""
+
+
+def xgrammar_compile(python: Path, model_dir: str, vocab: int) -> dict[str, float] | None:
+    """xgrammar's compile of the same large schema, for the record, run by ``python`` (a
+    venv that has xgrammar and transformers, e.g. the vLLM peer's); None without it."""
+    if not python.is_file():
+        return None
+    done = subprocess.run(
+        [str(python), "-c", XGRAMMAR, model_dir, str(vocab)],
+        input=json.dumps(large_schema()),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    if done.returncode != 0:
+        print(f"xgrammar run failed: {done.stderr[-500:]}")
+        return None
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def first_token_overhead(engine: LLMEngine, spec: GuidedSpec, rounds: int = 50) -> dict[str, float]:
+    """What a cached schema adds before a request's first token, timed part by part (best
+    of ``rounds``; ms): the matcher's copy at admission, its first mask, and the mask
+    applied to one row of logits. The end-to-end TTFT medians carry the machine's noise;
+    these do not."""
+    vocab = engine.model_config.vocab_size
+    logits = torch.randn(1, vocab)
+    bitmask = torch.empty(1, bitmask_width(vocab), dtype=torch.int32)
+    best = {"admit_ms": 1e9, "first_mask_ms": 1e9, "apply_ms": 1e9}
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        m = engine.guided.matcher(spec)
+        t1 = time.perf_counter()
+        m.matcher.unsafe_compute_mask_ptr(bitmask.data_ptr(), bitmask.numel() * 4)
+        t2 = time.perf_counter()
+        apply_bitmask(logits, [0], bitmask)
+        t3 = time.perf_counter()
+        for key, dt in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            best[key] = min(best[key], dt * 1e3)
+    best["total_ms"] = sum(best.values())
+    return best
+
+
 def write_chart(report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -158,6 +220,11 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--model-dir", default=str(default_model_dir()))
     parser.add_argument("--name", default="structured", help="report name")
+    parser.add_argument(
+        "--xgrammar-python",
+        default=str(ROOT / ".cache" / "peers" / "vllm" / "bin" / "python"),
+        help="a python with xgrammar to time its compile of the large schema (skipped if absent)",
+    )
     args = parser.parse_args()
     load_before = os.getloadavg()
     engine = LLMEngine(
@@ -173,6 +240,11 @@ def main() -> None:
     compiled = compile_times(engine)
     spec = GuidedSpec("json_schema", json.dumps(RECORDS))
     engine.guided.matcher(spec)  # the timed runs use a cached schema
+    overhead = first_token_overhead(engine, spec)
+    print(
+        "cached schema before the first token (best of 50): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in overhead.items())
+    )
     results = []
     for n in args.streams:
         prompts = [tok.encode(chat(PROMPTS[i % len(PROMPTS)])).ids for i in range(n)]
@@ -201,11 +273,21 @@ def main() -> None:
         f"{compiled['cold_ms']:.1f} ms, first mask {compiled['first_mask_ms']:.1f} ms, "
         f"cached {compiled['cached_ms']:.3f} ms"
     )
+    xgr = xgrammar_compile(
+        Path(args.xgrammar_python), args.model_dir, engine.model_config.vocab_size
+    )
+    if xgr is not None:
+        compiled["xgrammar_cold_ms"] = xgr["cold_ms"]
+        compiled["xgrammar_cached_ms"] = xgr["cached_ms"]
+        print(
+            f"xgrammar, same schema: cold {xgr['cold_ms']:.1f} ms, cached {xgr['cached_ms']:.3f} ms"
+        )
     report = {
         "args": vars(args),
         "engine": engine.compute_description,
         "results": results,
         "compile": compiled,
+        "first_token_overhead": overhead,
         "targets": {"tok_s_cost_pct_at_32": 10, "added_ttft_ms_cached": 5},
         "machine": {"loadavg": load_before},
     }

@@ -2,7 +2,7 @@
 
 A guided request's mask at a step depends only on the tokens it accepted before
 that step, so the engine starts computing the step's masks (``GuidedMasks.start``,
-on a worker thread; llguidance releases the GIL) before the forward pass and the
+on a worker thread, in llguidance's native code) before the forward pass and the
 sampler collects them after it (``PendingMasks.apply``). Only the guided rows get a
 mask: an int32 bitmask [guided rows, vocab/32] that is unpacked on the logits'
 device into an additive bias (0 or -inf, one table lookup per mask byte) and added
