@@ -249,3 +249,19 @@ def test_bitmask_unpacks_bit_j_of_word_w_as_token_32w_plus_j(
             assert torch.equal(out[i] == float("-inf"), ~allowed[k])
         else:
             assert torch.equal(out[i], logits[i])  # unguided rows untouched
+
+
+def test_a_structural_tag_constrains_only_what_follows_its_trigger(model_dir: Path) -> None:
+    compiler = GuidedCompiler(model_dir / "tokenizer.json", VOCAB, [EOS])
+    tag = {
+        "structures": [{"begin": "<f=", "schema": {"type": "integer"}, "end": ">"}],
+        "triggers": ["<f"],
+    }
+    spec = GuidedSpec("structural_tag", json.dumps(tag))
+
+    def fits(s: str) -> bool:
+        m = compiler.matcher(spec)
+        return all(m.advance(CHARS.index(c) + 2) for c in s)
+
+    assert fits("free_text<f=12>more")
+    assert not fits("free_text<f=x")
