@@ -103,8 +103,8 @@ class LlamaForCausalLM:
         self.prefill_attn_dtype: torch.dtype | None = None  # None = attn_dtype
         self.prefill_attn_kernel = False  # the fused AMX prefill attention (paged bf16 cache)
         self.norm = _norm_weight(weights["model.norm.weight"], config)
-        head = None if config.tie_word_embeddings else weights.get("lm_head.weight")
-        self.lm_head = Linear(self.embed_tokens if head is None else head)
+        # tied (the checkpoint stores no LM head; one it does store wins, as in transformers)
+        self.lm_head = Linear(weights.get("lm_head.weight", self.embed_tokens))
         self.layers = [
             LlamaLayer(
                 _fuse_layer(weights, i, config),
