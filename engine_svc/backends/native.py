@@ -287,7 +287,7 @@ class NativeBackend:
         engine: LLMEngine,
         inp: GenerateInput,
         fut: asyncio.Future[bool],
-        guided: GuidedMatcher | None,
+        guided: GuidedMatcher | None = None,
     ) -> None:
         assert self._loop is not None
         try:
