@@ -47,6 +47,21 @@ ENGINE_TEST_ENV = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compute_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One compute cache per test session (never the user's ``~/.cache``): the first
+    engine of a configuration measures its compute paths, the next ones apply what it
+    measured, in-process and subprocess engines alike."""
+    from engine_svc.models import compute_cache
+
+    d = tmp_path_factory.mktemp("compute-cache")
+    ENGINE_TEST_ENV["LLM_ENGINE_CORE_COMPUTE_CACHE_DIR"] = str(d)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compute_cache, "default_dir", lambda: d)
+        mp.setenv("LLM_ENGINE_CORE_COMPUTE_CACHE_DIR", str(d))  # engines `make run` starts
+        yield d
+
+
 def start_engine(
     name: str,
     model_dir: Path,

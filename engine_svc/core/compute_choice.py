@@ -2,7 +2,10 @@
 
 The weight dtype is forced by the config, fixed by the device, or measured on
 this CPU at the batches this engine's scheduler makes (``path_choice``): a
-choice made at one row can be the slowest at 32.
+choice made at one row can be the slowest at 32. The loaded projections' paths
+and the prefill attention are measured too (``prepare_model``); what all of it
+decided is kept on disk (``compute_cache``) so the next start on this machine,
+with this model, these settings and this code, applies it without timing.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from functools import partial
 import torch
 
 from engine_svc.core.config import EngineConfig
-from engine_svc.models import loader, path_choice
-from engine_svc.models.linear import LinearChoice
-from engine_svc.models.loader import resolve_dtype
+from engine_svc.models import compute_cache, loader, path_choice
+from engine_svc.models.attention import choose_prefill_dtype, choose_prefill_kernel
+from engine_svc.models.compute_cache import ComputeCache, Decision
+from engine_svc.models.linear import LinearChoice, apply_choice, tune_linears
+from engine_svc.models.llama import LlamaForCausalLM
+from engine_svc.models.loader import load_model, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -62,3 +68,116 @@ def kv_cache_dtype(name: str, weight_dtype: torch.dtype, attn_dtype: torch.dtype
     if name not in _KV_DTYPES:
         raise ValueError(f"kv_cache_dtype {name!r}: use 'auto', {', '.join(map(repr, _KV_DTYPES))}")
     return _KV_DTYPES[name]
+
+
+def _cache(config: EngineConfig, model_dir: str) -> ComputeCache | None:
+    directory = compute_cache.resolve_dir(config.compute_cache_dir)
+    if directory is None:
+        return None
+    sched = config.scheduler
+    settings = {
+        "dtype": config.dtype,
+        "quantization": config.quantization,
+        "q4_weights": config.q4_weights,
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "block_size": config.block_size,
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "long_prefill_token_threshold": sched.long_prefill_token_threshold,
+        "cpu_isa": config.cpu_isa,
+    }
+    return ComputeCache(directory, compute_cache.cache_key(model_dir, settings))
+
+
+def _load(
+    config: EngineConfig, model_dir: str, device: torch.device, dtype: torch.dtype
+) -> LlamaForCausalLM:
+    return load_model(
+        model_dir,
+        dtype,
+        device,
+        quantization=config.quantization,
+        q4_weights=config.q4_weights and config.tune_linear_paths,
+    )
+
+
+def _measure(
+    config: EngineConfig, model_dir: str, device: torch.device
+) -> tuple[LlamaForCausalLM, LinearChoice, torch.dtype]:
+    choice = choose_linear(config, model_dir, device)
+    model = _load(config, model_dir, device, choice.dtype)
+    mc = model.config
+    if device.type == "cpu" and config.tune_linear_paths:
+        tune_linears(model.linears(), choice)
+        candidates = tuple(dict.fromkeys((torch.float32, choice.dtype)))
+        dtype, timings = choose_prefill_dtype(
+            mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, candidates
+        )
+        model.prefill_attn_dtype = dtype
+        logger.info("prefill attention: %s (ms per 512-token prompt: %s)", dtype, timings)
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, choice.dtype, model.attn_dtype)
+    if device.type == "cpu" and config.tune_linear_paths:
+        fused, ms = choose_prefill_kernel(
+            mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+            model.prefill_attn_dtype or model.attn_dtype, kv_dtype, config.block_size,
+        )  # fmt: skip
+        model.prefill_attn_kernel = fused
+        if ms:
+            logger.info("prefill attention fused: %s (ms per 512-token prompt: %s)", fused, ms)
+    return model, choice, kv_dtype
+
+
+def _decision(model: LlamaForCausalLM, choice: LinearChoice) -> Decision:
+    return Decision(
+        dtype=str(choice.dtype).removeprefix("torch."),
+        reason=choice.reason,
+        detail=choice.detail,
+        packing=choice.packing,
+        skinny_max_rows=choice.skinny_max_rows,
+        q4_max_rows=choice.q4_max_rows,
+        prefill_attn_dtype=str(model.prefill_attn_dtype or "").removeprefix("torch."),
+        prefill_fused=bool(model.prefill_attn_kernel),
+    )
+
+
+def _apply(
+    config: EngineConfig, model_dir: str, device: torch.device, d: Decision
+) -> tuple[LlamaForCausalLM, LinearChoice, torch.dtype]:
+    choice = LinearChoice(
+        loader.DTYPES[d.dtype],
+        d.reason,
+        packed=bool(d.packing),
+        packing=d.packing,
+        skinny_max_rows=d.skinny_max_rows,
+        q4_max_rows=d.q4_max_rows,
+        detail=f"{d.detail} (cached, measured at load {d.load_average:.1f})".lstrip(),
+    )
+    model = _load(config, model_dir, device, choice.dtype)
+    apply_choice(model.linears(), choice)
+    if d.prefill_attn_dtype:
+        model.prefill_attn_dtype = loader.DTYPES[d.prefill_attn_dtype]
+    model.prefill_attn_kernel = d.prefill_fused
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, choice.dtype, model.attn_dtype)
+    return model, choice, kv_dtype
+
+
+def prepare_model(
+    config: EngineConfig, model_dir: str, device: torch.device
+) -> tuple[LlamaForCausalLM, LinearChoice, torch.dtype]:
+    """Load the model with the dtype, projection paths and prefill attention measured
+    on this machine, or kept from the last measurement (``compute_cache``).
+
+    Returns:
+        the model, its linear choice and the KV cache dtype.
+    """
+    cache = None
+    if device.type == "cpu" and config.tune_linear_paths:
+        cache = _cache(config, model_dir)
+    decision = cache.load() if cache is not None else None
+    if cache is not None and decision is not None:
+        logger.info("compute choice: from %s (measured before on this machine)", cache.path)
+        return _apply(config, model_dir, device, decision)
+    model, choice, kv_dtype = _measure(config, model_dir, device)
+    if cache is not None:
+        cache.store(_decision(model, choice))
+    return model, choice, kv_dtype

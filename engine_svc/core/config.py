@@ -146,6 +146,15 @@ class EngineConfig:
             (checkpoints converted from Q4_1 GGUF, like the default model:
             lossless) as one more path for the tuning to time; it streams 3.2x
             fewer bytes per decode step. Ignored without ``tune_linear_paths``.
+        compute_cache_dir: where the start-up measurements' outcome is kept (the
+            dtype choice, the projections' paths, the prefill attention), a file
+            per model, settings, CPU, torch and code version, so the next start on
+            this machine applies it without timing (tens of seconds quiet,
+            minutes on a busy machine); ``auto`` =
+            ``$XDG_CACHE_HOME/llm-serving-stack/compute`` (``~/.cache`` when
+            unset), ``""`` = measure at every start. A choice measured on a busy
+            machine may be worse: the file records the load average; delete it to
+            measure again.
         seed: seed of the engine's unseeded sampling stream.
         guided_cache_entries: compiled output constraints (JSON schemas, regexes,
             grammars of guided decoding) kept for reuse, least recently used dropped
@@ -178,6 +187,7 @@ class EngineConfig:
     num_threads: int = 0
     tune_linear_paths: bool = True
     q4_weights: bool = True
+    compute_cache_dir: str = "auto"
     seed: int = 0
     guided_cache_entries: int = 256
     tensor_parallel_size: int = 1

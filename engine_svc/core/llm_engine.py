@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from common.config import default_model_dir
-from engine_svc.core.compute_choice import choose_linear, kv_cache_dtype
+from engine_svc.core.compute_choice import prepare_model
 from engine_svc.core.config import EngineConfig
 from engine_svc.core.guided import GuidedCompiler, GuidedMatcher
 from engine_svc.core.guided_mask import GuidedMasks
@@ -37,9 +37,6 @@ from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
 from engine_svc.core.validation import validate_request
 from engine_svc.models import cpu_kernels, cpu_tier
-from engine_svc.models.attention import choose_prefill_dtype, choose_prefill_kernel
-from engine_svc.models.linear import tune_linears
-from engine_svc.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -99,35 +96,11 @@ class LLMEngine:
         self.model_dir = config.model_dir or str(default_model_dir())
         # the tier cap first: the kernels build under it when first used
         cpu_tier.apply_cap(config.cpu_isa)
-        self.linear_choice = choose_linear(config, self.model_dir, self.device)
-        self.weight_dtype = self.linear_choice.dtype
-        self.model = load_model(
-            self.model_dir,
-            self.weight_dtype,
-            self.device,
-            quantization=config.quantization,
-            q4_weights=config.q4_weights and config.tune_linear_paths,
+        self.model, self.linear_choice, kv_dtype = prepare_model(
+            config, self.model_dir, self.device
         )
-        if self.device.type == "cpu" and config.tune_linear_paths:
-            tune_linears(self.model.linears(), self.linear_choice)
-            mc = self.model.config
-            candidates = tuple(dict.fromkeys((torch.float32, self.weight_dtype)))
-            dtype, timings = choose_prefill_dtype(
-                mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, candidates
-            )
-            self.model.prefill_attn_dtype = dtype
-            logger.info("prefill attention: %s (ms per 512-token prompt: %s)", dtype, timings)
+        self.weight_dtype = self.linear_choice.dtype
         self.model_config = self.model.config
-        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.weight_dtype, self.model.attn_dtype)
-        if self.device.type == "cpu" and config.tune_linear_paths:
-            mc = self.model.config
-            fused, ms = choose_prefill_kernel(
-                mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
-                self.model.prefill_attn_dtype or self.model.attn_dtype, kv_dtype, config.block_size,
-            )  # fmt: skip
-            self.model.prefill_attn_kernel = fused
-            if ms:
-                logger.info("prefill attention fused: %s (ms per 512-token prompt: %s)", fused, ms)
         num_blocks = determine_num_blocks(config, self.model_config, kv_dtype, self.device)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, kv_dtype)
         self.kv_cache_manager = KVCacheManager(

@@ -274,6 +274,25 @@ def _small_row_threshold(
     return threshold, timings
 
 
+def apply_choice(linears: Sequence[Linear], choice: LinearChoice) -> None:
+    """Set the thresholds and packing of ``linears`` as ``choice`` says, without timing
+    (a choice ``tune_linears`` made before on this machine, kept by ``compute_cache``).
+
+    A linear the chosen packing does not apply to keeps the packing before it in
+    ``PACKINGS`` where that one applies, as ``tune_linears`` leaves it."""
+    order = PACKINGS[: PACKINGS.index(choice.packing) + 1] if choice.packing else ()
+    with torch.inference_mode():
+        for lin in linears:
+            packing, packed = "", None
+            for p in order:
+                if (t := lin.packed_copy(p)) is not None:
+                    packing, packed = p, t
+            lin.use_packed(packing, packed)
+            lin.skinny_max_rows = (
+                choice.q4_max_rows if lin.q4 is not None else choice.skinny_max_rows
+            )
+
+
 def tune_linears(
     linears: Sequence[Linear], choice: LinearChoice, rounds: int = 5, log: bool = True
 ) -> LinearChoice:
