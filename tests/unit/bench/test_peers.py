@@ -16,6 +16,7 @@ from bench.peers import (
     peak_rss,
     ratios,
     side_command,
+    structured_cost,
     summarize,
 )
 
@@ -39,6 +40,37 @@ def _run(w1_wall: float, w4_wall: float) -> dict[str, object]:
         },
         "peak_rss_mib": {"self": 300.0, "children": 900.0},
     }
+
+
+def test_the_json_workload_is_w1_under_a_schema_no_request_can_finish_early() -> None:
+    import json
+
+    import jsonschema  # type: ignore[import-untyped]
+
+    wl = make_workloads()
+    assert wl["W1-json"]["requests"] == wl["W1"]["requests"]
+    schema = json.loads(wl["W1-json"]["json_schema"])
+    short = {"items": ["abcd"] * 63}
+    with pytest.raises(jsonschema.ValidationError):  # 63 items: not yet complete
+        jsonschema.validate(short, schema)
+    jsonschema.validate({"items": ["abcd"] * 64}, schema)
+    # 64 strings of >= 4 characters are far more than W1's 128 tokens
+    assert len(json.dumps({"items": ["abcd"] * 64})) > 4 * 128
+
+
+def test_structured_cost_per_side_and_a_side_without_the_workload() -> None:
+    wl = {k: v for k, v in make_workloads().items() if k in ("W1", "W1-json")}
+    both = {
+        "results": {
+            "W1": {"wall_s": 4.0, "generated": 4096},
+            "W1-json": {"wall_s": 5.0, "generated": 4096},
+        }
+    }
+    plain_only = {"results": {"W1": {"wall_s": 8.0, "generated": 4096}}}
+    table = summarize(wl, {"ours": [both], "transformers-bf16": [plain_only]})  # type: ignore[arg-type]
+    assert set(table["transformers-bf16"]) == {"W1"}  # no figure rather than a wrong one
+    cost = structured_cost(table)
+    assert cost == {"ours": pytest.approx(0.2)}
 
 
 def test_medians_ratios_and_best_dtype() -> None:
