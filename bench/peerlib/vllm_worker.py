@@ -36,30 +36,33 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import StructuredOutputsParams
 
+    with open(args.workloads) as f:
+        workloads = json.load(f)
+    # structured outputs need vLLM's tokenizer; no request is detokenized either way
+    structured = any("json_schema" in wl for wl in workloads.values())
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model_dir,
         dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_model_len=4096,
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not structured,
         seed=0,
     )
     load_s = time.perf_counter() - t0
-    with open(args.workloads) as f:
-        workloads = json.load(f)
 
     def run(reqs: list[list[object]], schema: str = "") -> tuple[float, int]:
         prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in reqs]
         # a JSON schema workload: vLLM's own structured outputs (its default backend)
-        structured = StructuredOutputsParams(json=schema) if schema else None
+        constraint = StructuredOutputsParams(json=schema) if schema else None
         params = [
             SamplingParams(
                 max_tokens=n,
                 min_tokens=n,
                 ignore_eos=True,
                 temperature=0.0,
-                structured_outputs=structured,
+                detokenize=False,
+                structured_outputs=constraint,
             )
             for _, n in reqs
         ]
