@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -27,28 +25,11 @@ from smg_grpc_proto.generated import (  # type: ignore[import-untyped]
     vllm_engine_pb2_grpc,
 )
 
-from common.procs import ManagedProcess
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tokenizer_svc.chat_template import Message
 from tokenizer_svc.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def channel(engine_server: ManagedProcess) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(engine_server.address) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
-def native(channel: grpc.Channel) -> engine_pb2_grpc.EngineStub:
-    return engine_pb2_grpc.EngineStub(channel)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: Path) -> TextTokenizer:
-    return TextTokenizer(model_dir)
 
 
 def prompt(tok: TextTokenizer, text: str) -> list[int]:

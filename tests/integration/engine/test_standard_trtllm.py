@@ -5,14 +5,12 @@ against the engine's own stats."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, trtllm_service_pb2, trtllm_service_pb2_grpc
 
-from common.procs import ManagedProcess
 from llm.v1 import engine_pb2, engine_pb2_grpc
 from tests.integration.engine.test_standard_vllm import (
     PROMPT,
@@ -25,19 +23,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def channel(engine_server: ManagedProcess) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(engine_server.address) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
 def trt(channel: grpc.Channel) -> trtllm_service_pb2_grpc.TrtllmServiceStub:
     return trtllm_service_pb2_grpc.TrtllmServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
-def native(channel: grpc.Channel) -> engine_pb2_grpc.EngineStub:
-    return engine_pb2_grpc.EngineStub(channel)
 
 
 def trt_request(

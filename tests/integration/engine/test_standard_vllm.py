@@ -8,14 +8,12 @@ import hashlib
 import io
 import time
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from common.procs import ManagedProcess
 from llm.v1 import engine_pb2, engine_pb2_grpc
 from tokenizer_svc.chat_template import Message
 from tokenizer_svc.tokenizer import TextTokenizer
@@ -26,24 +24,8 @@ PROMPT = [1, 504, 3458, 282, 4649, 314]
 
 
 @pytest.fixture(scope="module")
-def channel(engine_server: ManagedProcess) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(engine_server.address) as ch:
-        yield ch
-
-
-@pytest.fixture(scope="module")
 def vllm(channel: grpc.Channel) -> vllm_engine_pb2_grpc.VllmEngineStub:
     return vllm_engine_pb2_grpc.VllmEngineStub(channel)
-
-
-@pytest.fixture(scope="module")
-def native(channel: grpc.Channel) -> engine_pb2_grpc.EngineStub:
-    return engine_pb2_grpc.EngineStub(channel)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: Path) -> TextTokenizer:
-    return TextTokenizer(model_dir)
 
 
 def vllm_request(
