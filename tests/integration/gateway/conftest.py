@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import grpc
+import openai
 import pytest
 
 from common.procs import ManagedProcess
@@ -324,6 +325,14 @@ def http_gateway(
         yield hg
     finally:
         hg.gw.stop()
+
+
+@pytest.fixture(scope="module")
+def client(http_gateway: HttpGateway) -> Iterator[openai.OpenAI]:
+    """The official openai client on the HTTP front, with a new tenant's key per module."""
+    _, key = http_gateway.gw.tenant()
+    with openai.OpenAI(base_url=http_gateway.base_url, api_key=key, max_retries=0, timeout=60) as c:
+        yield c
 
 
 def cancel_after_first_chunk(gw: GatewayProcess, key: str, n: int) -> None:

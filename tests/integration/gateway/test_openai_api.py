@@ -7,24 +7,13 @@ stop strings, seeded sampling, logprobs, models, request ids.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.integration.gateway.conftest import HttpGateway
-
 pytestmark = pytest.mark.integration
 
 QUESTION: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Name three colors."}]
-
-
-@pytest.fixture(scope="module")
-def client(http_gateway: HttpGateway) -> Iterator[openai.OpenAI]:
-    _, key = http_gateway.gw.tenant()
-    with openai.OpenAI(base_url=http_gateway.base_url, api_key=key, max_retries=0, timeout=60) as c:
-        yield c
 
 
 def test_chat_completion_with_usage_and_request_id(client: openai.OpenAI) -> None:

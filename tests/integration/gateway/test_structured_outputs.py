@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from openai.types.shared_params import ResponseFormatJSONSchema
 from pydantic import BaseModel, Field
-
-from tests.integration.gateway.conftest import HttpGateway
 
 pytestmark = pytest.mark.integration
 
@@ -31,13 +28,6 @@ CITY_FORMAT: ResponseFormatJSONSchema = {
     "json_schema": {"name": "City", "schema": City.model_json_schema()},
 }
 ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Describe Paris as JSON."}]
-
-
-@pytest.fixture(scope="module")
-def client(http_gateway: HttpGateway) -> Iterator[openai.OpenAI]:
-    _, key = http_gateway.gw.tenant()
-    with openai.OpenAI(base_url=http_gateway.base_url, api_key=key, max_retries=0, timeout=60) as c:
-        yield c
 
 
 def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:

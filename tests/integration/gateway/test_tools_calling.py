@@ -6,7 +6,6 @@ streamed and not, a tool result round trip, and the tools counted in the prompt.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +38,6 @@ TOOLS: list[ChatCompletionToolParam] = [
     openai.pydantic_function_tool(GetTime),
 ]
 ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def client(http_gateway: HttpGateway) -> Iterator[openai.OpenAI]:
-    _, key = http_gateway.gw.tenant()
-    with openai.OpenAI(base_url=http_gateway.base_url, api_key=key, max_retries=0, timeout=60) as c:
-        yield c
 
 
 def test_a_named_function_is_called_with_arguments_that_fit(client: openai.OpenAI) -> None:
