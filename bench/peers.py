@@ -2,7 +2,8 @@
 
     python -m bench.peers [--sides ours,ours-grpc,vllm,transformers] [--rounds 1]
                           [--vllm-python .cache/peers/vllm/bin/python] [--quick]
-                          [--workloads W1,W2,W3] [--device cuda]
+                          [--workloads W1,W2,W3] [--device cuda] [--isa avx2]
+                          [--noise] [--noise-pin last|none]
 
 Workloads (token-id prompts from a fixed seed; greedy, ignore_eos, so every
 request makes exactly its tokens):
@@ -27,6 +28,11 @@ kernels (``LLM_ENGINE_CORE_CPU_ISA``), ATen (``ATEN_CPU_CAPABILITY``) and oneDNN
 (``ONEDNN_MAX_CPU_ISA``) for our engine and vLLM alike; the report says what each
 side's Python really ran (ATen's capability, oneDNN's ISA from its verbose line)
 and whether the tier is capped rather than the CPU's own.
+``--noise`` runs every side twice a round, quiet and then beside a co-tenant
+(``bench.peerlib.noise``: one process spinning on one core, pinned to the last
+CPU unless ``--noise-pin none``); the noisy run is the side's label + ``+noise``
+and ``noise_fall`` is quiet tok/s over noisy tok/s per side and workload (2.0 =
+halved), with the share of a core the burner really got.
 The report records the CPU model, its ISA flags, threads, the load
 average before and after every side, and each side's peak RSS (process and
 children: the vLLM engine core, our engine service). Writes bench/reports/peers.{json,png}.
@@ -48,6 +54,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from bench.peerlib.noise import burner, falls, last_cpu
 from bench.report import machine_facts, save_report
 from common.config import ROOT, default_model_dir
 
@@ -80,6 +87,7 @@ ALL_SIDES: dict[str, tuple[str, str]] = {
     "transformers-fp32": ("transformers", "float32"),
 }
 PEERS = ("vllm", "transformers")
+NOISY = "+noise"  # suffix of a side's run beside the --noise burner
 
 
 def make_workloads(seed: int = 0, quick: bool = False) -> dict[str, dict[str, Any]]:
@@ -233,7 +241,7 @@ def structured_cost(table: dict[str, dict[str, float]]) -> dict[str, float]:
 
 def best_of(table: dict[str, dict[str, float]], peer: str) -> str | None:
     """The label of ``peer``'s best dtype on this machine (higher W1)."""
-    labels = [k for k in table if k.startswith(peer)]
+    labels = [k for k in table if k.startswith(peer) and not k.endswith(NOISY)]
     if not labels:
         return None
     row = table[labels[0]]
@@ -300,6 +308,22 @@ def print_table(table: dict[str, dict[str, float]], rat: dict[str, dict[str, flo
         print(f"{label:<32}" + "".join(f"{row[n]:>9.2f}x" if n in row else dash for n in names))
     for label, cost in structured_cost(table).items():
         print(f"structured cost {label:<16}{cost:>9.1%}")
+    for label, row in falls(table, NOISY).items():
+        print(
+            f"{'fall ' + label:<32}"
+            + "".join(f"{row[n]:>9.2f}x" if n in row else dash for n in names)
+        )
+
+
+def print_loads(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """Each run's 1-minute load average before and after it, and the burner's core share."""
+    for label, rs in runs.items():
+        for r in rs:
+            share = f", burner got {r['noise']['core_share']:.0%} of a core" if "noise" in r else ""
+            print(
+                f"load {label:<27}{r['loadavg_before'][0]:>5.2f} -> {r['loadavg_after'][0]:.2f}"
+                f"{share}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,6 +345,17 @@ def main(argv: list[str] | None = None) -> int:
         default="native",
         choices=["native", "avx512_bf16", "avx512", "avx2"],
         help="cap every side at this CPU tier (a capped figure is labelled so)",
+    )
+    ap.add_argument(
+        "--noise",
+        action="store_true",
+        help="also run every side beside a CPU burner on one core; report the fall",
+    )
+    ap.add_argument(
+        "--noise-pin",
+        default="last",
+        choices=["last", "none"],
+        help="the burner's core: the last CPU (default) or wherever the kernel puts it",
     )
     args = ap.parse_args(argv)
     sides = [s for s in args.sides.split(",") if s]
@@ -346,17 +381,26 @@ def main(argv: list[str] | None = None) -> int:
     facts["isa_cap"] = isa_facts(args.isa, sides, args.vllm_python)
     os.environ.update(facts["isa_cap"]["env"])  # every side's process inherits the cap
     print(f"CPU tier: {facts['isa_cap']}", file=sys.stderr)
-    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
-    with tqdm(total=len(sides) * args.rounds, desc="peers", unit="side") as bar:
+    labels = [x for s in sides for x in ((s, s + NOISY) if args.noise else (s,))]
+    runs: dict[str, list[dict[str, Any]]] = {s: [] for s in labels}
+    pin = last_cpu() if args.noise_pin == "last" else None
+    with tqdm(total=len(labels) * args.rounds, desc="peers", unit="side") as bar:
         for _ in range(args.rounds):
-            for label in sides:
+            for label in labels:
                 bar.set_postfix_str(label)
-                runs[label].append(run_side(label, wl_path, args))
+                if label.endswith(NOISY):
+                    with burner(pin) as noise:
+                        result = run_side(label.removesuffix(NOISY), wl_path, args)
+                    result["noise"] = noise
+                else:
+                    result = run_side(label, wl_path, args)
+                runs[label].append(result)
                 bar.update()
     wl_path.unlink()
     table = summarize(workloads, runs)
     rat = ratios(table)
     print_table(table, rat)
+    print_loads(runs)
     facts["loadavg_end"] = os.getloadavg()
     report = {
         "bench": "peers",
@@ -376,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         "tok_per_s": table,
         "ratios": rat,
         "structured_cost": structured_cost(table),
+        "noise_fall": falls(table, NOISY),
         "best_dtype": {p: best_of(table, p) for p in PEERS},
         "peak_rss_mib": peak_rss(runs),
         "runs": runs,
