@@ -34,6 +34,7 @@ from engine_svc.backends.base import (
     retry_after_ms,
 )
 from engine_svc.core.guided import GuidedMatcher
+from engine_svc.core.kv_events import KvEventLog
 from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.outputs import EngineStats, ModelInfo, RequestOutput
 from engine_svc.core.request import FinishReason
@@ -176,6 +177,10 @@ class NativeBackend:
     def model_info(self) -> ModelInfo:
         assert self._info is not None, "start() first"
         return self._info
+
+    def kv_events(self) -> KvEventLog | None:
+        """The prefix cache's event log (None before start() or without prefix caching)."""
+        return None if self._engine is None else self._engine.kv_cache_manager.kv_events
 
     def _retry_after_ms(self) -> int:
         s = self._stats

@@ -11,7 +11,7 @@ only when a new block is needed and the oldest free block is a cached one.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -81,6 +81,7 @@ class BlockPool:
         )
         self.cached_blocks: dict[int, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.on_evict: Callable[[int], None] | None = None  # a cached block's hash, evicted
 
     @property
     def num_free_blocks(self) -> int:
@@ -119,6 +120,8 @@ class BlockPool:
         if self.cached_blocks.get(block.block_hash.value) is block:
             del self.cached_blocks[block.block_hash.value]
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block.block_hash.value)
         block.block_hash = None
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:

@@ -11,6 +11,7 @@ from engine_svc.core.block_pool import (
     hash_block_tokens,
     salt_root,
 )
+from engine_svc.core.kv_events import KvEventLog
 from engine_svc.core.request import Request
 
 
@@ -51,6 +52,10 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        # what the prefix cache stores and evicts, for event subscribers (None: no cache)
+        self.kv_events = KvEventLog() if enable_prefix_caching else None
+        if self.kv_events is not None:
+            self.block_pool.on_evict = self.kv_events.removed
 
     @property
     def num_free_blocks(self) -> int:
@@ -163,8 +168,11 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self.block_hashes(request)
+        events = self.kv_events
         for i in range(start, num_full):
             self.block_pool.cache_full_block(table[i], hashes[i])
+            if events is not None and table[i].block_hash is hashes[i]:  # newly cached
+                events.stored(hashes[i], i == 0, request.cache_salt)
         self._num_cached_blocks[rid] = num_full
 
     def trim(self, request: Request, num_tokens: int) -> None:

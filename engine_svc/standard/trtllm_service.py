@@ -32,6 +32,7 @@ from engine_svc.core.outputs import ModelInfo, RequestOutput
 from engine_svc.core.request import TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.service import reject
+from engine_svc.standard.kv_events import kv_event_stream
 from engine_svc.standard.shared import (
     StandardEngine,
     finish_name,
@@ -40,6 +41,7 @@ from engine_svc.standard.shared import (
 )
 
 PROTOCOL = "TrtllmService"
+SALT_PREFIX = "trtllm:"  # the engine's salt of a cache_salt_id
 SERVICE_NAME = trtllm_service_pb2.DESCRIPTOR.services_by_name["TrtllmService"].full_name
 # optional fields of SamplingConfig this engine has no use for (any value is refused)
 _SAMPLING_REFUSED = (
@@ -159,7 +161,7 @@ def generate_input_from_trtllm(
         request_id=req.request_id,
         prompt_token_ids=list(req.tokenized.input_token_ids),
         sampling_params=params,
-        cache_salt=f"trtllm:{req.cache_salt_id}" if req.HasField("cache_salt_id") else "",
+        cache_salt=f"{SALT_PREFIX}{req.cache_salt_id}" if req.HasField("cache_salt_id") else "",
     )
     return inp, list(req.stop)
 
@@ -260,6 +262,14 @@ def model_info_response(
     )
 
 
+def wire_salt(salt: str) -> str:
+    """A block's cache salt as KV events report it: a TrtllmService request's as its
+    ``cache_salt_id`` in decimal; another protocol's under a prefix no id has."""
+    if salt.startswith(SALT_PREFIX):
+        return salt[len(SALT_PREFIX) :]
+    return f"other:{salt}"
+
+
 def add_to_server(servicer: TrtllmServiceServicer, server: grpc.aio.Server) -> None:
     """Register ``servicer`` on ``server``."""
     trtllm_service_pb2_grpc.add_TrtllmServiceServicer_to_server(servicer, server)
@@ -344,5 +354,5 @@ class TrtllmServiceServicer(trtllm_service_pb2_grpc.TrtllmServiceServicer):  # t
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: Context
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        await unimplemented(context, PROTOCOL, "SubscribeKvEvents", "no KV event stream")
-        yield common_pb2.KvEventBatch()  # unreachable: makes this a stream handler
+        async for batch in kv_event_stream(self._e, request, context, PROTOCOL, wire_salt):
+            yield batch

@@ -31,6 +31,7 @@ from engine_svc.core.outputs import ModelInfo, RequestOutput
 from engine_svc.core.request import TokenLogprobs
 from engine_svc.core.sampling_params import SamplingParams
 from engine_svc.service import reject
+from engine_svc.standard.kv_events import kv_event_stream
 from engine_svc.standard.shared import (
     StandardEngine,
     Step,
@@ -339,5 +340,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: Context
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        await unimplemented(context, PROTOCOL, "SubscribeKvEvents", "poll GetLoads instead")
-        yield common_pb2.KvEventBatch()  # unreachable: makes this a stream handler
+        # vLLM requests carry no salt: a salted block (another protocol's) is reported
+        # under its salt, so an unsalted lookup never takes it for its own
+        async for batch in kv_event_stream(self._e, request, context, PROTOCOL, str):
+            yield batch
