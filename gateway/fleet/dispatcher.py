@@ -36,6 +36,7 @@ from common.log import get_logger
 from gateway import metrics
 from gateway.domain import Chunk, Deadline, GatewayError, Trace
 from gateway.fleet.engine_client.base import GenerateStream
+from gateway.fleet.engine_client.kv_events import PromptBlocks
 from gateway.fleet.fair_queue import FairQueue, FairQueues
 from gateway.fleet.replica import Replica
 from gateway.fleet.replica_pool import NoReplicaError, ReplicaPool
@@ -330,7 +331,12 @@ class Dispatcher:
     ) -> tuple[Replica, Ticket]:
         try:
             return self.pool.choose(
-                job.model, job.model_version, tried, job.fallback_versions, job.tenant_id
+                job.model,
+                job.model_version,
+                tried,
+                job.fallback_versions,
+                job.tenant_id,
+                prompt=PromptBlocks(job.prompt_token_ids, job.cache_salt),
             )
         except NoReplicaError as e:
             if errors:

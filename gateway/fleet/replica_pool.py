@@ -7,8 +7,10 @@ request, and their breaker admits a call. Among them the lowest score wins:
     load  = outstanding + queue_weight * num_waiting
     score = (load + 1) * (1 + kv_weight * kv_cache_usage)
 
-so an idle replica with a full KV cache loses to an idle one with room, and
-ties go to the replica picked least recently (spreads sequential traffic,
+so an idle replica with a full KV cache loses to an idle one with room; a replica
+whose KV events say it holds the start of the prompt has its score cut by up to
+half (``engine_client.kv_events.prefix_discount``); ties go to the replica picked
+least recently (spreads sequential traffic,
 and sends a recovering half-open replica its probe soon). ``NoReplicaError``
 says, per replica, why none could serve. Replicas are grouped into
 deployments by (model, version) from their ModelInfo; which version a
@@ -40,6 +42,7 @@ from common.log import get_logger
 from gateway import metrics
 from gateway.config import EngineEntry, parse_engine_entry
 from gateway.fleet.engine_client import ChannelSecurity
+from gateway.fleet.engine_client.kv_events import PromptBlocks, prefix_discount
 from gateway.fleet.replica import Replica
 from gateway.fleet.tokenizers import TokenizerSet
 from llm.v1 import engine_pb2
@@ -265,9 +268,11 @@ class ReplicaPool:
         exclude: Iterable[str] = (),
         fallbacks: Sequence[str] = (),
         tenant: str = "",
+        prompt: PromptBlocks | None = None,
     ) -> tuple[Replica, Ticket]:
         """Pick and acquire a replica of ``version``, else of each fallback version in order;
-        ``tenant``'s shard first (``tenant_shard_size``).
+        ``tenant``'s shard first (``tenant_shard_size``); ``prompt`` weighs the replicas'
+        prefix caches in.
 
         ``release(verdict, ticket)`` the replica when the call ends (the ticket tells
         its breaker whether this call is a half-open probe).
@@ -276,13 +281,18 @@ class ReplicaPool:
             NoReplicaError: none can serve; the message says why for each replica.
         """
         exclude = set(exclude)
+        n = len(prompt.token_ids) if prompt is not None else 0
+
+        def cached(r: Replica) -> float:
+            return 1.0 if prompt is None else prefix_discount(r.client.cached_tokens(prompt), n)
+
         for v in dict.fromkeys((version, *fallbacks)):
             found = self.candidates(model, v, exclude)
             shard = self.shard(model, v, tenant)
             found.sort(
                 key=lambda r: (
                     shard is not None and r.address not in shard,
-                    score(r, self.queue_weight, self.kv_weight),
+                    score(r, self.queue_weight, self.kv_weight) * cached(r),
                     r.last_pick,
                 )
             )

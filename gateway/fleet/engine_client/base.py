@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from gateway.fleet.engine_client.kv_events import PromptBlocks
 from llm.v1 import engine_pb2
 
 Metadata = Sequence[tuple[str, str]]
@@ -86,6 +87,11 @@ class EngineClient(Protocol):
     def watch_health(self) -> AsyncGenerator[str, None]:
         """Each health answer: "" = serving, else why not; raises
         ``grpc.aio.AioRpcError`` when the engine cannot be reached."""
+        ...
+
+    def cached_tokens(self, prompt: PromptBlocks) -> int:
+        """Leading tokens of ``prompt`` the engine holds in its prefix cache, as its KV
+        events said (0 where the protocol or the engine offers none)."""
         ...
 
     async def tokenizer_files(self, digest: str, timeout_s: float) -> tuple[str, dict[str, bytes]]:

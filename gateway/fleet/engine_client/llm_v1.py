@@ -16,6 +16,7 @@ from gateway.fleet.engine_client.base import (
     Metadata,
     TokenizerFetchError,
 )
+from gateway.fleet.engine_client.kv_events import PromptBlocks
 from llm.v1 import engine_pb2, engine_pb2_grpc
 from tokenizer_svc.tokenizer import MAX_TOKENIZER_BYTES
 
@@ -74,6 +75,9 @@ class LlmV1Client:
                 yield "" if serving else "health check says NOT_SERVING"
         finally:
             stream.cancel()
+
+    def cached_tokens(self, prompt: PromptBlocks) -> int:
+        return 0  # llm.v1.Engine streams no KV events
 
     async def tokenizer_files(self, digest: str, timeout_s: float) -> tuple[str, dict[str, bytes]]:
         files: dict[str, bytearray] = {}

@@ -44,6 +44,7 @@ from gateway.fleet.engine_client.base import (
     refuse,
     rpc_error,
 )
+from gateway.fleet.engine_client.kv_events import PrefixIndex, PromptBlocks, follow
 from llm.v1 import common_pb2, engine_pb2
 from tokenizer_svc.tokenizer import MAX_TOKENIZER_BYTES, TOKENIZER_FILES
 
@@ -328,7 +329,10 @@ class StandardClient:
             self.channel
         )
         self._aborts: set[asyncio.Task[None]] = set()
-        self.stub: Any = None  # the protocol's stub (every one has GetTokenizer)
+        self.stub: Any = None  # the protocol's stub (GetTokenizer, SubscribeKvEvents)
+        self.prefix_index = PrefixIndex()
+        self._follower: asyncio.Task[None] | None = None
+        self._load: tuple[Any, float] | None = None  # the last EngineLoad, when it came
 
     @property
     def engine(self) -> str:
@@ -339,7 +343,34 @@ class StandardClient:
         """The protocol's HealthCheck: "" = healthy, else why not."""
         raise NotImplementedError
 
+    def wire_salt(self, cache_salt: str) -> str:
+        """The request's cache salt as this protocol carries it and its KV events
+        report it ("" = none)."""
+        return ""
+
+    def cached_tokens(self, prompt: PromptBlocks) -> int:
+        return self.prefix_index.match(prompt, self.wire_salt(prompt.cache_salt))
+
+    def recent_load(self, max_age_s: float) -> Any | None:
+        """The engine's last load record from its KV event stream (``EngineLoad``) if
+        it came within ``max_age_s``, else None."""
+        if self._load is None:
+            return None
+        load, at = self._load
+        return load if asyncio.get_running_loop().time() - at <= max_age_s else None
+
+    def _on_load(self, load: Any) -> None:
+        self._load = (load, asyncio.get_running_loop().time())
+
+    def _subscribe(self, request: Any) -> Any:
+        return self.stub.SubscribeKvEvents(request, metadata=self.metadata)
+
     async def watch_health(self) -> AsyncGenerator[str, None]:
+        if self._follower is None:  # the replica watches health from its start on
+            self._follower = asyncio.create_task(
+                follow(self._subscribe, self.prefix_index, self._on_load, self.engine),
+                name=f"kv-events-{self.address}",
+            )
         while True:
             timeout_s = max(1.0, self.poll_interval_s)
             why = await self.health_check(timeout_s) or await self._standard_health(timeout_s)
@@ -393,7 +424,7 @@ class StandardClient:
     async def close(self) -> None:
         if self._aborts:  # let the last aborts reach the engine, briefly
             await asyncio.wait(set(self._aborts), timeout=1.0)
-        await cancel_and_wait(*self._aborts)
+        await cancel_and_wait(*self._aborts, self._follower)
         await self.channel.close(None)
 
 

@@ -16,9 +16,12 @@ EngineGenerateRequest      ->  GenerateRequest (tokenized, SamplingConfig,
                                a guided request resumed after failover, refused
 EngineGenerateResponse     <-  GenerateStreamChunk / GenerateComplete (cached tokens
                                reported: the cache is salted per tenant)
-EngineStats                <-  no load RPC on this protocol: only max_num_seqs (the
-                               engine's max batch size); the router weighs the
-                               gateway's own calls in flight on the replica
+EngineStats                <-  no load RPC on this protocol: the load records of
+                               SubscribeKvEvents (running, waiting, KV usage, rate,
+                               max running) while fresh; without them only
+                               max_num_seqs (GetModelInfo's max batch size), and the
+                               router weighs the gateway's own calls in flight
+prefix-aware routing       <-  SubscribeKvEvents (cache_salt: cache_salt_id in decimal)
 ModelInfo                  <-  GetModelInfo (max_seq_len; + ?model= and ?version=)
 health                     <-  HealthCheck polled (+ grpc.health.v1 where offered)
 """
@@ -37,14 +40,16 @@ from gateway.fleet.engine_client.standard import (
     StandardClient,
     StandardStream,
     WirePiece,
-    cache_salt,
     check_request,
     guided_constraint,
     last_piece,
     position_logprobs,
     resumed_prompt,
 )
+from gateway.fleet.engine_client.standard import cache_salt as standard_cache_salt
 from llm.v1 import common_pb2, engine_pb2
+
+LOAD_FRESH_S = 5.0  # a load record older than this (or 3 polls) is not used
 
 _GUIDE = pb.GuidedDecodingParams
 _GUIDE_TYPES = {
@@ -111,7 +116,7 @@ def generate_request(request: engine_pb2.EngineGenerateRequest, engine: str) -> 
         output_config=output,
         max_tokens=max_tokens,
         streaming=True,
-        cache_salt_id=cache_salt(request.cache_salt) if request.cache_salt else None,
+        cache_salt_id=standard_cache_salt(request.cache_salt) if request.cache_salt else None,
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
         include_stop_token_in_output=p.include_stop_in_output,
@@ -185,8 +190,25 @@ class TrtllmClient(StandardClient):
             backend="trtllm",
         )
 
+    def wire_salt(self, cache_salt: str) -> str:
+        return str(standard_cache_salt(cache_salt)) if cache_salt else ""
+
     async def stats(self, timeout_s: float) -> engine_pb2.EngineStats:
-        return engine_pb2.EngineStats(max_num_seqs=self._max_batch_size, model_version=self.version)
+        # a record older than a few polls is stale (the stream broke): fall back
+        load = self.recent_load(max(LOAD_FRESH_S, 3 * self.poll_interval_s))
+        if load is None:
+            return engine_pb2.EngineStats(
+                max_num_seqs=self._max_batch_size, model_version=self.version
+            )
+        return engine_pb2.EngineStats(
+            num_running=load.running_requests,
+            num_waiting=load.waiting_requests,
+            kv_cache_usage=load.token_usage,
+            prefix_cache_hit_rate=load.cache_hit_rate,
+            generation_tokens_per_second=load.gen_throughput,
+            max_num_seqs=load.max_running_requests or self._max_batch_size,
+            model_version=self.version,
+        )
 
     async def health_check(self, timeout_s: float) -> str:
         resp = await self.stub.HealthCheck(

@@ -4,10 +4,11 @@ they were sent is recorded, what they answer is set by the test."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import io
 import zipfile
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,18 @@ async def start(add: Any, servicer: Any) -> tuple[grpc.aio.Server, str]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+@contextlib.asynccontextmanager
+async def serving(add: Any, servicer: Any, client: Callable[[str], Any]) -> AsyncIterator[Any]:
+    """``servicer`` on loopback and ``client(address)`` to it, both closed after."""
+    server, address = await start(add, servicer)
+    c = client(address)
+    try:
+        yield c
+    finally:
+        await c.close()
+        await server.stop(0)
 
 
 async def until(what: str, ready: Any, limit_s: float = 10.0) -> None:

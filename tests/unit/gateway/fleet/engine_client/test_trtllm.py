@@ -23,7 +23,7 @@ from gateway.fleet.tokenizers import TokenizerSet
 from llm.v1 import common_pb2, engine_pb2
 from tests.unit.gateway.fleet.engine_client.scripted import (
     Script,
-    start,
+    serving,
     tokenizer_zip,
     until,
     zip_chunks,
@@ -59,13 +59,9 @@ class ScriptedTrtllm(pb_grpc.TrtllmServiceServicer):  # type: ignore[misc]
 @pytest.fixture
 async def engine() -> AsyncIterator[tuple[ScriptedTrtllm, TrtllmClient, str]]:
     servicer = ScriptedTrtllm()
-    server, address = await start(pb_grpc.add_TrtllmServiceServicer_to_server, servicer)
-    client = TrtllmClient(address, poll_interval_s=0.02)
-    try:
-        yield servicer, client, address
-    finally:
-        await client.close()
-        await server.stop(0)
+    add = pb_grpc.add_TrtllmServiceServicer_to_server
+    async with serving(add, servicer, lambda a: TrtllmClient(a, poll_interval_s=0.02)) as client:
+        yield servicer, client, client.address
 
 
 def request(tenant: str = "t1", **sampling: Any) -> engine_pb2.EngineGenerateRequest:

@@ -20,7 +20,7 @@ from gateway.fleet.tokenizers import TokenizerSet
 from llm.v1 import common_pb2, engine_pb2
 from tests.unit.gateway.fleet.engine_client.scripted import (
     Script,
-    start,
+    serving,
     tokenizer_zip,
     until,
     zip_chunks,
@@ -78,13 +78,11 @@ class ScriptedVllm(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 @pytest.fixture
 async def engine() -> AsyncIterator[tuple[ScriptedVllm, VllmClient]]:
     servicer = ScriptedVllm()
-    server, address = await start(pb_grpc.add_VllmEngineServicer_to_server, servicer)
-    client = VllmClient(address, "s" * 32, poll_interval_s=0.02, version="v7")
-    try:
+    add = pb_grpc.add_VllmEngineServicer_to_server
+    async with serving(
+        add, servicer, lambda a: VllmClient(a, "s" * 32, poll_interval_s=0.02, version="v7")
+    ) as client:
         yield servicer, client
-    finally:
-        await client.close()
-        await server.stop(0)
 
 
 def request(**sampling: Any) -> engine_pb2.EngineGenerateRequest:
