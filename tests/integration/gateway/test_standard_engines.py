@@ -2,12 +2,13 @@
 
 The session's engine serves llm.v1.Engine, VllmEngine and TrtllmService on one port;
 gateways here address it as ``vllm://`` and ``trtllm://``, so the gateway's clients
-of both protocols run over real gRPC against a real model. (A stock vLLM server
+of both protocols run over real gRPC against a real model, KV events included. (A stock vLLM server
 behind the gateway: tests/integration/stock, run by ``make test-vllm``.)
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -120,3 +121,38 @@ def test_a_seed_vllm_engine_cannot_carry_is_refused_naming_it(
     details = err.value.details() or ""
     assert "seed" in details
     assert "VllmEngine" in details or "vllm" in details
+
+
+LONG_PROMPT = (
+    "You are a careful assistant. Read the following list of fruits and remember it: "
+    "apple, banana, cherry, damson, elderberry, fig, grape, honeydew, kiwi, lemon, mango. "
+    "Now answer in one word."
+)
+
+
+def test_kv_events_keep_a_prompt_on_the_replica_that_holds_its_prefix(
+    engine_server: ManagedProcess,
+    tokenizer_server: ManagedProcess,
+    gw_redis: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two replicas of one engine, over TrtllmService (salted per tenant: its cached
+    counts reach the tenant) and VllmEngine (unsalted). The first request goes to the
+    first, whose KV events then list the prompt's blocks under the tenant's salt; every
+    repeat goes back there (cached tokens shown). Without the events both replicas are
+    idle and equal, and the repeats alternate."""
+    a = engine_server.address
+    entries = [f"trtllm://{a}", f"vllm://{a}"]
+    gw = start_gateway(
+        "gw-prefix", entries, tokenizer_server.address, gw_redis.url, tmp_path_factory.mktemp("p")
+    )
+    try:
+        wait_until(lambda: all(gw.metric("gateway_replica_healthy", replica=e) for e in entries))
+        _, key = gw.tenant()
+        req = chat(LONG_PROMPT, max_tokens=1, temperature=0.0)
+        gw.generate(key, req)  # both idle, never picked: the first entry takes it
+        time.sleep(1.5)  # its events reach the gateway (the engine sends them every 50 ms)
+        cached = [gw.generate(key, req)[-1].usage.cached_prompt_tokens for _ in range(4)]
+        assert all(c >= 16 for c in cached), cached
+    finally:
+        gw.stop()
