@@ -24,13 +24,10 @@ import csv
 import io
 import json
 import time
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, date, datetime, timedelta
-
-from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import ClusterPipeline
 
 from common.log import get_logger
 from common.tasks import cancel_and_wait
@@ -171,11 +168,12 @@ class UsageLog:
             async with self.client.pipeline(transaction=False) as pipe:
                 tenants = {e.tenant_id for e in batch}
                 pipe.sadd(f"{self.prefix}usage_tenants", *tenants)
-                touched: set[tuple[str, str]] = set()
-                for e in batch:
-                    self._add(pipe, e)
-                    touched.add((e.tenant_id, _day(e.time)))
-                for tenant_id, day in touched:
+                counts, costs = _totals(batch, self._key)
+                for (key, name), value in counts.items():
+                    pipe.hincrby(key, name, value)
+                for (key, name), cost in costs.items():
+                    pipe.hincrbyfloat(key, name, cost)
+                for tenant_id, day in {(e.tenant_id, _day(e.time)) for e in batch}:
                     end = datetime.fromisoformat(day).replace(tzinfo=UTC).timestamp() + 86_400
                     pipe.expireat(self._key(tenant_id, day), int(end + self.retention_s))
                 await pipe.execute()
@@ -189,21 +187,6 @@ class UsageLog:
             raise StoreError(f"redis usage write failed: {type(exc).__name__}: {exc}") from exc
         metrics.USAGE_WRITTEN.inc(len(batch))
         return len(batch)
-
-    def _add(self, pipe: Pipeline | ClusterPipeline, e: UsageEvent) -> None:
-        key = self._key(e.tenant_id, _day(e.time))
-        # "|" separates the parts of a field name: never inside one
-        head = "|".join(x.replace("|", "_") for x in (e.key_id, e.model, e.model_version)) + "|"
-        incr = pipe.hincrby
-        incr(key, head + "requests", 1)
-        for name in COUNTERS[1:]:
-            value = getattr(e, name)
-            if value:
-                incr(key, head + name, value)
-        if e.cost_usd:
-            pipe.hincrbyfloat(key, head + "cost_usd", e.cost_usd)
-        if e.status != "OK":
-            incr(key, f"{head}errors:{e.status}", 1)
 
     async def close(self) -> None:
         """Stop the writer after one last flush (best effort)."""
@@ -246,7 +229,32 @@ class UsageLog:
 
 
 def _stamped(e: UsageEvent) -> UsageEvent:
-    return UsageEvent(**{**asdict(e), "time": time.time()})
+    return replace(e, time=time.time())
+
+
+def _totals(
+    batch: Iterable[UsageEvent], key_of: Callable[[str, str], str]
+) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str], float]]:
+    """The batch's increments summed per (hash, field): one HINCRBY per counter a batch
+    touched, not one per request (``cost_usd`` apart, a float)."""
+    counts: dict[tuple[str, str], int] = defaultdict(int)
+    costs: dict[tuple[str, str], float] = defaultdict(float)
+    days: dict[int, str] = {}  # UTC day number -> its date
+    for e in batch:
+        n = int(e.time // 86_400)
+        day = days.get(n) or days.setdefault(n, _day(e.time))
+        key = key_of(e.tenant_id, day)
+        # "|" separates the parts of a field name: never inside one
+        head = "|".join(x.replace("|", "_") for x in (e.key_id, e.model, e.model_version)) + "|"
+        counts[key, head + "requests"] += 1
+        for name in COUNTERS[1:]:
+            if value := getattr(e, name):
+                counts[key, head + name] += value
+        if e.cost_usd:
+            costs[key, head + "cost_usd"] += e.cost_usd
+        if e.status != "OK":
+            counts[key, f"{head}errors:{e.status}"] += 1
+    return counts, costs
 
 
 def _records(

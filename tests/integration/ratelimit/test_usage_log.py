@@ -85,3 +85,26 @@ async def test_records_wait_for_redis_and_the_oldest_go_first_past_the_bound(
 def test_query_ranges_default_to_the_last_30_days() -> None:
     days = day_range("", "", date(2026, 12, 1))
     assert (days[0], days[-1], len(days)) == ("2026-11-02", "2026-12-01", 30)
+
+
+async def test_a_batch_writes_one_increment_per_counter_not_per_request(
+    redis_client: Redis, prefix: str
+) -> None:
+    log = UsageLog(redis_client, prefix=prefix)
+    for _ in range(50):
+        log.record(ev("t"))
+    log.record(ev("t", status="CANCELLED"))
+
+    async def calls(command: str) -> int:
+        stats = await redis_client.info("commandstats")
+        return int(stats.get(f"cmdstat_{command}", {"calls": 0})["calls"])
+
+    before = await calls("hincrby"), await calls("hincrbyfloat")
+    assert await log.flush() == 51
+    after = await calls("hincrby"), await calls("hincrbyfloat")
+    # requests, prompt_tokens, completion_tokens and errors:CANCELLED; one cost_usd
+    assert (after[0] - before[0], after[1] - before[1]) == (4, 1)
+    (rec,) = await log.query(tenant_id="t", start="2026-11-30", end="2026-11-30")
+    assert (rec.requests, rec.prompt_tokens, rec.completion_tokens) == (51, 510, 255)
+    assert rec.cost_usd == pytest.approx(51 * 0.25)
+    assert rec.errors == {"CANCELLED": 1}
