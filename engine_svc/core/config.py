@@ -138,6 +138,12 @@ class EngineConfig:
         quantization: ``none`` or ``fp8`` (per-output-channel e4m3 weights).
         num_threads: torch threads (one pool for matmuls and the CPU kernels);
             0 = torch's default (the cores this process may use).
+        thread_policy: ``adaptive`` (on CPU, at most every half second the step
+            loop measures how busy other processes keep this process's CPUs and
+            runs on one thread per core they leave free, up to ``num_threads``: a
+            co-tenant on one of two cores otherwise stalls every parallel region
+            of a step on the thread that shares its core) or ``fixed``; each change
+            is logged, the count now is in GetModelInfo's ``compute``.
         tune_linear_paths: on CPU, time the loaded model's projections at
             start-up to choose the skinny-GEMM threshold and weight packing
             (about a second); off = plain F.linear everywhere.
@@ -185,6 +191,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     quantization: str = "none"
     num_threads: int = 0
+    thread_policy: str = "adaptive"
     tune_linear_paths: bool = True
     q4_weights: bool = True
     compute_cache_dir: str = "auto"

@@ -35,6 +35,7 @@ from engine_svc.core.sched_output import SchedulerOutput
 from engine_svc.core.scheduler import Scheduler
 from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
+from engine_svc.core.threads import ThreadPolicy
 from engine_svc.core.validation import validate_request
 from engine_svc.models import cpu_kernels, cpu_tier
 
@@ -88,8 +89,8 @@ class LLMEngine:
                 "the native engine runs on one device: tensor_parallel_size and "
                 "pipeline_parallel_size must be 1 (several GPUs per engine need backend trtllm)"
             )
-        if config.num_threads > 0:
-            torch.set_num_threads(config.num_threads)
+        on_cpu = _resolve_device(config.device).type == "cpu"
+        self.threads = ThreadPolicy(config.num_threads, config.thread_policy, on_cpu)
         self.config = config
         self.clock = clock
         self.device = _resolve_device(config.device)
@@ -262,6 +263,7 @@ class LLMEngine:
         of its own and that step's outputs go to ``emit`` before this one resumes.
         """
         outputs, self._pending = self._pending, []
+        self.threads.before_step()
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
@@ -400,7 +402,7 @@ class LLMEngine:
         why = f"; measured: {c.detail}" if c.detail else ""
         return (
             f"{c.name} ({c.reason}), prefill attention {attn}, kernels={kernels}, "
-            f"threads={torch.get_num_threads()}{tier}, kv={self.runner.kv_cache_bytes >> 20} MiB"
+            f"threads={self.threads.describe()}{tier}, kv={self.runner.kv_cache_bytes >> 20} MiB"
             f"{why}"
         )
 
