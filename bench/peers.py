@@ -19,8 +19,10 @@ request makes exactly its tokens):
 Sides, each in its own process and interleaved round by round so drift hits
 all alike: ``ours`` (LLMEngine offline, dtype auto), ``ours-grpc`` (the engine
 service with the stack's default config, every request a concurrent gRPC
-stream), ``vllm`` (offline LLM.generate, bf16 and fp32), ``transformers``
-(generate(), static batches of 32, bf16 and fp32). Each peer's best dtype on
+stream; ``ours-grpc-fixed-threads``: the same with ``engine_core.thread_policy``
+fixed; ``ours-grpc-passive``: with ``OMP_WAIT_POLICY=PASSIVE``), ``vllm``
+(offline LLM.generate, bf16 and fp32), ``transformers`` (generate(), static
+batches of 32, bf16 and fp32). Each peer's best dtype on
 this CPU is the one with the higher W1 figure; ratios are against it. With
 ``--device cuda`` every side runs on the GPU (vLLM then from a CUDA build's venv).
 ``--isa`` caps every side at a CPU tier (``engine_svc.models.cpu_tier``): our
@@ -81,10 +83,19 @@ ALL_SIDES: dict[str, tuple[str, str]] = {
     "ours-grpc": ("ours-grpc", "auto"),
     "ours-fp32": ("ours", "float32"),
     "ours-grpc-fp32": ("ours-grpc", "float32"),
+    "ours-grpc-fixed-threads": ("ours-grpc", "auto"),
+    "ours-grpc-passive": ("ours-grpc", "auto"),
     "vllm-bf16": ("vllm", "bfloat16"),
     "vllm-fp32": ("vllm", "float32"),
     "transformers-bf16": ("transformers", "bfloat16"),
     "transformers-fp32": ("transformers", "float32"),
+}
+# a side's own environment on top of the run's: ours with the thread count of its start
+# kept under a co-tenant (engine_core.thread_policy fixed), to show what adaptive does;
+# ours with OpenMP's threads sleeping at once between regions instead of spinning
+SIDE_ENV = {
+    "ours-grpc-fixed-threads": {"LLM_ENGINE_CORE_THREAD_POLICY": "fixed"},
+    "ours-grpc-passive": {"OMP_WAIT_POLICY": "PASSIVE"},
 }
 PEERS = ("vllm", "transformers")
 NOISY = "+noise"  # suffix of a side's run beside the --noise burner
@@ -158,7 +169,8 @@ def run_side(label: str, wl_path: Path, args: argparse.Namespace) -> dict[str, A
     cmd = side_command(label, wl_path, out, args)
     before = os.getloadavg()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    env = os.environ | SIDE_ENV.get(label, {})
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"side {label} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(out.read_text())

@@ -127,3 +127,47 @@ def test_each_side_runs_its_own_worker_with_the_run_s_dtype_and_device() -> None
     assert vllm[0] == "/v/bin/python"
     assert vllm[1].endswith("bench/peerlib/vllm_worker.py")
     assert vllm[vllm.index("--dtype") + 1] == "bfloat16"
+
+
+def test_noise_fall_is_quiet_over_noisy_and_a_noisy_run_is_never_a_best_dtype() -> None:
+    from bench.peerlib.noise import falls
+
+    table = {
+        "ours-grpc": {"W2": 200.0, "W3": 90.0},
+        "ours-grpc+noise": {"W2": 50.0, "W3": 45.0},
+        "vllm-bf16": {"W2": 300.0},
+        "vllm-bf16+noise": {"W2": 150.0, "W3": 20.0},
+        "vllm-fp32": {"W2": 100.0},
+    }
+    assert falls(table, "+noise") == {
+        "ours-grpc": {"W2": 4.0, "W3": 2.0},
+        "vllm-bf16": {"W2": 2.0},  # no quiet W3: no fall for it
+    }
+    table["vllm-fp32+noise"] = {"W2": 900.0}  # a noisy figure above every quiet one
+    assert best_of(table, "vllm") == "vllm-bf16"
+
+
+def test_the_burner_takes_a_core_and_is_stopped_by_its_pid() -> None:
+    import os
+    import time
+
+    from bench.peerlib.noise import burner, last_cpu
+
+    with burner(last_cpu()) as facts:
+        pid = next(
+            int(p) for p in os.listdir("/proc") if p.isdigit() and _is_burner(int(p), os.getpid())
+        )
+        assert os.sched_getaffinity(pid) == {last_cpu()}
+        time.sleep(0.5)
+    assert facts["cpu_s"] > 0  # it ran (a busy machine may give it less than a whole core)
+    assert facts["pin"] == last_cpu()
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+def _is_burner(pid: int, parent: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return int(stat[1]) == parent and b"while True" in cmd
