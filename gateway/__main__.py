@@ -32,7 +32,7 @@ from gateway.fronts.forwarded import TrustedProxies
 from gateway.fronts.http import HttpFront
 from gateway.release import routing_admin
 from gateway.request.authenticate import ReflectionAuthInterceptor
-from gateway.workers import Supervisor, become_worker
+from gateway.workers import Supervisor, become_worker, settle_heap
 from ratelimit.admin.servicer import add_to_server as add_admin_to_server
 from ratelimit.config import RateLimitConfig
 
@@ -122,6 +122,7 @@ async def serve(config: GatewayConfig, rl_config: RateLimitConfig) -> None:
         await app.start()
         if http is not None:
             await http.start()
+        settle_heap()
 
     async def stop() -> None:
         if http is not None:

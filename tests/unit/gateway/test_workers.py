@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest, start
 
 from gateway.config import GatewayConfig
 from gateway.workers import (
+    GC_THRESHOLDS,
     SUPERVISOR_ENV,
     WORKER_ENV,
     Worker,
@@ -135,3 +136,15 @@ def test_become_worker() -> None:
     orphan = _become({WORKER_ENV: "3", SUPERVISOR_ENV: str(os.getpid() + 1_000_000)})
     assert orphan.returncode == 1
     assert "supervisor exited before it started" in orphan.stderr
+
+
+def test_settle_heap_freezes_start_up_objects_and_widens_the_young_generation() -> None:
+    code = (
+        "import gc; from gateway.workers import settle_heap; "
+        "before = gc.get_freeze_count(); settle_heap(); "
+        "print(before, gc.get_freeze_count() > 10_000, gc.get_threshold())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip().split(maxsplit=2) == ["0", "True", str(GC_THRESHOLDS)]
