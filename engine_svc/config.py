@@ -23,7 +23,8 @@ class EngineServiceConfig(ServiceConfig):
         warmup: Run one small batch before reporting SERVING.
         standard_protocols: The standard engine protocols (smg-grpc-proto) served beside
             llm.v1.Engine on the same port and authentication: ``vllm``
-            (vllm.grpc.engine.VllmEngine) and ``trtllm`` (trtllm.TrtllmService); [] = none.
+            (vllm.grpc.engine.VllmEngine), ``trtllm`` (trtllm.TrtllmService) and ``sglang``
+            (sglang.grpc.scheduler.SglangScheduler); [] = none.
         tls_cert_file: PEM server certificate (chain) for the gRPC port; "" = plaintext.
             Set with ``tls_key_file``.
         tls_key_file: PEM private key of ``tls_cert_file``.
@@ -39,7 +40,7 @@ class EngineServiceConfig(ServiceConfig):
     model_name: str = DEFAULT_MODEL_NAME
     model_version: str = ""
     warmup: bool = True
-    standard_protocols: list[str] = field(default_factory=lambda: ["vllm", "trtllm"])
+    standard_protocols: list[str] = field(default_factory=lambda: ["vllm", "trtllm", "sglang"])
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_client_ca_file: str = ""

@@ -19,9 +19,9 @@ from gateway.routing_policy import policies_from_config
 from ratelimit.budget.policy import PriceTable
 
 # the engine protocols an engine entry may name: llm.v1.Engine (ours; also a bare
-# host:port), smg-grpc-proto's VllmEngine (``vllm serve --grpc``) and TrtllmService
-# (``trtllm-serve --grpc``)
-ENGINE_PROTOCOLS = ("llm", "vllm", "trtllm")
+# host:port), smg-grpc-proto's VllmEngine (``vllm serve --grpc``), TrtllmService
+# (``trtllm-serve --grpc``) and SglangScheduler (SGLang's ``--grpc-mode``)
+ENGINE_PROTOCOLS = ("llm", "vllm", "trtllm", "sglang")
 ENGINE_OPTIONS = ("model", "version")  # what an entry's query may set
 
 
@@ -85,7 +85,7 @@ def parse_engine_entry(text: str) -> EngineEntry:
     if options and scheme == "llm":
         raise ValueError(
             f"[gateway] engines: {text!r}: an llm.v1 engine reports its own model and "
-            "version; ?model= and ?version= are for vllm:// and trtllm:// entries"
+            "version; ?model= and ?version= are for vllm://, trtllm:// and sglang:// entries"
         )
     if unknown:
         raise ValueError(
@@ -120,7 +120,8 @@ class GatewayConfig(ServiceConfig):
     Attributes:
         engines: Engine replicas, each ``[protocol://]host:port``: a bare ``host:port``
             (or ``llm://``) speaks llm.v1.Engine, ``vllm://`` VllmEngine (``vllm serve
-            --grpc``), ``trtllm://`` TrtllmService (``trtllm-serve --grpc``); a query
+            --grpc``), ``trtllm://`` TrtllmService (``trtllm-serve --grpc``), ``sglang://``
+            SglangScheduler (SGLang's ``--grpc-mode``); a query
             ``?model=M&version=V`` names a standard engine's model and version
             (docs/engine-protocols.md). A DNS name stands for each address it resolves to.
         engine_tls_ca_file: CA bundle that engine certificates must chain to; set, every

@@ -12,13 +12,13 @@ from common.log import get_logger
 from engine_svc.backends.base import Backend
 from engine_svc.config import EngineServiceConfig
 from engine_svc.service import EngineServicer
-from engine_svc.standard import trtllm_service, vllm_engine
+from engine_svc.standard import sglang_scheduler, trtllm_service, vllm_engine
 from engine_svc.standard.shared import StandardEngine, tokenizer_bundle
 from tokenizer_svc.tokenizer import TextTokenizer, TokenizerFilesError, read_tokenizer_files
 
 log = get_logger(__name__)
 
-PROTOCOLS = ("vllm", "trtllm")
+PROTOCOLS = ("vllm", "trtllm", "sglang")
 
 
 @dataclass(slots=True)
@@ -64,7 +64,8 @@ def standard_servicers(
     version: str,
     build: str,
 ) -> StandardServicers:
-    """The VllmEngine / TrtllmService servicers ``svc.standard_protocols`` names."""
+    """The VllmEngine / TrtllmService / SglangScheduler servicers ``svc.standard_protocols``
+    names."""
     names = check_protocols(svc.standard_protocols)
     out = StandardServicers()
     if not names:
@@ -86,4 +87,8 @@ def standard_servicers(
         t = trtllm_service.TrtllmServiceServicer(engine)
         name = trtllm_service.SERVICE_NAME
         out.adders.append((lambda s: trtllm_service.add_to_server(t, s), name))
+    if "sglang" in names:
+        g = sglang_scheduler.SglangSchedulerServicer(engine)
+        name = sglang_scheduler.SERVICE_NAME
+        out.adders.append((lambda s: sglang_scheduler.add_to_server(g, s), name))
     return out

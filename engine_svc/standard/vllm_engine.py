@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 import grpc
 from smg_grpc_proto.generated import (  # type: ignore[import-untyped]
@@ -86,6 +87,24 @@ def guided_from_vllm(p: vllm_engine_pb2.SamplingParams) -> GuidedSpec | None:
     return GuidedSpec(kind, getattr(p, kind))  # json_schema, regex, grammar, structural_tag
 
 
+def prompt_and_limit(req: Any, info: ModelInfo, protocol: str, limit: str) -> tuple[list[int], int]:
+    """A tokenized request's prompt and output limit (the sampling field ``limit``; unset,
+    whatever the context leaves, as vLLM and SGLang do).
+
+    Raises:
+        ValueError: no request id, or no prompt token.
+    """
+    if not req.request_id:
+        raise ValueError(f"{protocol}: request_id must be set")
+    if not req.HasField("tokenized") or not req.tokenized.input_ids:
+        raise ValueError(f"{protocol}: tokenized.input_ids is empty: send at least one token")
+    prompt = list(req.tokenized.input_ids)
+    p = req.sampling_params
+    if p.HasField(limit):
+        return prompt, int(getattr(p, limit))
+    return prompt, max(1, info.max_context_length - len(prompt))
+
+
 def generate_input_from_vllm(
     req: vllm_engine_pb2.GenerateRequest, info: ModelInfo
 ) -> tuple[GenerateInput, list[str]]:
@@ -96,17 +115,9 @@ def generate_input_from_vllm(
     """
     if req.WhichOneof("input") == "text":
         raise unsupported(PROTOCOL, "text", "send tokenized.input_ids; the gateway tokenizes")
-    if not req.request_id:
-        raise ValueError(f"{PROTOCOL}: request_id must be set")
-    if not req.HasField("tokenized") or not req.tokenized.input_ids:
-        raise ValueError(f"{PROTOCOL}: tokenized.input_ids is empty: send at least one token")
+    prompt, max_tokens = prompt_and_limit(req, info, PROTOCOL, "max_tokens")
     _refuse_unsupported(req)
     p = req.sampling_params
-    prompt = list(req.tokenized.input_ids)
-    if p.HasField("max_tokens"):
-        max_tokens = p.max_tokens
-    else:  # vLLM's default: whatever the context leaves
-        max_tokens = max(1, info.max_context_length - len(prompt))
     asked = p.logprobs if p.HasField("logprobs") else None
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -131,33 +142,36 @@ def generate_input_from_vllm(
 
 
 def output_logprobs(
-    lps: Sequence[TokenLogprobs] | None, top: int
-) -> vllm_engine_pb2.OutputLogProbs | None:
-    """OutputLogProbs for these positions, ``top`` alternatives each (None without any)."""
+    lps: Sequence[TokenLogprobs] | None, top: int, pb: Any = vllm_engine_pb2
+) -> Any:
+    """OutputLogProbs for these positions, ``top`` alternatives each (None without any);
+    ``pb``: the protocol's messages (SglangScheduler's have the same shape)."""
     if not lps:
         return None
-    msg = vllm_engine_pb2.OutputLogProbs(
+    msg = pb.OutputLogProbs(
         token_logprobs=[lp.logprob for lp in lps], token_ids=[lp.token_id for lp in lps]
     )
     if top > 0:
         msg.top_logprobs.extend(
-            vllm_engine_pb2.TopLogProbs(
-                values=lp.top_logprobs[:top], token_ids=lp.top_token_ids[:top]
-            )
+            pb.TopLogProbs(values=lp.top_logprobs[:top], token_ids=lp.top_token_ids[:top])
             for lp in lps
         )
     return msg
 
 
-def chunk_from_output(out: RequestOutput, top: int) -> vllm_engine_pb2.GenerateResponse:
-    """One streamed chunk: the new token ids (and their logprobs)."""
-    return vllm_engine_pb2.GenerateResponse(
-        chunk=vllm_engine_pb2.GenerateStreamChunk(
+def chunk_from_output(
+    out: RequestOutput, top: int, completion_tokens: int | None = None, pb: Any = vllm_engine_pb2
+) -> Any:
+    """One streamed chunk: the new token ids (and their logprobs); ``completion_tokens``
+    None = this chunk's count (vLLM's), else the total so far (SGLang's)."""
+    count = len(out.new_token_ids) if completion_tokens is None else completion_tokens
+    return pb.GenerateResponse(
+        chunk=pb.GenerateStreamChunk(
             token_ids=out.new_token_ids,
             prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=len(out.new_token_ids),
+            completion_tokens=count,
             cached_tokens=out.num_cached_tokens,
-            output_logprobs=output_logprobs(out.new_logprobs, top),
+            output_logprobs=output_logprobs(out.new_logprobs, top, pb),
         )
     )
 
@@ -168,15 +182,16 @@ def complete_from_output(
     lps: Sequence[TokenLogprobs],
     top: int | None,
     matched_stop: str | None,
-) -> vllm_engine_pb2.GenerateResponse:
+    pb: Any = vllm_engine_pb2,
+) -> Any:
     """The final message: every output token id, the finish reason and the counts."""
-    done = vllm_engine_pb2.GenerateComplete(
+    done = pb.GenerateComplete(
         output_ids=output_ids,
         finish_reason=finish_name(out.finish_reason),
         prompt_tokens=out.num_prompt_tokens,
         completion_tokens=len(output_ids),
         cached_tokens=out.num_cached_tokens,
-        output_logprobs=output_logprobs(lps, top) if top is not None else None,
+        output_logprobs=output_logprobs(lps, top, pb) if top is not None else None,
         spec_draft_tokens=out.num_draft_tokens,
         spec_accepted_tokens=out.num_accepted_tokens,
     )
@@ -184,13 +199,13 @@ def complete_from_output(
         done.matched_stop_str = matched_stop
     elif out.stop_token_id is not None:
         done.matched_token_id = out.stop_token_id
-    return vllm_engine_pb2.GenerateResponse(complete=done)
+    return pb.GenerateResponse(complete=done)
 
 
-def loads_from_stats(s: BackendStats, block_size: int) -> vllm_engine_pb2.SchedulerLoad:
+def loads_from_stats(s: BackendStats, block_size: int, pb: Any = vllm_engine_pb2) -> Any:
     """One rank's load from the engine's own stats snapshot."""
     e = s.engine
-    return vllm_engine_pb2.SchedulerLoad(
+    return pb.SchedulerLoad(
         dp_rank=0,
         num_running_reqs=e.num_running,
         num_waiting_reqs=e.num_waiting,
@@ -211,23 +226,40 @@ def add_to_server(servicer: VllmEngineServicer, server: grpc.aio.Server) -> None
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]
-    """VllmEngine over the engine's backend (``StandardEngine``)."""
+    """VllmEngine over the engine's backend (``StandardEngine``).
+
+    ``protocol`` names it in messages and ``pb`` holds its messages: SglangScheduler,
+    whose messages share these shapes, is this servicer with its own translation."""
+
+    protocol = PROTOCOL
+    pb: Any = vllm_engine_pb2
 
     def __init__(self, engine: StandardEngine) -> None:
         self._e = engine
         self._started = time.time()
+
+    def translate(
+        self, request: Any, info: ModelInfo
+    ) -> tuple[GenerateInput, list[str], int | None]:
+        """The request in domain terms, its stop strings and the logprobs asked for
+        (None = none)."""
+        inp, stop = generate_input_from_vllm(request, info)
+        p = request.sampling_params
+        return inp, stop, p.logprobs if p.HasField("logprobs") else None
+
+    def chunk(self, out: RequestOutput, top: int, num_sent: int) -> Any:
+        """One streamed chunk (``num_sent``: output tokens so far, this chunk's too)."""
+        return chunk_from_output(out, top)
 
     async def Generate(
         self, request: vllm_engine_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
         e = self._e
         try:
-            inp, stop = generate_input_from_vllm(request, e.backend.model_info())
-            stops = e.stop_strings(PROTOCOL, stop, inp.sampling_params.min_tokens)
+            inp, stop, top = self.translate(request, e.backend.model_info())
+            stops = e.stop_strings(self.protocol, stop, inp.sampling_params.min_tokens)
         except ValueError as err:
             await reject(context, grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid")
-        p = request.sampling_params
-        top = p.logprobs if p.HasField("logprobs") else None
         ids: list[int] = []
         lps: list[TokenLogprobs] = []
         step: Step
@@ -236,9 +268,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
             ids.extend(out.new_token_ids)
             lps.extend(out.new_logprobs or ())
             if request.stream and out.new_token_ids:
-                yield chunk_from_output(out, top or 0)
+                yield self.chunk(out, top or 0, len(ids))
             if out.finished:
-                yield complete_from_output(out, ids, lps, top, step.matched_stop)
+                yield complete_from_output(out, ids, lps, top, step.matched_stop, self.pb)
 
     async def Abort(
         self, request: vllm_engine_pb2.AbortRequest, context: Context
@@ -248,17 +280,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
 
     async def HealthCheck(
         self, request: vllm_engine_pb2.HealthCheckRequest, context: Context
-    ) -> vllm_engine_pb2.HealthCheckResponse:
+    ) -> Any:
         if self._e.engine.draining:
-            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message="draining")
-        return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
+            return self.pb.HealthCheckResponse(healthy=False, message="draining")
+        return self.pb.HealthCheckResponse(healthy=True, message="serving")
 
     async def GetModelInfo(
         self, request: vllm_engine_pb2.GetModelInfoRequest, context: Context
-    ) -> vllm_engine_pb2.GetModelInfoResponse:
+    ) -> Any:
         info = self._e.backend.model_info()
         hf = self._e.hf_config
-        return vllm_engine_pb2.GetModelInfoResponse(
+        return self.pb.GetModelInfoResponse(
             model_path=self._e.model_dir,
             is_generation=True,
             max_context_length=info.max_context_length,
@@ -291,16 +323,15 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
             max_num_seqs=s.max_num_seqs,
         )
 
-    async def GetLoads(
-        self, request: vllm_engine_pb2.GetLoadsRequest, context: Context
-    ) -> vllm_engine_pb2.GetLoadsResponse:
+    async def GetLoads(self, request: vllm_engine_pb2.GetLoadsRequest, context: Context) -> Any:
         if request.HasField("dp_rank") and request.dp_rank != 0:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{PROTOCOL}: dp_rank {request.dp_rank}: this engine has one rank, 0",
+                f"{self.protocol}: dp_rank {request.dp_rank}: this engine has one rank, 0",
             )
-        load = loads_from_stats(self._e.backend.stats(), self._e.backend.model_info().kv_block_size)
-        return vllm_engine_pb2.GetLoadsResponse(
+        block_size = self._e.backend.model_info().kv_block_size
+        load = loads_from_stats(self._e.backend.stats(), block_size, self.pb)
+        return self.pb.GetLoadsResponse(
             timestamp=datetime.now(UTC).isoformat(),
             version=self._e.build,
             dp_rank_count=1,
@@ -310,31 +341,31 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
     async def GetTokenizer(
         self, request: common_pb2.GetTokenizerRequest, context: Context
     ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
-        async for data, sha in self._e.tokenizer_chunks(PROTOCOL, context):
+        async for data, sha in self._e.tokenizer_chunks(self.protocol, context):
             yield common_pb2.GetTokenizerChunk(data=data, sha256=sha)
 
     async def Embed(
         self, request: vllm_engine_pb2.EmbedRequest, context: Context
     ) -> vllm_engine_pb2.EmbedResponse:
-        await unimplemented(context, PROTOCOL, "Embed", "a generation model, no embeddings")
+        await unimplemented(context, self.protocol, "Embed", "a generation model, no embeddings")
         raise AssertionError("unreachable")
 
     async def FlushCache(
         self, request: common_pb2.FlushCacheRequest, context: Context
     ) -> common_pb2.FlushCacheResponse:
-        await unimplemented(context, PROTOCOL, "FlushCache", "no flush on demand")
+        await unimplemented(context, self.protocol, "FlushCache", "no flush on demand")
         raise AssertionError("unreachable")
 
     async def StartProfile(
         self, request: common_pb2.StartProfileRequest, context: Context
     ) -> common_pb2.ProfileResponse:
-        await unimplemented(context, PROTOCOL, "StartProfile", "no profiler behind this API")
+        await unimplemented(context, self.protocol, "StartProfile", "no profiler behind this API")
         raise AssertionError("unreachable")
 
     async def StopProfile(
         self, request: common_pb2.StopProfileRequest, context: Context
     ) -> common_pb2.ProfileResponse:
-        await unimplemented(context, PROTOCOL, "StopProfile", "no profiler behind this API")
+        await unimplemented(context, self.protocol, "StopProfile", "no profiler behind this API")
         raise AssertionError("unreachable")
 
     async def SubscribeKvEvents(
@@ -342,5 +373,5 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: igno
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
         # vLLM requests carry no salt: a salted block (another protocol's) is reported
         # under its salt, so an unsalted lookup never takes it for its own
-        async for batch in kv_event_stream(self._e, request, context, PROTOCOL, str):
+        async for batch in kv_event_stream(self._e, request, context, self.protocol, str):
             yield batch

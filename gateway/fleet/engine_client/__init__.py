@@ -2,8 +2,8 @@
 
 ``connect`` builds the client an engine entry names: llm.v1.Engine for a bare
 ``host:port`` or ``llm://``, smg-grpc-proto's VllmEngine for ``vllm://`` and
-TrtllmService for ``trtllm://`` (docs/engine-protocols.md lists which guarantee holds
-on which).
+TrtllmService for ``trtllm://``, SglangScheduler for ``sglang://``
+(docs/engine-protocols.md lists which guarantee holds on which).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from gateway.config import EngineEntry
 from gateway.fleet.engine_client.base import ChannelSecurity, EngineClient
 from gateway.fleet.engine_client.llm_v1 import LlmV1Client
+from gateway.fleet.engine_client.sglang import SglangClient
 from gateway.fleet.engine_client.trtllm import TrtllmClient
 from gateway.fleet.engine_client.vllm import VllmClient
 
@@ -27,7 +28,12 @@ def connect(
     target = str(EngineEntry("llm", entry.host, entry.port))  # host:port
     if entry.protocol == "llm":
         return LlmV1Client(target, service_token, security, entry.tls_name)
-    kind = VllmClient if entry.protocol == "vllm" else TrtllmClient
+    kinds: dict[str, type[VllmClient | TrtllmClient]] = {
+        "vllm": VllmClient,
+        "trtllm": TrtllmClient,
+        "sglang": SglangClient,
+    }
+    kind = kinds[entry.protocol]
     return kind(
         target,
         service_token,

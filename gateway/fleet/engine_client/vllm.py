@@ -20,6 +20,7 @@ health                     <-  HealthCheck polled (+ grpc.health.v1 where offere
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb  # type: ignore[import-untyped]
@@ -84,15 +85,23 @@ def sampling_params(request: engine_pb2.EngineGenerateRequest, engine: str) -> p
     return out
 
 
-def generate_request(request: engine_pb2.EngineGenerateRequest, engine: str) -> pb.GenerateRequest:
-    """The VllmEngine GenerateRequest of an llm.v1 request."""
-    sampling = sampling_params(request, engine)
+def generate_request(
+    request: engine_pb2.EngineGenerateRequest,
+    engine: str,
+    messages: Any = pb,
+    sampling: Callable[[engine_pb2.EngineGenerateRequest, str], Any] = sampling_params,
+    **fields: Any,
+) -> Any:
+    """The VllmEngine GenerateRequest of an llm.v1 request (``messages``, ``sampling``
+    and ``fields``: another protocol's of the same shape, SglangScheduler's)."""
+    wire_sampling = sampling(request, engine)
     prompt, _, _ = resumed_prompt(request)
-    return pb.GenerateRequest(
+    return messages.GenerateRequest(
         request_id=request.request_id,
-        tokenized=pb.TokenizedInput(input_ids=prompt),
-        sampling_params=sampling,
+        tokenized=messages.TokenizedInput(input_ids=prompt),
+        sampling_params=wire_sampling,
         stream=True,
+        **fields,
     )
 
 
@@ -118,10 +127,13 @@ def read_response(resp: pb.GenerateResponse, limit: int) -> WirePiece:
 
 
 def engine_stats(
-    loads: pb.GetLoadsResponse, server: pb.GetServerInfoResponse, version: str
+    loads: Any, server: Any, version: str, max_num_seqs: int | None = None
 ) -> engine_pb2.EngineStats:
-    """The router's EngineStats of VllmEngine's loads (every DP rank together)."""
+    """The router's EngineStats of VllmEngine's (or SglangScheduler's) loads, every DP
+    rank together (``max_num_seqs`` None: the server info's, as VllmEngine has it)."""
     ranks = list(loads.loads)
+    if max_num_seqs is None:
+        max_num_seqs = max(0, server.max_num_seqs)
     n = max(1, len(ranks))
     return engine_pb2.EngineStats(
         num_running=sum(r.num_running_reqs for r in ranks),
@@ -129,7 +141,7 @@ def engine_stats(
         kv_cache_usage=sum(r.token_usage for r in ranks) / n,
         prefix_cache_hit_rate=sum(r.cache_hit_rate for r in ranks) / n,
         generation_tokens_per_second=sum(r.gen_throughput for r in ranks),
-        max_num_seqs=sum(r.max_running_requests for r in ranks) or max(0, server.max_num_seqs),
+        max_num_seqs=sum(r.max_running_requests for r in ranks) or max_num_seqs,
         draining=server.is_paused,
         model_version=version,
     )
@@ -139,16 +151,21 @@ class VllmClient(StandardClient):
     """A VllmEngine replica (see the module docstring for the translation)."""
 
     protocol = "vllm"
+    pb: Any = pb  # the protocol's messages
 
     def __init__(self, address: str, *args: Any, **kwargs: Any) -> None:
         super().__init__(address, *args, **kwargs)
         self.stub = pb_grpc.VllmEngineStub(self.channel)
         self._eos: frozenset[int] = frozenset()
 
+    def wire_request(self, request: engine_pb2.EngineGenerateRequest) -> Any:
+        """The protocol's GenerateRequest of an llm.v1 request (refusals raised)."""
+        return generate_request(request, self.engine)
+
     def generate(
         self, request: engine_pb2.EngineGenerateRequest, *, timeout: float, metadata: Metadata
     ) -> GenerateStream:
-        wire = generate_request(request, self.engine)
+        wire = self.wire_request(request)
         p = request.sampling
         hold = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self._eos)
         call = self.stub.Generate(wire, timeout=timeout, metadata=(*metadata, *self.metadata))
@@ -164,13 +181,13 @@ class VllmClient(StandardClient):
     def _abort(self, request_id: str) -> None:
         self.schedule_abort(
             lambda: self.stub.Abort(
-                pb.AbortRequest(request_ids=[request_id]), timeout=5, metadata=self.metadata
+                self.pb.AbortRequest(request_ids=[request_id]), timeout=5, metadata=self.metadata
             )
         )
 
     async def model_info(self, timeout_s: float) -> engine_pb2.ModelInfo:
         m = await self.stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self.metadata
+            self.pb.GetModelInfoRequest(), timeout=timeout_s, metadata=self.metadata
         )
         eos = [e for e in m.eos_token_ids if e >= 0]
         self._eos = frozenset(eos)
@@ -180,20 +197,20 @@ class VllmClient(StandardClient):
             max_context_length=m.max_context_length,
             vocab_size=m.vocab_size,
             eos_token_ids=eos,
-            backend="vllm",
+            backend=self.protocol,
         )
 
     async def stats(self, timeout_s: float) -> engine_pb2.EngineStats:
         loads = await self.stub.GetLoads(
-            pb.GetLoadsRequest(), timeout=timeout_s, metadata=self.metadata
+            self.pb.GetLoadsRequest(), timeout=timeout_s, metadata=self.metadata
         )
         server = await self.stub.GetServerInfo(
-            pb.GetServerInfoRequest(), timeout=timeout_s, metadata=self.metadata
+            self.pb.GetServerInfoRequest(), timeout=timeout_s, metadata=self.metadata
         )
         return engine_stats(loads, server, self.version)
 
     async def health_check(self, timeout_s: float) -> str:
         resp = await self.stub.HealthCheck(
-            pb.HealthCheckRequest(), timeout=timeout_s, metadata=self.metadata
+            self.pb.HealthCheckRequest(), timeout=timeout_s, metadata=self.metadata
         )
         return "" if resp.healthy else f"HealthCheck says unhealthy: {resp.message}"

@@ -23,6 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from smg_grpc_proto.generated import (
+    sglang_scheduler_pb2_grpc,
     trtllm_service_pb2,
     trtllm_service_pb2_grpc,
     vllm_engine_pb2,
@@ -35,6 +36,7 @@ from common.service_auth import SERVICE_TOKEN_KEY
 from deploy.envoy.tls import TlsFiles, ensure_local_tls, openssl
 from llm.v1 import engine_pb2, engine_pb2_grpc
 from tests.conftest import ENGINE_TEST_ENV
+from tests.integration.engine.test_standard_sglang import sgl_request
 from tests.integration.engine.test_standard_vllm import PROMPT, vllm_request
 from tests.unit.deploy.helpers import OPENSSL_WHY, require_tool
 
@@ -214,6 +216,11 @@ def every_service(channel: grpc.Channel, metadata: Any = ()) -> dict[str, grpc.S
         "TrtllmService.Generate": lambda: list(
             trtllm_service_pb2_grpc.TrtllmServiceStub(channel).Generate(
                 trt_request(f"auth-t-{secrets.token_hex(4)}"), metadata=metadata, timeout=60
+            )
+        ),
+        "SglangScheduler.Generate": lambda: list(
+            sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel).Generate(
+                sgl_request(f"auth-s-{secrets.token_hex(4)}", 2), metadata=metadata, timeout=60
             )
         ),
     }

@@ -67,6 +67,14 @@ def refused(call: object) -> grpc.RpcError:
     return err.value
 
 
+def refused_naming(call: object, *words: str) -> None:
+    """The call fails with INVALID_ARGUMENT whose message has every one of ``words``."""
+    err = refused(call)
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for w in words:
+        assert w in (err.details() or ""), err.details()
+
+
 def test_stream_matches_the_native_protocol(
     vllm: vllm_engine_pb2_grpc.VllmEngineStub, native: engine_pb2_grpc.EngineStub
 ) -> None:
@@ -200,10 +208,7 @@ def test_client_cancel_frees_kv_blocks(
 def test_what_the_engine_cannot_apply_is_refused_by_name(
     vllm: vllm_engine_pb2_grpc.VllmEngineStub, field: str, req: vllm_engine_pb2.GenerateRequest
 ) -> None:
-    err = refused(vllm.Generate(req, timeout=30))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in (err.details() or "")
-    assert "does not support" in (err.details() or "")
+    refused_naming(vllm.Generate(req, timeout=30), field, "does not support")
 
 
 def test_refused_kv_transfer_and_rank(vllm: vllm_engine_pb2_grpc.VllmEngineStub) -> None:

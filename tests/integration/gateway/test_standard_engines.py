@@ -1,9 +1,10 @@
 """The gateway over the standard engine protocols, against our own engine serving them.
 
-The session's engine serves llm.v1.Engine, VllmEngine and TrtllmService on one port;
-gateways here address it as ``vllm://`` and ``trtllm://``, so the gateway's clients
-of both protocols run over real gRPC against a real model, KV events included. (A stock vLLM server
-behind the gateway: tests/integration/stock, run by ``make test-vllm``.)
+The session's engine serves llm.v1.Engine, VllmEngine, TrtllmService and SglangScheduler
+on one port; gateways here address it as ``vllm://``, ``trtllm://`` and ``sglang://``, so
+the gateway's clients of the three protocols run over real gRPC against a real model,
+KV events included. (A stock vLLM server behind the gateway: tests/integration/stock,
+run by ``make test-vllm``.)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def auth(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
-@pytest.fixture(scope="module", params=["vllm", "trtllm"])
+@pytest.fixture(scope="module", params=["vllm", "trtllm", "sglang"])
 def gw_standard(
     request: pytest.FixtureRequest,
     engine_server: ManagedProcess,
@@ -67,8 +68,8 @@ def test_streams_with_usage_over_the_protocol(gw_standard: tuple[str, GatewayPro
     assert chunks[-1].usage.prompt_tokens > 5
     again = gw.generate(key, req)
     assert [t for c in again for t in c.token_ids] == ids  # greedy: the same tokens
-    if protocol == "vllm":
-        # no cache salt on VllmEngine: cached-token counts never reach the tenant
+    if protocol in ("vllm", "sglang"):
+        # no cache salt on VllmEngine or SglangScheduler: cached counts never reach the tenant
         assert again[-1].usage.cached_prompt_tokens == 0
 
 
@@ -105,7 +106,7 @@ def test_cancels_free_every_kv_block(
         assert list(call)[-1].finish_reason
 
 
-def test_a_seed_vllm_engine_cannot_carry_is_refused_naming_it(
+def test_a_seed_the_protocol_cannot_carry_is_refused_naming_it(
     gw_standard: tuple[str, GatewayProcess],
 ) -> None:
     protocol, gw = gw_standard
@@ -120,7 +121,7 @@ def test_a_seed_vllm_engine_cannot_carry_is_refused_naming_it(
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     details = err.value.details() or ""
     assert "seed" in details
-    assert "VllmEngine" in details or "vllm" in details
+    assert f"{protocol}://" in details  # VllmEngine's is an int32, SglangScheduler has none
 
 
 LONG_PROMPT = (

@@ -62,6 +62,19 @@ class Script:
                 raise
 
 
+class ScriptedGenerate:
+    """A scripted servicer's Generate: ``script`` records each call and answers it
+    (``paused``: what its server info says of draining)."""
+
+    def __init__(self) -> None:
+        self.script = Script()
+        self.paused = False
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        async for resp in self.script.stream(request, context):
+            yield resp
+
+
 async def start(add: Any, servicer: Any) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     add(servicer, server)
@@ -71,12 +84,14 @@ async def start(add: Any, servicer: Any) -> tuple[grpc.aio.Server, str]:
 
 
 @contextlib.asynccontextmanager
-async def serving(add: Any, servicer: Any, client: Callable[[str], Any]) -> AsyncIterator[Any]:
+async def serving(
+    add: Any, servicer: Any, client: Callable[[str], Any]
+) -> AsyncIterator[tuple[Any, Any]]:
     """``servicer`` on loopback and ``client(address)`` to it, both closed after."""
     server, address = await start(add, servicer)
     c = client(address)
     try:
-        yield c
+        yield servicer, c
     finally:
         await c.close()
         await server.stop(0)
@@ -88,3 +103,14 @@ async def until(what: str, ready: Any, limit_s: float = 10.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"gave up after {limit_s} s waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+async def cancel_after_first_chunk(client: Any, request: Any, script: Script) -> None:
+    """Start ``request`` on an engine that streams and then hangs, cancel it after its
+    first chunk, and wait for the engine to receive the Abort of its id."""
+    script.hang = True
+    stream = client.generate(request, timeout=10, metadata=())
+    async for _ in stream:
+        break
+    stream.cancel()
+    await until("the Abort", lambda: script.aborted == [request.request_id])

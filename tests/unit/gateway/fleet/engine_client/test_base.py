@@ -12,6 +12,7 @@ from gateway.config import parse_engine_entry
 from gateway.fleet.engine_client import connect
 from gateway.fleet.engine_client.base import ChannelSecurity, refuse
 from gateway.fleet.engine_client.llm_v1 import LlmV1Client
+from gateway.fleet.engine_client.sglang import SglangClient
 from gateway.fleet.engine_client.trtllm import TrtllmClient
 from gateway.fleet.engine_client.vllm import VllmClient
 
@@ -44,6 +45,7 @@ def test_security_from_files(tmp_path: Path) -> None:
         ("llm://127.0.0.1:50071", LlmV1Client, "llm"),
         ("vllm://127.0.0.1:8000?model=m&version=v2", VllmClient, "vllm"),
         ("trtllm://[::1]:8001", TrtllmClient, "trtllm"),
+        ("sglang://127.0.0.1:30000?model=m", SglangClient, "sglang"),
     ],
 )
 async def test_each_entry_gets_the_client_of_its_protocol(

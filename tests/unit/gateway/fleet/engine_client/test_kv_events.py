@@ -120,10 +120,9 @@ class KvScripted(ScriptedTrtllm):
 
 @pytest.fixture
 async def kv_engine() -> AsyncIterator[tuple[KvScripted, TrtllmClient, str]]:
-    servicer = KvScripted()
     add = pb_grpc.add_TrtllmServiceServicer_to_server
-    async with serving(add, servicer, lambda a: TrtllmClient(a, poll_interval_s=0.02)) as client:
-        yield servicer, client, client.address
+    async with serving(add, KvScripted(), lambda a: TrtllmClient(a, poll_interval_s=0.02)) as e:
+        yield e[0], e[1], e[1].address
 
 
 async def test_the_client_follows_resumes_and_takes_the_load(

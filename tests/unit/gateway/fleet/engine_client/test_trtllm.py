@@ -22,7 +22,8 @@ from gateway.fleet.replica import Replica
 from gateway.fleet.tokenizers import TokenizerSet
 from llm.v1 import common_pb2, engine_pb2
 from tests.unit.gateway.fleet.engine_client.scripted import (
-    Script,
+    ScriptedGenerate,
+    cancel_after_first_chunk,
     serving,
     tokenizer_zip,
     until,
@@ -30,14 +31,10 @@ from tests.unit.gateway.fleet.engine_client.scripted import (
 )
 
 
-class ScriptedTrtllm(pb_grpc.TrtllmServiceServicer):  # type: ignore[misc]
+class ScriptedTrtllm(ScriptedGenerate, pb_grpc.TrtllmServiceServicer):  # type: ignore[misc]
     def __init__(self) -> None:
-        self.script = Script()
+        super().__init__()
         self.status = "OK"
-
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        async for resp in self.script.stream(request, context):
-            yield resp
 
     async def Abort(self, request: Any, context: Any) -> Any:
         self.script.aborted.append(request.request_id)
@@ -58,10 +55,9 @@ class ScriptedTrtllm(pb_grpc.TrtllmServiceServicer):  # type: ignore[misc]
 
 @pytest.fixture
 async def engine() -> AsyncIterator[tuple[ScriptedTrtllm, TrtllmClient, str]]:
-    servicer = ScriptedTrtllm()
     add = pb_grpc.add_TrtllmServiceServicer_to_server
-    async with serving(add, servicer, lambda a: TrtllmClient(a, poll_interval_s=0.02)) as client:
-        yield servicer, client, client.address
+    async with serving(add, ScriptedTrtllm(), lambda a: TrtllmClient(a, poll_interval_s=0.02)) as e:
+        yield e[0], e[1], e[1].address
 
 
 def request(tenant: str = "t1", **sampling: Any) -> engine_pb2.EngineGenerateRequest:
@@ -140,12 +136,7 @@ async def test_no_salt_is_sent_for_an_unsalted_request(
 async def test_cancel_sends_abort(engine: tuple[ScriptedTrtllm, TrtllmClient, str]) -> None:
     servicer, client, _ = engine
     servicer.script.responses = [pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[5]))]
-    servicer.script.hang = True
-    stream = client.generate(request(), timeout=10, metadata=())
-    async for _ in stream:
-        break
-    stream.cancel()
-    await until("the Abort", lambda: servicer.script.aborted == ["r1"])
+    await cancel_after_first_chunk(client, request(), servicer.script)
 
 
 async def test_model_info_stats_and_health(

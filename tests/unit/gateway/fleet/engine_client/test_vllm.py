@@ -19,7 +19,7 @@ from gateway.fleet.engine_client.vllm import VllmClient
 from gateway.fleet.tokenizers import TokenizerSet
 from llm.v1 import common_pb2, engine_pb2
 from tests.unit.gateway.fleet.engine_client.scripted import (
-    Script,
+    ScriptedGenerate,
     serving,
     tokenizer_zip,
     until,
@@ -29,15 +29,10 @@ from tests.unit.gateway.fleet.engine_client.scripted import (
 EOS = 2
 
 
-class ScriptedVllm(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
+class ScriptedVllm(ScriptedGenerate, pb_grpc.VllmEngineServicer):  # type: ignore[misc]
     def __init__(self) -> None:
-        self.script = Script()
+        super().__init__()
         self.healthy = True
-        self.paused = False
-
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        async for resp in self.script.stream(request, context):
-            yield resp
 
     async def Abort(self, request: Any, context: Any) -> Any:
         self.script.aborted.extend(request.request_ids)
@@ -77,12 +72,10 @@ class ScriptedVllm(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
 
 @pytest.fixture
 async def engine() -> AsyncIterator[tuple[ScriptedVllm, VllmClient]]:
-    servicer = ScriptedVllm()
     add = pb_grpc.add_VllmEngineServicer_to_server
-    async with serving(
-        add, servicer, lambda a: VllmClient(a, "s" * 32, poll_interval_s=0.02, version="v7")
-    ) as client:
-        yield servicer, client
+    make = lambda a: VllmClient(a, "s" * 32, poll_interval_s=0.02, version="v7")  # noqa: E731
+    async with serving(add, ScriptedVllm(), make) as e:
+        yield e
 
 
 def request(**sampling: Any) -> engine_pb2.EngineGenerateRequest:
