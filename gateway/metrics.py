@@ -42,6 +42,7 @@ a request ended before it was routed):
 from __future__ import annotations
 
 import contextlib
+from typing import TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -230,6 +231,24 @@ SHADOW_SKIPPED = Counter(
     "Shadow copies not sent (too many in flight, no replica)",
     ["model", "reason"],
 )
+
+_M = TypeVar("_M", Counter, Gauge, Histogram)
+# the series of the per-request metrics, once looked up: ``labels()`` builds and checks
+# a tuple and takes the metric's lock on every call (several per request)
+_CHILDREN: dict[tuple[int, tuple[str, ...]], Counter | Gauge | Histogram] = {}
+_MAX_CHILDREN = 20_000  # tenants x models x versions x codes; past it, looked up anew
+
+
+def child(metric: _M, *values: str) -> _M:
+    """``metric.labels(*values)``, cached (for series never removed: not the replicas')."""
+    key = (id(metric), values)
+    found = _CHILDREN.get(key)
+    if found is None:
+        if len(_CHILDREN) >= _MAX_CHILDREN:
+            _CHILDREN.clear()
+        found = _CHILDREN[key] = metric.labels(*values)
+    return found  # type: ignore[return-value]  # the child of the same metric type
+
 
 _DIMENSIONS = (
     (Dimension.REQUESTS, "requests"),

@@ -188,7 +188,7 @@ class Admission:
         but impossible, both overlap the engine's start: the engine starts now, the round
         trip runs during its prefill, and ``confirmed`` waits for it before the first
         chunk. From here on ``settle`` runs on every ending."""
-        metrics.LIMIT_CALLS.labels("one" if ticket.one_call else "two").inc()
+        metrics.child(metrics.LIMIT_CALLS, "one" if ticket.one_call else "two").inc()
         tenant = ticket.tenant
         num_tokens = len(job.prompt_token_ids) + max_tokens
         if not ticket.one_call:
@@ -410,8 +410,8 @@ class Admission:
         completion = len(text.token_ids) if text is not None else 0
         cached = min(prompt, text.num_cached_tokens) if text else 0
         tenant = ticket.tenant.tenant_id
-        metrics.TOKENS_CHARGED.labels(tenant, "prompt").inc(prompt)
-        metrics.TOKENS_CHARGED.labels(tenant, "completion").inc(completion)
+        metrics.child(metrics.TOKENS_CHARGED, tenant, "prompt").inc(prompt)
+        metrics.child(metrics.TOKENS_CHARGED, tenant, "completion").inc(completion)
         with stage(trace, "gateway.settle"):
             if ticket.reservation is not None:
                 await self.limiter.settle(

@@ -224,8 +224,8 @@ class Pipeline:
         finally:
             self.in_flight.leave()
             model, version = outcome.model, outcome.version
-            metrics.REQUESTS.labels(tenant_label, code.name, model, version).inc()
-            metrics.E2E.labels(model, version).observe(time.perf_counter() - start)
+            metrics.child(metrics.REQUESTS, tenant_label, code.name, model, version).inc()
+            metrics.child(metrics.E2E, model, version).observe(time.perf_counter() - start)
             pricing.count_spend(
                 self.prices, tenant_id, model, outcome.prompt_tokens, outcome.completion_tokens
             )
@@ -338,7 +338,7 @@ class Pipeline:
                         outcome.model = progress.model or outcome.model
                         if first_at is None and chunk.token_ids:
                             first_at = time.perf_counter()
-                            metrics.TTFT.labels(tenant, job.model, outcome.version).observe(
+                            metrics.child(metrics.TTFT, tenant, job.model, outcome.version).observe(
                                 first_at - start
                             )
                             started = progress.attempt_started_at
@@ -354,7 +354,7 @@ class Pipeline:
             raise
         finally:
             if text is not None and first_at is not None and len(text.token_ids) > 1:
-                metrics.TPOT.labels(job.model, outcome.version).observe(
+                metrics.child(metrics.TPOT, job.model, outcome.version).observe(
                     (time.perf_counter() - first_at) / (len(text.token_ids) - 1)
                 )
             charge = await asyncio.shield(
