@@ -8,13 +8,17 @@ nobody listened, is told it missed some (``since`` returns ``complete=False``) a
 starts over from what follows.
 
 Numbers: every event gets the next sequence number, recorded or not, so a gap is
-always visible to a reader holding a cursor; a cursor past the numbers given so far
-(the reader followed an engine that has since restarted) is a gap too.
+always visible to a reader holding a cursor. A log starts numbering at the wall clock's
+microseconds, so an engine that restarted numbers above every cursor its previous
+process gave out: a reader resuming across the restart sees a gap, never the new
+process's events taken for the old one's. A cursor past the numbers given so far is a
+gap too.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -28,7 +32,7 @@ class KvEvent:
     """One prefix-cache change.
 
     Attributes:
-        seq: Its sequence number (from 1).
+        seq: Its sequence number.
         block: The block stored (None: ``removed`` says which was removed).
         removed: The hash value of the block evicted (None for a store).
         root: The stored block starts its chain (no parent block; under ``salt``).
@@ -48,12 +52,12 @@ class KvEventLog:
     Writers: the engine's step thread only. Readers: any thread.
     """
 
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, first_seq: int | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self._events: deque[KvEvent] = deque(maxlen=capacity)
         self._lock = threading.Lock()
-        self._next = 1
+        self._next = time.time_ns() // 1000 if first_seq is None else first_seq
         self.subscribers = 0
 
     @property

@@ -162,7 +162,7 @@ def test_trtllm_subscriber_sees_the_salt_as_its_cache_salt_id(
 def test_a_resume_the_engine_cannot_serve_starts_with_a_cleared_cache(
     subscribe: Callable[..., Subscription],
 ) -> None:
-    sub = subscribe("vllm", start_sequence_number=10**12)  # numbers it never gave
+    sub = subscribe("vllm", start_sequence_number=2**62)  # numbers it never gave
     sub.wait_for(lambda: any(b.events for b in sub.batches))
     first = next(b for b in sub.batches if b.events)
     assert first.events[0].WhichOneof("data") == "cleared"

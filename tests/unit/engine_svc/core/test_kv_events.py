@@ -3,6 +3,8 @@ bounded, recorded only while someone listens, gaps always visible."""
 
 from __future__ import annotations
 
+import time
+
 from engine_svc.core.block_pool import hash_block_tokens
 from engine_svc.core.kv_cache_manager import KVCacheManager
 from engine_svc.core.kv_events import KvEventLog
@@ -46,7 +48,7 @@ def test_a_cache_hit_stores_nothing_again() -> None:
 
 
 def test_nothing_is_recorded_without_a_listener_and_a_resume_across_it_is_a_gap() -> None:
-    log = KvEventLog(capacity=8)
+    log = KvEventLog(capacity=8, first_seq=1)
     h = hash_block_tokens(None, [1, 2])
     log.stored(h, True, "")
     assert log.since(1) == ([], False, 2)  # numbered, not kept
@@ -80,10 +82,19 @@ def test_a_reader_behind_by_more_than_the_capacity_is_told() -> None:
 
 
 def test_a_cursor_from_before_a_restart_is_a_gap() -> None:
-    log = KvEventLog()
-    log.subscribe()
-    log.removed(7)
-    assert log.since(500) == ([], False, 2)
+    before = KvEventLog()
+    cursor = before.subscribe()
+    for i in range(3):
+        before.removed(i)
+    _, _, cursor = before.since(cursor)
+    time.sleep(0.01)  # a restart takes longer than one event per microsecond since
+    after = KvEventLog()  # the restarted engine's, numbering above every old cursor
+    start = after.subscribe()
+    after.removed(7)
+    events, complete, _ = after.since(cursor)
+    assert not complete
+    assert [e.seq for e in events] == [start]
+    assert after.since(10**18) == ([], False, start + 1)  # ahead of anything it gave
 
 
 def test_no_prefix_cache_no_log() -> None:
