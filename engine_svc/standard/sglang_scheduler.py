@@ -7,15 +7,16 @@ info, health), so the servicer is ``VllmEngineServicer`` with SGLang's translati
 - sampling: SGLang's names (``max_new_tokens``, ``min_new_tokens``, ``top_k`` -1 = off,
   ``no_stop_trim`` = keep the stop in the output), the ``constraint`` oneof (regex,
   json_schema, ebnf_grammar, structural_tag), logprobs by ``return_logprob`` and
-  ``top_logprobs_num``; the protocol carries no seed (requests are unseeded) and no
-  cache salt (its requests share the unsalted prefix cache);
+  ``top_logprobs_num`` (``logprob_start_len`` -1); the protocol carries no seed
+  (requests are unseeded) and no cache salt (its requests share the unsalted prefix
+  cache);
 - ``skip_special_tokens`` / ``spaces_between_special_tokens`` steer detokenization,
   which the client does: accepted, no effect on token ids; ``stream_interval`` is
   accepted and every step's tokens are streamed (a finer interval, never fewer tokens);
 - refused with INVALID_ARGUMENT naming the field: n > 1, logit_bias, custom_params,
-  prompt logprobs (``logprob_start_len`` > 0, ``token_ids_logprob``), hidden states,
-  media and input embeddings, disaggregation, a custom logit processor, LoRA, another
-  data-parallel rank;
+  prompt logprobs (``logprob_start_len`` >= 0 with ``return_logprob``, as SGLang reads
+  it; ``token_ids_logprob``), hidden states, media and input embeddings,
+  disaggregation, a custom logit processor, LoRA, another data-parallel rank;
 - stream chunks carry cumulative counts, as the proto says; Abort takes one id;
   LoRA adapters cannot be loaded (none are listed).
 """
@@ -66,7 +67,11 @@ def _refuse_unsupported(req: Any) -> None:
             "data_parallel_rank",
             "one data-parallel rank, 0",
         ),
-        (req.logprob_start_len > 0, "logprob_start_len", "no prompt logprobs"),
+        (
+            req.return_logprob and req.logprob_start_len >= 0,
+            "logprob_start_len",
+            "no prompt logprobs: send -1",
+        ),
         (len(req.token_ids_logprob) > 0, "token_ids_logprob", ""),
         (p.n > 1, "sampling_params.n", "one sequence per request"),
         (len(p.logit_bias) > 0, "sampling_params.logit_bias", ""),

@@ -63,7 +63,7 @@ def test_stream_matches_the_native_protocol_with_cumulative_counts(
 
 
 def test_logprobs_when_asked(sgl: pb_grpc.SglangSchedulerStub) -> None:
-    req = sgl_request("s-lp", 3, return_logprob=True, top_logprobs_num=2)
+    req = sgl_request("s-lp", 3, return_logprob=True, top_logprobs_num=2, logprob_start_len=-1)
     done = list(sgl.Generate(req, timeout=120))[-1].complete
     lp = done.output_logprobs
     assert list(lp.token_ids) == list(done.output_ids)
@@ -92,7 +92,7 @@ def test_abort_by_id_frees_kv_blocks(
         ("sampling_params.n", {"n": 2}),
         ("sampling_params.logit_bias", {"logit_bias": {"5": 1.0}}),
         ("lora_id", {"lora_id": "adapter"}),
-        ("logprob_start_len", {"logprob_start_len": 3}),
+        ("logprob_start_len", {"return_logprob": True, "logprob_start_len": 0}),
         ("return_hidden_states", {"return_hidden_states": True}),
     ],
 )

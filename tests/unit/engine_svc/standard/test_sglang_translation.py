@@ -35,7 +35,7 @@ def test_sglang_defaults() -> None:
 
 def test_sglang_fields_map_to_the_engine() -> None:
     req = sreq(
-        {"return_logprob": True, "top_logprobs_num": 3},
+        {"return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": -1},
         temperature=0.5,
         max_new_tokens=9,
         min_new_tokens=2,
@@ -54,7 +54,8 @@ def test_sglang_fields_map_to_the_engine() -> None:
     assert stops == ["\n\n"]
     assert p.guided is not None
     assert (p.guided.kind, p.guided.text) == ("grammar", 'root ::= "a"')
-    lp = sgl.generate_input_from_sglang(sreq({"return_logprob": True}), INFO)[0]
+    asked = {"return_logprob": True, "logprob_start_len": -1}
+    lp = sgl.generate_input_from_sglang(sreq(asked), INFO)[0]
     assert lp.sampling_params.logprobs == 1  # the chosen token's logprob at least
 
 
@@ -64,7 +65,7 @@ def test_sglang_fields_map_to_the_engine() -> None:
         ("sampling_params.n", {}, {"n": 2}),
         ("sampling_params.logit_bias", {}, {"logit_bias": {"5": 1.0}}),
         ("lora_id", {"lora_id": "a"}, {}),
-        ("logprob_start_len", {"logprob_start_len": 1}, {}),
+        ("logprob_start_len", {"logprob_start_len": 0, "return_logprob": True}, {}),
         ("token_ids_logprob", {"token_ids_logprob": [4]}, {}),
         ("data_parallel_rank", {"data_parallel_rank": 1}, {}),
         ("input_embeds", {"input_embeds": [0.5]}, {}),
