@@ -136,6 +136,8 @@ class PrefixIndex:
             return  # its chain is unknown here (stored before the subscription, or dropped)
         salt = stored.cache_salt if stored.HasField("cache_salt") else ""
         for block in stored.blocks:
+            if block.HasField("lora_id") or stored.HasField("lora_name"):
+                return  # an adapter's blocks: the gateway sends no request under one
             size = block.block_size or len(block.token_ids)
             if not self.block_size:
                 self.block_size = size

@@ -77,6 +77,9 @@ def test_a_salted_chain_matches_only_its_salt_and_an_unknown_parent_is_skipped()
     index = PrefixIndex()
     index.apply(batch(1, stored(21, [0, 1, 2, 3], salt="7"), stored(22, [4, 5, 6, 7], parent=21)))
     index.apply(batch(2, stored(23, [8, 9, 10, 11], parent=999)))  # chain unknown here
+    lora = stored(24, [0, 1, 2, 3])
+    lora.stored.blocks[0].lora_id = 5  # an adapter's block: no request of ours hits it
+    index.apply(batch(3, lora))
     assert len(index) == 2
     assert index.match(PromptBlocks(PROMPT), "7") == 8
     assert index.match(PromptBlocks(PROMPT), "") == 0
