@@ -14,6 +14,9 @@ gateway's detokenizer sees ordinary text. ``$STUB_FIRST_TOKEN_MS`` (0 by default
 each first token that long, without using the CPU, as a prefill would: then what the
 gateway overlaps with the engine's start (the overlapped admission's Redis call) is
 hidden as it is behind a real model, and the difference is what a user of a real engine pays.
+``$STUB_TOKEN_GAP_MS`` (0 by default) spaces the later tokens that far apart, as decode
+steps do: each token then reaches an idle gateway on its own (one wake-up per token, as
+behind a real engine at concurrency 1), where back to back they share the wake-ups.
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ class StubBackend:
 
     name = "stub"
 
-    def __init__(self, core: EngineConfig, first_token_s: float = 0.0) -> None:
+    def __init__(
+        self, core: EngineConfig, first_token_s: float = 0.0, token_gap_s: float = 0.0
+    ) -> None:
         self.first_token_s = first_token_s
+        self.token_gap_s = token_gap_s
         self.max_num_seqs = core.scheduler.max_num_seqs
         self.max_context = 8192
         self.running = 0
@@ -76,7 +82,8 @@ class StubBackend:
                     num_prompt_tokens=len(prompt),
                     num_output_tokens=i + 1,
                 )
-                await asyncio.sleep(0)  # one loop turn per token, like a real step's output
+                # one loop turn per token at least, like a real step's output
+                await asyncio.sleep(0 if last else self.token_gap_s)
         finally:
             self.running -= 1
 
@@ -115,7 +122,11 @@ class StubBackend:
 
 def make_stub(svc: EngineServiceConfig, core: EngineConfig) -> StubBackend:
     """The backend factory for ``engine_svc``'s main."""
-    return StubBackend(core, float(os.environ.get("STUB_FIRST_TOKEN_MS", "0")) / 1000.0)
+    return StubBackend(
+        core,
+        float(os.environ.get("STUB_FIRST_TOKEN_MS", "0")) / 1000.0,
+        float(os.environ.get("STUB_TOKEN_GAP_MS", "0")) / 1000.0,
+    )
 
 
 if __name__ == "__main__":

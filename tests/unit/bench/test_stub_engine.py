@@ -56,5 +56,27 @@ def test_the_first_token_wait_comes_from_the_environment(monkeypatch: pytest.Mon
 
     monkeypatch.setenv("STUB_FIRST_TOKEN_MS", "20")
     assert make_stub(EngineServiceConfig(), EngineConfig()).first_token_s == pytest.approx(0.02)
+    monkeypatch.setenv("STUB_TOKEN_GAP_MS", "25")
+    assert make_stub(EngineServiceConfig(), EngineConfig()).token_gap_s == pytest.approx(0.025)
     monkeypatch.delenv("STUB_FIRST_TOKEN_MS")
-    assert make_stub(EngineServiceConfig(), EngineConfig()).first_token_s == 0.0
+    monkeypatch.delenv("STUB_TOKEN_GAP_MS")
+    stub = make_stub(EngineServiceConfig(), EngineConfig())
+    assert (stub.first_token_s, stub.token_gap_s) == (0.0, 0.0)
+
+
+async def test_later_tokens_wait_the_gap_between_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.gatewaylib.stub_engine as stub_engine
+
+    waits: list[float] = []
+    real_sleep = stub_engine.asyncio.sleep
+
+    async def sleep(delay: float) -> None:
+        waits.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(stub_engine.asyncio, "sleep", sleep)
+    backend = StubBackend(EngineConfig(), first_token_s=0.05, token_gap_s=0.02)
+    await backend.start()
+    outs = [o async for o in backend.generate(request("g", 3))]
+    assert len(outs) == 3
+    assert waits == [0.05, 0.02, 0.02, 0]  # the prefill, two gaps, none after the last
