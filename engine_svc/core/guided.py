@@ -16,6 +16,7 @@ directory's ``tokenizer.json`` (read by llguidance itself: no transformers).
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import llguidance
+
+logger = logging.getLogger(__name__)
 
 # the GuidedDecoding oneof of llm.v1 (protos/llm/v1/common.proto), in field order
 KINDS = (
@@ -188,7 +191,10 @@ class GuidedCompiler:
     """Compiles constraints for one model's tokenizer, with an LRU of compiled ones.
 
     Thread-safe: the engine service compiles on its own threads (off the step loop)
-    while the step thread copies cached ones. The tokenizer is read on first use.
+    while the step thread copies cached ones. Requests for a constraint that is being
+    compiled wait for that compile and copy it (one compile per constraint, and one
+    compiled grammar whose lazily built lexer every copy shares). The tokenizer is read
+    on first use, or ahead of it by ``preload``.
 
     Args:
         tokenizer_json: the model directory's ``tokenizer.json``.
@@ -215,6 +221,7 @@ class GuidedCompiler:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._special: frozenset[str] = frozenset()
         self._cache: OrderedDict[GuidedSpec, llguidance.LLMatcher] = OrderedDict()
+        self._compiling: dict[GuidedSpec, threading.Lock] = {}  # held while one compiles
         self.hits = 0
         self.misses = 0
 
@@ -234,6 +241,21 @@ class GuidedCompiler:
                     text, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
                 )
             return self._tokenizer
+
+    @property
+    def tokenizer_loaded(self) -> bool:
+        """Whether the tokenizer is built (``preload`` or a first guided request)."""
+        return self._tokenizer is not None
+
+    def preload(self) -> None:
+        """Build the tokenizer now (the engine's start) rather than on the first guided
+        request, which would wait for it: ~0.35 s for a 49k vocabulary, holding the GIL.
+        A model without a usable tokenizer.json is left to fail on its first guided
+        request, as before."""
+        try:
+            _ = self.tokenizer
+        except Exception:  # raised again, and reported, to the first request needing it
+            logger.debug("guided decoding's tokenizer not preloaded", exc_info=True)
 
     def cached(self, spec: GuidedSpec) -> GuidedMatcher | None:
         """A fresh matcher of an already compiled constraint, else None (no compiling)."""
@@ -255,18 +277,32 @@ class GuidedCompiler:
         hit = self.cached(spec)
         if hit is not None:
             return hit
+        with self._lock:
+            gate = self._compiling.setdefault(spec, threading.Lock())
+        with gate:  # concurrent requests for one constraint: one compiles, the rest copy
+            try:
+                hit = self.cached(spec)
+                if hit is not None:
+                    return hit
+                compiled = self._compile(spec)
+                with self._lock:
+                    self.misses += 1
+                    self._cache[spec] = compiled
+                    self._cache.move_to_end(spec)
+                    while len(self._cache) > self.max_entries:
+                        self._cache.popitem(last=False)
+                    return GuidedMatcher(compiled.deep_copy())
+            finally:
+                with self._lock:
+                    self._compiling.pop(spec, None)
+
+    def _compile(self, spec: GuidedSpec) -> llguidance.LLMatcher:
         tokenizer = self.tokenizer
         grammar = grammar_of(spec, self._special)
         compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)  # drops the GIL
         if compiled.is_error():
             raise ValueError(f"{spec.field}: {compiled.get_error().strip()}")
-        with self._lock:
-            self.misses += 1
-            self._cache[spec] = compiled
-            self._cache.move_to_end(spec)
-            while len(self._cache) > self.max_entries:
-                self._cache.popitem(last=False)
-            return GuidedMatcher(compiled.deep_copy())
+        return compiled
 
     def __len__(self) -> int:
         with self._lock:

@@ -3,10 +3,13 @@
 A guided request's mask at a step depends only on the tokens it accepted before
 that step, so the engine starts computing the step's masks (``GuidedMasks.start``,
 on a worker thread, in llguidance's native code) before the forward pass and the
-sampler collects them after it (``PendingMasks.apply``). Only the guided rows get a
-mask: an int32 bitmask [guided rows, vocab/32] that is unpacked on the logits'
-device into an additive bias (0 or -inf, one table lookup per mask byte) and added
-to those rows; a step without a guided row costs nothing.
+sampler collects them after it. Only the guided rows get a mask: an int32 bitmask
+[guided rows, vocab/32]. A row that draws (``PendingMasks.apply``) has it unpacked on
+the logits' device into an additive bias (0 or -inf, one table lookup per mask byte)
+added to its logits; a greedy row (``PendingMasks.argmax``) keeps its unmasked argmax
+when the mask allows that token (the argmax of the allowed tokens then: the same
+token), so only the rows whose favourite is forbidden are masked and searched again.
+A step without a guided row costs nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import llguidance
 import torch
 
 from engine_svc.core.request import Request
+from engine_svc.models import ops
 
 _BITS = 32
 
@@ -50,6 +54,12 @@ def mask_bias(bitmask: torch.Tensor, vocab_size: int, dtype: torch.dtype) -> tor
     table = _BYTE_BIAS.to(bitmask.device, dtype)
     per_byte = torch.nn.functional.embedding(bitmask.contiguous().view(torch.uint8).long(), table)
     return per_byte.reshape(rows, -1)[:, :vocab_size]
+
+
+def allows(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """bool [rows]: whether row k of ``bitmask`` allows ``token_ids[k]``."""
+    words = bitmask.gather(1, (token_ids >> 5).unsqueeze(1)).squeeze(1)
+    return ((words >> (token_ids & (_BITS - 1)).to(words.dtype)) & 1).bool()
 
 
 def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
@@ -109,7 +119,31 @@ class PendingMasks:
         self.bitmask = bitmask
         self.future = future
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` with every guided row restricted to what its constraint allows."""
+    def apply(self, logits: torch.Tensor, skip: Sequence[bool] = ()) -> torch.Tensor:
+        """``logits`` with every guided row restricted to what its constraint allows,
+        but the rows ``skip`` marks (greedy ones, left to ``argmax``)."""
         self.future.result()
-        return apply_bitmask(logits, self.rows, self.bitmask)
+        if not skip:
+            return apply_bitmask(logits, self.rows, self.bitmask)
+        keep = [k for k, i in enumerate(self.rows) if not skip[i]]
+        if not keep:
+            return logits
+        return apply_bitmask(logits, [self.rows[k] for k in keep], self.bitmask[keep])
+
+    def argmax(self, logits: torch.Tensor, chosen: torch.Tensor, greedy: Sequence[bool]) -> None:
+        """Make ``chosen[i]`` (in place; the first argmax of the unmasked ``logits[i]``)
+        the first argmax among the tokens its constraint allows, for every greedy
+        guided row i: only the rows whose choice is forbidden are masked, and the
+        other rows' logits are not read again."""
+        self.future.result()
+        ks = [k for k, i in enumerate(self.rows) if greedy[i]]
+        if not ks:
+            return
+        bitmask = self.bitmask if len(ks) == len(self.rows) else self.bitmask[ks]
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        rows = torch.tensor([self.rows[k] for k in ks], device=logits.device)
+        bad = (~allows(bitmask, chosen[rows])).nonzero().squeeze(1)
+        if bad.numel() == 0:
+            return
+        masked = logits[rows[bad]] + mask_bias(bitmask[bad], logits.shape[1], logits.dtype)
+        chosen[rows[bad]] = ops.argmax_rows(masked)

@@ -121,6 +121,7 @@ class LLMEngine:
             Path(self.model_dir) / "tokenizer.json", vocab, self.eos_token_ids,
             config.guided_cache_entries,
         )  # fmt: skip
+        self.guided.preload()  # at start, not on the first guided request
         self.guided_masks = GuidedMasks(vocab)
         self._pending: list[RequestOutput] = []
         # requests of the step being run (its blocks are being written): an abort of one

@@ -6,7 +6,9 @@ draw. The draw is an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``,
 which samples exactly from ``p``. A seeded row takes its ``E`` from a
 generator seeded with ``mix(seed, output_position)``, so its tokens depend
 only on its own logits, seed and position: not on the batch it ran in, not on
-preemption, and not on which replica resumed it.
+preemption, and not on which replica resumed it. A greedy guided row is not masked
+before its argmax: its choice is checked against its mask, and searched again masked
+only when forbidden (the same token, without reading the whole row twice).
 """
 
 from __future__ import annotations
@@ -75,12 +77,12 @@ class Sampler:
         lp = torch.log_softmax(raw, dim=-1) if any(want_lp) else None
         logits = self._apply_penalties(logits, requests)
         logits = self._suppress_stops(logits, requests)
+        greedy = [p.greedy for p in params]
         if guided is not None:
-            logits = guided.apply(logits)
-        if all(p.greedy for p in params):
-            chosen = ops.argmax_rows(logits)
-        else:
-            chosen = self._sample(logits, requests)
+            logits = guided.apply(logits, skip=greedy)  # the guided rows that draw
+        chosen = ops.argmax_rows(logits) if all(greedy) else self._sample(logits, requests)
+        if guided is not None:
+            guided.argmax(logits, chosen, greedy)  # the greedy guided rows
         token_ids = chosen.tolist()
         out_lp: list[TokenLogprobs | None] = [None] * len(requests)
         if lp is not None:

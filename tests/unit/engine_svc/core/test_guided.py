@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,7 @@ from hypothesis import strategies as st
 
 from engine_svc.core import LLMEngine, SamplingParams
 from engine_svc.core.guided import GuidedCompiler, GuidedSpec
-from engine_svc.core.guided_mask import apply_bitmask, bitmask_width, unpack
+from engine_svc.core.guided_mask import PendingMasks, apply_bitmask, bitmask_width, unpack
 from engine_svc.core.request import FinishReason
 from tests.support.engine_config import engine_config
 from tests.unit.engine_svc.conftest import write_tiny_model
@@ -220,8 +223,81 @@ def test_compiled_constraints_are_cached_in_a_bounded_lru(model_dir: Path) -> No
     assert compiler.hits == 1
     one, two = compiler.matcher(specs[2]), compiler.matcher(specs[2])
     assert one.matcher is not two.matcher  # every request gets its own copy
+    missing = GuidedCompiler(model_dir / "missing.json", VOCAB, [EOS])
+    missing.preload()  # left to the first guided request to report
+    assert not missing.tokenizer_loaded
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
-        GuidedCompiler(model_dir / "missing.json", VOCAB, [EOS]).matcher(specs[0])
+        missing.matcher(specs[0])
+
+
+def test_the_engine_builds_the_tokenizer_at_start(engine: LLMEngine) -> None:
+    assert engine.guided.tokenizer_loaded  # no first guided request waits for it
+
+
+def test_concurrent_requests_for_one_constraint_compile_it_once(model_dir: Path) -> None:
+    compiler = GuidedCompiler(model_dir / "tokenizer.json", VOCAB, [EOS])
+    compile_one = compiler._compile
+
+    def slow_compile(spec: GuidedSpec) -> Any:
+        time.sleep(0.2)  # the others arrive while it compiles
+        return compile_one(spec)
+
+    compiler._compile = slow_compile  # type: ignore[method-assign]
+    spec = GuidedSpec("regex", "[a-c]{3}")
+    start = threading.Barrier(4)
+    got: list[Any] = []
+
+    def request() -> None:
+        start.wait()
+        got.append(compiler.matcher(spec).matcher)
+
+    threads = [threading.Thread(target=request) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert compiler.misses == 1
+    assert compiler.hits == 3
+    assert len({id(m) for m in got}) == 4  # each its own copy
+    with pytest.raises(ValueError, match=r"guided\.regex"):
+        compiler.matcher(GuidedSpec("regex", "[a-"))  # a failed compile frees its gate
+    assert not compiler._compiling
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    vocab=st.integers(1, 80),
+    greedy=st.lists(st.booleans(), min_size=1, max_size=5),
+)
+def test_greedy_guided_rows_get_the_best_allowed_token_and_drawing_rows_their_mask(
+    data: st.DataObject, vocab: int, greedy: list[bool]
+) -> None:
+    rows = data.draw(st.lists(st.booleans(), min_size=len(greedy), max_size=len(greedy)))
+    guided = [i for i, g in enumerate(rows) if g] or [0]
+    bits = st.lists(st.booleans(), min_size=vocab, max_size=vocab)
+    allowed = torch.tensor(data.draw(st.lists(bits, min_size=len(guided), max_size=len(guided))))
+    allowed[:, 0] |= ~allowed.any(dim=1)  # a constraint allows something
+    padded = torch.zeros(len(guided), bitmask_width(vocab) * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    weights = 1 << torch.arange(32, dtype=torch.int64)
+    words = (padded.view(len(guided), -1, 32) * weights).sum(-1)
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    n = len(greedy) * vocab
+    values = data.draw(st.lists(st.integers(-3, 3), min_size=n, max_size=n))  # many ties
+    logits = torch.tensor(values, dtype=torch.float32).view(len(greedy), vocab)
+    done: Future[None] = Future()
+    done.set_result(None)
+    masks = PendingMasks(guided, bitmask, done)
+    out = masks.apply(logits, skip=greedy)
+    chosen = out.argmax(dim=-1)
+    masks.argmax(out, chosen, greedy)
+    full = apply_bitmask(logits, guided, bitmask)
+    for i, g in enumerate(greedy):
+        if g or i not in guided:
+            assert int(chosen[i]) == int(full[i].argmax())  # first maximum of what is allowed
+        if not g:
+            assert torch.equal(out[i], full[i])
 
 
 @settings(max_examples=30, deadline=None)
