@@ -39,6 +39,9 @@ CHECK_INTERVAL_S = 0.5
 UP_MARGIN = 0.2
 # /proc/stat cpuN columns counted busy: user nice system (idle iowait) irq softirq steal
 _BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
+# torch's own count before any engine changed it: an engine built after another one
+# lowered it on the same thread starts from this again, not from the lowered count
+DEFAULT_THREADS = torch.get_num_threads()
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +93,8 @@ class ThreadPolicy:
     """Sets the step thread's torch threads at start and, when adaptive, before steps.
 
     Args:
-        num_threads: ``engine_core.num_threads`` (0 = torch's default).
+        num_threads: ``engine_core.num_threads`` (0 = torch's default, as it was when
+            this module was imported).
         policy: ``adaptive`` or ``fixed`` (``engine_core.thread_policy``).
         on_cpu: the engine computes on the CPU (adaptive does nothing on a GPU).
         clock: monotonic seconds.
@@ -110,9 +114,8 @@ class ThreadPolicy:
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"thread_policy {policy!r}: use one of {', '.join(POLICIES)}")
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)
-        self.limit = torch.get_num_threads()
+        self.limit = num_threads if num_threads > 0 else DEFAULT_THREADS
+        torch.set_num_threads(self.limit)
         self.current = self.limit
         self.policy = policy
         self.adaptive = policy == "adaptive" and on_cpu and self.limit > 1

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from engine_svc.core import threads
 from engine_svc.core.threads import (
     CHECK_INTERVAL_S,
     CpuSample,
@@ -115,6 +116,23 @@ def test_the_policy_drops_to_one_thread_under_a_co_tenant_and_comes_back() -> No
         cpu.advance(CHECK_INTERVAL_S)
         policy.before_step()
         assert (policy.current, torch.get_num_threads(), policy.describe()) == (2, 2, "2 adaptive")
+        cpu.others = cores - 1.0
+        cpu.advance(CHECK_INTERVAL_S)
+        policy.before_step()
+        assert torch.get_num_threads() == 1
+        # the next engine on this thread starts from the configured count, not the lowered one
+        again = ThreadPolicy(2, "adaptive", True, clock=lambda: cpu.now, sampler=cpu.sample)
+        assert (again.limit, torch.get_num_threads(), again.describe()) == (2, 2, "2 adaptive")
+
+    _on_fresh_thread(body)
+
+
+def test_the_default_count_is_torchs_own_before_any_engine_lowered_it() -> None:
+    def body() -> None:
+        torch.set_num_threads(1)  # as an earlier engine under a co-tenant leaves it
+        policy = ThreadPolicy(0, "fixed", True)
+        assert policy.limit == threads.DEFAULT_THREADS
+        assert torch.get_num_threads() == threads.DEFAULT_THREADS
 
     _on_fresh_thread(body)
 
