@@ -171,8 +171,11 @@ def run_side(label: str, wl_path: Path, args: argparse.Namespace) -> dict[str, A
     t0 = time.perf_counter()
     env = os.environ | SIDE_ENV.get(label, {})
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"side {label} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    if proc.returncode != 0:  # recorded, and the run goes on: the other sides still count
+        print(f"side {label} failed ({proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+        out.unlink()
+        failed = {"error": proc.stderr[-3000:], "results": {}, "loadavg_before": before}
+        return failed | {"loadavg_after": os.getloadavg(), "process_s": time.perf_counter() - t0}
     result: dict[str, Any] = json.loads(out.read_text())
     out.unlink()
     result.update(

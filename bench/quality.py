@@ -1,6 +1,7 @@
 """Quantization quality: perplexity and greedy agreement per precision mode.
 
-    python -m bench.quality [--max-tokens 4096] [--new-tokens 32]
+    python -m bench.quality [--max-tokens 4096] [--new-tokens 32] [--modes fp32,default]
+                            [--isa native,avx512,avx2]
 
 Modes: fp32, default (the stack's engine config: dtype, KV dtype and prefill
 attention chosen for this CPU), bf16, fp8-KV (bf16 weights), fp8-weights, both. Perplexity runs
@@ -9,6 +10,13 @@ over tests/data/quality/*.txt (public-domain US founding documents) in
 the (possibly FP8) KV cache. Greedy agreement: each mode's continuation of a
 fixed prompt set against fp32 (mean first-divergence position, exact-match
 rate). Writes bench/reports/quality.json and a markdown table on stdout.
+
+``--isa`` runs the modes once per CPU tier cap (``engine_svc.models.cpu_tier``), each
+in a process of its own started with the cap's environment (our kernels, ATen and
+oneDNN capped alike, as bench.peers does), so ``default`` is what the engine would
+choose on a CPU of that tier; the report then holds one result set per tier (the
+deltas against that tier's own fp32) and says which tiers are capped rather than
+this CPU's own. Each mode's ``compute`` is the engine's own account of what it ran.
 """
 
 from __future__ import annotations
@@ -16,7 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
+from engine_svc.models import cpu_tier
 from engine_svc.models.attention import build_attention_metadata
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality"
@@ -41,9 +54,11 @@ CHUNK = 128
 
 
 def make_engine(model_dir: str, mode: str) -> LLMEngine:
-    """A CPU engine in one of ``MODES``."""
+    """A CPU engine in one of ``MODES``, within this process's tier cap
+    (``$LLM_ENGINE_CORE_CPU_ISA``)."""
     m = MODES[mode]
     cfg = EngineConfig(model_dir=model_dir, device="cpu", num_kv_blocks=320, dtype=m["dtype"])
+    cfg.cpu_isa = cpu_tier.requested_cap()
     cfg.kv_cache_dtype = m.get("kv_cache_dtype", "auto")
     cfg.quantization = m.get("quantization", "none")
     return LLMEngine(cfg)
@@ -121,7 +136,40 @@ def evaluate(model_dir: str, modes: list[str], max_tokens: int, new_tokens: int)
         ref = ref or out
         results[mode] = {"perplexity": perplexity(engine, docs), **agreement(ref, out)}
         results[mode]["num_tokens"] = sum(len(d) for d in docs)
+        results[mode]["compute"] = engine.compute_description
     return results
+
+
+def evaluate_capped(args: argparse.Namespace, model_dir: str, isa: str) -> dict[str, Any]:
+    """``evaluate`` in a child process under the tier cap ``isa`` (torch reads its caps
+    once, at start); its results, the tier it ran and whether that is capped."""
+    out = Path(tempfile.mkstemp(suffix=f"-quality-{isa}.json")[1])
+    cmd = [sys.executable, "-m", "bench.quality", "--model-dir", model_dir, "--json-out", str(out)]
+    cmd += ["--max-tokens", str(args.max_tokens), "--new-tokens", str(args.new_tokens)]
+    cmd += ["--modes", args.modes]
+    subprocess.run(cmd, env=os.environ | cpu_tier.cap_env(isa), check=True)
+    results: dict[str, Any] = json.loads(out.read_text())
+    out.unlink()
+    native = cpu_tier.native_tier()
+    tier = cpu_tier.capped(native, isa)
+    return {"tier": tier, "capped": tier != native, "cpu_tier": native, "modes": results}
+
+
+def print_table(tiers: dict[str, dict[str, Any]]) -> None:
+    """The markdown table: per tier and mode, perplexity against that tier's fp32 (or the
+    first mode run) and greedy agreement."""
+    print("| tier | mode | perplexity | vs fp32 | first divergence (mean) | exact match |")
+    print("|---|---|---|---|---|---|")
+    for t in tiers.values():
+        label = f"{t['tier']} (capped, cpu {t['cpu_tier']})" if t["capped"] else t["tier"]
+        res = t["modes"]
+        base = res.get("fp32", next(iter(res.values())))["perplexity"]
+        for mode, r in res.items():
+            print(
+                f"| {label} | {mode} | {r['perplexity']:.3f} "
+                f"| {100 * (r['perplexity'] / base - 1):+.2f}% "
+                f"| {r['mean_first_divergence']:.1f} | {r['exact_match_rate']:.0%} |"
+            )
 
 
 def main() -> None:
@@ -130,22 +178,40 @@ def main() -> None:
     ap.add_argument("--model-dir", default="")
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}"
+    )
+    ap.add_argument(
+        "--isa",
+        default="",
+        help=f"comma-separated CPU tier caps, from {', '.join(cpu_tier.CAPS)}: the modes run "
+        "once per cap, each in its own process (default: this process, uncapped)",
+    )
+    ap.add_argument("--json-out", default="", help=argparse.SUPPRESS)  # a capped child's output
     args = ap.parse_args()
     from common.config import default_model_dir
 
     model_dir = args.model_dir or str(default_model_dir())
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    res = evaluate(model_dir, list(MODES), args.max_tokens, args.new_tokens)
-    REPORT.parent.mkdir(parents=True, exist_ok=True)
-    REPORT.write_text(json.dumps(res, indent=2))
-    print("| mode | perplexity | Δ vs bf16 | first divergence (mean) | exact match |")
-    print("|---|---|---|---|---|")
-    base = res["bf16"]["perplexity"]
-    for mode, r in res.items():
-        print(
-            f"| {mode} | {r['perplexity']:.3f} | {100 * (r['perplexity'] / base - 1):+.2f}% "
-            f"| {r['mean_first_divergence']:.1f} | {r['exact_match_rate']:.0%} |"
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        ap.error(f"unknown mode(s) in {modes}; choose from {list(MODES)}")
+    if args.json_out:
+        Path(args.json_out).write_text(
+            json.dumps(evaluate(model_dir, modes, args.max_tokens, args.new_tokens))
         )
+        return
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.isa:
+        tiers = {isa: evaluate_capped(args, model_dir, isa) for isa in args.isa.split(",")}
+        report: dict[str, Any] = {"tiers": tiers, "loadavg_end": os.getloadavg()}
+    else:
+        tier = cpu_tier.native_tier()
+        res = evaluate(model_dir, modes, args.max_tokens, args.new_tokens)
+        tiers = {"native": {"tier": tier, "capped": False, "cpu_tier": tier, "modes": res}}
+        report = res
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    REPORT.write_text(json.dumps(report, indent=2))
+    print_table(tiers)
 
 
 if __name__ == "__main__":
