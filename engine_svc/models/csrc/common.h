@@ -121,4 +121,12 @@ inline void prefetch_bytes(const void* p, int64_t bytes, const void* q = nullptr
   }
 }
 
+// Every cache line of [p, p + bytes) into L2 (prefetcht1), for data a few
+// microseconds ahead: a block's worth at once into L1 would evict the rows being
+// computed on, and on AMD Zen 4 measured ~20% slower for the decode kernels.
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  const char* a = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(a + off, 0, 2);
+}
+
 }  // namespace llm_cpu
