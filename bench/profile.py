@@ -1,7 +1,7 @@
 """Where a decode step's time goes, for a given batch size and context length.
 
     python -m bench.profile [--batch 1 8 32] [--context 64] [--steps 20] [--dtype auto]
-                            [--ops 12]
+                            [--thread-policy fixed] [--ops 12]
 
 For each batch size: B requests with --context-token prompts are prefilled,
 then --steps decode steps are timed by phase (schedule, prepare inputs,
@@ -115,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="auto | bfloat16 | float32 | fp8 (the engine's kv_cache_dtype)",
     )
+    ap.add_argument(
+        "--thread-policy",
+        default="fixed",
+        help="fixed (default: every step on all threads, so profiles compare) | adaptive",
+    )
     ap.add_argument("--ops", type=int, default=12, help="top operators to list")
     ap.add_argument("--out", default="profile")
     args = ap.parse_args(argv)
@@ -122,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         EngineConfig(
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
+            thread_policy=args.thread_policy,
             kv_cache_memory_bytes=2 << 30,
             scheduler=SchedulerConfig(max_num_seqs=max(args.batch)),
             enable_prefix_caching=False,
