@@ -11,6 +11,7 @@ with this model, these settings and this code, applies it without timing.
 from __future__ import annotations
 
 import logging
+import os
 from functools import partial
 
 import torch
@@ -174,6 +175,15 @@ def prepare_model(
     if device.type == "cpu" and config.tune_linear_paths:
         cache = _cache(config, model_dir)
     decision = cache.load() if cache is not None else None
+    if decision is not None and compute_cache.remeasure(
+        decision, compute_cache.load_average(), os.cpu_count() or 1
+    ):
+        logger.info(
+            "compute choice: %s was measured at load %.1f; quieter now, measuring again",
+            cache.path if cache is not None else "",
+            decision.load_average,
+        )
+        decision = None
     if cache is not None and decision is not None:
         logger.info("compute choice: from %s (measured before on this machine)", cache.path)
         return _apply(config, model_dir, device, decision)

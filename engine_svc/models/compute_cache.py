@@ -71,7 +71,7 @@ class Decision:
         prefill_fused: the fused prefill kernel serves fresh prompts.
         measured_at: when (Unix time) the measurements ran.
         load_average: the 1-minute load average when they ran (a busy machine's
-            choice is worth re-measuring: delete the file).
+            choice is measured again once the machine is quiet: ``remeasure``).
     """
 
     dtype: str
@@ -131,6 +131,24 @@ def cache_key(model_dir: str, settings: Mapping[str, object]) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def remeasure(decision: Decision, load_now: float, cpus: int) -> bool:
+    """Whether a stored decision should be measured again on this start.
+
+    Timings taken while more threads wanted the CPUs than there were CPUs can
+    pick a path that is only best under that contention (fewer packed weights,
+    another dtype); such a decision is still applied while the machine stays
+    that busy, but a start on a machine at most half as loaded, and not
+    oversubscribed, measures again and replaces it.
+    """
+    busy_then = decision.load_average > cpus
+    return busy_then and load_now <= cpus and load_now < decision.load_average / 2
+
+
+def load_average() -> float:
+    """The 1-minute load average (0 where the platform has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+
+
 class ComputeCache:
     """One directory of decisions, a file per key."""
 
@@ -156,7 +174,7 @@ class ComputeCache:
         runs with what it measured either way)."""
         if not decision.measured_at:
             decision.measured_at = time.time()
-            decision.load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+            decision.load_average = load_average()
         body = json.dumps({"format": FORMAT, **dataclasses.asdict(decision)}, indent=1)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)

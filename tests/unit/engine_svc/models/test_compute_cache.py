@@ -118,3 +118,34 @@ def test_the_cached_packing_is_the_measured_one(
     torch.testing.assert_close(
         second.model.linears()[0](x), first.model.linears()[0](x), rtol=1e-4, atol=1e-4
     )
+
+
+@pytest.mark.parametrize(
+    ("measured_at_load", "load_now", "expected"),
+    [
+        (1.0, 0.2, False),  # measured on a quiet machine: kept
+        (9.0, 1.5, True),  # measured oversubscribed, quiet now: measured again
+        (9.0, 6.0, False),  # still busy: the busy choice fits the machine as it is
+        (3.0, 1.6, False),  # quieter, but not by half
+        (2.0, 0.1, False),  # as many runnable threads as CPUs is not oversubscribed
+    ],
+)
+def test_a_choice_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(
+    measured_at_load: float, load_now: float, expected: bool
+) -> None:
+    decision = Decision(dtype="bfloat16", reason="benchmark", load_average=measured_at_load)
+    assert compute_cache.remeasure(decision, load_now, cpus=2) is expected
+
+
+def test_a_start_on_a_quieter_machine_replaces_a_busy_machines_choice(
+    make_tiny_engine: EngineFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_tiny_engine(compute_cache_dir=str(tmp_path))
+    (path,) = tmp_path.glob("*.json")
+    raw = json.loads(path.read_text())
+    raw["load_average"] = 64.0
+    path.write_text(json.dumps(raw))
+    monkeypatch.setattr(compute_cache, "load_average", lambda: 0.0)
+    engine = make_tiny_engine(compute_cache_dir=str(tmp_path))
+    assert "cached" not in engine.compute_description
+    assert json.loads(path.read_text())["load_average"] == 0.0
