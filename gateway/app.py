@@ -60,6 +60,7 @@ class GatewayApp:
             stats_interval_s=config.stats_interval_s,
             queue_weight=config.queue_weight,
             kv_weight=config.kv_weight,
+            prefix_weight=config.prefix_weight,
             tenant_shard_size=config.tenant_shard_size,
             default_model=config.default_model,
             service_token=token,

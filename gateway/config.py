@@ -172,6 +172,10 @@ class GatewayConfig(ServiceConfig):
         max_ejected_fraction: At most this share of replicas (at least one) open at once.
         stats_interval_s: How often each replica's GetStats is polled.
         queue_weight / kv_weight: Routing score weights (see ``gateway.fleet.replica_pool``).
+        prefix_weight: How much a replica's prefix cache counts in routing, 0 to 1: its
+            load score is multiplied by ``1 - prefix_weight * cached / prompt``, where the
+            cached share comes from the engine's KV events (``vllm://``, ``trtllm://``,
+            ``sglang://``; 0 = ignore them).
         tenant_shard_size: Each tenant's requests go to this many replicas of a model
             (its shard, by rendezvous hashing), others only when none of those can take
             the attempt, so one tenant's flood does not fill every replica (0 = off).
@@ -259,6 +263,7 @@ class GatewayConfig(ServiceConfig):
     stats_interval_s: float = 0.5
     queue_weight: float = 1.0
     kv_weight: float = 1.0
+    prefix_weight: float = 0.5
     tenant_shard_size: int = 0
     startup_wait_s: float = 60.0
     discovery_interval_s: float = 10.0
@@ -283,6 +288,10 @@ class GatewayConfig(ServiceConfig):
         for addr in self.engines:
             parse_engine_entry(addr)
         self._validate_engine_tls()
+        if not 0.0 <= self.prefix_weight <= 1.0:
+            raise ValueError(
+                f"[gateway] prefix_weight must be between 0 and 1, got {self.prefix_weight}"
+            )
         if not self.request_timeout_s <= self.max_request_timeout_s < float("inf"):
             raise ValueError(
                 "[gateway] max_request_timeout_s must be finite and >= "

@@ -42,7 +42,7 @@ from common.log import get_logger
 from gateway import metrics
 from gateway.config import EngineEntry, parse_engine_entry
 from gateway.fleet.engine_client import ChannelSecurity
-from gateway.fleet.engine_client.kv_events import PromptBlocks, prefix_discount
+from gateway.fleet.engine_client.kv_events import PREFIX_WEIGHT, PromptBlocks, prefix_discount
 from gateway.fleet.replica import Replica
 from gateway.fleet.tokenizers import TokenizerSet
 from llm.v1 import engine_pb2
@@ -100,6 +100,7 @@ class ReplicaPool:
         max_ejected_fraction: Ejection cap of the breaker group.
         stats_interval_s: GetStats period.
         queue_weight / kv_weight: Score weights.
+        prefix_weight: Weight of a replica's cached share of the prompt (KV events).
         tenant_shard_size: Replicas per tenant's shard (0 = every replica); see the
             module docstring.
         default_model: Model for requests without one ("" = the most common).
@@ -117,6 +118,7 @@ class ReplicaPool:
         stats_interval_s: float = 0.5,
         queue_weight: float = 1.0,
         kv_weight: float = 1.0,
+        prefix_weight: float = PREFIX_WEIGHT,
         tenant_shard_size: int = 0,
         default_model: str = "",
         service_token: str = "",
@@ -133,6 +135,7 @@ class ReplicaPool:
         self.replicas = [self._replica(e) for e in _entries(addresses).values()]
         self.queue_weight = queue_weight
         self.kv_weight = kv_weight
+        self.prefix_weight = prefix_weight
         self.tenant_shard_size = tenant_shard_size
         self._default_model = default_model
 
@@ -284,7 +287,11 @@ class ReplicaPool:
         n = len(prompt.token_ids) if prompt is not None else 0
 
         def cached(r: Replica) -> float:
-            return 1.0 if prompt is None else prefix_discount(r.client.cached_tokens(prompt), n)
+            return (
+                1.0
+                if prompt is None
+                else prefix_discount(r.client.cached_tokens(prompt), n, self.prefix_weight)
+            )
 
         for v in dict.fromkeys((version, *fallbacks)):
             found = self.candidates(model, v, exclude)

@@ -84,11 +84,12 @@ class PromptBlocks:
         return chain[i]
 
 
-def prefix_discount(cached_tokens: int, prompt_tokens: int) -> float:
-    """The factor on a replica's load score for holding ``cached_tokens`` of the prompt."""
+def prefix_discount(cached_tokens: int, prompt_tokens: int, weight: float = PREFIX_WEIGHT) -> float:
+    """The factor on a replica's load score for holding ``cached_tokens`` of the prompt
+    (``weight``: the gateway's ``prefix_weight``)."""
     if prompt_tokens <= 0 or cached_tokens <= 0:
         return 1.0
-    return 1.0 - PREFIX_WEIGHT * min(1.0, cached_tokens / prompt_tokens)
+    return 1.0 - weight * min(1.0, cached_tokens / prompt_tokens)
 
 
 class PrefixIndex:

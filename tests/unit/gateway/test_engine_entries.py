@@ -15,6 +15,7 @@ from gateway.config import GatewayConfig, parse_engine_entry
         ("llm://engine:50071", "llm", "engine", 50071, ""),
         ("vllm://vllm-pods:8000?model=smol&version=v2", "vllm", "vllm-pods", 8000, "v2"),
         ("trtllm://[::1]:8001", "trtllm", "::1", 8001, ""),
+        ("sglang://sglang-pods:30000?version=v1", "sglang", "sglang-pods", 30000, "v1"),
     ],
 )
 def test_entries_parse_and_print_back(
@@ -53,3 +54,10 @@ def test_engine_tls_settings_go_together() -> None:
     with pytest.raises(ValueError, match="needs engine_tls_ca_file"):
         GatewayConfig(engine_tls_cert_file="c.pem", engine_tls_key_file="k.pem")
     GatewayConfig(engine_tls_ca_file="ca.pem")  # TLS without a client certificate
+
+
+@pytest.mark.parametrize("weight", [-0.1, 1.5])
+def test_the_prefix_weight_is_a_share(weight: float) -> None:
+    with pytest.raises(ValueError, match="prefix_weight must be between 0 and 1"):
+        GatewayConfig(prefix_weight=weight)
+    assert GatewayConfig(prefix_weight=0.0).prefix_weight == 0.0

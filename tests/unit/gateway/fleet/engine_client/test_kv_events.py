@@ -101,6 +101,8 @@ def test_the_discount_rewards_the_share_of_the_prompt_held() -> None:
     assert prefix_discount(50, 100) == pytest.approx(1 - PREFIX_WEIGHT / 2)
     assert prefix_discount(100, 100) == pytest.approx(1 - PREFIX_WEIGHT)
     assert prefix_discount(5, 0) == 1.0
+    assert prefix_discount(100, 100, weight=0.0) == 1.0  # the gateway's prefix_weight 0
+    assert prefix_discount(50, 100, weight=0.8) == pytest.approx(0.6)
 
 
 class KvScripted(ScriptedTrtllm):
@@ -180,6 +182,14 @@ async def test_the_pool_prefers_the_replica_holding_the_prompt(
         plain, _ = pool.choose("m")
         assert plain.address == "trtllm://a:1"  # no prompt: the least recently picked
         plain.release(True)
+        plain, _ = pool.choose("m")
+        assert plain.address == "trtllm://b:1"  # a was picked last
+        plain.release(True)
+        pool.prefix_weight = 0.0  # the gateway's prefix_weight 0: the cache is ignored
+        plain, _ = pool.choose("m", prompt=PromptBlocks(PROMPT))
+        assert plain.address == "trtllm://a:1"  # the least recently picked, not the holder
+        plain.release(True)
+        pool.prefix_weight = 0.5
         busy = pool.replicas[1]
         busy.outstanding = 2  # load beats the cache: 3 * 0.6 > 1
         assert pool.choose("m", prompt=PromptBlocks(PROMPT))[0].address == "trtllm://a:1"
