@@ -3,6 +3,8 @@ after a stream ends or is dropped."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from bench.gatewaylib.stub_engine import StubBackend
@@ -65,16 +67,14 @@ def test_the_first_token_wait_comes_from_the_environment(monkeypatch: pytest.Mon
 
 
 async def test_later_tokens_wait_the_gap_between_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bench.gatewaylib.stub_engine as stub_engine
-
     waits: list[float] = []
-    real_sleep = stub_engine.asyncio.sleep
+    real_sleep = asyncio.sleep
 
     async def sleep(delay: float) -> None:
         waits.append(delay)
         await real_sleep(0)
 
-    monkeypatch.setattr(stub_engine.asyncio, "sleep", sleep)
+    monkeypatch.setattr(asyncio, "sleep", sleep)  # the module the stub sleeps through
     backend = StubBackend(EngineConfig(), first_token_s=0.05, token_gap_s=0.02)
     await backend.start()
     outs = [o async for o in backend.generate(request("g", 3))]
