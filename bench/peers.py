@@ -285,6 +285,9 @@ def plot(table: dict[str, dict[str, float]], facts: dict[str, Any], path: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    table = {k: row for k, row in table.items() if any(v > 0 for v in row.values())}
+    if not table:  # every side failed: the report says why, there is nothing to draw
+        return
     names = list(dict.fromkeys(n for row in table.values() for n in row))
     labels = list(table)
     width = 0.8 / len(labels)

@@ -14,6 +14,7 @@ from bench.peers import (
     main,
     make_workloads,
     peak_rss,
+    plot,
     ratios,
     side_command,
     structured_cost,
@@ -171,3 +172,12 @@ def _is_burner(pid: int, parent: int) -> bool:
     except OSError:
         return False
     return int(stat[1]) == parent and b"while True" in cmd
+
+
+def test_the_chart_leaves_out_a_side_that_failed(tmp_path: Path) -> None:
+    facts = {"isa": {"avx2": True}, "cpu": "test CPU", "cores": 2}
+    failed = {"W1": 0.0, "W2": 0.0}
+    plot({"ours-grpc": failed}, facts, tmp_path / "none.png")  # log scale of nothing
+    assert not (tmp_path / "none.png").exists()
+    plot({"ours-grpc": failed, "vllm-bf16": {"W1": 500.0, "W2": 250.0}}, facts, tmp_path / "a.png")
+    assert (tmp_path / "a.png").stat().st_size > 0
