@@ -141,11 +141,19 @@ def test_kv_events_keep_a_prompt_on_the_replica_that_holds_its_prefix(
     counts reach the tenant) and VllmEngine (unsalted). The first request goes to the
     first, whose KV events then list the prompt's blocks under the tenant's salt; every
     repeat goes back there (cached tokens shown). Without the events both replicas are
-    idle and equal, and the repeats alternate."""
+    idle and equal, and the repeats alternate (as they do with ``prefix_weight`` 0)."""
     a = engine_server.address
     entries = [f"trtllm://{a}", f"vllm://{a}"]
+    # the whole weight on the cache: the replica that just served can still read as
+    # busier for a moment (its load figures trail its last request), which the
+    # default 0.5 lets win now and then
     gw = start_gateway(
-        "gw-prefix", entries, tokenizer_server.address, gw_redis.url, tmp_path_factory.mktemp("p")
+        "gw-prefix",
+        entries,
+        tokenizer_server.address,
+        gw_redis.url,
+        tmp_path_factory.mktemp("p"),
+        env={"LLM_GATEWAY_PREFIX_WEIGHT": "1.0"},
     )
     try:
         wait_until(lambda: all(gw.metric("gateway_replica_healthy", replica=e) for e in entries))
