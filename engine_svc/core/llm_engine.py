@@ -87,13 +87,15 @@ class LLMEngine:
         if config.tensor_parallel_size != 1 or config.pipeline_parallel_size != 1:
             raise ValueError(
                 "the native engine runs on one device: tensor_parallel_size and "
-                "pipeline_parallel_size must be 1 (several GPUs per engine need backend trtllm)"
+                "pipeline_parallel_size must be 1 (several GPUs per engine: TensorRT-LLM's "
+                "trtllm-serve, reached as trtllm://)"
             )
-        on_cpu = _resolve_device(config.device).type == "cpu"
-        self.threads = ThreadPolicy(config.num_threads, config.thread_policy, on_cpu)
+        self.device = _resolve_device(config.device)
+        self.threads = ThreadPolicy(
+            config.num_threads, config.thread_policy, self.device.type == "cpu"
+        )
         self.config = config
         self.clock = clock
-        self.device = _resolve_device(config.device)
         self.model_dir = config.model_dir or str(default_model_dir())
         # the tier cap first: the kernels build under it when first used
         cpu_tier.apply_cap(config.cpu_isa)
