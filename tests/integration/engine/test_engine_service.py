@@ -23,6 +23,7 @@ from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.sampling_params import SamplingParams
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.conftest import start_engine
+from tests.integration.engine.conftest import wait_for_idle
 from tokenizer_svc.chat_template import Message
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -71,15 +72,6 @@ def collect(
 ) -> tuple[list[int], list[engine_pb2.EngineGenerateResponse]]:
     chunks = list(stub.Generate(req, timeout=timeout))
     return [t for c in chunks for t in c.token_ids], chunks
-
-
-def wait_for_idle_kv(stub: engine_pb2_grpc.EngineStub, timeout: float = 30) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = stub.GetStats(engine_pb2.GetStatsRequest())
-        if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
-            return int(s.num_kv_blocks_used)
-        time.sleep(0.05)
 
 
 def test_model_info(stub: engine_pb2_grpc.EngineStub) -> None:
@@ -192,7 +184,7 @@ def test_speculative_decoding_over_grpc(
 
 
 def test_cancel_mid_stream_frees_kv_blocks(stub: engine_pb2_grpc.EngineStub) -> None:
-    before = wait_for_idle_kv(stub)
+    before = wait_for_idle(stub)
     call = stub.Generate(request("cancel-me", list(range(100, 400)), 1000, ignore_eos=True))
     got = 0
     for chunk in call:
@@ -202,7 +194,7 @@ def test_cancel_mid_stream_frees_kv_blocks(stub: engine_pb2_grpc.EngineStub) -> 
             assert busy.num_kv_blocks_used > before
             call.cancel()  # type: ignore[no-untyped-call]
             break
-    assert wait_for_idle_kv(stub) == before
+    assert wait_for_idle(stub) == before
 
 
 def test_reused_live_request_id_is_refused_and_the_live_stream_is_untouched(
@@ -210,7 +202,7 @@ def test_reused_live_request_id_is_refused_and_the_live_stream_is_untouched(
 ) -> None:
     """A second call with a live id gets ALREADY_EXISTS; its clean-up must not abort
     the first stream, which runs to its full length."""
-    before = wait_for_idle_kv(stub)
+    before = wait_for_idle(stub)
     first = stub.Generate(request("owned", [5, 6, 7], 40, ignore_eos=True))
     tokens: list[int] = []
     for chunk in first:
@@ -223,15 +215,15 @@ def test_reused_live_request_id_is_refused_and_the_live_stream_is_untouched(
             break
     tokens.extend(t for chunk in first for t in chunk.token_ids)
     assert len(tokens) == 40
-    assert wait_for_idle_kv(stub) == before
+    assert wait_for_idle(stub) == before
 
 
 def test_deadline_exceeded_aborts_and_frees(stub: engine_pb2_grpc.EngineStub) -> None:
-    before = wait_for_idle_kv(stub)
+    before = wait_for_idle(stub)
     with pytest.raises(grpc.RpcError) as err:
         collect(stub, request("slow", [1, 2, 3], 1500, ignore_eos=True), timeout=1.0)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert wait_for_idle_kv(stub) == before
+    assert wait_for_idle(stub) == before
 
 
 def test_request_deadline_field_is_honoured(stub: engine_pb2_grpc.EngineStub) -> None:
@@ -294,7 +286,7 @@ def test_stats_and_metrics(stub: engine_pb2_grpc.EngineStub, served: ManagedProc
     assert s.num_kv_blocks_total == 512  # the env override
     assert s.num_requests_total >= 1
     assert s.model_version.startswith("sha-")
-    wait_for_idle_kv(stub)  # idle: no tenant's fair-share counter is kept
+    wait_for_idle(stub)  # idle: no tenant's fair-share counter is kept
     assert stub.GetStats(engine_pb2.GetStatsRequest()).num_fair_share_tenants == 0
     url = f"http://127.0.0.1:{served.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as r:
@@ -371,7 +363,7 @@ def test_sigterm_drains_in_flight_then_exits(small_engine: ManagedProcess) -> No
     """In-flight streams finish within the grace period; new ones are refused."""
     with grpc.insecure_channel(small_engine.address) as ch:
         stub = engine_pb2_grpc.EngineStub(ch)
-        wait_for_idle_kv(stub)
+        wait_for_idle(stub)
         result: dict[str, Any] = {}
 
         def run() -> None:

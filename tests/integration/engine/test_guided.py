@@ -26,6 +26,7 @@ from smg_grpc_proto.generated import (  # type: ignore[import-untyped]
 )
 
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from tests.integration.engine.conftest import wait_for_idle
 from tokenizer_svc.chat_template import Message
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -54,15 +55,6 @@ def generate(
         out += chunk.token_ids
         reason = chunk.finish_reason or reason
     return out, reason
-
-
-def idle_blocks(native: engine_pb2_grpc.EngineStub, timeout: float = 30) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = native.GetStats(engine_pb2.GetStatsRequest())
-        if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
-            return int(s.num_kv_blocks_used)
-        time.sleep(0.05)
 
 
 NAMES = st.text("abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=8)
@@ -144,7 +136,7 @@ def test_regex_choice_and_grammar(native: engine_pb2_grpc.EngineStub, tok: TextT
 def test_a_malformed_constraint_is_refused_before_any_token(
     native: engine_pb2_grpc.EngineStub, guided: common_pb2.GuidedDecoding, field: str
 ) -> None:
-    before = idle_blocks(native)
+    before = wait_for_idle(native)
     req = engine_pb2.EngineGenerateRequest(
         request_id=f"bad-{time.monotonic_ns()}",
         prompt_token_ids=[1, 504, 3458],
@@ -155,7 +147,7 @@ def test_a_malformed_constraint_is_refused_before_any_token(
         next(iter(call))  # not one chunk comes before the status
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in (err.value.details() or "")
-    assert idle_blocks(native) == before
+    assert wait_for_idle(native) == before
     stats = native.GetStats(engine_pb2.GetStatsRequest())
     assert (stats.num_running, stats.num_waiting) == (0, 0)
 

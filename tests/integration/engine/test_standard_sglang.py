@@ -17,11 +17,11 @@ from smg_grpc_proto.generated import (
 
 from engine_svc.standard.sglang_scheduler import PROTOCOL
 from llm.v1 import engine_pb2, engine_pb2_grpc
+from tests.integration.engine.conftest import wait_for_idle
 from tests.integration.engine.test_standard_vllm import (
     PROMPT,
     native_tokens,
     refused_naming,
-    wait_for_idle,
 )
 
 pytestmark = pytest.mark.integration

@@ -15,6 +15,7 @@ import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from llm.v1 import engine_pb2, engine_pb2_grpc
+from tests.integration.engine.conftest import wait_for_idle
 from tokenizer_svc.chat_template import Message
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -49,16 +50,6 @@ def native_tokens(native: engine_pb2_grpc.EngineStub, ids: list[int], n: int) ->
         sampling=engine_pb2.EngineSamplingParams(max_tokens=n, ignore_eos=True),
     )
     return [t for c in native.Generate(req, timeout=120) for t in c.token_ids]
-
-
-def wait_for_idle(native: engine_pb2_grpc.EngineStub, timeout: float = 30) -> int:
-    """KV blocks in use once nothing runs or waits (the engine's own stats)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = native.GetStats(engine_pb2.GetStatsRequest())
-        if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
-            return int(s.num_kv_blocks_used)
-        time.sleep(0.05)
 
 
 def refused(call: object) -> grpc.RpcError:
