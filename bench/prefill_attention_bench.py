@@ -1,4 +1,4 @@
-"""Prefill attention: the fused AMX kernel vs the SDPA path, per chunk, side by side.
+"""Prefill attention: the fused kernel vs the SDPA path, per chunk, side by side.
 
     python -m bench.prefill_attention_bench [--threads 1] [--rounds 15]
 
@@ -101,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.empty(1, HEADS, HEAD_DIM, dtype=torch.bfloat16)
     cache = torch.empty(1, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     if not (cpu_kernels.ops_available() and ops.prefill_kernel_usable(q, cache, None)):
-        print("skipped: the fused prefill kernel needs AMX bf16 and a compiler")
+        print("skipped: the fused prefill kernel needs AVX512-BF16 (or AMX) and a compiler")
         return 0
     before = machine_facts()["loadavg"]
+    units = "amx" if cpu_kernels.kernel_tier() == "amx" else "avx512_bf16"
+    print(f"fused kernel on {units} (kernels built for tier {cpu_kernels.kernel_tier()!r})")
     rows = []
     print(f"{'case':>16} {'fused ms':>9} {'sdpa ms':>9} {'ratio':>6} {'max |diff|':>10}")
     for name, computed, lens in CASES:
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         print(f"{name:>16} {r['fused_ms']:9.2f} {r['sdpa_ms']:9.2f} {r['ratio']:5.2f}x "
               f"{r['max_abs_diff']:10.4f}")  # fmt: skip
-    report = {"bench": "prefill_attention", "rounds": args.rounds, "cases": rows,
+    report = {"bench": "prefill_attention", "rounds": args.rounds, "cases": rows, "kernel": units,
               "machine": {"loadavg_before": before}}  # fmt: skip
     save_report("prefill_attention", report, _chart(rows))
     return 0

@@ -398,7 +398,8 @@ class LLMEngine:
             kernels = self.device.type
         attn = str(self.model.prefill_attn_dtype or self.model.attn_dtype).removeprefix("torch.")
         if self.model.prefill_attn_kernel:
-            attn = "fused amx bfloat16"
+            units = "amx" if cpu_kernels.kernel_tier() == "amx" else "avx512_bf16"
+            attn = f"fused {units} bfloat16"
         tier = ""
         if self.device.type == "cpu":
             tier = f", {cpu_tier.report(cpu_kernels.kernel_tier()).label}"

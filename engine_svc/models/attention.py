@@ -69,9 +69,10 @@ class AttentionMetadata:
             its own (no padding to the longest, no cross-sequence mask).
         prefill_dtype: dtype of prefill attention math (None = the inputs'); bf16
             where the CPU has bf16 matrix units (``choose_prefill_dtype``).
-        prefill_kernel: run prefill attention in the fused AMX kernel
-            (``ops.prefill_attention``), which reads the context through the
-            block tables, when the cache and shapes allow it
+        prefill_kernel: run prefill attention in the fused kernel
+            (``ops.prefill_attention``: AMX tiles, or AVX512-BF16 dot products),
+            which reads the context through the block tables, when the cache and
+            shapes allow it
             (``choose_prefill_kernel``).
         prefill_seqs: [S, 3] int64 (first row, length, cached tokens) of each
             prefill segment, for the fused kernel.
@@ -339,13 +340,13 @@ def choose_prefill_kernel(
     num_heads: int, num_kv_heads: int, head_dim: int, attn_dtype: torch.dtype,
     kv_dtype: torch.dtype, block_size: int,
 ) -> tuple[bool, dict[str, float]]:  # fmt: skip
-    """Whether the fused AMX prefill kernel beats SDPA here, by timing both.
+    """Whether the fused prefill kernel beats SDPA here, by timing both.
 
     Both attend one 512-token prompt stored in a paged cache of ``kv_dtype``:
     SDPA in ``attn_dtype`` (the prompt's own K/V, the engine's fresh-prompt
     path) against the kernel reading the cache through a block table. The
-    kernel needs AMX, a bf16 cache and block sizes in multiples of 16; where
-    it cannot run the answer is False with no timing.
+    kernel needs AVX512-BF16 (AMX where present), a bf16 cache and block sizes
+    in multiples of 16; where it cannot run the answer is False with no timing.
 
     Returns:
         True to use the kernel, and the measured ms per candidate.

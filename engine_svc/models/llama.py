@@ -101,7 +101,7 @@ class LlamaForCausalLM:
         self.device = self.embed_tokens.device
         self.attn_dtype = attn_dtype
         self.prefill_attn_dtype: torch.dtype | None = None  # None = attn_dtype
-        self.prefill_attn_kernel = False  # the fused AMX prefill attention (paged bf16 cache)
+        self.prefill_attn_kernel = False  # the fused prefill attention (paged bf16 cache)
         self.norm = _norm_weight(weights["model.norm.weight"], config)
         # tied (the checkpoint stores no LM head; one it does store wins, as in transformers)
         self.lm_head = Linear(weights.get("lm_head.weight", self.embed_tokens))

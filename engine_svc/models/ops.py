@@ -246,7 +246,8 @@ def prefill_kernel_usable(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> bool:
     """True when ``prefill_attention`` can run: a bf16 paged cache (block size a
-    multiple of 16, head dim 64 or 128) on a CPU whose kernel build has AMX."""
+    multiple of 16, head dim 64 or 128) on a CPU whose kernel build has
+    AVX512-BF16 (AMX too where present)."""
     return (
         kv_scales is None
         and _native(q)

@@ -1,28 +1,35 @@
-// Prefill attention on AMX (it reuses TileConfig and amx_permitted of amx.h).
+// Prefill attention on AMX, or on AVX512-BF16 dot products where the CPU has
+// no AMX (it reuses TileConfig and amx_permitted of amx.h).
 //
 // One step's prefill chunks attend to their sequence's whole context, read
 // from the paged bf16 cache through the block table (the chunk's own K/V are
 // already written there), causal with the chunk's offset. No mask tensor, no
 // gathered copy of the context, no padding between sequences.
 //
-// The scores are computed transposed, S^T = K Q^T: a tile row is one key and
-// its 16 lanes are the 16 query rows of a block, so the online softmax's
-// running max, sums and rescaling are plain lane-wise vector ops (no
-// horizontal reductions), and K tiles load straight from the cache (16 keys
-// of one block, row stride Hkv * D). Then O^T += V^T P^T.
+// The scores are computed transposed, S^T = K Q^T: a row is one key and its
+// 16 lanes are the 16 query rows of a block, so the online softmax's running
+// max, sums and rescaling are plain lane-wise vector ops (no horizontal
+// reductions), and keys load straight from the cache (16 keys of one block,
+// row stride Hkv * D). Then O^T += V^T P^T.
 //
 // Two passes over torch's OpenMP pool:
 //   1. pack V^T: per (sequence, KV head), tiles of [16 dims][32 keys], zero
 //      past the context; shared by every query head of the group and every
 //      query block of the chunk.
 //   2. attend: per (sequence, query head, block of 16 query rows), flash
-//      attention over blocks of 64 keys. Q^T is packed once per item in the
-//      pair layout TDPBF16PS reads as B; P^T likewise per key block. The max
-//      is raised lazily (only when a score would exceed it by 2^8), so most
-//      key blocks accumulate O^T with no rescale. Key blocks past the item's
-//      last row are never visited; items go to threads longest first, round
-//      robin, so the causal triangle's uneven rows balance.
-// Tiles: 0 B operand (Q^T, P^T), 4 A operand (K, V^T), 2-3 and 6-7 S^T, 1 and 5 O^T.
+//      attention over blocks of 64 keys. Q^T is packed once per item in
+//      (dim pair, query row) order; P^T likewise per key block, in (key pair,
+//      query row) order. The max is raised lazily (only when a score would
+//      exceed it by 2^8), so most key blocks accumulate O^T with no rescale.
+//      Key blocks past the item's last row are never visited; items go to
+//      threads longest first, round robin, so the causal triangle's uneven
+//      rows balance.
+// The two ISAs differ only in how a key block's S^T and O^T products run:
+//   AMX: TDPBF16PS tiles: 0 B operand (Q^T, P^T), 4 A operand (K, V^T), 2-3
+//        and 6-7 S^T, 1 and 5 O^T.
+//   AVX512-BF16: VDPBF16PS with one operand broadcast: S^T row of key j +=
+//        Q^T pair row x (key j's dim pair), 16 keys in 16 registers; O^T row
+//        of dim d += P^T pair row x (V^T's key pair at d), 16 dims at a time.
 
 #include "common.h"
 #include "amx.h"
@@ -32,7 +39,7 @@ namespace llm_cpu {
 
 namespace {
 
-// The op's argument checks use these on every CPU; the kernel only with AMX.
+// The op's argument checks use these on every CPU; the kernels only with AVX512-BF16.
 constexpr int64_t kKeyBlock = 64;   // keys per step of the online softmax
 
 struct PrefillSeq {
@@ -42,8 +49,11 @@ struct PrefillSeq {
   BFloat16* vt;       // Hkv x V^T tiles, each kpad * D
 };
 
-#if defined(LLM_HAVE_AMX) && defined(LLM_HAVE_AVX512BF16)
+#if defined(LLM_HAVE_AVX512BF16)
+#define LLM_HAVE_BF16_PREFILL 1
+#if defined(LLM_HAVE_AMX)
 #define LLM_HAVE_AMX_PREFILL 1
+#endif
 
 constexpr float kLazyMax = 8.f;     // log2 headroom before the running max is raised
 
@@ -57,16 +67,6 @@ inline __m512 exp2_16(__m512 t) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6960656f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, fi);
-}
-
-void amx_configure_square() {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = 16;
-  }
-  _tile_loadconfig(&cfg);
 }
 
 // V^T tiles of keys [t0, t1) (multiples of 32) of one (sequence, KV head):
@@ -96,8 +96,8 @@ void pack_values(const PrefillSeq& s, const BFloat16* vc, int64_t kvh, int64_t H
   }
 }
 
-// [16 rows][32] fp32 pairs -> B-operand tile: row kp, lane n = (x[2kp][n], x[2kp+1][n]) in bf16
-inline void pair_rows(const __m512& even, const __m512& odd, BFloat16* dst) {
+// [16 rows][32] fp32 pairs -> one row of pairs: lane n = (even[n], odd[n]) in bf16
+inline void pair_rows(const __m512& even, const __m512& odd, uint32_t* dst) {
   static const __m512i interleave = _mm512_set_epi16(  // highest lane first
       31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4,
       19, 3, 18, 2, 17, 1, 16, 0);
@@ -105,17 +105,28 @@ inline void pair_rows(const __m512& even, const __m512& odd, BFloat16* dst) {
   _mm512_store_si512(dst, _mm512_permutexvar_epi16(interleave, both));
 }
 
-// one block of up to 16 query rows of one head: rows [r0, r0 + nr) of the chunk
+// One block of up to 16 query rows of one head (rows [r0, r0 + nr) of the
+// chunk), its operands and online-softmax state; the lanes are the rows.
 template <int64_t kD>
-void attend_block(const PrefillSeq& s, const BFloat16* q, int64_t q_stride,
-                  const BFloat16* kc, int64_t bs, int64_t Hkv, BFloat16* out, int64_t out_stride,
-                  int64_t h, int64_t kvh, int64_t r0, int64_t nr, float scale) {
-  constexpr int64_t kDC = kD / 32;  // 32-dim chunks (Q^T tiles)
-  alignas(64) BFloat16 qt[kDC][16][32];
-  alignas(64) BFloat16 pt[2][16][32];
-  alignas(64) float st[kKeyBlock][16];
-  alignas(64) float acc[kD][16];  // O^T
-  {
+struct RowBlock {
+  alignas(64) uint32_t qt[kD / 2][16];         // Q^T: row p = dims (2p, 2p + 1)
+  alignas(64) float st[kKeyBlock][16];         // S^T of the key block
+  alignas(64) uint32_t pt[kKeyBlock / 2][16];  // P^T: row j = keys (2j, 2j + 1)
+  alignas(64) float acc[kD][16];               // O^T
+  __m512 c, pos, m, l;
+  __mmask16 rows_valid;
+  int64_t first, last;  // positions of the first and last row
+
+  RowBlock(const PrefillSeq& s, const BFloat16* q, int64_t q_stride, int64_t h, int64_t r0,
+           int64_t nr, float scale)
+      : c(_mm512_set1_ps(scale * 1.44269504088896341f)),  // to base 2
+        m(_mm512_set1_ps(-1e30f)),
+        l(_mm512_setzero_ps()),
+        rows_valid(static_cast<__mmask16>(nr == 16 ? 0xFFFF : (1u << nr) - 1)),
+        first(s.computed + r0),
+        last(s.computed + r0 + nr - 1) {
+    pos = _mm512_add_ps(_mm512_set1_ps(static_cast<float>(first)),
+                        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     alignas(64) uint32_t qrows[16][kD / 2];
     for (int64_t i = 0; i < 16; ++i) {
       if (i < nr) {
@@ -127,54 +138,18 @@ void attend_block(const PrefillSeq& s, const BFloat16* q, int64_t q_stride,
     const __m512i by_row = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
         _mm512_set1_epi32(kD / 2));
-    for (int64_t dc = 0; dc < kDC; ++dc) {
-      uint32_t* tile = reinterpret_cast<uint32_t*>(&qt[dc][0][0]);
-      for (int64_t kp = 0; kp < 16; ++kp) {  // row kp: dim pair dc * 16 + kp of the 16 rows
-        _mm512_store_si512(tile + kp * 16,
-                           _mm512_i32gather_epi32(by_row, &qrows[0][dc * 16 + kp], 4));
-      }
+    for (int64_t p = 0; p < kD / 2; ++p) {
+      _mm512_store_si512(qt[p], _mm512_i32gather_epi32(by_row, &qrows[0][p], 4));
     }
+    std::memset(acc, 0, sizeof(acc));
   }
-  std::memset(acc, 0, sizeof(acc));
-  const int64_t kstride = Hkv * kD;  // cache row stride, elements
-  const BFloat16* vt = s.vt + kvh * s.kpad * kD;
-  const int64_t first = s.computed + r0;  // position of query row 0
-  const int64_t last = first + nr - 1;
-  const int64_t nkb = last / kKeyBlock + 1;
-  const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);  // to base 2
-  const __m512 pos = _mm512_add_ps(_mm512_set1_ps(static_cast<float>(first)),
-                                   _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
-                                                  14, 15));
-  const __mmask16 rows_valid = static_cast<__mmask16>(nr == 16 ? 0xFFFF : (1u << nr) - 1);
-  const __m512 neg = _mm512_set1_ps(-1e30f);
-  __m512 m = neg, l = _mm512_setzero_ps();
-  for (int64_t kb = 0; kb < nkb; ++kb) {
-    const int64_t k0 = kb * kKeyBlock;
-    const int64_t ntile = std::min<int64_t>(4, (last - k0) / 16 + 1);  // key tiles of 16 in use
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(6);
-    _tile_zero(7);
-    for (int64_t dc = 0; dc < kDC; ++dc) {
-      _tile_loadd(0, &qt[dc][0][0], 64);
-      for (int64_t j = 0; j < ntile; ++j) {
-        const int64_t key = k0 + 16 * j;
-        const BFloat16* krow = kc + (s.table[key / bs] * bs + key % bs) * kstride + kvh * kD;
-        _tile_loadd(4, krow + dc * 32, kstride * 2);
-        switch (j) {
-          case 0: _tile_dpbf16ps(2, 4, 0); break;
-          case 1: _tile_dpbf16ps(3, 4, 0); break;
-          case 2: _tile_dpbf16ps(6, 4, 0); break;
-          default: _tile_dpbf16ps(7, 4, 0); break;
-        }
-      }
-    }
-    _tile_stored(2, &st[0][0], 64);
-    _tile_stored(3, &st[16][0], 64);
-    _tile_stored(6, &st[32][0], 64);
-    _tile_stored(7, &st[48][0], 64);
-    const int64_t nkeys = 16 * ntile;
-    // raw scores; keys past a row's position masked to -1e30 (diagonal blocks only)
+
+  // Keys [k0, k0 + nkeys) are scored in st: keys past a row's position are
+  // masked (diagonal blocks only), the max raised where it would overflow the
+  // headroom (O^T and the sums rescaled), and P^T = 2^(s * c - m) paired into
+  // pt, a masked score giving exactly 0.
+  void softmax(int64_t k0, int64_t nkeys) {
+    const __m512 neg = _mm512_set1_ps(-1e30f);
     __m512 mx = neg;
     if (k0 + kKeyBlock - 1 > first) {
       for (int64_t r = 0; r < nkeys; ++r) {
@@ -188,7 +163,6 @@ void attend_block(const PrefillSeq& s, const BFloat16* q, int64_t q_stride,
       for (int64_t r = 0; r < nkeys; ++r) mx = _mm512_max_ps(mx, _mm512_load_ps(st[r]));
     }
     mx = _mm512_mul_ps(mx, c);
-    // lazy max (base 2): raised only for lanes that would overflow the headroom
     const __mmask16 raise = _mm512_cmp_ps_mask(mx, _mm512_add_ps(m, _mm512_set1_ps(kLazyMax)),
                                                _CMP_GT_OQ);
     if (raise) {
@@ -196,9 +170,10 @@ void attend_block(const PrefillSeq& s, const BFloat16* q, int64_t q_stride,
       const __m512 alpha = exp2_16(_mm512_sub_ps(m, m_new));
       m = m_new;
       l = _mm512_mul_ps(l, alpha);
-      for (int64_t d = 0; d < kD; ++d) _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), alpha));
+      for (int64_t d = 0; d < kD; ++d) {
+        _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), alpha));
+      }
     }
-    // P^T = 2^(s * c - m), paired for TDPBF16PS; a masked score gives exactly 0
     __m512 sum = _mm512_setzero_ps();
     for (int64_t r = 0; r < kKeyBlock; r += 2) {
       __m512 pe = _mm512_setzero_ps(), po = _mm512_setzero_ps();
@@ -207,50 +182,185 @@ void attend_block(const PrefillSeq& s, const BFloat16* q, int64_t q_stride,
         po = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(st[r + 1]), c, m));
         sum = _mm512_add_ps(sum, _mm512_add_ps(pe, po));
       }
-      pair_rows(pe, po, &pt[r / 32][(r % 32) / 2][0]);
+      pair_rows(pe, po, pt[r / 2]);
     }
     l = _mm512_add_ps(l, sum);
-    // O^T += V^T P^T, 32 dims (two C tiles, 1 and 5) at a time, through acc
-    const BFloat16* v0 = vt + (2 * kb) * (kD / 16) * 512;  // keys k0 .. k0 + 31
+  }
+
+  // O = (O^T)^T / l into rows [r0, r0 + nr) of head h
+  void store(const PrefillSeq& s, BFloat16* out, int64_t out_stride, int64_t h, int64_t r0,
+             int64_t nr) {
+    const __m512 inv = _mm512_maskz_div_ps(
+        _mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.f), l);
+    for (int64_t d = 0; d < kD; ++d) {
+      _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), inv));
+    }
+    const __m512i by_dim = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(16));
+    for (int64_t i = 0; i < nr; ++i) {  // row i of O is column i of O^T
+      BFloat16* o = out + (s.row + r0 + i) * out_stride + h * kD;
+      for (int64_t d = 0; d < kD; d += 32) {
+        const __m512 lo = _mm512_i32gather_ps(by_dim, &acc[d][i], 4);
+        const __m512 hi = _mm512_i32gather_ps(by_dim, &acc[d + 16][i], 4);
+        _mm512_storeu_si512(o + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      }
+    }
+  }
+};
+
+// The arguments every block kernel takes: the block's sequence, query head,
+// KV head and rows [r0, r0 + nr) of the chunk.
+struct BlockArgs {
+  const PrefillSeq& s;
+  const BFloat16* q;
+  int64_t q_stride;
+  const BFloat16* kc;
+  int64_t bs, Hkv;
+  BFloat16* out;
+  int64_t out_stride, h, kvh, r0, nr;
+  float scale;
+};
+
+// two bf16 at p, as the 32-bit operand VDPBF16PS broadcasts to every lane
+inline __m512bh pair_at(const BFloat16* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// AVX512-BF16: VDPBF16PS with key pairs and V^T pairs broadcast from memory
+struct DotUnits {
+  // S^T rows of keys [k0, k0 + 16 ntile) into b.st; krow(j) is key k0 + 16 j's
+  // cache row (16 keys of one cache block follow it, kstride apart)
+  template <int64_t kD, typename KeyRow>
+  static void scores(RowBlock<kD>& b, const KeyRow& krow, int64_t ntile, int64_t kstride) {
+    for (int64_t j0 = 0; j0 < ntile; ++j0) {
+      const BFloat16* k = krow(j0);
+      __m512 sc[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) sc[j] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < kD / 2; ++p) {
+        const __m512bh qv = (__m512bh)_mm512_load_si512(b.qt[p]);
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          sc[j] = _mm512_dpbf16_ps(sc[j], qv, pair_at(k + j * kstride + 2 * p));
+        }
+      }
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(b.st[16 * j0 + j], sc[j]);
+    }
+  }
+
+  // O^T += V^T P^T over keys [k0, k0 + nkeys), 16 dims at a time; vt: V^T tiles
+  template <int64_t kD>
+  static void values(RowBlock<kD>& b, const BFloat16* vt, int64_t k0, int64_t nkeys) {
+    for (int64_t d0 = 0; d0 < kD; d0 += 16) {
+      __m512 o[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) o[i] = _mm512_load_ps(b.acc[d0 + i]);
+      for (int64_t jp = 0; jp < nkeys / 2; ++jp) {
+        const int64_t key = k0 + 2 * jp;
+        const BFloat16* tile = vt + ((key / 32) * (kD / 16) + d0 / 16) * 512 + key % 32;
+        const __m512bh pp = (__m512bh)_mm512_load_si512(b.pt[jp]);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) o[i] = _mm512_dpbf16_ps(o[i], pp, pair_at(tile + i * 32));
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) _mm512_store_ps(b.acc[d0 + i], o[i]);
+    }
+  }
+};
+
+#ifdef LLM_HAVE_AMX_PREFILL
+void amx_configure_square() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// AMX: TDPBF16PS tiles (the thread's tiles configured square)
+struct AmxUnits {
+  template <int64_t kD, typename KeyRow>
+  static void scores(RowBlock<kD>& b, const KeyRow& krow, int64_t ntile, int64_t kstride) {
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t dc = 0; dc < kD / 32; ++dc) {  // 32-dim chunks (Q^T tiles)
+      _tile_loadd(0, b.qt[16 * dc], 64);
+      for (int64_t j = 0; j < ntile; ++j) {
+        _tile_loadd(4, krow(j) + dc * 32, kstride * 2);
+        switch (j) {
+          case 0: _tile_dpbf16ps(2, 4, 0); break;
+          case 1: _tile_dpbf16ps(3, 4, 0); break;
+          case 2: _tile_dpbf16ps(6, 4, 0); break;
+          default: _tile_dpbf16ps(7, 4, 0); break;
+        }
+      }
+    }
+    _tile_stored(2, b.st[0], 64);
+    _tile_stored(3, b.st[16], 64);
+    _tile_stored(6, b.st[32], 64);
+    _tile_stored(7, b.st[48], 64);
+  }
+
+  // 32 dims (two C tiles, 1 and 5) at a time, through acc
+  template <int64_t kD>
+  static void values(RowBlock<kD>& b, const BFloat16* vt, int64_t k0, int64_t nkeys) {
+    const BFloat16* v0 = vt + (k0 / 32) * (kD / 16) * 512;  // keys k0 .. k0 + 31
     const BFloat16* v1 = v0 + (kD / 16) * 512;              // keys k0 + 32 .. k0 + 63
     for (int64_t dh = 0; dh < kD / 32; ++dh) {
-      _tile_loadd(1, &acc[32 * dh][0], 64);
-      _tile_loadd(5, &acc[32 * dh + 16][0], 64);
-      _tile_loadd(0, &pt[0][0][0], 64);
+      _tile_loadd(1, b.acc[32 * dh], 64);
+      _tile_loadd(5, b.acc[32 * dh + 16], 64);
+      _tile_loadd(0, b.pt[0], 64);
       _tile_loadd(4, v0 + (2 * dh) * 512, 64);
       _tile_dpbf16ps(1, 4, 0);
       _tile_loadd(4, v0 + (2 * dh + 1) * 512, 64);
       _tile_dpbf16ps(5, 4, 0);
       if (nkeys > 32) {
-        _tile_loadd(0, &pt[1][0][0], 64);
+        _tile_loadd(0, b.pt[16], 64);
         _tile_loadd(4, v1 + (2 * dh) * 512, 64);
         _tile_dpbf16ps(1, 4, 0);
         _tile_loadd(4, v1 + (2 * dh + 1) * 512, 64);
         _tile_dpbf16ps(5, 4, 0);
       }
-      _tile_stored(1, &acc[32 * dh][0], 64);
-      _tile_stored(5, &acc[32 * dh + 16][0], 64);
+      _tile_stored(1, b.acc[32 * dh], 64);
+      _tile_stored(5, b.acc[32 * dh + 16], 64);
     }
   }
-  // O = (O^T)^T / l, 16 rows x kD
-  const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                         _mm512_set1_ps(1.f), l);
-  for (int64_t d = 0; d < kD; ++d) _mm512_store_ps(acc[d], _mm512_mul_ps(_mm512_load_ps(acc[d]), inv));
-  const __m512i by_dim = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-      _mm512_set1_epi32(16));
-  for (int64_t i = 0; i < nr; ++i) {  // row i of O is column i of O^T
-    BFloat16* o = out + (s.row + r0 + i) * out_stride + h * kD;
-    for (int64_t d = 0; d < kD; d += 32) {
-      const __m512 lo = _mm512_i32gather_ps(by_dim, &acc[d][i], 4);
-      const __m512 hi = _mm512_i32gather_ps(by_dim, &acc[d + 16][i], 4);
-      _mm512_storeu_si512(o + d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+};
+#endif
+
+// One block of query rows over its keys, blocks of 64 at a time
+template <int64_t kD, typename Units>
+void attend_block(const BlockArgs& a) {
+  const PrefillSeq& s = a.s;
+  RowBlock<kD> b(s, a.q, a.q_stride, a.h, a.r0, a.nr, a.scale);
+  const int64_t kstride = a.Hkv * kD;  // cache row stride, elements
+  const BFloat16* vt = s.vt + a.kvh * s.kpad * kD;
+  const int64_t nkb = b.last / kKeyBlock + 1;
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    const int64_t k0 = kb * kKeyBlock;
+    const int64_t ntile = std::min<int64_t>(4, (b.last - k0) / 16 + 1);  // key tiles of 16 in use
+    const auto krow = [&](int64_t j) {
+      const int64_t key = k0 + 16 * j;
+      return a.kc + (s.table[key / a.bs] * a.bs + key % a.bs) * kstride + a.kvh * kD;
+    };
+    Units::template scores<kD>(b, krow, ntile, kstride);
+    b.softmax(k0, 16 * ntile);
+    Units::template values<kD>(b, vt, k0, 16 * ntile);
   }
+  b.store(s, a.out, a.out_stride, a.h, a.r0, a.nr);
 }
 
-template <int64_t kD>
-void amx_prefill(std::vector<PrefillSeq>& seqs, const BFloat16* q, int64_t q_stride,
+// The two passes over torch's pool, on AMX tiles (kAmx) or AVX512-BF16.
+template <int64_t kD, bool kAmx>
+void run_prefill(std::vector<PrefillSeq>& seqs, const BFloat16* q, int64_t q_stride,
                  const BFloat16* kc, const BFloat16* vc, BFloat16* out, int64_t H,
                  int64_t Hkv, int64_t bs, float scale) {
   struct Item {
@@ -261,13 +371,17 @@ void amx_prefill(std::vector<PrefillSeq>& seqs, const BFloat16* q, int64_t q_str
     std::stable_sort(items.begin(), items.end(),
                      [](const Item& x, const Item& y) { return x.cost > y.cost; });
     at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-      amx_configure_square();
+#ifdef LLM_HAVE_AMX_PREFILL
+      if constexpr (kAmx) amx_configure_square();
+#endif
       for (int64_t t = t0; t < t1; ++t) {
         for (size_t j = static_cast<size_t>(t); j < items.size(); j += static_cast<size_t>(nt)) {
           body(items[j]);
         }
       }
-      _tile_release();
+#ifdef LLM_HAVE_AMX_PREFILL
+      if constexpr (kAmx) _tile_release();
+#endif
     });
   };
   constexpr int64_t kPackRows = 256;
@@ -292,8 +406,16 @@ void amx_prefill(std::vector<PrefillSeq>& seqs, const BFloat16* q, int64_t q_str
   const int64_t G = H / Hkv;
   spread(blocks, [&](const Item& it) {
     const PrefillSeq& s = seqs[it.seq];
-    attend_block<kD>(s, q, q_stride, kc, bs, Hkv, out, H * kD, it.a, it.a / G, it.b,
-                     std::min<int64_t>(16, s.len - it.b), scale);
+    const BlockArgs args{s,    q,        q_stride, kc,       bs,    Hkv,
+                         out,  H * kD,   it.a,     it.a / G, it.b,  std::min<int64_t>(16, s.len - it.b),
+                         scale};
+#ifdef LLM_HAVE_AMX_PREFILL
+    if constexpr (kAmx) {
+      attend_block<kD, AmxUnits>(args);
+      return;
+    }
+#endif
+    attend_block<kD, DotUnits>(args);
   });
 }
 #endif
@@ -301,8 +423,8 @@ void amx_prefill(std::vector<PrefillSeq>& seqs, const BFloat16* q, int64_t q_str
 }  // namespace
 
 bool prefill_attention_available() {
-#ifdef LLM_HAVE_AMX_PREFILL
-  return amx_permitted();
+#ifdef LLM_HAVE_BF16_PREFILL
+  return true;  // AVX512-BF16 at least; AMX tiles too where Linux grants them
 #else
   return false;
 #endif
@@ -316,7 +438,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& seqs,
                              const at::Tensor& tables, double scale) {
   TORCH_CHECK(prefill_attention_available(),
-              "prefill_attention: this CPU (or kernel build) has no AMX bf16");
+              "prefill_attention: this CPU (or kernel build) has no AVX512-BF16");
   TORCH_CHECK(q.device().is_cpu(), "prefill_attention: q must be a CPU tensor");
   check_cpu(k_cache, "k_cache");
   check_cpu(v_cache, "v_cache");
@@ -369,7 +491,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
     }
   }
   if (list.empty()) return out;
-#ifdef LLM_HAVE_AMX_PREFILL
+#ifdef LLM_HAVE_BF16_PREFILL
   auto scratch = at::empty({packed_elems}, q.options());
   BFloat16* base = scratch.data_ptr<BFloat16>();
   for (auto& s : list) {
@@ -381,10 +503,23 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const BFloat16* vc = v_cache.data_ptr<BFloat16>();
   BFloat16* op = out.data_ptr<BFloat16>();
   const float sc = static_cast<float>(scale);
-  if (D == 64) {
-    amx_prefill<64>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
-  } else {
-    amx_prefill<128>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+  bool amx = false;
+#ifdef LLM_HAVE_AMX_PREFILL
+  amx = amx_permitted();
+  if (amx) {
+    if (D == 64) {
+      run_prefill<64, true>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+    } else {
+      run_prefill<128, true>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+    }
+  }
+#endif
+  if (!amx) {
+    if (D == 64) {
+      run_prefill<64, false>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+    } else {
+      run_prefill<128, false>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+    }
   }
 #endif
   return out;

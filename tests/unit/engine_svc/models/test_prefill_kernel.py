@@ -1,4 +1,5 @@
-"""The fused AMX prefill attention: causal chunks over paged contexts, against dense fp32."""
+"""The fused prefill attention (AMX or AVX512-BF16): causal chunks over paged contexts,
+against dense fp32."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _kernel_here() -> bool:
 
 
 pytestmark = pytest.mark.skipif(
-    not _kernel_here(), reason="the fused prefill kernel needs a CPU with AMX bf16 and a compiler"
+    not _kernel_here(),
+    reason="the fused prefill kernel needs a CPU with AVX512-BF16 (or AMX) and a compiler",
 )
 
 
