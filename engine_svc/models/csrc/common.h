@@ -129,4 +129,13 @@ inline void prefetch_l2(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(a + off, 0, 2);
 }
 
+#ifdef LLM_HAVE_AVX512BF16
+// two bf16 at p, as the 32-bit operand VDPBF16PS broadcasts to every lane
+inline __m512bh pair_at(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+#endif
+
 }  // namespace llm_cpu

@@ -222,13 +222,6 @@ struct BlockArgs {
   float scale;
 };
 
-// two bf16 at p, as the 32-bit operand VDPBF16PS broadcasts to every lane
-inline __m512bh pair_at(const BFloat16* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return (__m512bh)_mm512_set1_epi32(v);
-}
-
 // AVX512-BF16: VDPBF16PS with key pairs and V^T pairs broadcast from memory
 struct DotUnits {
   // S^T rows of keys [k0, k0 + 16 ntile) into b.st; krow(j) is key k0 + 16 j's
@@ -406,9 +399,8 @@ void run_prefill(std::vector<PrefillSeq>& seqs, const BFloat16* q, int64_t q_str
   const int64_t G = H / Hkv;
   spread(blocks, [&](const Item& it) {
     const PrefillSeq& s = seqs[it.seq];
-    const BlockArgs args{s,    q,        q_stride, kc,       bs,    Hkv,
-                         out,  H * kD,   it.a,     it.a / G, it.b,  std::min<int64_t>(16, s.len - it.b),
-                         scale};
+    const int64_t nr = std::min<int64_t>(16, s.len - it.b);
+    const BlockArgs args{s, q, q_stride, kc, bs, Hkv, out, H * kD, it.a, it.a / G, it.b, nr, scale};
 #ifdef LLM_HAVE_AMX_PREFILL
     if constexpr (kAmx) {
       attend_block<kD, AmxUnits>(args);

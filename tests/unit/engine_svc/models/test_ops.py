@@ -159,7 +159,38 @@ def test_decode_attention_matches_sdpa_over_gathered_blocks(
     ref = F.scaled_dot_product_attention(
         q.view(b, nkv, nq // nkv, head_dim), k.float(), v.float(), attn_mask=mask
     ).reshape(b, nq * head_dim)
-    torch.testing.assert_close(got.float(), ref, atol=TOL[out_dtype], rtol=TOL[out_dtype])
+    # a bf16 cache on an AVX512-BF16 CPU takes q and P in bf16 (VDPBF16PS)
+    tol = TOL[torch.bfloat16] if cache_dtype == torch.bfloat16 else TOL[out_dtype]
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_attention_reads_only_each_context_of_a_nan_filled_bf16_cache(batch: int) -> None:
+    # odd context lengths leave a key pair half outside the context, and every slot
+    # outside a context holds NaN: one NaN read would poison the row; batch 8 takes
+    # the per-sequence kernel (with its spread prefetch), batch 1 the per-head one
+    g = torch.Generator().manual_seed(batch)
+    nq, nkv, d, bs, width = 9, 3, 64, 16, 6
+    nb = batch * width + 2
+    k_cache = torch.full((nb, bs, nkv, d), float("nan"), dtype=torch.bfloat16)
+    v_cache = torch.full((nb, bs, nkv, d), float("nan"), dtype=torch.bfloat16)
+    tables = torch.randperm(nb, generator=g)[: batch * width].view(batch, width).contiguous()
+    ctx = torch.tensor([1 + 2 * ((7 * i + 3) % (width * bs // 2)) for i in range(batch)])
+    for b in range(batch):
+        for p in range(int(ctx[b])):
+            blk, off = int(tables[b, p // bs]), p % bs
+            k_cache[blk, off] = (torch.randn(nkv, d, generator=g) * 3).to(torch.bfloat16)
+            v_cache[blk, off] = torch.randn(nkv, d, generator=g).to(torch.bfloat16)
+    q = torch.randn(batch, nq, d, generator=g)
+    got = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, torch.float32, None)
+    k, v = _gather(k_cache, v_cache, tables, None)
+    mask = (torch.arange(width * bs)[None, :] < ctx[:, None])[:, None, None, :]
+    k, v = k.float().nan_to_num(0.0), v.float().nan_to_num(0.0)
+    ref = F.scaled_dot_product_attention(
+        q.view(batch, nkv, nq // nkv, d), k, v, attn_mask=mask
+    ).reshape(batch, nq * d)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref, atol=TOL[torch.bfloat16], rtol=TOL[torch.bfloat16])
 
 
 def test_kernels_run_on_torch_threads_only() -> None:
