@@ -9,6 +9,9 @@ process at once (fewer when its ``max_concurrent`` is lower: a tenant allowed on
 request at a time gets one body at a time), and each body must be in within
 ``timeout_s``; past either the request gets an answer (429 / 408), and the
 HTTP front closes a connection whose body it did not read (no lingering read).
+A body that is already in (it came with the headers, as clients send small
+ones) waits for nothing and takes no slot: a burst of ordinary requests is never
+refused for the bodies of its own requests.
 """
 
 from __future__ import annotations
@@ -52,6 +55,9 @@ class BodyGate:
             ApiError: 429 when the tenant already has its cap of bodies arriving,
                 408 when the body did not arrive in time.
         """
+        if request.content.is_eof():  # the whole body is in already: nothing arrives
+            await request.read()
+            return
         tid, cap = tenant.tenant_id, self.cap(tenant)
         num = self.arriving(tid)
         if cap and num >= cap:
