@@ -197,7 +197,7 @@ class GatewayConfig(ServiceConfig):
         http_max_bodies_per_tenant: Request bodies one tenant may have arriving at once
             on one gateway process (429 past it; 0 = no cap). A tenant's
             ``max_concurrent`` caps it too: nothing of its limits is held until the body
-            is in, so slow bodies would otherwise be free. A body that came whole with
+            is in, so slow bodies would otherwise be free. A body in within 0.2 s of
             its headers takes no slot.
         trusted_proxies: Addresses or CIDR blocks of the proxies in front (Envoy's):
             only on a connection from one of them does ``x-forwarded-for`` name the

@@ -9,14 +9,17 @@ process at once (fewer when its ``max_concurrent`` is lower: a tenant allowed on
 request at a time gets one body at a time), and each body must be in within
 ``timeout_s``; past either the request gets an answer (429 / 408), and the
 HTTP front closes a connection whose body it did not read (no lingering read).
-A body that is already in (it came with the headers, as clients send small
-ones) waits for nothing and takes no slot: a burst of ordinary requests is never
-refused for the bodies of its own requests.
+A body that is in within ``BODY_GRACE_S`` of its headers (clients send a small
+body right behind them, often in a write of its own) takes no slot: a burst of
+ordinary requests is never refused for the bodies of its own requests. Only a
+body still arriving past the grace counts, so a connection that trickles costs
+the gateway at most the grace before the cap applies to it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from aiohttp import web
 
@@ -24,6 +27,7 @@ from gateway.fronts.http.errors import ApiError
 from ratelimit.config import Tenant
 
 BODY_RETRY_MS = 1000  # a 429 for too many bodies arriving: one body's worth of waiting
+BODY_GRACE_S = 0.2  # a body in this soon after its headers never takes a slot
 
 
 class BodyGate:
@@ -58,6 +62,27 @@ class BodyGate:
         if request.content.is_eof():  # the whole body is in already: nothing arrives
             await request.read()
             return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s if self.timeout_s else None
+        grace = min(BODY_GRACE_S, self.timeout_s) if self.timeout_s else BODY_GRACE_S
+        body = asyncio.ensure_future(request.read())
+        try:
+            await asyncio.wait({body}, timeout=grace)
+            if body.done():
+                body.result()  # its error, if any
+                return
+            await self._arriving_past_grace(tenant, body, deadline)
+        finally:
+            if not body.done():
+                body.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await body
+
+    async def _arriving_past_grace(
+        self, tenant: Tenant, body: asyncio.Future[bytes], deadline: float | None
+    ) -> None:
+        """Wait for ``body`` in one of the tenant's slots (429 when none is free), until
+        ``deadline`` (408 past it)."""
         tid, cap = tenant.tenant_id, self.cap(tenant)
         num = self.arriving(tid)
         if cap and num >= cap:
@@ -72,8 +97,8 @@ class BodyGate:
             )
         self._arriving[tid] = num + 1
         try:
-            async with asyncio.timeout(self.timeout_s or None):
-                await request.read()
+            async with asyncio.timeout_at(deadline):
+                await asyncio.shield(body)
         except TimeoutError:
             raise ApiError(
                 408,

@@ -1,7 +1,7 @@
 """Slow request bodies on the real HTTP front (loopback, raw sockets): a tenant's
 bodies still arriving are capped (its max_concurrent caps them too), a body that
-does not arrive in time is a 408 whose connection closes, and a body that came
-whole with its headers takes no slot."""
+does not arrive in time is a 408 whose connection closes, and a body that comes
+with its headers or right behind them takes no slot."""
 
 from __future__ import annotations
 
@@ -77,11 +77,12 @@ async def test_a_tenants_bodies_arriving_are_capped_and_time_out(
         w.close()
 
 
-async def test_a_body_that_came_with_its_headers_takes_no_slot(
+async def test_a_body_that_comes_with_its_headers_takes_no_slot(
     front: tuple[HttpFront, OneChunk],
 ) -> None:
-    # the tenant's one slot is held by a stalled body; ordinary requests, sent whole
-    # as clients send them, still go through instead of getting 429
+    # the tenant's one slot is held by a stalled body; ordinary requests, sent as
+    # clients send them (whole, or the body in a write of its own right behind the
+    # headers), still go through instead of getting 429
     http, pipeline = front
     stalled = await asyncio.open_connection("127.0.0.1", http.port)
     stalled[1].write(head(100_000) + b'{"model"')
@@ -92,14 +93,18 @@ async def test_a_body_that_came_with_its_headers_takes_no_slot(
         await asyncio.sleep(0.01)
     assert http.bodies.arriving("slow") == 1
     whole = []
-    for _ in range(3):
+    for split in (False, False, True, True):
         reader, writer = await asyncio.open_connection("127.0.0.1", http.port)
-        writer.write(head(len(BODY)) + BODY)
+        writer.write(head(len(BODY)))
+        if split:  # the handler is reading before the body is sent
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.write(BODY)
         await writer.drain()
         whole.append((reader, writer))
     for reader, _ in whole:
         assert await status_of(reader) == 200
-    assert pipeline.calls == 3
+    assert pipeline.calls == 4
     assert http.bodies.arriving("slow") == 1  # the stalled body still holds its slot
     for _, w in [*whole, stalled]:
         w.close()
