@@ -1,13 +1,16 @@
 """Where a decode step's time goes, for a given batch size and context length.
 
     python -m bench.profile [--batch 1 8 32] [--context 64] [--steps 20] [--dtype auto]
-                            [--thread-policy fixed] [--ops 12]
+                            [--thread-policy fixed] [--ops 12] [--isa native]
 
 For each batch size: B requests with --context-token prompts are prefilled,
 then --steps decode steps are timed by phase (schedule, prepare inputs,
 forward, sample, update/outputs: the engine's own StepTimings) and one more
 window runs under torch.profiler to name the operators behind "forward".
 Prints medians and the top operators; writes bench/reports/profile.{json,png}.
+``--isa`` caps the CPU tier (the engine's ``cpu_isa``: our kernels, and ATen's and
+oneDNN's switches before torch computes anything), to profile a lower tier on a
+higher CPU; the report says which tier ran and whether it was capped.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import argparse
 import random
 import statistics
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from tqdm import tqdm
 
 from bench.report import machine_facts, save_report
 from engine_svc.core import STEP_PHASES, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from engine_svc.models import cpu_kernels, cpu_tier
 
 
 def profile_batch(
@@ -122,9 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--ops", type=int, default=12, help="top operators to list")
     ap.add_argument("--out", default="profile")
+    ap.add_argument(
+        "--isa",
+        default="native",
+        help="cap the CPU tier: native | avx512_bf16 | avx512 | avx2 (the engine's cpu_isa)",
+    )
     args = ap.parse_args(argv)
+    cpu_tier.apply_cap(args.isa)  # before torch's first op: it reads its switches once
     engine = LLMEngine(
         EngineConfig(
+            cpu_isa=args.isa,
             dtype=args.dtype,
             kv_cache_dtype=args.kv_cache_dtype,
             thread_policy=args.thread_policy,
@@ -153,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": facts,
         "compute": engine.compute_description,
         "threads": torch.get_num_threads(),
+        "tier": asdict(cpu_tier.report(cpu_kernels.kernel_tier())),
         "context": args.context,
         "results": results,
     }
