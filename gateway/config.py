@@ -25,6 +25,9 @@ ENGINE_PROTOCOLS = ("llm", "vllm", "trtllm", "sglang")
 ENGINE_OPTIONS = ("model", "version")  # what an entry's query may set
 
 
+PREFIX_WEIGHT = 0.5  # the default [gateway] prefix_weight (KV-event routing)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineEntry:
     """One ``[gateway] engines`` entry: ``[protocol://]host:port[?model=M&version=V]``.
@@ -264,7 +267,7 @@ class GatewayConfig(ServiceConfig):
     stats_interval_s: float = 0.5
     queue_weight: float = 1.0
     kv_weight: float = 1.0
-    prefix_weight: float = 0.5
+    prefix_weight: float = PREFIX_WEIGHT
     tenant_shard_size: int = 0
     startup_wait_s: float = 60.0
     discovery_interval_s: float = 10.0

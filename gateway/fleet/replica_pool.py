@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from common.breaker import BreakerGroup, BreakerPolicy, BreakerState, Ticket
 from common.log import get_logger
 from gateway import metrics
-from gateway.config import EngineEntry, parse_engine_entry
+from gateway.config import PREFIX_WEIGHT, EngineEntry, parse_engine_entry
 from gateway.fleet.engine_client import ChannelSecurity
-from gateway.fleet.engine_client.kv_events import PREFIX_WEIGHT, PromptBlocks, prefix_discount
+from gateway.fleet.engine_client.kv_events import PromptBlocks, prefix_discount
 from gateway.fleet.replica import Replica
 from gateway.fleet.tokenizers import TokenizerSet
 from llm.v1 import engine_pb2

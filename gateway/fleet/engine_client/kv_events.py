@@ -19,7 +19,7 @@ routing choice, never a wrong answer). A ``KvCacheCleared`` or a gap the engine 
 empties it.
 
 Routing (``prefix_discount``): a replica's load score is multiplied by
-``1 - PREFIX_WEIGHT * cached / prompt``, so among replicas of similar load the one
+``1 - prefix_weight * cached / prompt``, so among replicas of similar load the one
 holding more of the prompt wins, and load still wins when it differs by more.
 """
 
@@ -34,11 +34,11 @@ import grpc
 from smg_grpc_proto.generated import common_pb2 as smg_common_pb2  # type: ignore[import-untyped]
 
 from common.log import get_logger
+from gateway.config import PREFIX_WEIGHT
 
 log = get_logger(__name__)
 
 MAX_BLOCKS = 32_768  # per replica: 2 dicts of ints, ~5 MiB at the cap
-PREFIX_WEIGHT = 0.5
 NOT_OFFERED = (
     grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.FAILED_PRECONDITION,

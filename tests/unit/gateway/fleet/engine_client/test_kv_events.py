@@ -16,8 +16,8 @@ from smg_grpc_proto.generated import (  # type: ignore[import-untyped]
 )
 
 from common.breaker import BreakerPolicy, CircuitBreaker
+from gateway.config import PREFIX_WEIGHT
 from gateway.fleet.engine_client.kv_events import (
-    PREFIX_WEIGHT,
     PrefixIndex,
     PromptBlocks,
     prefix_discount,
