@@ -38,6 +38,7 @@ from common.procs import ManagedProcess
 from common.server import bind
 from common.service_auth import read_server_tls
 from llm.v1 import engine_pb2, engine_pb2_grpc
+from tests.integration.engine.conftest import wait_for_idle
 from tests.integration.engine.test_standard_auth import (
     Pki,
     make_pki,
@@ -155,15 +156,6 @@ def sse_events(resp: object) -> Iterator[dict[str, object]]:
         yield json.loads(data)
 
 
-def idle_kv(stub: engine_pb2_grpc.EngineStub, timeout: float = 30) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = stub.GetStats(engine_pb2.GetStatsRequest())
-        if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
-            return int(s.num_kv_blocks_used)
-        time.sleep(0.05)
-
-
 def served_model(base: str) -> str:
     models = get_json(f"{base}/v1/models")
     assert isinstance(models, dict)
@@ -197,7 +189,7 @@ def test_smg_streams_a_chat_completion_from_our_engine(
 def test_a_client_cancel_through_smg_frees_the_engines_kv_blocks(
     smg: str, stats: engine_pb2_grpc.EngineStub
 ) -> None:
-    before = idle_kv(stats)
+    before = wait_for_idle(stats)
     resp = urllib.request.urlopen(chat(smg, served_model(smg), 1500, ignore_eos=True), timeout=120)
     try:
         for seen, _ in enumerate(sse_events(resp), 1):
@@ -208,7 +200,7 @@ def test_a_client_cancel_through_smg_frees_the_engines_kv_blocks(
                 break
     finally:
         resp.close()  # the client goes away mid-stream
-    assert idle_kv(stats) == before
+    assert wait_for_idle(stats) == before
     after = stats.GetStats(engine_pb2.GetStatsRequest())
     assert (after.num_running, after.num_waiting) == (0, 0)
 
