@@ -42,7 +42,7 @@ from engine_svc.models.attention import build_attention_metadata
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "quality"
 REPORT = Path(__file__).resolve().parent / "reports" / "quality.json"
 MODES: dict[str, dict[str, str]] = {
-    "fp32": {"dtype": "float32"},
+    "fp32": {"dtype": "float32", "kv_cache_dtype": "float32"},  # the reference: fp32 throughout
     # what `make run` serves: dtype, KV and prefill attention chosen for this CPU
     "default": {"dtype": "auto"},
     "bf16": {"dtype": "bfloat16"},

@@ -132,8 +132,9 @@ class EngineConfig:
         num_speculative_tokens: drafts verified per step (k); 0 disables
             speculation entirely, whatever requests ask.
         prompt_lookup_min / prompt_lookup_max: n-gram lengths matched.
-        kv_cache_dtype: ``auto`` (bf16 with bf16 weights, else the attention
-            dtype), ``bfloat16``, ``float32`` or ``fp8``
+        kv_cache_dtype: ``auto`` (bf16 with bf16 weights, or with the fp32
+            weights ``dtype: auto`` chose where the CPU kernels read the cache;
+            else the attention dtype), ``bfloat16``, ``float32`` or ``fp8``
             (float8_e4m3fn with per-layer, per-head scales).
         quantization: ``none`` or ``fp8`` (per-output-channel e4m3 weights).
         num_threads: torch threads (one pool for matmuls and the CPU kernels);

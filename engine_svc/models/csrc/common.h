@@ -22,6 +22,10 @@
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LLM_HAVE_AVX2 1
+#endif
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define LLM_HAVE_AVX512 1

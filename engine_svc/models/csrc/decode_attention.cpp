@@ -2,6 +2,7 @@
 
 #include "common.h"
 #include "decode_head_state.h"
+#include "decode_head_state_avx2.h"
 #include "ops.h"
 
 namespace llm_cpu {
@@ -111,13 +112,21 @@ void decode_item(const float* q, const C* kc, const C* vc, const int64_t* bt, in
   }
 }
 
+#if defined(LLM_HAVE_AVX512) || defined(LLM_HAVE_AVX2)
+// The vector kernels' per-head state: HeadState (AVX-512, 16 tokens at a time;
+// bf16 pairs on AVX512-BF16) where the CPU has AVX-512, else HeadStateAvx2.
+template <int64_t kD, int64_t kG, typename C>
 #ifdef LLM_HAVE_AVX512
-template <int64_t kD, int64_t kG, typename C, typename O>
-void decode_item_avx512(const float* q, const C* kc, const C* vc, const int64_t* bt,
-                        int64_t ctx, O* out, int64_t kvh, int64_t Hkv, int64_t bs, float scale,
-                        float v_scale) {
-  static_assert(kD % 16 == 0 && kG > 0, "decode_item_avx512: D a multiple of 16, G fixed");
-  HeadState<kD, kG, kDotFor<C>> st;
+using VecState = HeadState<kD, kG, kDotFor<C>>;
+#else
+using VecState = HeadStateAvx2<kD, kG>;
+#endif
+
+template <typename State, typename C, typename O>
+void decode_item_vec(const float* q, const C* kc, const C* vc, const int64_t* bt, int64_t ctx,
+                     O* out, int64_t kvh, int64_t Hkv, int64_t bs, float scale, float v_scale) {
+  constexpr int64_t kD = State::kDim;
+  State st;
   st.init(q, scale);
   const int64_t stride = Hkv * kD;
   for_each_kv_block(kc, vc, bt, ctx, bs, stride, kvh * kD, kD,
@@ -137,11 +146,11 @@ constexpr int64_t kMaxSeqKvHeads = 8;
 constexpr int64_t kSeqPrefetchBlocks = 2;
 constexpr int64_t kSeqCostTokens = 32;  // a sequence's fixed cost, in tokens of context
 
-template <int64_t kD, int64_t kG, typename C, typename O>
-void decode_seq_avx512(const float* q, const C* kc, const C* vc, const int64_t* bt, int64_t ctx,
-                       O* out, int64_t Hkv, int64_t bs, float sc, const float* k_scale,
-                       const float* v_scale) {
-  HeadState<kD, kG, kDotFor<C>> st[kMaxSeqKvHeads];
+template <typename State, typename C, typename O>
+void decode_seq(const float* q, const C* kc, const C* vc, const int64_t* bt, int64_t ctx, O* out,
+                int64_t Hkv, int64_t bs, float sc, const float* k_scale, const float* v_scale) {
+  constexpr int64_t kD = State::kDim, kG = State::kGroup;
+  State st[kMaxSeqKvHeads];
   for (int64_t h = 0; h < Hkv; ++h) st[h].init(q + h * kG * kD, k_scale ? sc * k_scale[h] : sc);
   const int64_t stride = Hkv * kD;
   const int64_t nblk = (ctx + bs - 1) / bs;
@@ -174,7 +183,7 @@ void decode_all(const float* qp, int64_t q_stride, const C* kc, const C* vc, con
                 int64_t Hkv, int64_t D, int64_t bs, float sc, const float* k_scale,
                 const float* v_scale) {
   const int64_t G = H / Hkv;
-#ifdef LLM_HAVE_AVX512
+#if defined(LLM_HAVE_AVX512) || defined(LLM_HAVE_AVX2)
   // enough sequences to keep every thread busy: one item per sequence, each
   // thread a contiguous run of about equal total context (an even split by count
   // leaves one thread waiting when the contexts differ, as they do in serving)
@@ -188,8 +197,8 @@ void decode_all(const float* qp, int64_t q_stride, const C* kc, const C* vc, con
         const int64_t e0 =
             std::lower_bound(cum.begin(), cum.end(), cum[B] * (tid + 1) / T) - cum.begin();
         for (int64_t b = b0; b < e0; ++b) {
-          decode_seq_avx512<64, 3>(qp + b * q_stride, kc, vc, btp + b * max_blocks, clp[b],
-                                   op + b * H * D, Hkv, bs, sc, k_scale, v_scale);
+          decode_seq<VecState<64, 3, C>>(qp + b * q_stride, kc, vc, btp + b * max_blocks,
+                                         clp[b], op + b * H * D, Hkv, bs, sc, k_scale, v_scale);
         }
       }
     });
@@ -204,18 +213,18 @@ void decode_all(const float* qp, int64_t q_stride, const C* kc, const C* vc, con
       const int64_t* bti = btp + b * max_blocks;
       const float ks = k_scale ? sc * k_scale[kvh] : sc;
       const float vs = v_scale ? v_scale[kvh] : 1.f;
-#ifdef LLM_HAVE_AVX512
-      {  // fp32, bf16 and e4m3 caches alike (load16 widens each)
+#if defined(LLM_HAVE_AVX512) || defined(LLM_HAVE_AVX2)
+      {  // fp32, bf16 and e4m3 caches alike (the loads widen each)
         if (D == 64 && G == 3) {  // SmolLM2-135M
-          decode_item_avx512<64, 3>(qi, kc, vc, bti, clp[b], oi, kvh, Hkv, bs, ks, vs);
+          decode_item_vec<VecState<64, 3, C>>(qi, kc, vc, bti, clp[b], oi, kvh, Hkv, bs, ks, vs);
           continue;
         }
         if (D == 64 && G == 4) {
-          decode_item_avx512<64, 4>(qi, kc, vc, bti, clp[b], oi, kvh, Hkv, bs, ks, vs);
+          decode_item_vec<VecState<64, 4, C>>(qi, kc, vc, bti, clp[b], oi, kvh, Hkv, bs, ks, vs);
           continue;
         }
         if (D == 128 && G == 4) {  // Llama-3 8B
-          decode_item_avx512<128, 4>(qi, kc, vc, bti, clp[b], oi, kvh, Hkv, bs, ks, vs);
+          decode_item_vec<VecState<128, 4, C>>(qi, kc, vc, bti, clp[b], oi, kvh, Hkv, bs, ks, vs);
           continue;
         }
       }

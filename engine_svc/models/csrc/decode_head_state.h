@@ -7,6 +7,22 @@
 
 namespace llm_cpu {
 
+// Prefetches a block's K and V into L2 a few lines at a time, between the
+// current block's rows: asked for all at once, its ~200 lines fill the miss
+// queue and the compute stalls behind them (measured on Zen 4).
+struct SpreadPrefetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t next = 0, lines = 0;
+
+  inline void step(int64_t n) {
+    for (const int64_t end = std::min(lines, next + n); next < end; ++next) {
+      __builtin_prefetch(k + 64 * next, 0, 2);
+      __builtin_prefetch(v + 64 * next, 0, 2);
+    }
+  }
+};
+
 #ifdef LLM_HAVE_AVX512
 // Decode attention with AVX-512 intrinsics for fp32, bf16 and e4m3 caches, 16
 // tokens at a time: the 16 q.k products of a head are reduced together by a
@@ -74,22 +90,6 @@ inline __m512 fast_exp16(__m512 x) {
   return _mm512_scalef_ps(p, fi);
 }
 
-// Prefetches a block's K and V into L2 a few lines at a time, between the
-// current block's rows: asked for all at once, its ~200 lines fill the miss
-// queue and the compute stalls behind them (measured on Zen 4).
-struct SpreadPrefetch {
-  const char* k = nullptr;
-  const char* v = nullptr;
-  int64_t next = 0, lines = 0;
-
-  inline void step(int64_t n) {
-    for (const int64_t end = std::min(lines, next + n); next < end; ++next) {
-      __builtin_prefetch(k + 64 * next, 0, 2);
-      __builtin_prefetch(v + 64 * next, 0, 2);
-    }
-  }
-};
-
 // The online-softmax state of one KV head's kG query heads. kDot (a bf16
 // cache on a CPU with AVX512-BF16) runs both products as VDPBF16PS: q rounded
 // to bf16 once, q.k over the row's dim pairs as loaded; P rounded to bf16 and
@@ -99,7 +99,7 @@ struct SpreadPrefetch {
 // sums stay fp32.
 template <int64_t kD, int64_t kG, bool kDot = false>
 struct HeadState {
-  static constexpr int64_t kV = kD / 16;
+  static constexpr int64_t kDim = kD, kGroup = kG, kV = kD / 16;
   __m512 qv[kG][kV], acc[kG][kV];
 #ifdef LLM_HAVE_AVX512BF16
   __m512bh qp[kG][kD / 32];

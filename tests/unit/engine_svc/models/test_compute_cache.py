@@ -12,8 +12,9 @@ import torch
 from engine_svc.core import compute_choice
 from engine_svc.core.llm_engine import LLMEngine
 from engine_svc.core.sampling_params import SamplingParams
-from engine_svc.models import compute_cache
+from engine_svc.models import compute_cache, cpu_kernels
 from engine_svc.models.compute_cache import ComputeCache, Decision
+from engine_svc.models.linear import LinearChoice
 from tests.unit.engine_svc.conftest import EngineFactory, write_tiny_model
 
 
@@ -149,3 +150,28 @@ def test_a_start_on_a_quieter_machine_replaces_a_busy_machines_choice(
     engine = make_tiny_engine(compute_cache_dir=str(tmp_path))
     assert "cached" not in engine.compute_description
     assert json.loads(path.read_text())["load_average"] == 0.0
+
+
+def test_auto_kv_is_bf16_beside_chosen_fp32_weights_and_fp32_beside_forced_fp32(
+    make_tiny_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the compiled kernels read a bf16 cache at fp32 math: half the bytes a decode reads
+    kernels = cpu_kernels.ops_available()
+    forced = make_tiny_engine()  # dtype float32, kv auto: fp32 as vLLM's auto keeps it
+    assert forced.model_info().kv_cache_dtype == "float32"
+    for weights in (torch.float32, torch.bfloat16):
+        got = compute_choice.kv_cache_dtype("auto", weights, torch.float32, kernels)
+        assert got == (torch.bfloat16 if kernels or weights == torch.bfloat16 else torch.float32)
+    assert compute_choice.kv_cache_dtype("float32", torch.float32, torch.float32, True) == (
+        torch.float32
+    )
+    # the start-up measurement chose fp32 (as it does on an AVX2 CPU)
+    monkeypatch.setattr(
+        compute_choice,
+        "choose_linear",
+        lambda *a: LinearChoice(torch.float32, "benchmark"),
+    )
+    chosen = make_tiny_engine(dtype="auto")
+    assert chosen.linear_choice.dtype == torch.float32
+    assert chosen.model_info().kv_cache_dtype == ("bfloat16" if kernels else "float32")
+    assert len(_greedy(chosen)) == len(_greedy(forced))  # a bf16 cache serves whole requests

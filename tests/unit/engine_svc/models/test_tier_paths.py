@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,17 @@ def _reachable_tiers() -> list[str]:
     return [t for t in TORCH_SWITCHES if cpu_tier.TIERS.index(t) <= cpu_tier.TIERS.index(native)]
 
 
+def _cap_env(tier: str) -> dict[str, str]:
+    """The environment of a process capped to ``tier``: our kernels, ATen and oneDNN alike."""
+    aten, onednn = TORCH_SWITCHES[tier]
+    return os.environ | {
+        cpu_tier.CAP_ENV: tier,
+        "ATEN_CPU_CAPABILITY": aten,
+        "ONEDNN_MAX_CPU_ISA": onednn,
+        "PYTHONPATH": str(ROOT),
+    }
+
+
 @pytest.fixture(scope="module")
 def prompt(model_dir: Path) -> list[int]:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(PROMPT).ids
@@ -86,16 +98,9 @@ def test_selected_path_keeps_fp32_greedy_on_each_tier(
 ) -> None:
     if tier not in _reachable_tiers():
         pytest.skip(f"this CPU ({cpu_tier.native_tier()}) cannot run tier {tier}")
-    aten, onednn = TORCH_SWITCHES[tier]
-    env = os.environ | {
-        cpu_tier.CAP_ENV: tier,
-        "ATEN_CPU_CAPABILITY": aten,
-        "ONEDNN_MAX_CPU_ISA": onednn,
-        "PYTHONPATH": str(ROOT),
-    }
     proc = subprocess.run(
         [sys.executable, "-c", WORKER, str(model_dir), json.dumps(prompt), str(NEW_TOKENS), tier],
-        env=env,
+        env=_cap_env(tier),
         capture_output=True,
         text=True,
         timeout=850,
@@ -105,7 +110,7 @@ def test_selected_path_keeps_fp32_greedy_on_each_tier(
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     if os.environ.get("LLM_ENGINE_CPU_KERNELS", "1") != "0":
         assert got["kernels"] == tier, got
-    assert got["aten"] == aten.upper(), got
+    assert got["aten"] == TORCH_SWITCHES[tier][0].upper(), got
     assert f"isa={tier}" in got["compute"] or not got["kernels"], got
     tokens, margins = reference
     for i, (a, b) in enumerate(zip(got["tokens"], tokens, strict=True)):
@@ -114,3 +119,29 @@ def test_selected_path_keeps_fp32_greedy_on_each_tier(
                 f"tier {tier} diverged at {i} with margin {margins[i]:.3f} ({got['compute']})"
             )
             break
+
+
+@pytest.mark.parametrize("tier", list(TORCH_SWITCHES))
+def test_the_kernel_tests_pass_in_each_lower_tier_build(tier: str) -> None:
+    """The operator tests (test_ops.py: decode attention against SDPA with hypothesis, the
+    NaN-filled cache, norms, rotary, argmax) against the kernels built for a lower tier:
+    each tier compiles other ``#if`` branches (AVX2 has its own decode attention), and this
+    session's own run covers only this CPU's."""
+    if tier not in _reachable_tiers():
+        pytest.skip(f"this CPU ({cpu_tier.native_tier()}) cannot run tier {tier}")
+    if tier == cpu_tier.native_tier():
+        pytest.skip("this CPU's own tier: the session runs test_ops.py itself")
+    test_file = Path(__file__).with_name("test_ops.py")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider"],
+        env=_cap_env(tier),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=850,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed is not None, proc.stdout[-2000:]
+    assert int(passed.group(1)) >= 8, proc.stdout[-2000:]
