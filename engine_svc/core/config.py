@@ -138,7 +138,9 @@ class EngineConfig:
             (float8_e4m3fn with per-layer, per-head scales).
         quantization: ``none`` or ``fp8`` (per-output-channel e4m3 weights).
         num_threads: torch threads (one pool for matmuls and the CPU kernels);
-            0 = torch's default (the cores this process may use).
+            0 = torch's default (the cores this process may use), capped at
+            the container's cgroup CPU quota rounded up (a pod limited to 2
+            CPUs on a 64-core node runs 2 threads, not 64).
         thread_policy: ``adaptive`` (on CPU, at most every half second the step
             loop measures how busy other processes keep this process's CPUs and
             runs on one thread per core they leave free, up to ``num_threads``: a

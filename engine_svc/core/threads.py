@@ -14,6 +14,15 @@ than the pool it started with, never fewer than one, and back up only with a
 margin, so it does not flap). ``fixed`` keeps the start-up count. Every change
 is logged; the current count and the policy are in GetModelInfo's ``compute``.
 
+A container's CPU limit is a quota, not an affinity: a pod limited to 2 CPUs on a
+64-core node still sees 64 CPUs, and torch's default of a thread per core then has
+64 threads share 2 CPUs' worth of time, each region's barrier waiting on threads the
+quota has throttled. So the default count (``num_threads: 0``) is also capped at
+the cgroup's CPU quota (``cpu_quota``: cgroup v2 ``cpu.max``, v1
+``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``), rounded up; the adaptive policy
+then never grows past it (free cores elsewhere on the node are not time the
+quota grants).
+
 ``torch.set_num_threads`` sets the OpenMP thread count of the calling thread
 only, so the policy is created and ticked on the step-loop thread.
 """
@@ -27,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -42,6 +52,50 @@ _BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
 # torch's own count before any engine changed it: an engine built after another one
 # lowered it on the same thread starts from this again, not from the lowered count
 DEFAULT_THREADS = torch.get_num_threads()
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cpu_quota(root: Path = CGROUP_ROOT) -> float | None:
+    """CPUs' worth of time this container's cgroup may use (``2.5`` for a quota of 250 ms
+    per 100 ms), or None where it sets none or there is no cgroup CPU controller to read.
+    Reads cgroup v2 (``cpu.max``: ``max 100000`` or ``250000 100000``) at ``root``, else
+    cgroup v1 (``cpu.cfs_quota_us``, -1 for none, and ``cpu.cfs_period_us``) under
+    ``root/cpu`` or ``root/cpu,cpuacct``; a malformed file counts as none."""
+
+    def read(path: Path) -> str | None:
+        try:
+            return path.read_text().strip()
+        except OSError:
+            return None
+
+    v2 = read(root / "cpu.max")
+    if v2 is not None:
+        quota, _, period = v2.partition(" ")
+        pair = (quota, period or "100000")
+    else:
+        for sub in ("cpu", "cpu,cpuacct"):
+            q, p = read(root / sub / "cpu.cfs_quota_us"), read(root / sub / "cpu.cfs_period_us")
+            if q is not None and p is not None:
+                pair = (q, p)
+                break
+        else:
+            return None
+    try:
+        quota_us, period_us = int(pair[0]), int(pair[1])
+    except ValueError:
+        return None  # "max" (v2) and malformed files alike
+    if quota_us <= 0 or period_us <= 0:
+        return None  # v1's -1: no quota
+    return quota_us / period_us
+
+
+def default_threads(quota: float | None, torch_default: int) -> int:
+    """torch's default count, capped at the cgroup quota rounded up (never below 1)."""
+    if quota is None:
+        return torch_default
+    return max(1, min(torch_default, math.ceil(quota)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,11 +148,12 @@ class ThreadPolicy:
 
     Args:
         num_threads: ``engine_core.num_threads`` (0 = torch's default, as it was when
-            this module was imported).
+            this module was imported, capped at the cgroup's CPU quota).
         policy: ``adaptive`` or ``fixed`` (``engine_core.thread_policy``).
         on_cpu: the engine computes on the CPU (adaptive does nothing on a GPU).
         clock: monotonic seconds.
         sampler: reads a ``CpuSample`` of the given CPUs (tests pass their own).
+        quota: the cgroup's CPU quota (default: ``cpu_quota()``; tests pass their own).
 
     Raises:
         ValueError: an unknown policy.
@@ -111,10 +166,14 @@ class ThreadPolicy:
         on_cpu: bool,
         clock: Callable[[], float] = time.monotonic,
         sampler: Callable[[frozenset[int]], CpuSample] | None = None,
+        quota: float | Literal["read"] | None = "read",
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"thread_policy {policy!r}: use one of {', '.join(POLICIES)}")
-        self.limit = num_threads if num_threads > 0 else DEFAULT_THREADS
+        self.quota = cpu_quota() if quota == "read" else quota
+        self.limit = (
+            num_threads if num_threads > 0 else default_threads(self.quota, DEFAULT_THREADS)
+        )
         torch.set_num_threads(self.limit)
         self.current = self.limit
         self.policy = policy
@@ -125,8 +184,9 @@ class ThreadPolicy:
         self.changes = 0
         self._last = self.sampler(self.cpus) if self.adaptive else None
         logger.info(
-            "torch threads: %d on %d CPUs, policy %s", self.limit, len(self.cpus), self.describe()
-        )
+            "torch threads: %d on %d CPUs (cgroup quota %s), policy %s",
+            self.limit, len(self.cpus), self.quota or "none", self.describe(),
+        )  # fmt: skip
 
     def describe(self) -> str:
         """``2 adaptive`` style: the threads now and the policy in force."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,3 +153,52 @@ def test_fixed_and_gpu_policies_never_resize() -> None:
     _on_fresh_thread(body)
     with pytest.raises(ValueError, match="thread_policy"):
         ThreadPolicy(0, "spin", True)
+
+
+@pytest.mark.parametrize(
+    ("files", "quota"),
+    [
+        ({"cpu.max": "max 100000\n"}, None),  # v2, no limit
+        ({"cpu.max": "250000 100000\n"}, 2.5),  # v2: 2.5 CPUs
+        ({"cpu.max": "50000\n"}, 0.5),  # v2 with the period left out (100 ms)
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1
+        ({"cpu/cpu.cfs_quota_us": "200000", "cpu/cpu.cfs_period_us": "100000"}, 2.0),
+        ({"cpu,cpuacct/cpu.cfs_quota_us": "150000", "cpu,cpuacct/cpu.cfs_period_us": "50000"}, 3.0),
+        ({"cpu.max": "lots 100000"}, None),  # malformed: as none
+        ({"cpu/cpu.cfs_quota_us": "200000"}, None),  # half of v1's pair
+        ({}, None),  # no cgroup CPU controller
+    ],
+)
+def test_cpu_quota_reads_cgroup_v2_and_v1(
+    tmp_path: Path, files: dict[str, str], quota: float | None
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert threads.cpu_quota(tmp_path) == quota
+
+
+@pytest.mark.parametrize(
+    ("quota", "torch_default", "want"),
+    [(None, 64, 64), (2.0, 64, 2), (2.5, 64, 3), (0.5, 64, 1), (8.0, 4, 4)],
+)
+def test_the_default_thread_count_is_capped_at_the_quota(
+    quota: float | None, torch_default: int, want: int
+) -> None:
+    assert threads.default_threads(quota, torch_default) == want
+
+
+def test_a_quota_caps_the_default_pool_and_the_adaptive_growth() -> None:
+    def body() -> None:
+        cpu = FakeCpu()
+        policy = ThreadPolicy(
+            0, "adaptive", True, clock=lambda: cpu.now, sampler=cpu.sample, quota=1.0
+        )
+        assert (policy.limit, torch.get_num_threads()) == (1, 1)
+        cpu.advance(10 * CHECK_INTERVAL_S)  # an idle node: still the quota's one thread
+        policy.before_step()
+        assert torch.get_num_threads() == 1
+        explicit = ThreadPolicy(2, "fixed", True, quota=1.0)  # a configured count stands
+        assert (explicit.limit, torch.get_num_threads()) == (2, 2)
+
+    _on_fresh_thread(body)
