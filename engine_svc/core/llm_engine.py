@@ -37,7 +37,7 @@ from engine_svc.core.spec_decode import accept, expand_rows
 from engine_svc.core.stop_checker import take_new_tokens
 from engine_svc.core.threads import ThreadPolicy
 from engine_svc.core.validation import validate_request
-from engine_svc.models import cpu_kernels, cpu_tier
+from engine_svc.models import cpu_kernels, cpu_tier, ops
 
 logger = logging.getLogger(__name__)
 
@@ -400,6 +400,8 @@ class LLMEngine:
         if self.model.prefill_attn_kernel:
             units = "amx" if cpu_kernels.kernel_tier() == "amx" else "avx512_bf16"
             attn = f"fused {units} bfloat16"
+            if ops.prefill_kernel_dtype() == torch.float32:
+                attn = "fused avx2 float32"
         tier = ""
         if self.device.type == "cpu":
             tier = f", {cpu_tier.report(cpu_kernels.kernel_tier()).label}"

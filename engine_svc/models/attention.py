@@ -274,7 +274,8 @@ def _prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     # the engine chose the kernel at start for this cache (choose_prefill_kernel): no
     # dispatcher call per layer here, only what a step could change
-    if meta.prefill_kernel and kv_scales is None and k_cache.dtype == torch.bfloat16:
+    cache_ok = k_cache.dtype == torch.bfloat16 or k_cache.dtype == q.dtype == torch.float32
+    if meta.prefill_kernel and kv_scales is None and cache_ok:
         assert meta.prefill_seqs is not None
         assert meta.prefill_tables is not None
         return ops.prefill_attention(q, k_cache, v_cache, meta.prefill_seqs, meta.prefill_tables)
@@ -345,22 +346,25 @@ def choose_prefill_kernel(
     Both attend one 512-token prompt stored in a paged cache of ``kv_dtype``:
     SDPA in ``attn_dtype`` (the prompt's own K/V, the engine's fresh-prompt
     path) against the kernel reading the cache through a block table. The
-    kernel needs AVX512-BF16 (AMX where present), a bf16 cache and block sizes
-    in multiples of 16; where it cannot run the answer is False with no timing.
+    kernel (``ops.prefill_kernel_dtype``) is bf16 on AVX512-BF16 (AMX where
+    present) over a bf16 cache, else fp32 on AVX2 over a bf16 or fp32 cache, with
+    block sizes in multiples of 16; where it cannot run the answer is False with
+    no timing.
 
     Returns:
         True to use the kernel, and the measured ms per candidate.
     """
-    probe_q = torch.empty(1, num_heads, head_dim, dtype=torch.bfloat16)
+    q_dtype = ops.prefill_kernel_dtype()
+    probe_q = torch.empty(1, num_heads, head_dim, dtype=q_dtype or torch.bfloat16)
     probe_cache = torch.empty(1, block_size, num_kv_heads, head_dim, dtype=kv_dtype)
-    if not ops.prefill_kernel_usable(probe_q, probe_cache, None):
+    if q_dtype is None or not ops.prefill_kernel_usable(probe_q, probe_cache, None):
         return False, {}
     g = torch.Generator().manual_seed(0)
     n = 512
     nblk = -(-n // block_size)
-    q = torch.randn(n, num_heads, head_dim, generator=g).to(torch.bfloat16)
-    k = torch.randn(nblk * block_size, num_kv_heads, head_dim, generator=g).to(torch.bfloat16)
-    v = torch.randn(nblk * block_size, num_kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(n, num_heads, head_dim, generator=g).to(q_dtype)
+    k = torch.randn(nblk * block_size, num_kv_heads, head_dim, generator=g).to(kv_dtype)
+    v = torch.randn(nblk * block_size, num_kv_heads, head_dim, generator=g).to(kv_dtype)
     k_cache = k.view(nblk, block_size, num_kv_heads, head_dim)
     v_cache = v.view(nblk, block_size, num_kv_heads, head_dim)
     seqs = torch.tensor([[0, n, 0]], dtype=torch.long)

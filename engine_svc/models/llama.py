@@ -200,8 +200,10 @@ class LlamaForCausalLM:
             out = self._decode_step(residual, positions, meta, kv_caches, kv_scales)
             if out is not None:
                 return out
-        # the fused prefill kernel reads q in bf16: the rotation writes it so, no fp32 copy
-        rotated = torch.bfloat16 if meta.prefill_kernel else None
+        # the bf16 fused prefill kernel reads q in bf16: the rotation writes it so, no
+        # fp32 copy (the fp32 kernel reads the rotation's own fp32)
+        bf16_kernel = meta.prefill_kernel and ops.prefill_kernel_dtype() == torch.bfloat16
+        rotated = torch.bfloat16 if bf16_kernel else None
         softcap = self.config.attn_softcap
         h: torch.Tensor | None = None
         last = len(self.layers) - 1

@@ -8,6 +8,7 @@ against. A layer then costs a handful of calls instead of ~40 small ones.
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 import torch
@@ -240,22 +241,38 @@ def paged_decode_attention(
     return cast(torch.Tensor, out)
 
 
+@functools.cache
+def prefill_kernel_dtype() -> torch.dtype | None:
+    """The q dtype the fused prefill attention takes on this CPU: bf16 where the kernel
+    build has AVX512-BF16 (AMX too where present), else fp32 where it has AVX2; None
+    where neither kernel is built."""
+    if not cpu_kernels.ops_available():
+        return None
+    if torch.ops.llm_cpu.prefill_attention_available():
+        return torch.bfloat16
+    if torch.ops.llm_cpu.prefill_attention_f32_available():
+        return torch.float32
+    return None
+
+
 def prefill_kernel_usable(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> bool:
-    """True when ``prefill_attention`` can run: a bf16 paged cache (block size a
-    multiple of 16, head dim 64 or 128) on a CPU whose kernel build has
-    AVX512-BF16 (AMX too where present)."""
+    """True when ``prefill_attention`` can run: a paged cache with a block size a
+    multiple of 16 and head dim 64 or 128, on a CPU with a fused kernel
+    (``prefill_kernel_dtype``): the bf16 kernel reads a bf16 cache, the fp32 one a
+    bf16 or fp32 cache."""
+    dtype = prefill_kernel_dtype() if _native(q) else None
+    caches = (torch.bfloat16,) if dtype == torch.bfloat16 else (torch.bfloat16, torch.float32)
     return (
-        kv_scales is None
-        and _native(q)
-        and k_cache.dtype == torch.bfloat16
+        dtype is not None
+        and kv_scales is None
+        and k_cache.dtype in caches
         and k_cache.shape[1] % 16 == 0
         and k_cache.shape[3] in (64, 128)
         and q.shape[1] % k_cache.shape[2] == 0
-        and bool(torch.ops.llm_cpu.prefill_attention_available())
     )
 
 
@@ -269,17 +286,19 @@ def prefill_attention(
     """Causal prefill attention of a step's chunks over their paged contexts, fused.
 
     Args:
-        q: [T, H, D] prefill rows (cast to bf16; heads contiguous, rows may be strided).
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D] bf16, already holding
-            the chunks' own K/V.
+        q: [T, H, D] prefill rows (cast to ``prefill_kernel_dtype()``; heads
+            contiguous, rows may be strided).
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D] bf16 (or fp32 for the
+            fp32 kernel), already holding the chunks' own K/V.
         seqs: [S, 3] int64: first row, length and cached tokens of each chunk.
         tables: [S, W] int64 block tables covering each chunk's context.
 
     Returns:
-        [T, H * D] bf16.
+        [T, H * D] in the kernel's dtype.
     """
-    if q.dtype != torch.bfloat16:
-        q = q.to(torch.bfloat16)
+    dtype = prefill_kernel_dtype() or torch.bfloat16
+    if q.dtype != dtype:
+        q = q.to(dtype)
     if q.stride(-1) != 1 or q.stride(1) != q.shape[2]:
         q = q.contiguous()
     out = torch.ops.llm_cpu.prefill_attention(

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "prefill_block.h"
 
 using namespace llm_cpu;
 
@@ -19,6 +20,7 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("q4_available() -> bool", &q4_available);
   m.def("q4_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("prefill_attention_available() -> bool", &prefill_attention_available);
+  m.def("prefill_attention_f32_available() -> bool", &prefill_attention_f32_available);
   m.def(
       "prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqs, Tensor tables, "
       "float scale) -> Tensor");

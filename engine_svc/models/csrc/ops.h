@@ -2,7 +2,7 @@
 //   norm_act.cpp          rms_norm, add_rms_norm, silu_and_mul
 //   rotary.cpp            rotary_qkv (RoPE with the KV-cache write)
 //   decode_attention.cpp  paged_decode_attention
-//   prefill_attention.cpp prefill_attention (AMX or AVX512-BF16)
+//   prefill_attention.cpp prefill_attention (AMX or AVX512-BF16; fp32 q: ..._f32.cpp, AVX2)
 //   linear.cpp            skinny_linear, fp8_gemv, fp8_dequant_bf16, amx_pack, amx_linear
 //   q4_linear.cpp         q4_linear (4-bit weights)
 //   sampling.cpp          argmax_rows

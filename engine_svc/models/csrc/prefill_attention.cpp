@@ -259,26 +259,32 @@ bool prefill_attention_available() {
 #endif
 }
 
-// q [T, H, D] bf16 (rows may be strided), caches [NB, BS, Hkv, D] bf16 with BS
-// a multiple of 16, seqs [S, 3] int64 (first row, length, tokens before the
-// chunk), tables [S, W] int64 -> [T, H * D] bf16; rows outside every sequence
-// are zero.
+// q [T, H, D] bf16 or fp32 (rows may be strided), caches [NB, BS, Hkv, D] bf16
+// (or fp32 beside fp32 q) with BS a multiple of 16, seqs [S, 3] int64 (first row,
+// length, tokens before the chunk), tables [S, W] int64 -> [T, H * D] in q's
+// dtype; rows outside every sequence are zero.
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                              const at::Tensor& v_cache, const at::Tensor& seqs,
                              const at::Tensor& tables, double scale) {
-  TORCH_CHECK(prefill_attention_available(),
-              "prefill_attention: this CPU (or kernel build) has no AVX512-BF16");
+  // fp32 q takes the fp32 kernel (AVX2), bf16 q the AMX / AVX512-BF16 one
+  const bool f32 = q.scalar_type() == at::kFloat;
+  TORCH_CHECK(q.dim() == 3 && (f32 || q.scalar_type() == at::kBFloat16) && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2),
+              "prefill_attention: q must be bfloat16 or float32 [T, H, D] with contiguous heads");
+  TORCH_CHECK(f32 ? prefill_attention_f32_available() : prefill_attention_available(),
+              "prefill_attention: this CPU (or kernel build) has no ",
+              f32 ? "AVX2 (for float32 q)" : "AVX512-BF16 (for bfloat16 q)");
   TORCH_CHECK(q.device().is_cpu(), "prefill_attention: q must be a CPU tensor");
   check_cpu(k_cache, "k_cache");
   check_cpu(v_cache, "v_cache");
   check_cpu(seqs, "seqs");
   check_cpu(tables, "tables");
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kBFloat16 && q.stride(2) == 1 &&
-                  q.stride(1) == q.size(2),
-              "prefill_attention: q must be bfloat16 [T, H, D] with contiguous heads");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16,
-              "prefill_attention: caches must be bfloat16 [blocks, block_size, Hkv, D]");
+  const bool cache_ok = k_cache.scalar_type() == at::kBFloat16 ||
+                        (f32 && k_cache.scalar_type() == at::kFloat);
+  TORCH_CHECK(k_cache.dim() == 4 && cache_ok && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "prefill_attention: caches must be bfloat16 (or float32 beside float32 q) "
+              "[blocks, block_size, Hkv, D]");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && (D == 64 || D == 128) && Hkv > 0 && H % Hkv == 0 &&
@@ -320,6 +326,10 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
     }
   }
   if (list.empty()) return out;
+  if (f32) {
+    prefill_attention_f32(list, q, k_cache, v_cache, out, static_cast<float>(scale));
+    return out;
+  }
 #ifdef LLM_HAVE_BF16_PREFILL
   auto scratch = at::empty({packed_elems}, q.options());
   BFloat16* base = scratch.data_ptr<BFloat16>();

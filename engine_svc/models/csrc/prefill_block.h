@@ -1,6 +1,7 @@
 // Prefill attention's shared pieces (prefill_attention.cpp): the chunk
 // description, the V^T packing, and one block of 16 query rows with its
-// online softmax, which the AMX and the AVX512-BF16 products both use.
+// online softmax, which the AMX and the AVX512-BF16 products both use; the
+// fp32 kernel's entry (prefill_attention_f32.cpp).
 #pragma once
 
 #include "common.h"
@@ -13,9 +14,18 @@ constexpr int64_t kKeyBlock = 64;   // keys per step of the online softmax
 struct PrefillSeq {
   int64_t row, len, computed;
   const int64_t* table;
-  int64_t kpad;       // context padded to a multiple of kKeyBlock
-  BFloat16* vt;       // Hkv x V^T tiles, each kpad * D
+  int64_t kpad;             // context padded to a multiple of kKeyBlock
+  BFloat16* vt;             // Hkv x V^T tiles, each kpad * D (bf16 kernels)
+  float* kt = nullptr;      // Hkv x K^T tiles of 16 keys, each kpad * D (fp32 kernel)
+  float* vf = nullptr;      // Hkv x V rows, each kpad * D (fp32 kernel)
 };
+
+// The fp32 kernel (prefill_attention_f32.cpp, AVX2): q fp32, a bf16 or fp32 cache, out
+// fp32; prefill_attention checks the arguments and lists the sequences.
+bool prefill_attention_f32_available();
+void prefill_attention_f32(std::vector<PrefillSeq>& seqs, const at::Tensor& q,
+                           const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& out,
+                           float scale);
 
 #if defined(LLM_HAVE_AVX512BF16)
 constexpr float kLazyMax = 8.f;     // log2 headroom before the running max is raised

@@ -1,5 +1,5 @@
-"""The fused prefill attention (AMX or AVX512-BF16): causal chunks over paged contexts,
-against dense fp32."""
+"""The fused prefill attention (AMX or AVX512-BF16 in bf16; AVX2 in fp32): causal chunks
+over paged contexts, against dense fp32."""
 
 from __future__ import annotations
 
@@ -19,26 +19,28 @@ from engine_svc.models.attention import (
 CPU = torch.device("cpu")
 
 
-def _kernel_here() -> bool:
-    probe_q = torch.empty(1, 4, 64, dtype=torch.bfloat16)
-    probe_cache = torch.empty(1, 16, 4, 64, dtype=torch.bfloat16)
-    return cpu_kernels.ops_available() and ops.prefill_kernel_usable(probe_q, probe_cache, None)
-
-
-pytestmark = pytest.mark.skipif(
-    not _kernel_here(),
-    reason="the fused prefill kernel needs a CPU with AVX512-BF16 (or AMX) and a compiler",
+# the bf16 kernel (AMX or AVX512-BF16) is the one the engine takes where it is built;
+# the fp32 one (AVX2) runs on any CPU with AVX2 when q is fp32, so both are tested here
+# wherever they are built
+BF16 = pytest.mark.skipif(
+    ops.prefill_kernel_dtype() != torch.bfloat16,
+    reason="the bf16 prefill kernel needs a CPU with AVX512-BF16 (or AMX) and a compiler",
+)
+F32 = pytest.mark.skipif(
+    not (cpu_kernels.ops_available() and torch.ops.llm_cpu.prefill_attention_f32_available()),
+    reason="the fp32 prefill kernel needs a CPU with AVX2 and a compiler",
 )
 
 
 def _layout(
-    computed: list[int], lens: list[int], bs: int, hkv: int, d: int, g: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
-    """A bf16 cache whose unused slots hold NaN, each context in shuffled blocks."""
+    computed: list[int], lens: list[int], bs: int, hkv: int, d: int, g: torch.Generator,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:  # fmt: skip
+    """A cache whose unused slots hold NaN, each context in shuffled blocks."""
     nblk = [-(-(c + n) // bs) for c, n in zip(computed, lens, strict=True)]
     num_blocks = sum(nblk) + 3
-    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=torch.bfloat16)
-    v_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=torch.bfloat16)
+    k_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full((num_blocks, bs, hkv, d), float("nan"), dtype=dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, used = [], 0
     for b in nblk:
@@ -50,27 +52,34 @@ def _layout(
 
 
 def _run(
-    computed: list[int], lens: list[int], h: int, hkv: int, d: int, bs: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's output and the dense fp32 reference for one step's chunks."""
+    computed: list[int], lens: list[int], h: int, hkv: int, d: int, bs: int, seed: int,
+    q_dtype: torch.dtype = torch.bfloat16, cache_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The kernel's output and the dense fp32 reference for one step's chunks (fp32 q
+    goes to the op itself: the fp32 kernel, whichever the engine would take here)."""
     g = torch.Generator().manual_seed(seed)
-    k_cache, v_cache, tables, table_lists = _layout(computed, lens, bs, hkv, d, g)
+    k_cache, v_cache, tables, table_lists = _layout(computed, lens, bs, hkv, d, g, cache_dtype)
     ctx = [c + n for c, n in zip(computed, lens, strict=True)]
-    ks = [torch.randn(n, hkv, d, generator=g).to(torch.bfloat16) for n in ctx]
-    vs = [torch.randn(n, hkv, d, generator=g).to(torch.bfloat16) for n in ctx]
+    ks = [torch.randn(n, hkv, d, generator=g).to(cache_dtype) for n in ctx]
+    vs = [torch.randn(n, hkv, d, generator=g).to(cache_dtype) for n in ctx]
     for k, v, t in zip(ks, vs, table_lists, strict=True):
         slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(k.shape[0])])
         k_cache.view(-1, hkv, d).index_copy_(0, slots, k)
         v_cache.view(-1, hkv, d).index_copy_(0, slots, v)
     total = sum(lens)
     # q as the model hands it over: a strided view into the fused qkv rows
-    qkv = torch.randn(total, h + 2 * hkv, d, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(total, h + 2 * hkv, d, generator=g).to(q_dtype)
     q = qkv[:, :h]
     rows, seqs = 0, []
     for c, n in zip(computed, lens, strict=True):
         seqs.append([rows, n, c])
         rows += n
-    out = ops.prefill_attention(q, k_cache, v_cache, torch.tensor(seqs), tables)
+    if q_dtype == torch.float32:
+        out = torch.ops.llm_cpu.prefill_attention(
+            q, k_cache, v_cache, torch.tensor(seqs), tables, d**-0.5
+        )
+    else:
+        out = ops.prefill_attention(q, k_cache, v_cache, torch.tensor(seqs), tables)
     ref = torch.zeros(total, h * d)
     for (row, n, c), k, v in zip(seqs, ks, vs, strict=True):
         if n == 0:
@@ -95,6 +104,7 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert float((out.float() - ref).abs().mean()) < 3e-3
 
 
+@BF16
 @pytest.mark.parametrize(
     ("computed", "lens"),
     [
@@ -116,6 +126,7 @@ def test_chunks_match_dense_causal_attention(
     _assert_close(out, ref)
 
 
+@BF16
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     segs=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 96)), min_size=1, max_size=4),
@@ -127,6 +138,7 @@ def test_any_step_of_chunks_matches_dense(segs: list[tuple[int, int]], bs: int, 
     _assert_close(out, ref)
 
 
+@BF16
 def test_rows_of_no_sequence_are_zero_and_empty_chunks_are_skipped() -> None:
     g = torch.Generator().manual_seed(1)
     k_cache = torch.randn(4, 16, 2, 64, generator=g).to(torch.bfloat16)
@@ -140,6 +152,7 @@ def test_rows_of_no_sequence_are_zero_and_empty_chunks_are_skipped() -> None:
     assert (out[2:7] != 0).any()
 
 
+@BF16
 @pytest.mark.parametrize(
     ("seqs", "tables", "message"),
     [
@@ -157,6 +170,7 @@ def test_refuses_tables_and_rows_that_do_not_fit(
         ops.prefill_attention(q, k_cache, k_cache, torch.tensor(seqs), torch.tensor(tables))
 
 
+@BF16
 def test_usable_only_for_caches_it_can_read() -> None:
     q = torch.empty(1, 4, 64, dtype=torch.bfloat16)
     bf16 = torch.empty(1, 16, 2, 64, dtype=torch.bfloat16)
@@ -169,6 +183,7 @@ def test_usable_only_for_caches_it_can_read() -> None:
     assert not ops.prefill_kernel_usable(torch.empty(1, 3, 64), bf16, None)  # 3 heads over 2
 
 
+@BF16
 def test_paged_attention_takes_the_kernel_for_a_mixed_step() -> None:
     """Decodes then prefills in one step: with the kernel on, the prefill rows match
     the SDPA path's and the decode rows are the same rows either way."""
@@ -202,9 +217,97 @@ def test_paged_attention_takes_the_kernel_for_a_mixed_step() -> None:
     assert torch.equal(outs[1][:num_decodes], outs[0][:num_decodes])
 
 
+@BF16
 def test_choice_times_both_where_the_kernel_runs_and_skips_fp32_caches() -> None:
     fused, ms = choose_prefill_kernel(6, 2, 64, torch.bfloat16, torch.bfloat16, 16)
     assert set(ms) == {"fused", "sdpa"}
     assert all(t > 0 for t in ms.values())
     assert fused == (ms["fused"] < ms["sdpa"])
     assert choose_prefill_kernel(6, 2, 64, torch.float32, torch.float32, 16) == (False, {})
+
+
+def _assert_close_f32(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == torch.float32
+    assert torch.isfinite(out).all(), "NaN from unused cache slots leaked into the output"
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)  # fp32 math throughout
+
+
+@F32
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    ("computed", "lens"),
+    [
+        ([0], [1]),
+        ([0], [7]),
+        ([0], [300]),
+        ([37], [50]),
+        ([1000], [24]),
+        ([0, 300, 5], [70, 33, 1]),
+    ],
+)
+@pytest.mark.parametrize(("h", "hkv", "d"), [(9, 3, 64), (4, 4, 128)])
+def test_fp32_kernel_chunks_match_dense_causal_attention(
+    computed: list[int], lens: list[int], h: int, hkv: int, d: int, cache_dtype: torch.dtype
+) -> None:
+    out, ref = _run(computed, lens, h, hkv, d, 16, sum(lens) + h, torch.float32, cache_dtype)
+    _assert_close_f32(out, ref)
+
+
+@F32
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    segs=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 96)), min_size=1, max_size=4),
+    bs=st.sampled_from([16, 32]),
+    cache_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    seed=st.integers(0, 2**16),
+)
+def test_fp32_kernel_matches_dense_for_any_step(
+    segs: list[tuple[int, int]], bs: int, cache_dtype: torch.dtype, seed: int
+) -> None:
+    lens = [n for _, n in segs]
+    out, ref = _run([c for c, _ in segs], lens, 6, 2, 64, bs, seed, torch.float32, cache_dtype)
+    _assert_close_f32(out, ref)
+
+
+@F32
+def test_fp32_kernel_refuses_what_it_cannot_read() -> None:
+    seqs, tables = torch.tensor([[0, 4, 0]]), torch.tensor([[0]])
+    q = torch.zeros(4, 4, 64)
+    fp8 = torch.zeros(2, 16, 2, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="caches must be bfloat16"):
+        torch.ops.llm_cpu.prefill_attention(q, fp8, fp8, seqs, tables, 0.125)
+    with pytest.raises(RuntimeError, match="q must be bfloat16 or float32"):
+        torch.ops.llm_cpu.prefill_attention(q.double(), fp8, fp8, seqs, tables, 0.125)
+
+
+@pytest.mark.skipif(
+    ops.prefill_kernel_dtype() != torch.float32,
+    reason="the engine takes the fp32 kernel only where the bf16 one is not built (AVX2)",
+)
+def test_where_fp32_is_the_kernel_the_engine_path_takes_it_and_times_it() -> None:
+    """On an AVX2 CPU (or one capped to it): paged_attention's prefill rows come from the
+    fp32 kernel and match the SDPA path's; the start-up choice times both."""
+    g = torch.Generator().manual_seed(5)
+    h, hkv, d, bs = 6, 2, 64, 16
+    computed, new = [0, 40], [33, 20]
+    # an fp32 cache: the SDPA path attends a fresh chunk's own K/V, which a bf16 cache
+    # would hold rounded (the kernel reads the cache)
+    k_cache = torch.zeros(16, bs, hkv, d)
+    v_cache = torch.zeros(16, bs, hkv, d)
+    tables = [[3, 4, 5], [7, 8, 9, 10]]
+    meta, _ = build_attention_metadata([0], [40], [tables[1]], 0, bs, CPU)
+    kv = torch.randn(40, hkv, d, generator=g)
+    paged_attention(torch.zeros(40, h, d), kv, kv, k_cache, v_cache, meta)
+    q = torch.randn(sum(new), h, d, generator=g)
+    k = torch.randn(sum(new), hkv, d, generator=g)
+    v = torch.randn(sum(new), hkv, d, generator=g)
+    outs = []
+    for fused in (False, True):
+        meta, _ = build_attention_metadata(computed, new, tables, 0, bs, CPU)
+        meta.prefill_kernel = fused
+        outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+    assert outs[1].dtype == torch.float32
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    fused_wins, ms = choose_prefill_kernel(h, hkv, d, torch.float32, torch.bfloat16, bs)
+    assert set(ms) == {"fused", "sdpa"}
+    assert fused_wins == (ms["fused"] < ms["sdpa"])

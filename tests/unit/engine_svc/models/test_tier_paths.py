@@ -124,16 +124,17 @@ def test_selected_path_keeps_fp32_greedy_on_each_tier(
 @pytest.mark.parametrize("tier", list(TORCH_SWITCHES))
 def test_the_kernel_tests_pass_in_each_lower_tier_build(tier: str) -> None:
     """The operator tests (test_ops.py: decode attention against SDPA with hypothesis, the
-    NaN-filled cache, norms, rotary, argmax) against the kernels built for a lower tier:
-    each tier compiles other ``#if`` branches (AVX2 has its own decode attention), and this
-    session's own run covers only this CPU's."""
+    NaN-filled cache, norms, rotary, argmax; test_prefill_kernel.py: the fused prefill
+    kernel the tier has, and the engine's path through it) against the kernels built for
+    a lower tier: each tier compiles other ``#if`` branches (AVX2 has its own decode and
+    prefill attention), and this session's own run covers only this CPU's."""
     if tier not in _reachable_tiers():
         pytest.skip(f"this CPU ({cpu_tier.native_tier()}) cannot run tier {tier}")
     if tier == cpu_tier.native_tier():
         pytest.skip("this CPU's own tier: the session runs test_ops.py itself")
-    test_file = Path(__file__).with_name("test_ops.py")
+    files = [str(Path(__file__).with_name(f)) for f in ("test_ops.py", "test_prefill_kernel.py")]
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider"],
         env=_cap_env(tier),
         cwd=ROOT,
         capture_output=True,
