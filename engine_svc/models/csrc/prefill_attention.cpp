@@ -193,48 +193,23 @@ template <int64_t kD, bool kAmx>
 void run_prefill(std::vector<PrefillSeq>& seqs, const BFloat16* q, int64_t q_stride,
                  const BFloat16* kc, const BFloat16* vc, BFloat16* out, int64_t H,
                  int64_t Hkv, int64_t bs, float scale) {
-  struct Item {
-    int64_t seq, a, b, cost;
-  };
-  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
-  auto spread = [nt](std::vector<Item>& items, auto&& body) {
-    std::stable_sort(items.begin(), items.end(),
-                     [](const Item& x, const Item& y) { return x.cost > y.cost; });
-    at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+  const auto enter = [] {
 #ifdef LLM_HAVE_AMX_PREFILL
-      if constexpr (kAmx) amx_configure_square();
+    if constexpr (kAmx) amx_configure_square();
 #endif
-      for (int64_t t = t0; t < t1; ++t) {
-        for (size_t j = static_cast<size_t>(t); j < items.size(); j += static_cast<size_t>(nt)) {
-          body(items[j]);
-        }
-      }
-#ifdef LLM_HAVE_AMX_PREFILL
-      if constexpr (kAmx) _tile_release();
-#endif
-    });
   };
-  constexpr int64_t kPackRows = 256;
-  std::vector<Item> packs;
-  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-      for (int64_t t0 = 0; t0 < seqs[i].kpad; t0 += kPackRows) {
-        packs.push_back({i, kvh, t0, std::min(kPackRows, seqs[i].kpad - t0)});
-      }
-    }
-  }
-  spread(packs, [&](const Item& it) {
+  const auto leave = [] {
+#ifdef LLM_HAVE_AMX_PREFILL
+    if constexpr (kAmx) _tile_release();
+#endif
+  };
+  std::vector<PrefillItem> packs = pack_items(seqs, Hkv);
+  spread_items(packs, enter, leave, [&](const PrefillItem& it) {
     pack_values<kD>(seqs[it.seq], vc, it.a, Hkv, bs, it.b, it.b + it.cost);
   });
-  std::vector<Item> blocks;
-  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
-    for (int64_t r0 = 0; r0 < seqs[i].len; r0 += 16) {
-      const int64_t cost = (seqs[i].computed + r0 + 16) / kKeyBlock + 1;
-      for (int64_t h = 0; h < H; ++h) blocks.push_back({i, h, r0, cost});
-    }
-  }
+  std::vector<PrefillItem> blocks = block_items(seqs, H, 16);
   const int64_t G = H / Hkv;
-  spread(blocks, [&](const Item& it) {
+  spread_items(blocks, enter, leave, [&](const PrefillItem& it) {
     const PrefillSeq& s = seqs[it.seq];
     const int64_t nr = std::min<int64_t>(16, s.len - it.b);
     const BlockArgs args{s, q, q_stride, kc, bs, Hkv, out, H * kD, it.a, it.a / G, it.b, nr, scale};

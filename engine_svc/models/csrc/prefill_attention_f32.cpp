@@ -197,42 +197,14 @@ void attend_f32(const PrefillSeq& s, const float* q, int64_t q_stride, float* ou
 template <int64_t kD, typename C>
 void run_f32(std::vector<PrefillSeq>& seqs, const float* q, int64_t q_stride, const C* kc,
              const C* vc, float* out, int64_t H, int64_t Hkv, int64_t bs, float scale) {
-  struct Item {
-    int64_t seq, a, b, cost;
-  };
-  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
-  auto spread = [nt](std::vector<Item>& items, auto&& body) {
-    std::stable_sort(items.begin(), items.end(),
-                     [](const Item& x, const Item& y) { return x.cost > y.cost; });
-    at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t) {
-        for (size_t j = static_cast<size_t>(t); j < items.size(); j += static_cast<size_t>(nt)) {
-          body(items[j]);
-        }
-      }
-    });
-  };
-  constexpr int64_t kPackRows = 256;
-  std::vector<Item> packs;
-  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
-    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-      for (int64_t t0 = 0; t0 < seqs[i].kpad; t0 += kPackRows) {
-        packs.push_back({i, kvh, t0, std::min(kPackRows, seqs[i].kpad - t0)});
-      }
-    }
-  }
-  spread(packs, [&](const Item& it) {
+  const auto none = [] {};
+  std::vector<PrefillItem> packs = pack_items(seqs, Hkv);
+  spread_items(packs, none, none, [&](const PrefillItem& it) {
     pack_f32<kD>(seqs[it.seq], kc, vc, it.a, Hkv, bs, it.b, it.b + it.cost);
   });
-  std::vector<Item> blocks;
-  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
-    for (int64_t r0 = 0; r0 < seqs[i].len; r0 += kRowsF32) {
-      const int64_t cost = (seqs[i].computed + r0 + kRowsF32) / kKeyBlock + 1;
-      for (int64_t h = 0; h < H; ++h) blocks.push_back({i, h, r0, cost});
-    }
-  }
+  std::vector<PrefillItem> blocks = block_items(seqs, H, kRowsF32);
   const int64_t G = H / Hkv;
-  spread(blocks, [&](const Item& it) {
+  spread_items(blocks, none, none, [&](const PrefillItem& it) {
     const PrefillSeq& s = seqs[it.seq];
     const int64_t nr = std::min<int64_t>(kRowsF32, s.len - it.b);
     attend_f32<kD>(s, q, q_stride, out, H * kD, it.a, it.a / G, it.b, nr, scale);

@@ -20,6 +20,59 @@ struct PrefillSeq {
   float* vf = nullptr;      // Hkv x V rows, each kpad * D (fp32 kernel)
 };
 
+// One unit of a pass: (sequence, KV head, first key, keys) when packing,
+// (sequence, query head, first row, cost) when attending.
+struct PrefillItem {
+  int64_t seq, a, b, cost;
+};
+
+// The items to torch's threads, longest first, round robin (the causal
+// triangle's rows differ in cost); enter() and leave() run on each thread
+// around its items (AMX configures its tiles there).
+template <typename Enter, typename Leave, typename Body>
+void spread_items(std::vector<PrefillItem>& items, Enter&& enter, Leave&& leave, Body&& body) {
+  const int64_t nt = std::max<int64_t>(1, at::get_num_threads());
+  std::stable_sort(items.begin(), items.end(),
+                   [](const PrefillItem& x, const PrefillItem& y) { return x.cost > y.cost; });
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    enter();
+    for (int64_t t = t0; t < t1; ++t) {
+      for (size_t j = static_cast<size_t>(t); j < items.size(); j += static_cast<size_t>(nt)) {
+        body(items[j]);
+      }
+    }
+    leave();
+  });
+}
+
+// The packing pass's items: per (sequence, KV head), runs of up to 256 keys
+inline std::vector<PrefillItem> pack_items(const std::vector<PrefillSeq>& seqs, int64_t Hkv) {
+  constexpr int64_t kPackRows = 256;
+  std::vector<PrefillItem> packs;
+  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      for (int64_t t0 = 0; t0 < seqs[i].kpad; t0 += kPackRows) {
+        packs.push_back({i, kvh, t0, std::min(kPackRows, seqs[i].kpad - t0)});
+      }
+    }
+  }
+  return packs;
+}
+
+// The attend pass's items: per (sequence, query head, block of ``rows`` query
+// rows), costed by the key blocks the block visits
+inline std::vector<PrefillItem> block_items(const std::vector<PrefillSeq>& seqs, int64_t H,
+                                            int64_t rows) {
+  std::vector<PrefillItem> blocks;
+  for (int64_t i = 0; i < static_cast<int64_t>(seqs.size()); ++i) {
+    for (int64_t r0 = 0; r0 < seqs[i].len; r0 += rows) {
+      const int64_t cost = (seqs[i].computed + r0 + rows) / kKeyBlock + 1;
+      for (int64_t h = 0; h < H; ++h) blocks.push_back({i, h, r0, cost});
+    }
+  }
+  return blocks;
+}
+
 // The fp32 kernel (prefill_attention_f32.cpp, AVX2): q fp32, a bf16 or fp32 cache, out
 // fp32; prefill_attention checks the arguments and lists the sequences.
 bool prefill_attention_f32_available();
