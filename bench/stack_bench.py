@@ -248,7 +248,8 @@ def our_stack(log_dir: Path) -> Iterator[Endpoint]:
     )
     with Stack(spec) as stack:
         key = make_key(stack.gateway, stack.admin_key)
-        yield Endpoint(stack.http, key, {"engine": engine_info(stack.engines[0])})
+        facts = {"engine": engine_info(stack.engines[0]), "engine_address": stack.engines[0]}
+        yield Endpoint(stack.http, key, facts)
 
 
 def vllm_version(python: Path) -> str:
