@@ -4,7 +4,10 @@
 
 Each case is one step's prefill chunks (cached tokens before each chunk, chunk
 lengths) over a paged bf16 cache with shuffled blocks, SmolLM2's heads (9 query,
-3 KV, 64 dims). Both sides attend the same rows: the kernel reads the context
+3 KV, 64 dims), q in the dtype the kernel built here takes (bf16 on AMX or
+AVX512-BF16, fp32 on AVX2: ``ops.prefill_kernel_dtype``; run under a tier cap,
+``LLM_ENGINE_CORE_CPU_ISA=avx2`` with ``ATEN_CPU_CAPABILITY=avx2``, to measure the
+fp32 kernel on a bigger CPU). Both sides attend the same rows: the kernel reads the context
 through the block table; the SDPA path is the engine's own fallback
 (``attention._prefill_attention``: a fresh prompt attends its own K/V, a chunk
 with cached context gathers it and masks). Timed in interleaved rounds, best of
@@ -57,6 +60,8 @@ def _case(computed: list[int], lens: list[int], rounds: int) -> dict[str, Any]:
     q, k, v = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS :]
     for cache, new in ((k_cache, k), (v_cache, v)):  # the chunks' own K/V, as the step writes
         cache.view(-1, KV_HEADS, HEAD_DIM).index_copy_(0, meta.slot_mapping, new)
+    dtype = ops.prefill_kernel_dtype() or torch.bfloat16  # both sides in the kernel's dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     assert meta.prefill_seqs is not None
     assert meta.prefill_tables is not None
     seqs, tabs = meta.prefill_seqs, meta.prefill_tables
@@ -101,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.empty(1, HEADS, HEAD_DIM, dtype=torch.bfloat16)
     cache = torch.empty(1, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     if not (cpu_kernels.ops_available() and ops.prefill_kernel_usable(q, cache, None)):
-        print("skipped: the fused prefill kernel needs AVX512-BF16 (or AMX) and a compiler")
+        print("skipped: the fused prefill kernel needs AVX2 (fp32) or AVX512-BF16 and a compiler")
         return 0
     before = machine_facts()["loadavg"]
     units = "amx" if cpu_kernels.kernel_tier() == "amx" else "avx512_bf16"
+    if ops.prefill_kernel_dtype() == torch.float32:
+        units = "avx2 float32"
     print(f"fused kernel on {units} (kernels built for tier {cpu_kernels.kernel_tier()!r})")
     rows = []
     print(f"{'case':>16} {'fused ms':>9} {'sdpa ms':>9} {'ratio':>6} {'max |diff|':>10}")
