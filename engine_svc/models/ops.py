@@ -241,13 +241,15 @@ def paged_decode_attention(
     return cast(torch.Tensor, out)
 
 
-@functools.cache
 def prefill_kernel_dtype() -> torch.dtype | None:
     """The q dtype the fused prefill attention takes on this CPU: bf16 where the kernel
     build has AVX512-BF16 (AMX too where present), else fp32 where it has AVX2; None
     where neither kernel is built."""
-    if not cpu_kernels.ops_available():
-        return None
+    return _built_prefill_dtype() if cpu_kernels.ops_available() else None
+
+
+@functools.cache
+def _built_prefill_dtype() -> torch.dtype | None:
     if torch.ops.llm_cpu.prefill_attention_available():
         return torch.bfloat16
     if torch.ops.llm_cpu.prefill_attention_f32_available():
