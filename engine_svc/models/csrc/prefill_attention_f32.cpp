@@ -227,28 +227,44 @@ void prefill_attention_f32(std::vector<PrefillSeq>& seqs, const at::Tensor& q,
                            float scale) {
 #ifdef LLM_HAVE_AVX2
   const int64_t H = q.size(1), D = q.size(2), bs = k_cache.size(1), Hkv = k_cache.size(2);
-  int64_t elems = 0;
-  for (const auto& s : seqs) elems += 2 * Hkv * s.kpad * D;
-  auto scratch = at::empty({elems}, q.options().dtype(at::kFloat));
-  float* base = scratch.data_ptr<float>();
-  for (auto& s : seqs) {
-    s.kt = base;
-    s.vf = base + Hkv * s.kpad * D;
-    base += 2 * Hkv * s.kpad * D;
-  }
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  auto with_cache = [&](const auto* kc, const auto* vc) {
+  auto run = [&](std::vector<PrefillSeq>& group, const auto* kc, const auto* vc) {
     if (D == 64) {
-      run_f32<64>(seqs, qp, q.stride(0), kc, vc, op, H, Hkv, bs, scale);
+      run_f32<64>(group, qp, q.stride(0), kc, vc, op, H, Hkv, bs, scale);
     } else {
-      run_f32<128>(seqs, qp, q.stride(0), kc, vc, op, H, Hkv, bs, scale);
+      run_f32<128>(group, qp, q.stride(0), kc, vc, op, H, Hkv, bs, scale);
     }
   };
-  if (k_cache.scalar_type() == at::kFloat) {
-    with_cache(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
-  } else {
-    with_cache(k_cache.data_ptr<BFloat16>(), v_cache.data_ptr<BFloat16>());
+  // The widened K^T and V take 8 bytes per (key, KV head, dim): a step of many
+  // chunks over long contexts would hold hundreds of MB at once, so the sequences
+  // go in groups whose scratch stays under kScratchBytes (a group holds at least
+  // one sequence: one context's own K^T and V is the floor).
+  constexpr int64_t kScratchBytes = int64_t{64} << 20;
+  size_t first = 0;
+  while (first < seqs.size()) {
+    size_t last = first;
+    int64_t elems = 0;
+    while (last < seqs.size()) {
+      const int64_t need = 2 * Hkv * seqs[last].kpad * D;
+      if (last > first && (elems + need) * int64_t{4} > kScratchBytes) break;
+      elems += need;
+      ++last;
+    }
+    std::vector<PrefillSeq> group(seqs.begin() + first, seqs.begin() + last);
+    auto scratch = at::empty({elems}, q.options().dtype(at::kFloat));
+    float* base = scratch.data_ptr<float>();
+    for (auto& s : group) {
+      s.kt = base;
+      s.vf = base + Hkv * s.kpad * D;
+      base += 2 * Hkv * s.kpad * D;
+    }
+    if (k_cache.scalar_type() == at::kFloat) {
+      run(group, k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
+    } else {
+      run(group, k_cache.data_ptr<BFloat16>(), v_cache.data_ptr<BFloat16>());
+    }
+    first = last;
   }
 #else
   TORCH_CHECK(false, "prefill_attention: this kernel build has no AVX2 (fp32 q needs it)");

@@ -311,3 +311,11 @@ def test_where_fp32_is_the_kernel_the_engine_path_takes_it_and_times_it() -> Non
     fused_wins, ms = choose_prefill_kernel(h, hkv, d, torch.float32, torch.bfloat16, bs)
     assert set(ms) == {"fused", "sdpa"}
     assert fused_wins == (ms["fused"] < ms["sdpa"])
+
+
+@F32
+def test_fp32_kernel_takes_a_step_of_long_contexts_in_groups() -> None:
+    # 3 chunks over 8k-token contexts: 96 MB of widened K^T and V at 128 dims x 4 KV heads,
+    # more than the kernel holds at once (64 MB), so it runs them as two groups
+    out, ref = _run([8190, 8190, 8000], [2, 2, 40], 4, 4, 128, 16, 9, torch.float32)
+    _assert_close_f32(out, ref)
