@@ -275,7 +275,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t* sp = seqs.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   std::vector<PrefillSeq> list;
-  int64_t packed_elems = 0;
   for (int64_t i = 0; i < S; ++i) {
     const int64_t row = sp[3 * i], len = sp[3 * i + 1], computed = sp[3 * i + 2];
     TORCH_CHECK(row >= 0 && len >= 0 && computed >= 0 && row + len <= T,
@@ -291,7 +290,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
     if (len == 0) continue;
     const int64_t kpad = (computed + len + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
     list.push_back({row, len, computed, tp + i * W, kpad, nullptr});
-    packed_elems += Hkv * kpad * D;
   }
   {  // rows no sequence covers are zero; the covered ones are all written below
     std::vector<bool> covered(static_cast<size_t>(T), false);
@@ -306,12 +304,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
     return out;
   }
 #ifdef LLM_HAVE_BF16_PREFILL
-  auto scratch = at::empty({packed_elems}, q.options());
-  BFloat16* base = scratch.data_ptr<BFloat16>();
-  for (auto& s : list) {
-    s.vt = base;
-    base += Hkv * s.kpad * D;
-  }
   const BFloat16* qp = q.data_ptr<BFloat16>();
   const BFloat16* kc = k_cache.data_ptr<BFloat16>();
   const BFloat16* vc = v_cache.data_ptr<BFloat16>();
@@ -320,21 +312,32 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   bool amx = false;
 #ifdef LLM_HAVE_AMX_PREFILL
   amx = amx_permitted();
-  if (amx) {
-    if (D == 64) {
-      run_prefill<64, true>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
-    } else {
-      run_prefill<128, true>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
-    }
-  }
 #endif
-  if (!amx) {
-    if (D == 64) {
-      run_prefill<64, false>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
-    } else {
-      run_prefill<128, false>(list, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+  // V^T tiles: 2 bytes per (key, KV head, dim)
+  in_scratch_groups(list, Hkv * D * 2, [&](std::vector<PrefillSeq>& group, int64_t bytes) {
+    auto scratch = at::empty({bytes / 2}, q.options());
+    BFloat16* base = scratch.data_ptr<BFloat16>();
+    for (auto& s : group) {
+      s.vt = base;
+      base += Hkv * s.kpad * D;
     }
-  }
+#ifdef LLM_HAVE_AMX_PREFILL
+    if (amx) {
+      if (D == 64) {
+        run_prefill<64, true>(group, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+      } else {
+        run_prefill<128, true>(group, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+      }
+      return;
+    }
+#endif
+    if (D == 64) {
+      run_prefill<64, false>(group, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+    } else {
+      run_prefill<128, false>(group, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
+    }
+  });
+  (void)amx;
 #endif
   return out;
 }

@@ -236,23 +236,9 @@ void prefill_attention_f32(std::vector<PrefillSeq>& seqs, const at::Tensor& q,
       run_f32<128>(group, qp, q.stride(0), kc, vc, op, H, Hkv, bs, scale);
     }
   };
-  // The widened K^T and V take 8 bytes per (key, KV head, dim): a step of many
-  // chunks over long contexts would hold hundreds of MB at once, so the sequences
-  // go in groups whose scratch stays under kScratchBytes (a group holds at least
-  // one sequence: one context's own K^T and V is the floor).
-  constexpr int64_t kScratchBytes = int64_t{64} << 20;
-  size_t first = 0;
-  while (first < seqs.size()) {
-    size_t last = first;
-    int64_t elems = 0;
-    while (last < seqs.size()) {
-      const int64_t need = 2 * Hkv * seqs[last].kpad * D;
-      if (last > first && (elems + need) * int64_t{4} > kScratchBytes) break;
-      elems += need;
-      ++last;
-    }
-    std::vector<PrefillSeq> group(seqs.begin() + first, seqs.begin() + last);
-    auto scratch = at::empty({elems}, q.options().dtype(at::kFloat));
+  // the widened K^T and V: 8 bytes per (key, KV head, dim)
+  in_scratch_groups(seqs, 2 * Hkv * D * 4, [&](std::vector<PrefillSeq>& group, int64_t bytes) {
+    auto scratch = at::empty({bytes / 4}, q.options().dtype(at::kFloat));
     float* base = scratch.data_ptr<float>();
     for (auto& s : group) {
       s.kt = base;
@@ -264,8 +250,7 @@ void prefill_attention_f32(std::vector<PrefillSeq>& seqs, const at::Tensor& q,
     } else {
       run(group, k_cache.data_ptr<BFloat16>(), v_cache.data_ptr<BFloat16>());
     }
-    first = last;
-  }
+  });
 #else
   TORCH_CHECK(false, "prefill_attention: this kernel build has no AVX2 (fp32 q needs it)");
 #endif

@@ -73,6 +73,32 @@ inline std::vector<PrefillItem> block_items(const std::vector<PrefillSeq>& seqs,
   return blocks;
 }
 
+// A kernel's per-sequence scratch (packed K/V of every KV head) grows with the
+// context: a step of many chunks over long contexts would hold hundreds of MB at
+// once. fn(group, bytes) runs on consecutive groups of ``seqs`` whose scratch
+// (``bytes_per_key`` per padded key) stays under kPrefillScratchBytes; a group
+// holds at least one sequence (one context's own scratch is the floor).
+constexpr int64_t kPrefillScratchBytes = int64_t{64} << 20;
+
+template <typename Fn>
+void in_scratch_groups(const std::vector<PrefillSeq>& seqs, int64_t bytes_per_key, Fn&& fn) {
+  size_t first = 0;
+  while (first < seqs.size()) {
+    size_t last = first;
+    int64_t bytes = 0;
+    while (last < seqs.size()) {
+      const int64_t need = seqs[last].kpad * bytes_per_key;
+      if (last > first && bytes + need > kPrefillScratchBytes) break;
+      bytes += need;
+      ++last;
+    }
+    std::vector<PrefillSeq> group(seqs.begin() + static_cast<std::ptrdiff_t>(first),
+                                  seqs.begin() + static_cast<std::ptrdiff_t>(last));
+    fn(group, bytes);
+    first = last;
+  }
+}
+
 // The fp32 kernel (prefill_attention_f32.cpp, AVX2): q fp32, a bf16 or fp32 cache, out
 // fp32; prefill_attention checks the arguments and lists the sequences.
 bool prefill_attention_f32_available();

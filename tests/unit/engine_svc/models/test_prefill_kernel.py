@@ -319,3 +319,12 @@ def test_fp32_kernel_takes_a_step_of_long_contexts_in_groups() -> None:
     # more than the kernel holds at once (64 MB), so it runs them as two groups
     out, ref = _run([8190, 8190, 8000], [2, 2, 40], 4, 4, 128, 16, 9, torch.float32)
     _assert_close_f32(out, ref)
+
+
+@BF16
+def test_bf16_kernel_takes_a_step_of_long_contexts_in_groups() -> None:
+    # 4 chunks over ~16k-token contexts: 128 MB of V^T tiles at 128 dims x 8 KV heads,
+    # more than the kernel holds at once (64 MB), so it runs them as groups
+    lens = [2, 2, 2, 40]
+    out, ref = _run([16380, 16380, 16000, 16300], lens, 8, 8, 128, 64, 3)
+    _assert_close(out, ref)
