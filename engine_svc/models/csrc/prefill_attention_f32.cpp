@@ -8,10 +8,10 @@
 //      fp32 rows, both widened from the cache once and zero past the context;
 //      shared by every query head of the group and every row block.
 //   2. attend: per (sequence, query head, block of 6 query rows), flash
-//      attention over blocks of 64 keys. S (6 rows x 16 keys) is a 12-register
-//      GEMM tile over the head dim: per dim, two K^T loads and 6 broadcasts of
-//      q feed 12 FMAs. O (6 rows x 16 dims at a time) += P V likewise, per key
-//      two V loads and 6 broadcasts of P. The running max is raised lazily
+//      attention over blocks of 64 keys. S (6 rows x 16 keys) and O (6 rows x
+//      16 dims at a time) += P V are one 12-register GEMM tile (tile_6x16):
+//      per step two loads (K^T or V) and 6 broadcasts (q or P) feed 12 FMAs.
+//      The running max is raised lazily
 //      (only when a score would exceed it by e^6), so most key blocks add to
 //      O without a rescale. Key blocks past the block's last row are never
 //      visited; items go to threads longest first, round robin.
@@ -56,6 +56,52 @@ void pack_f32(const PrefillSeq& s, const C* kc, const C* vc, int64_t kvh, int64_
   }
 }
 
+// c[6][16] (+)= a[6][n] b[n][16]: row i of a at a + i * lda, row k of b at b + k * ldb,
+// row i of c at c + i * ldc (aligned); ``load_c`` adds to c, else overwrites it. Per k,
+// two loads of b and 6 broadcasts of a feed 12 FMAs into named accumulators (held in an
+// array, gcc keeps a copy in memory and stores all 12 every k, which halves the rate).
+// Both products of a row block run on it: S = q K^T and O += P V.
+inline void tile_6x16(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t n,
+                      float* c, int64_t ldc, bool load_c) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  if (load_c) {
+    c00 = _mm256_load_ps(c), c01 = _mm256_load_ps(c + 8);
+    c10 = _mm256_load_ps(c + ldc), c11 = _mm256_load_ps(c + ldc + 8);
+    c20 = _mm256_load_ps(c + 2 * ldc), c21 = _mm256_load_ps(c + 2 * ldc + 8);
+    c30 = _mm256_load_ps(c + 3 * ldc), c31 = _mm256_load_ps(c + 3 * ldc + 8);
+    c40 = _mm256_load_ps(c + 4 * ldc), c41 = _mm256_load_ps(c + 4 * ldc + 8);
+    c50 = _mm256_load_ps(c + 5 * ldc), c51 = _mm256_load_ps(c + 5 * ldc + 8);
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
+    __m256 x = _mm256_broadcast_ss(a + k);
+    c00 = _mm256_fmadd_ps(x, b0, c00);
+    c01 = _mm256_fmadd_ps(x, b1, c01);
+    x = _mm256_broadcast_ss(a + lda + k);
+    c10 = _mm256_fmadd_ps(x, b0, c10);
+    c11 = _mm256_fmadd_ps(x, b1, c11);
+    x = _mm256_broadcast_ss(a + 2 * lda + k);
+    c20 = _mm256_fmadd_ps(x, b0, c20);
+    c21 = _mm256_fmadd_ps(x, b1, c21);
+    x = _mm256_broadcast_ss(a + 3 * lda + k);
+    c30 = _mm256_fmadd_ps(x, b0, c30);
+    c31 = _mm256_fmadd_ps(x, b1, c31);
+    x = _mm256_broadcast_ss(a + 4 * lda + k);
+    c40 = _mm256_fmadd_ps(x, b0, c40);
+    c41 = _mm256_fmadd_ps(x, b1, c41);
+    x = _mm256_broadcast_ss(a + 5 * lda + k);
+    c50 = _mm256_fmadd_ps(x, b0, c50);
+    c51 = _mm256_fmadd_ps(x, b1, c51);
+  }
+  const __m256 rows[kRowsF32][2] = {{c00, c01}, {c10, c11}, {c20, c21},
+                                    {c30, c31}, {c40, c41}, {c50, c51}};
+  for (int64_t i = 0; i < kRowsF32; ++i) {
+    _mm256_store_ps(c + i * ldc, rows[i][0]);
+    _mm256_store_ps(c + i * ldc + 8, rows[i][1]);
+  }
+}
+
 // One block of up to 6 query rows of head h over its keys
 template <int64_t kD>
 void attend_f32(const PrefillSeq& s, const float* q, int64_t q_stride, float* out,
@@ -81,45 +127,16 @@ void attend_f32(const PrefillSeq& s, const float* q, int64_t q_stride, float* ou
     const int64_t nkeys = ntile * kTileKeys;
     for (int64_t t = 0; t < ntile; ++t) {  // S = q K^T, 6 rows x 16 keys
       const float* tile = kt + (k0 / kTileKeys + t) * kD * kTileKeys;
-      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-      __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-      for (int64_t d = 0; d < kD; ++d) {
-        const __m256 w0 = _mm256_load_ps(tile + d * kTileKeys);
-        const __m256 w1 = _mm256_load_ps(tile + d * kTileKeys + 8);
-        __m256 x = _mm256_broadcast_ss(&qs[0][d]);
-        a00 = _mm256_fmadd_ps(x, w0, a00);
-        a01 = _mm256_fmadd_ps(x, w1, a01);
-        x = _mm256_broadcast_ss(&qs[1][d]);
-        a10 = _mm256_fmadd_ps(x, w0, a10);
-        a11 = _mm256_fmadd_ps(x, w1, a11);
-        x = _mm256_broadcast_ss(&qs[2][d]);
-        a20 = _mm256_fmadd_ps(x, w0, a20);
-        a21 = _mm256_fmadd_ps(x, w1, a21);
-        x = _mm256_broadcast_ss(&qs[3][d]);
-        a30 = _mm256_fmadd_ps(x, w0, a30);
-        a31 = _mm256_fmadd_ps(x, w1, a31);
-        x = _mm256_broadcast_ss(&qs[4][d]);
-        a40 = _mm256_fmadd_ps(x, w0, a40);
-        a41 = _mm256_fmadd_ps(x, w1, a41);
-        x = _mm256_broadcast_ss(&qs[5][d]);
-        a50 = _mm256_fmadd_ps(x, w0, a50);
-        a51 = _mm256_fmadd_ps(x, w1, a51);
-      }
-      const __m256 rows[kRowsF32][2] = {{a00, a01}, {a10, a11}, {a20, a21},
-                                        {a30, a31}, {a40, a41}, {a50, a51}};
-      for (int64_t i = 0; i < kRowsF32; ++i) {
-        _mm256_store_ps(&st[i][t * kTileKeys], rows[i][0]);
-        _mm256_store_ps(&st[i][t * kTileKeys + 8], rows[i][1]);
-      }
+      tile_6x16(qs[0], kD, tile, kTileKeys, kD, &st[0][t * kTileKeys], kKeyBlock, false);
     }
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t i = 0; i < nr; ++i) {  // online softmax of row i (position first + i)
-      const __m256i limit = _mm256_set1_epi32(static_cast<int32_t>(first + i - k0));
+      // keys k0 + j + lane past the row's position get -1e30
+      const __m256i seen = _mm256_set1_epi32(static_cast<int32_t>(first + i - k0 + 1));
       __m256 mx = _mm256_set1_ps(-1e30f);
-      for (int64_t j = 0; j < nkeys; j += 8) {  // keys past the row's position -> -1e30
-        const __m256 keep = _mm256_castsi256_ps(
-            _mm256_cmpgt_epi32(_mm256_add_epi32(limit, _mm256_set1_epi32(1)),
-                               _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(j)))));
+      for (int64_t j = 0; j < nkeys; j += 8) {
+        const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(static_cast<int32_t>(j)));
+        const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(seen, key));
         const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-1e30f), _mm256_load_ps(&st[i][j]), keep);
         _mm256_store_ps(&st[i][j], v);
         mx = _mm256_max_ps(mx, v);
@@ -149,42 +166,7 @@ void attend_f32(const PrefillSeq& s, const float* q, int64_t q_stride, float* ou
       for (int64_t j = 0; j < nkeys; ++j) st[i][j] = 0.f;
     }
     for (int64_t d0 = 0; d0 < kD; d0 += 16) {  // O += P V, 6 rows x 16 dims
-      __m256 o[kRowsF32][2];
-      for (int64_t i = 0; i < kRowsF32; ++i) {
-        o[i][0] = _mm256_load_ps(&acc[i][d0]);
-        o[i][1] = _mm256_load_ps(&acc[i][d0 + 8]);
-      }
-      __m256 o00 = o[0][0], o01 = o[0][1], o10 = o[1][0], o11 = o[1][1], o20 = o[2][0];
-      __m256 o21 = o[2][1], o30 = o[3][0], o31 = o[3][1], o40 = o[4][0], o41 = o[4][1];
-      __m256 o50 = o[5][0], o51 = o[5][1];
-      for (int64_t j = 0; j < nkeys; ++j) {
-        const float* vr = vf + (k0 + j) * kD + d0;
-        const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
-        __m256 p = _mm256_broadcast_ss(&st[0][j]);
-        o00 = _mm256_fmadd_ps(p, v0, o00);
-        o01 = _mm256_fmadd_ps(p, v1, o01);
-        p = _mm256_broadcast_ss(&st[1][j]);
-        o10 = _mm256_fmadd_ps(p, v0, o10);
-        o11 = _mm256_fmadd_ps(p, v1, o11);
-        p = _mm256_broadcast_ss(&st[2][j]);
-        o20 = _mm256_fmadd_ps(p, v0, o20);
-        o21 = _mm256_fmadd_ps(p, v1, o21);
-        p = _mm256_broadcast_ss(&st[3][j]);
-        o30 = _mm256_fmadd_ps(p, v0, o30);
-        o31 = _mm256_fmadd_ps(p, v1, o31);
-        p = _mm256_broadcast_ss(&st[4][j]);
-        o40 = _mm256_fmadd_ps(p, v0, o40);
-        o41 = _mm256_fmadd_ps(p, v1, o41);
-        p = _mm256_broadcast_ss(&st[5][j]);
-        o50 = _mm256_fmadd_ps(p, v0, o50);
-        o51 = _mm256_fmadd_ps(p, v1, o51);
-      }
-      const __m256 res[kRowsF32][2] = {{o00, o01}, {o10, o11}, {o20, o21},
-                                       {o30, o31}, {o40, o41}, {o50, o51}};
-      for (int64_t i = 0; i < kRowsF32; ++i) {
-        _mm256_store_ps(&acc[i][d0], res[i][0]);
-        _mm256_store_ps(&acc[i][d0 + 8], res[i][1]);
-      }
+      tile_6x16(st[0], kKeyBlock, vf + k0 * kD + d0, kD, nkeys, &acc[0][d0], kD, true);
     }
   }
   for (int64_t i = 0; i < nr; ++i) {
