@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print("skipped: the fused prefill kernel needs AVX2 (fp32) or AVX512-BF16 and a compiler")
         return 0
     before = machine_facts()["loadavg"]
-    units = "amx" if cpu_kernels.kernel_tier() == "amx" else "avx512_bf16"
-    if ops.prefill_kernel_dtype() == torch.float32:
-        units = "avx2 float32"
+    units = ops.prefill_kernel_label()
     print(f"fused kernel on {units} (kernels built for tier {cpu_kernels.kernel_tier()!r})")
     rows = []
     print(f"{'case':>16} {'fused ms':>9} {'sdpa ms':>9} {'ratio':>6} {'max |diff|':>10}")

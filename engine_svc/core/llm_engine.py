@@ -398,10 +398,7 @@ class LLMEngine:
             kernels = self.device.type
         attn = str(self.model.prefill_attn_dtype or self.model.attn_dtype).removeprefix("torch.")
         if self.model.prefill_attn_kernel:
-            units = "amx" if cpu_kernels.kernel_tier() == "amx" else "avx512_bf16"
-            attn = f"fused {units} bfloat16"
-            if ops.prefill_kernel_dtype() == torch.float32:
-                attn = "fused avx2 float32"
+            attn = f"fused {ops.prefill_kernel_label()}"
         tier = ""
         if self.device.type == "cpu":
             tier = f", {cpu_tier.report(cpu_kernels.kernel_tier()).label}"

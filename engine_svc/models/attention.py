@@ -274,8 +274,8 @@ def _prefill_attention(
     num_tokens, num_heads, head_dim = q.shape
     # the engine chose the kernel at start for this cache (choose_prefill_kernel): no
     # dispatcher call per layer here, only what a step could change
-    cache_ok = k_cache.dtype == torch.bfloat16 or k_cache.dtype == q.dtype == torch.float32
-    if meta.prefill_kernel and kv_scales is None and cache_ok:
+    kernel = meta.prefill_kernel and kv_scales is None
+    if kernel and k_cache.dtype in ops.prefill_kernel_caches():
         assert meta.prefill_seqs is not None
         assert meta.prefill_tables is not None
         return ops.prefill_attention(q, k_cache, v_cache, meta.prefill_seqs, meta.prefill_tables)

@@ -248,6 +248,23 @@ def prefill_kernel_dtype() -> torch.dtype | None:
     return _built_prefill_dtype() if cpu_kernels.ops_available() else None
 
 
+def prefill_kernel_caches() -> tuple[torch.dtype, ...]:
+    """The cache dtypes the fused prefill kernel reads: bf16 for the bf16 kernel, bf16
+    or fp32 for the fp32 one (none where neither is built)."""
+    dtype = prefill_kernel_dtype()
+    if dtype is None:
+        return ()
+    return (torch.bfloat16,) if dtype == torch.bfloat16 else (torch.bfloat16, torch.float32)
+
+
+def prefill_kernel_label() -> str:
+    """``amx bfloat16``, ``avx512_bf16 bfloat16`` or ``avx2 float32``: which fused prefill
+    kernel runs here, for logs and model info."""
+    if prefill_kernel_dtype() == torch.float32:
+        return "avx2 float32"
+    return f"{'amx' if cpu_kernels.kernel_tier() == 'amx' else 'avx512_bf16'} bfloat16"
+
+
 @functools.cache
 def _built_prefill_dtype() -> torch.dtype | None:
     if torch.ops.llm_cpu.prefill_attention_available():
@@ -266,12 +283,10 @@ def prefill_kernel_usable(
     multiple of 16 and head dim 64 or 128, on a CPU with a fused kernel
     (``prefill_kernel_dtype``): the bf16 kernel reads a bf16 cache, the fp32 one a
     bf16 or fp32 cache."""
-    dtype = prefill_kernel_dtype() if _native(q) else None
-    caches = (torch.bfloat16,) if dtype == torch.bfloat16 else (torch.bfloat16, torch.float32)
     return (
-        dtype is not None
+        _native(q)
         and kv_scales is None
-        and k_cache.dtype in caches
+        and k_cache.dtype in prefill_kernel_caches()
         and k_cache.shape[1] % 16 == 0
         and k_cache.shape[3] in (64, 128)
         and q.shape[1] % k_cache.shape[2] == 0
