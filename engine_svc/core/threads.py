@@ -36,7 +36,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -153,7 +152,7 @@ class ThreadPolicy:
         on_cpu: the engine computes on the CPU (adaptive does nothing on a GPU).
         clock: monotonic seconds.
         sampler: reads a ``CpuSample`` of the given CPUs (tests pass their own).
-        quota: the cgroup's CPU quota (default: ``cpu_quota()``; tests pass their own).
+        quota: reads the cgroup's CPU quota (``cpu_quota``; tests pass their own).
 
     Raises:
         ValueError: an unknown policy.
@@ -166,11 +165,11 @@ class ThreadPolicy:
         on_cpu: bool,
         clock: Callable[[], float] = time.monotonic,
         sampler: Callable[[frozenset[int]], CpuSample] | None = None,
-        quota: float | Literal["read"] | None = "read",
+        quota: Callable[[], float | None] = cpu_quota,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"thread_policy {policy!r}: use one of {', '.join(POLICIES)}")
-        self.quota = cpu_quota() if quota == "read" else quota
+        self.quota = quota()
         self.limit = (
             num_threads if num_threads > 0 else default_threads(self.quota, DEFAULT_THREADS)
         )

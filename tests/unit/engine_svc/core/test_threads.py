@@ -192,13 +192,13 @@ def test_a_quota_caps_the_default_pool_and_the_adaptive_growth() -> None:
     def body() -> None:
         cpu = FakeCpu()
         policy = ThreadPolicy(
-            0, "adaptive", True, clock=lambda: cpu.now, sampler=cpu.sample, quota=1.0
+            0, "adaptive", True, clock=lambda: cpu.now, sampler=cpu.sample, quota=lambda: 1.0
         )
         assert (policy.limit, torch.get_num_threads()) == (1, 1)
         cpu.advance(10 * CHECK_INTERVAL_S)  # an idle node: still the quota's one thread
         policy.before_step()
         assert torch.get_num_threads() == 1
-        explicit = ThreadPolicy(2, "fixed", True, quota=1.0)  # a configured count stands
+        explicit = ThreadPolicy(2, "fixed", True, quota=lambda: 1.0)  # a configured count stands
         assert (explicit.limit, torch.get_num_threads()) == (2, 2)
 
     _on_fresh_thread(body)
