@@ -284,9 +284,19 @@ def test_fp32_kernel_refuses_what_it_cannot_read() -> None:
     ops.prefill_kernel_dtype() != torch.float32,
     reason="the engine takes the fp32 kernel only where the bf16 one is not built (AVX2)",
 )
-def test_where_fp32_is_the_kernel_the_engine_path_takes_it_and_times_it() -> None:
+def test_where_fp32_is_the_kernel_the_engine_path_takes_it_and_times_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """On an AVX2 CPU (or one capped to it): paged_attention's prefill rows come from the
     fp32 kernel and match the SDPA path's; the start-up choice times both."""
+    kernel_calls = []
+    real = ops.prefill_attention
+
+    def counted(*args: torch.Tensor) -> torch.Tensor:  # the real kernel, its calls counted
+        kernel_calls.append(args[0].dtype)
+        return real(*args)
+
+    monkeypatch.setattr(ops, "prefill_attention", counted)
     g = torch.Generator().manual_seed(5)
     h, hkv, d, bs = 6, 2, 64, 16
     computed, new = [0, 40], [33, 20]
@@ -306,6 +316,7 @@ def test_where_fp32_is_the_kernel_the_engine_path_takes_it_and_times_it() -> Non
         meta, _ = build_attention_metadata(computed, new, tables, 0, bs, CPU)
         meta.prefill_kernel = fused
         outs.append(paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta))
+    assert kernel_calls == [torch.float32]  # the fused run took the kernel, the other not
     assert outs[1].dtype == torch.float32
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
     fused_wins, ms = choose_prefill_kernel(h, hkv, d, torch.float32, torch.bfloat16, bs)
