@@ -12,7 +12,8 @@ sends each prompt twice, alternating which hop goes first:
   http   ``POST /v1/completions`` through the official openai client (the gateway
          authenticates, reserves, tokenizes, routes and relays)
 Phase 2 stops the stack by pid and loads the engine in this process with the same
-config: ``add_request`` then ``step()`` until the first token.
+config (the ``engine_core`` section the service loads): ``add_request`` then
+``step()`` until the first token.
 Each figure is send -> first token (gRPC: first chunk with token ids; HTTP: first
 chunk with text; in process: the step that returns it). Per prompt, http - grpc is
 what the gateway and its HTTP front add, grpc - in-process what the engine service
@@ -50,24 +51,22 @@ HOP_NAMES = {
 }
 
 
-async def ttft_grpc(address: str, ids: list[int], max_tokens: int) -> float:
-    """Seconds from sending ``Engine.Generate`` to its first chunk with token ids."""
-    import grpc
+async def ttft_grpc(stub: Any, ids: list[int], max_tokens: int) -> float:
+    """Seconds from sending ``Engine.Generate`` on ``stub`` (a channel kept open across
+    requests, as the openai client keeps its connection) to its first chunk with token
+    ids."""
+    from llm.v1 import engine_pb2
 
-    from llm.v1 import engine_pb2, engine_pb2_grpc
-
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineStub(channel)
-        request = engine_pb2.EngineGenerateRequest(
-            request_id=f"hops-{time.time_ns()}",
-            prompt_token_ids=ids,
-            sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        )
-        t0 = time.perf_counter()
-        first = None
-        async for chunk in stub.Generate(request):
-            if chunk.token_ids and first is None:
-                first = time.perf_counter()
+    request = engine_pb2.EngineGenerateRequest(
+        request_id=f"hops-{time.time_ns()}",
+        prompt_token_ids=ids,
+        sampling=engine_pb2.EngineSamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )
+    t0 = time.perf_counter()
+    first = None
+    async for chunk in stub.Generate(request):
+        if chunk.token_ids and first is None:
+            first = time.perf_counter()
     if first is None:
         raise RuntimeError("the engine's stream carried no token")
     return first - t0
@@ -93,31 +92,40 @@ async def through_stack(
     prompts: list[Prompt], ids: list[list[int]], max_tokens: int, bar: tqdm[Any]
 ) -> list[dict[str, float]]:
     """Phase 1: every prompt over gRPC and over HTTP, alternating which goes first."""
+    import grpc
     import openai
+
+    from llm.v1 import engine_pb2_grpc
 
     rows: list[dict[str, float]] = []
     with our_stack(Path(tempfile.mkdtemp(prefix="stack-hops-"))) as endpoint:
-        address = endpoint.facts["engine_address"]
         client = openai.AsyncOpenAI(base_url=endpoint.url + "/v1", api_key=endpoint.api_key)
-        for i, (p, toks) in enumerate(zip(prompts, ids, strict=True)):
-            row: dict[str, float] = {"tokens": p.tokens}
-            for hop in ("grpc", "http") if i % 2 else ("http", "grpc"):
-                if hop == "grpc":
-                    row["grpc"] = await ttft_grpc(address, toks, max_tokens)
-                else:
-                    row["http"] = await ttft_http(client, p.text, max_tokens)
-                await asyncio.sleep(0.2)  # the engine idle again, as a lone user leaves it
-            rows.append(row)
-            bar.update()
+        async with grpc.aio.insecure_channel(endpoint.facts["engine_address"]) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            for i, (p, toks) in enumerate(zip(prompts, ids, strict=True)):
+                row: dict[str, float] = {"tokens": p.tokens}
+                for hop in ("grpc", "http") if i % 2 else ("http", "grpc"):
+                    if hop == "grpc":
+                        row["grpc"] = await ttft_grpc(stub, toks, max_tokens)
+                    else:
+                        row["http"] = await ttft_http(client, p.text, max_tokens)
+                    await asyncio.sleep(0.2)  # the engine idle again, as a lone user leaves it
+                rows.append(row)
+                bar.update()
         await client.close()
     return rows
 
 
 def in_process(ids: list[list[int]], max_tokens: int, bar: tqdm[Any]) -> list[float]:
     """Phase 2: each prompt to an engine in this process, first token's seconds."""
+    from common.config import load_config
     from engine_svc.core import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model_dir=str(default_model_dir()), device="cpu"))
+    # the engine_core section the stack's engine service loads (config/stack.yaml)
+    config = load_config(
+        EngineConfig, "engine_core", overrides={"model_dir": str(default_model_dir())}
+    )
+    engine = LLMEngine(config)
     out = []
     for i, toks in enumerate(ids):
         t0 = time.perf_counter()
