@@ -309,9 +309,8 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
   const BFloat16* vc = v_cache.data_ptr<BFloat16>();
   BFloat16* op = out.data_ptr<BFloat16>();
   const float sc = static_cast<float>(scale);
-  bool amx = false;
 #ifdef LLM_HAVE_AMX_PREFILL
-  amx = amx_permitted();
+  const bool amx = amx_permitted();
 #endif
   // V^T tiles: 2 bytes per (key, KV head, dim)
   in_scratch_groups(list, Hkv * D * 2, [&](std::vector<PrefillSeq>& group, int64_t bytes) {
@@ -337,7 +336,6 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
       run_prefill<128, false>(group, qp, q.stride(0), kc, vc, op, H, Hkv, bs, sc);
     }
   });
-  (void)amx;
 #endif
   return out;
 }
