@@ -150,11 +150,12 @@ class EngineConfig:
         tune_linear_paths: on CPU, time the loaded model's projections at
             start-up to choose the skinny-GEMM threshold and weight packing
             (about a second); off = plain F.linear everywhere.
-        q4_weights: with bf16 weights on a CPU with AVX512-BF16, keep a 4-bit
-            copy of every projection that is exactly 4-bit per 32-input block
-            (checkpoints converted from Q4_1 GGUF, like the default model:
-            lossless) as one more path for the tuning to time; it streams 3.2x
-            fewer bytes per decode step. Ignored without ``tune_linear_paths``.
+        q4_weights: keep a 4-bit copy of every projection that is exactly
+            4-bit per 32-input block (checkpoints converted from Q4_1 GGUF, like
+            the default model: lossless) as one more path for the tuning to time,
+            with bf16 weights on a CPU with AVX512-BF16 and with fp32 weights on
+            any AVX2 CPU; a decode step streams 3.2x (bf16) or 6.4x (fp32) fewer
+            bytes. Ignored without ``tune_linear_paths``.
         compute_cache_dir: where the start-up measurements' outcome is kept (the
             dtype choice, the projections' paths, the prefill attention), a file
             per model, settings, CPU, torch and code version, so the next start on

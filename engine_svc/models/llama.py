@@ -84,7 +84,8 @@ class LlamaForCausalLM:
         attn_dtype: dtype of attention math and of the KV cache.
         fp8: per-channel FP8 decoder projections.
         exact: the checkpoint's tensors in fp32, when 4-bit packings should be
-            tried (bf16 weights on a CPU with the q4 kernel); not kept.
+            tried (``ops.q4_applies``: bf16 or fp32 weights where the q4 kernel
+            runs them); not kept.
     """
 
     def __init__(

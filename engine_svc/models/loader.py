@@ -84,7 +84,8 @@ def load_model(
             every decoder projection (embeddings, norms and LM head keep ``dtype``).
         q4_weights: also keep a lossless 4-bit packing of every projection that is
             exactly 4-bit per block (``q4.py``) for the path tuning to choose; only
-            for bf16 weights without quantization on a CPU with the q4 kernel.
+            for bf16 or fp32 weights without quantization on a CPU whose kernel
+            build has the q4 kernel for that dtype (``ops.q4_applies``).
 
     Raises:
         ValueError: an unknown quantization.

@@ -79,20 +79,23 @@ def amx_available(weight: torch.Tensor) -> bool:
     )
 
 
-def q4_available() -> bool:
-    """True when ``q4_linear`` (4-bit packed weights, ``engine_svc.models.q4``) can run:
-    the kernels are built for a CPU with AVX512-BF16."""
-    return cpu_kernels.ops_available() and bool(torch.ops.llm_cpu.q4_available())
+def q4_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """True when ``q4_linear`` (4-bit packed weights, ``engine_svc.models.q4``) can run
+    rows of ``dtype``: bf16 where the kernels are built for AVX512-BF16, fp32 for AVX2
+    (with F16C) and up."""
+    return cpu_kernels.ops_available() and bool(torch.ops.llm_cpu.q4_available(dtype))
 
 
 def q4_applies(dtype: torch.dtype, device: torch.device) -> bool:
-    """True when a weight of ``dtype`` on ``device`` may run on a 4-bit copy: bf16 on a
-    CPU whose kernel build has ``q4_linear`` (the one gate for loader and ``Linear``)."""
-    return dtype == torch.bfloat16 and device.type == "cpu" and q4_available()
+    """True when a weight of ``dtype`` on ``device`` may run on a 4-bit copy: bf16 or
+    fp32 on a CPU whose kernel build has ``q4_linear`` for that dtype (the one gate for
+    loader and ``Linear``)."""
+    return dtype in (torch.bfloat16, torch.float32) and device.type == "cpu" and q4_available(dtype)
 
 
 def q4_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """``x @ W^T`` for bf16 rows [M, K] and a 4-bit packed W (``q4.q4_pack``)."""
+    """``x @ W^T`` for bf16 or fp32 rows [M, K] and a 4-bit packed W (``q4.q4_pack``);
+    the result has x's dtype."""
     return cast(torch.Tensor, torch.ops.llm_cpu.q4_linear(x.contiguous(), packed))
 
 

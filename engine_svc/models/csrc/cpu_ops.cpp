@@ -17,7 +17,7 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("amx_available() -> bool", &amx_available);
   m.def("amx_pack(Tensor w) -> Tensor");
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
-  m.def("q4_available() -> bool", &q4_available);
+  m.def("q4_available(ScalarType dtype) -> bool", &q4_available);
   m.def("q4_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("prefill_attention_available() -> bool", &prefill_attention_available);
   m.def("prefill_attention_f32_available() -> bool", &prefill_attention_f32_available);

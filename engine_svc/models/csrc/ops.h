@@ -47,7 +47,7 @@ bool amx_available();
 at::Tensor amx_pack(const at::Tensor& w);
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed);
 
-bool q4_available();
+bool q4_available(at::ScalarType dtype);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed);
 
 at::Tensor argmax_rows(const at::Tensor& logits);

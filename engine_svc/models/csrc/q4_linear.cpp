@@ -15,6 +15,12 @@
 // A dequantized row is d * q + m in fp32 rounded to bf16: bit for bit the bf16
 // weight the dense path would hold. Decode steps are bound by reading weights,
 // so streaming 3.2x fewer bytes is what makes them faster.
+//
+// fp32 rows (AVX2 with F16C, so every tier): each 16-channel block is dequantized
+// once per call into an fp32 panel, d * q + m by one fused multiply-add: bit for
+// bit the fp32 weight (q4_pack keeps only weights that round so), 6.4x fewer
+// bytes than it. The panel keeps the packed pair order; x is broadcast a pair of
+// inputs at a time and the two partial sums of a channel are added at the end.
 
 #include "common.h"
 #include "amx.h"
@@ -130,34 +136,127 @@ void amx_q4_panels(const BFloat16* x, const uint8_t* packed, BFloat16* y, int64_
 #endif
 #endif
 
-}  // namespace
 
-bool q4_available() {
-#ifdef LLM_HAVE_Q4
-  return true;
-#else
-  return false;
-#endif
+#if defined(LLM_HAVE_AVX2) && defined(__F16C__)
+#define LLM_HAVE_Q4_F32 1
+constexpr int64_t kQ4F32Bytes = 320;
+constexpr int kQ4F32Rows = 6;  // rows of a register tile: 6 x 2 accumulators
+
+// The block's K inputs as fp32: panel[32 (16 kb + kp) + 8 g + i], g = lane group
+// (channels 4g..4g+3 of the block), i = 2 c + j: channel 4 g + c, input 32 kb + 2 kp + j.
+void q4_panel_f32(const uint8_t* t, int64_t KB, float* panel) {
+  const __m256i lo4 = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+  const __m256i hi4 = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t kb = 0; kb < KB; ++kb, t += kQ4F32Bytes) {
+    prefetch_bytes(t + 4 * kQ4F32Bytes, kQ4F32Bytes);
+    const __m128i* s = reinterpret_cast<const __m128i*>(t + 256);
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(s)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(s + 1));
+    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(s + 2)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(s + 3));
+    const __m256 d[4] = {_mm256_permutevar8x32_ps(d0, lo4), _mm256_permutevar8x32_ps(d0, hi4),
+                         _mm256_permutevar8x32_ps(d1, lo4), _mm256_permutevar8x32_ps(d1, hi4)};
+    const __m256 m[4] = {_mm256_permutevar8x32_ps(m0, lo4), _mm256_permutevar8x32_ps(m0, hi4),
+                         _mm256_permutevar8x32_ps(m1, lo4), _mm256_permutevar8x32_ps(m1, hi4)};
+    for (int kp = 0; kp < 16; ++kp, panel += 32) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kp * 16));
+      const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+      const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int g = 0; g < 4; ++g) {
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[g]));
+        _mm256_storeu_ps(panel + 8 * g, _mm256_fmadd_ps(f, d[g], m[g]));
+      }
+    }
+  }
 }
 
-// y [M, N] bf16 = x [M, K] bf16 @ W^T for a 4-bit packed W (layout above).
+// Rows 0..R-1 of y, channels 8 h .. 8 h + 7 of a block, from its panel.
+template <int R>
+void q4_tile_f32(const float* x, int64_t K, const float* panel, float* y, int64_t N, int h) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* p = panel + 16 * h;
+  for (int64_t k = 0; k < K; k += 2, p += 32) {
+    const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_castpd_ps(
+          _mm256_broadcast_sd(reinterpret_cast<const double*>(x + r * K + k)));
+      acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {  // [c0 c1 c4 c5 | c2 c3 c6 c7] -> c0..c7
+    const __m256 s = _mm256_hadd_ps(acc[r][0], acc[r][1]);
+    _mm256_storeu_ps(y + r * N + 8 * h,
+                     _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(s), 0xD8)));
+  }
+}
+
+void q4_f32_blocks(const float* x, const uint8_t* packed, float* y, int64_t M, int64_t N,
+                   int64_t K, int64_t nb0, int64_t nb1) {
+  const int64_t KB = K / 32;
+  std::vector<float> panel(static_cast<size_t>(16 * K));
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    q4_panel_f32(packed + nb * KB * kQ4F32Bytes, KB, panel.data());
+    for (int h = 0; h < 2; ++h) {
+      for (int64_t m0 = 0; m0 < M; m0 += kQ4F32Rows) {
+        const float* xm = x + m0 * K;
+        float* ym = y + m0 * N + nb * 16;
+        switch (std::min<int64_t>(kQ4F32Rows, M - m0)) {
+          case 1: q4_tile_f32<1>(xm, K, panel.data(), ym, N, h); break;
+          case 2: q4_tile_f32<2>(xm, K, panel.data(), ym, N, h); break;
+          case 3: q4_tile_f32<3>(xm, K, panel.data(), ym, N, h); break;
+          case 4: q4_tile_f32<4>(xm, K, panel.data(), ym, N, h); break;
+          case 5: q4_tile_f32<5>(xm, K, panel.data(), ym, N, h); break;
+          default: q4_tile_f32<6>(xm, K, panel.data(), ym, N, h); break;
+        }
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool q4_available(at::ScalarType dtype) {
+#ifdef LLM_HAVE_Q4
+  if (dtype == at::kBFloat16) return true;
+#endif
+#ifdef LLM_HAVE_Q4_F32
+  if (dtype == at::kFloat) return true;
+#endif
+  return false;
+}
+
+// y [M, N] = x [M, K] @ W^T for a 4-bit packed W (layout above), in x's dtype:
+// bf16 (AVX512-BF16 builds) or fp32 (AVX2 builds and up).
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed) {
-  TORCH_CHECK(q4_available(), "q4_linear: this CPU (or kernel build) has no AVX512-BF16");
   check_cpu(x, "x");
   check_cpu(packed, "packed");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 320 && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous(),
               "q4_linear: packed must be uint8 [N / 16, K / 32, 320] from q4_pack");
   const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16 &&
-                  x.is_contiguous(),
-              "q4_linear: x must be contiguous bfloat16 [M, ", K, "]");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous(),
+              "q4_linear: x must be contiguous [M, ", K, "]");
+  TORCH_CHECK(q4_available(x.scalar_type()), "q4_linear: no 4-bit kernel for ",
+              x.scalar_type(), " rows in this kernel build (bf16 needs AVX512-BF16, ",
+              "float32 AVX2 with F16C)");
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+#ifdef LLM_HAVE_Q4_F32
+  if (x.scalar_type() == at::kFloat) {
+    const float* xp = x.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
+      q4_f32_blocks(xp, pp, yp, M, N, K, b0, b1);
+    });
+    return y;
+  }
+#endif
 #ifdef LLM_HAVE_Q4
   const BFloat16* xp = x.data_ptr<BFloat16>();
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
   BFloat16* yp = y.data_ptr<BFloat16>();
 #ifdef LLM_HAVE_AMX
   if (M > kQ4GemvRows && N % 32 == 0 && amx_available()) {

@@ -16,7 +16,10 @@ from engine_svc.models.loader import load_model
 from engine_svc.models.q4 import q4_pack, q4_unpack
 
 needs_q4 = pytest.mark.skipif(
-    not ops.q4_available(), reason="the 4-bit kernels need a CPU with AVX512-BF16"
+    not ops.q4_available(), reason="the bf16 4-bit kernels need a CPU with AVX512-BF16"
+)
+needs_q4_f32 = pytest.mark.skipif(
+    not ops.q4_available(torch.float32), reason="the fp32 4-bit kernel needs AVX2 with F16C"
 )
 
 
@@ -97,7 +100,7 @@ def test_q4_linear_refuses_what_it_cannot_run() -> None:
     packed = q4_pack(q4_weight(32, 64, 4))
     assert packed is not None
     with pytest.raises(RuntimeError, match="q4_linear"):
-        ops.q4_linear(torch.randn(2, 64), packed)  # fp32 rows
+        ops.q4_linear(torch.randn(2, 64).double(), packed)  # no kernel for fp64 rows
     with pytest.raises(RuntimeError, match="q4_linear"):
         ops.q4_linear(torch.randn(2, 32).bfloat16(), packed)  # wrong K
     with pytest.raises(RuntimeError, match="q4_linear"):
@@ -110,7 +113,7 @@ def test_a_linear_serves_few_rows_from_its_4bit_copy() -> None:
     lin = Linear(w.bfloat16(), q4=q4_pack(w))
     assert lin.q4 is not None
     assert Linear(w.bfloat16()).q4 is None
-    assert Linear(w, q4=q4_pack(w)).q4 is None  # fp32 weights: the copy could not run
+    assert Linear(w.half(), q4=q4_pack(w)).q4 is None  # fp16 weights: no kernel runs them
     lin.skinny_max_rows = 2
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
     assert lin.q4 is not None
@@ -132,5 +135,71 @@ def test_every_projection_of_the_default_model_gets_a_4bit_copy(model_dir: Path)
     for lin in projections[:4]:
         assert lin.q4 is not None
         assert torch.equal(q4_unpack(lin.q4).bfloat16(), lin.weight)  # what bf16 holds
-    off = load_model(model_dir, torch.float32, "cpu", q4_weights=True)
-    assert all(lin.q4 is None for lin in off.linears())  # fp32 weights: not used
+    off = load_model(model_dir, torch.bfloat16, "cpu", q4_weights=False)
+    assert all(lin.q4 is None for lin in off.linears())
+
+
+@needs_q4_f32
+def test_fp32_weights_get_the_4bit_copy_too(model_dir: Path) -> None:
+    """fp32 weights (an AVX2 CPU's choice) keep the same copies: unpacked, each is
+    the fp32 weight itself, and the model's decode logits match the dense path's."""
+    model = load_model(model_dir, torch.float32, "cpu", q4_weights=True)
+    projections = model.linears()[:-1]
+    assert all(lin.q4 is not None for lin in projections)
+    assert model.lm_head.q4 is None
+    for lin in projections[:4]:
+        assert lin.q4 is not None
+        assert torch.equal(q4_unpack(lin.q4), lin.weight)  # lossless in fp32
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    lin = projections[2]  # gate_up: the widest
+    lin.skinny_max_rows = 8
+    via_q4 = lin(x)
+    lin.skinny_max_rows = 0
+    torch.testing.assert_close(via_q4, lin(x), atol=1e-5, rtol=1e-4)
+
+
+@needs_q4_f32
+@given(
+    rows=st.integers(1, 40), n16=st.integers(1, 4), k32=st.integers(1, 3), seed=st.integers(0, 99)
+)
+@settings(max_examples=30, deadline=None)
+def test_q4_linear_on_fp32_rows_is_the_dense_fp32_matmul(
+    rows: int, n16: int, k32: int, seed: int
+) -> None:
+    """Every register-tile height (1..6 rows and the remainders) and several blocks:
+    the panel's d * q + m is the fp32 weight bit for bit, so only the summation
+    order differs from the dense product."""
+    w = q4_weight(16 * n16, 32 * k32, seed)
+    packed = q4_pack(w)
+    assert packed is not None
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(seed))
+    got = ops.q4_linear(x, packed)
+    ref = (x.double() @ w.double().T).float()
+    assert got.dtype == torch.float32
+    assert got.shape == (rows, w.shape[0])
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@needs_q4_f32
+def test_q4_fp32_channels_land_in_their_columns() -> None:
+    """Each row of x picks one input, so each output is one weight: any mix-up of the
+    pair order, the lane groups or the final lane permutation puts a value in the
+    wrong place, which a random product might average away."""
+    n, k = 48, 64
+    c, i = torch.arange(n)[:, None], torch.arange(k)[None, :]
+    w = ((c + 7 * i) % 16).float()  # every block holds 0..15: d = 1, m = 0
+    packed = q4_pack(w)
+    assert packed is not None
+    x = torch.eye(k)[:13]  # 13 rows: two full 6-row tiles and a 1-row remainder
+    assert torch.equal(ops.q4_linear(x, packed), w.T[:13])
+
+
+@needs_q4_f32
+def test_an_fp32_linear_serves_few_rows_from_its_4bit_copy() -> None:
+    w = q4_weight(64, 64, 6)
+    lin = Linear(w, q4=q4_pack(w))
+    assert lin.q4 is not None
+    lin.skinny_max_rows = 4
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(lin(x), ops.q4_linear(x, lin.q4))
+    torch.testing.assert_close(lin(x), x @ w.T, atol=1e-5, rtol=1e-5)

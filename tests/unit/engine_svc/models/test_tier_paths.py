@@ -125,14 +125,18 @@ def test_selected_path_keeps_fp32_greedy_on_each_tier(
 def test_the_kernel_tests_pass_in_each_lower_tier_build(tier: str) -> None:
     """The operator tests (test_ops.py: decode attention against SDPA with hypothesis, the
     NaN-filled cache, norms, rotary, argmax; test_prefill_kernel.py: the fused prefill
-    kernel the tier has, and the engine's path through it) against the kernels built for
-    a lower tier: each tier compiles other ``#if`` branches (AVX2 has its own decode and
-    prefill attention), and this session's own run covers only this CPU's."""
+    kernel the tier has, and the engine's path through it; test_q4.py: the 4-bit GEMM
+    for the tier's dtype) against the kernels built for a lower tier: each tier compiles
+    other ``#if`` branches (AVX2 has its own decode and prefill attention and runs the
+    4-bit weights on fp32 rows), and this session's own run covers only this CPU's."""
     if tier not in _reachable_tiers():
         pytest.skip(f"this CPU ({cpu_tier.native_tier()}) cannot run tier {tier}")
     if tier == cpu_tier.native_tier():
         pytest.skip("this CPU's own tier: the session runs test_ops.py itself")
-    files = [str(Path(__file__).with_name(f)) for f in ("test_ops.py", "test_prefill_kernel.py")]
+    files = [
+        str(Path(__file__).with_name(f))
+        for f in ("test_ops.py", "test_prefill_kernel.py", "test_q4.py")
+    ]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider"],
         env=_cap_env(tier),
