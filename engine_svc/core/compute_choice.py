@@ -156,6 +156,7 @@ def _decision(model: LlamaForCausalLM, choice: LinearChoice) -> Decision:
         packing=choice.packing,
         skinny_max_rows=choice.skinny_max_rows,
         q4_max_rows=choice.q4_max_rows,
+        q8_max_rows=choice.q8_max_rows,
         prefill_attn_dtype=str(model.prefill_attn_dtype or "").removeprefix("torch."),
         prefill_fused=bool(model.prefill_attn_kernel),
     )
@@ -171,6 +172,7 @@ def _apply(
         packing=d.packing,
         skinny_max_rows=d.skinny_max_rows,
         q4_max_rows=d.q4_max_rows,
+        q8_max_rows=d.q8_max_rows,
         detail=f"{d.detail} (cached, measured at load {d.load_average:.1f})".lstrip(),
     )
     model = _load(config, model_dir, device, choice.dtype)

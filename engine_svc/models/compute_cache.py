@@ -64,14 +64,15 @@ class Decision:
         reason: how the dtype was chosen (``benchmark``, ``forced``, ...).
         detail: the measured candidates, in words.
         packing: prepacked copies above the few-row threshold (``""`` = dense).
-        skinny_max_rows: few-row threshold of projections without a 4-bit copy.
-        q4_max_rows: few-row threshold of projections with one.
+        skinny_max_rows: few-row threshold of projections without a 4- or 8-bit copy.
+        q4_max_rows: few-row threshold of projections with a 4-bit copy.
         prefill_attn_dtype: dtype name of causal prefill attention (``""`` = the
             model's attention dtype).
         prefill_fused: the fused prefill kernel serves fresh prompts.
         measured_at: when (Unix time) the measurements ran.
         load_average: the 1-minute load average when they ran (a busy machine's
             choice is measured again once the machine is quiet: ``remeasure``).
+        q8_max_rows: few-row threshold of projections with an 8-bit copy.
     """
 
     dtype: str
@@ -84,6 +85,7 @@ class Decision:
     prefill_fused: bool = False
     measured_at: float = 0.0
     load_average: float = 0.0
+    q8_max_rows: int = 0
 
 
 def _code_digest() -> str:

@@ -6,8 +6,10 @@ number of rows:
     rows <= skinny_max_rows   a weight-streaming GEMV (decode is bound by
                               reading weights): ops.q4_linear on the weight's
                               4-bit copy where it has one (exactly 4-bit per
-                              block, see ``q4.py``: 3.2x fewer bytes), else
-                              ops.skinny_linear on the dense weight
+                              block, see ``q4.py``: 3.2x fewer bytes than bf16),
+                              ops.q8_linear on its 8-bit copy (exactly Q8_0,
+                              fp32 weights), else ops.skinny_linear on the
+                              dense weight
     otherwise                 a weight prepacked at load (``packed``): our AMX
                               tile kernel (``amx``) or oneDNN's (``onednn``);
                               or F.linear
@@ -76,10 +78,14 @@ class Linear:
         bias: optional [N].
     """
 
-    __slots__ = ("bias", "packed", "packing", "q4", "shape", "skinny_max_rows", "weight")
+    __slots__ = ("bias", "packed", "packing", "q4", "q8", "shape", "skinny_max_rows", "weight")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, q4: torch.Tensor | None = None
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        q4: torch.Tensor | None = None,
+        q8: torch.Tensor | None = None,
     ) -> None:
         self.shape = weight.shape
         self.weight = weight.contiguous()
@@ -87,6 +93,9 @@ class Linear:
         # the weight 4-bit packed (``q4.q4_pack``), kept only where the 4-bit GEMV runs
         usable = q4 is not None and bias is None and ops.q4_applies(weight.dtype, weight.device)
         self.q4 = q4 if usable else None
+        # the weight 8-bit packed (``q4.q8_pack``), where no 4-bit copy runs
+        usable = q8 is not None and self.q4 is None and bias is None
+        self.q8 = q8 if usable and ops.q8_applies(weight.dtype, weight.device) else None
         self.packed: torch.Tensor | None = None
         self.packing = ""  # "amx" | "onednn" while packed
         self.skinny_max_rows = 0
@@ -130,6 +139,8 @@ class Linear:
         if x2.shape[0] <= self.skinny_max_rows and self.bias is None:
             if self.q4 is not None:
                 y = ops.q4_linear(x2, self.q4)
+            elif self.q8 is not None:
+                y = ops.q8_linear(x2, self.q8)
             else:
                 y = ops.skinny_linear(x2, self.weight)
         elif self.packing == "amx":
@@ -156,8 +167,10 @@ class LinearChoice:
         packed: prepacked copies above the skinny threshold.
         packing: which (``amx`` or ``onednn``; empty when not packed).
         skinny_max_rows: rows up to which the streaming kernel runs (projections
-            without a 4-bit copy).
+            without a 4- or 8-bit copy).
         q4_max_rows: rows up to which the 4-bit GEMV runs (projections with one).
+        q8_max_rows: rows up to which the 8-bit kernel runs (projections with one:
+            an LM head from a Q8_0 embedding, fp32 weights).
         timings_ms: what was measured (candidate -> rows -> median ms).
         detail: why this dtype, in words (the measured candidates), for logs and model info.
     """
@@ -168,6 +181,7 @@ class LinearChoice:
     packing: str = ""
     skinny_max_rows: int = 0
     q4_max_rows: int = 0
+    q8_max_rows: int = 0
     timings_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     detail: str = ""
 
@@ -177,6 +191,8 @@ class LinearChoice:
         label = str(self.dtype).removeprefix("torch.")
         if self.q4_max_rows:
             label += f"+q4<={self.q4_max_rows}"
+        if self.q8_max_rows:
+            label += f"+q8<={self.q8_max_rows}"
         if self.skinny_max_rows:
             label += f"+skinny<={self.skinny_max_rows}"
         if self.packed:
@@ -274,6 +290,23 @@ def _small_row_threshold(
     return threshold, timings
 
 
+def _group_threshold(group: Sequence[Linear], name: str, choice: LinearChoice, rounds: int) -> int:
+    """The few-row threshold of the projections with a ``name`` (q4, q8) copy; the
+    timings go into ``choice``."""
+    rows, times = _small_row_threshold(group, rounds)
+    choice.timings_ms[f"{name}-group-large-streamed"] = times["large"]
+    choice.timings_ms[f"{name}-group-{name}-streamed"] = times.get("small", {})
+    return rows
+
+
+def _few_rows(lin: Linear, choice: LinearChoice) -> int:
+    """The choice's few-row threshold for ``lin``'s group (its 4-bit, 8-bit or dense
+    few-row path)."""
+    if lin.q4 is not None:
+        return choice.q4_max_rows
+    return choice.q8_max_rows if lin.q8 is not None else choice.skinny_max_rows
+
+
 def apply_choice(linears: Sequence[Linear], choice: LinearChoice) -> None:
     """Set the thresholds and packing of ``linears`` as ``choice`` says, without timing
     (a choice ``tune_linears`` made before on this machine, kept by ``compute_cache``).
@@ -288,9 +321,7 @@ def apply_choice(linears: Sequence[Linear], choice: LinearChoice) -> None:
                 if (t := lin.packed_copy(p)) is not None:
                     packing, packed = p, t
             lin.use_packed(packing, packed)
-            lin.skinny_max_rows = (
-                choice.q4_max_rows if lin.q4 is not None else choice.skinny_max_rows
-            )
+            lin.skinny_max_rows = _few_rows(lin, choice)
 
 
 def tune_linears(
@@ -298,9 +329,10 @@ def tune_linears(
 ) -> LinearChoice:
     """Set the few-row thresholds and packing of ``linears`` by timing them as loaded.
 
-    The projections with a 4-bit copy and the others (the LM head) get a
-    threshold each: the 4-bit GEMV streams 3.2x fewer bytes than the dense one,
-    so it keeps winning to more rows.
+    The projections with a 4-bit copy, those with an 8-bit copy (an LM head
+    from a Q8_0 embedding, fp32 weights) and the others get a threshold each:
+    the low-bit kernels stream several times fewer bytes than the dense one, so
+    they keep winning to more rows.
 
     Args:
         linears: the model's projections (all of them: the sweep streams the
@@ -316,11 +348,12 @@ def tune_linears(
             lin.skinny_max_rows = 0
         large = _choose_packing(linears, choice, rounds)
         q4 = [lin for lin in linears if lin.q4 is not None]
-        dense = [lin for lin in linears if lin.q4 is None]
+        q8 = [lin for lin in linears if lin.q8 is not None]
+        dense = [lin for lin in linears if lin.q4 is None and lin.q8 is None]
         if q4:
-            choice.q4_max_rows, q4_times = _small_row_threshold(q4, rounds)
-            choice.timings_ms["q4-group-large-streamed"] = q4_times["large"]
-            choice.timings_ms["q4-group-q4-streamed"] = q4_times.get("small", {})
+            choice.q4_max_rows = _group_threshold(q4, "q4", choice, rounds)
+        if q8:
+            choice.q8_max_rows = _group_threshold(q8, "q8", choice, rounds)
         if dense:
             choice.skinny_max_rows, times = _small_row_threshold(dense, rounds)
             choice.timings_ms["large-path-streamed"] = times["large"]

@@ -24,7 +24,7 @@ from engine_svc.models.attention import AttentionMetadata, paged_attention
 from engine_svc.models.config import ModelConfig
 from engine_svc.models.fp8 import Fp8Weight, fp8_linear
 from engine_svc.models.linear import Linear
-from engine_svc.models.q4 import q4_pack
+from engine_svc.models.q4 import q4_pack, q8_pack
 from engine_svc.models.rotary import RotaryEmbedding
 from engine_svc.models.windowed import windowed_attention
 
@@ -105,7 +105,12 @@ class LlamaForCausalLM:
         self.prefill_attn_kernel = False  # the fused prefill attention (paged bf16 cache)
         self.norm = _norm_weight(weights["model.norm.weight"], config)
         # tied (the checkpoint stores no LM head; one it does store wins, as in transformers)
-        self.lm_head = Linear(weights.get("lm_head.weight", self.embed_tokens))
+        head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+        # an exactly-8-bit head (a Q8_0 embedding) keeps an 8-bit copy where it can run
+        q8 = None
+        if exact is not None and ops.q8_applies(self.dtype, self.device):
+            q8 = q8_pack(exact[head])
+        self.lm_head = Linear(weights[head], q8=q8)
         self.layers = [
             LlamaLayer(
                 _fuse_layer(weights, i, config),

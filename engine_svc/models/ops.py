@@ -93,6 +93,17 @@ def q4_applies(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype in (torch.bfloat16, torch.float32) and device.type == "cpu" and q4_available(dtype)
 
 
+def q8_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """True when a weight of ``dtype`` on ``device`` may run on an 8-bit copy
+    (``q4.q8_pack``): fp32 on a CPU whose kernel build has the fp32 4-bit kernel."""
+    return dtype == torch.float32 and device.type == "cpu" and q4_available(dtype)
+
+
+def q8_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` for fp32 rows [M, K] and an 8-bit packed W (``q4.q8_pack``)."""
+    return cast(torch.Tensor, torch.ops.llm_cpu.q8_linear(x.contiguous(), packed))
+
+
 def q4_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """``x @ W^T`` for bf16 or fp32 rows [M, K] and a 4-bit packed W (``q4.q4_pack``);
     the result has x's dtype."""

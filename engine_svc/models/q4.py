@@ -1,4 +1,4 @@
-"""Lossless 4-bit storage for weights that are 4-bit per block already.
+"""Lossless 4-bit (and 8-bit) storage for weights that are 4-bit (8-bit) per block already.
 
 A checkpoint converted from a Q4_1 GGUF (the default model is one) holds, in
 every block of 32 inputs of a projection row, only values ``d * q + m`` with
@@ -74,3 +74,52 @@ def q4_unpack(packed: torch.Tensor) -> torch.Tensor:
     lanes = lanes.reshape(nb, kb, 16, 16, 2)  # [nb, kb, kp, n16, j]
     w = lanes * d[:, :, None, :, None] + m[:, :, None, :, None]
     return w.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * BLOCK)
+
+
+# 8-bit: a tensor converted from a Q8_0 GGUF (the default model's tied embedding,
+# so its LM head) holds in every block of 32 inputs only d * q with q in
+# -127..127 and d fp16; that product is exact in fp32 (11 + 8 significant bits),
+# so ``d * q`` in the kernel is the fp32 weight bit for bit. 1.0625 bytes per
+# weight instead of fp32's 4. Packed layout per 16 output channels nb and 32
+# inputs kb, 544 bytes (the fp32 panel order of ``csrc/q4_linear.cpp``)::
+#
+#     [  0..511]  byte 32 kp + 8 g + 2 c + j = q of channel 16 nb + 4 g + c,
+#                 input 32 kb + 2 kp + j (int8)
+#     [512..543]  d of the 16 channels, fp16
+
+Q8_TILE_BYTES = 544
+
+
+def q8_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight [N, K] (fp32, exact values) packed as uint8 [N/16, K/32, 544], or
+    None when it is not exactly ``d * q`` per 32-block with fp16 d and |q| <= 127."""
+    if weight.dim() != 2 or weight.dtype != torch.float32:
+        return None
+    n, k = weight.shape
+    if not q4_shape_ok(n, k):
+        return None
+    blocks = weight.reshape(n, k // BLOCK, BLOCK)
+    d = (blocks.abs().amax(-1).double() / 127).to(torch.float16)  # the largest |q| is 127
+    df = d.float().unsqueeze(-1)
+    if not torch.isfinite(df).all():
+        return None
+    safe_d = torch.where(df > 0, df, torch.ones_like(df))
+    q = torch.where(df > 0, torch.round(blocks / safe_d), torch.zeros_like(blocks))
+    if q.abs().max() > 127 or not torch.equal(q * df, blocks):  # the product is exact
+        return None
+    # [nb, g, c, kb, kp, j] -> [nb, kb, kp, g, c, j]
+    lanes = q.to(torch.int8).reshape(n // 16, 4, 4, k // BLOCK, 16, 2)
+    lanes = lanes.permute(0, 3, 4, 1, 2, 5).reshape(n // 16, k // BLOCK, 512)
+    scales = d.reshape(n // 16, 16, k // BLOCK).permute(0, 2, 1).contiguous()
+    scales = scales.view(torch.uint8).reshape(n // 16, k // BLOCK, 32)
+    return torch.cat([lanes.view(torch.uint8), scales], dim=-1).contiguous()
+
+
+def q8_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] an 8-bit packing holds."""
+    nb, kb, _ = packed.shape
+    q = packed[..., :512].contiguous().view(torch.int8).float()
+    d = packed[..., 512:].contiguous().view(torch.float16).float()  # [nb, kb, 16]
+    q = q.reshape(nb, kb, 16, 4, 4, 2)  # [nb, kb, kp, g, c, j]
+    w = q * d.reshape(nb, kb, 1, 4, 4, 1)
+    return w.permute(0, 3, 4, 1, 2, 5).reshape(nb * 16, kb * BLOCK)

@@ -19,6 +19,7 @@ TORCH_LIBRARY(llm_cpu, m) {
   m.def("amx_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("q4_available(ScalarType dtype) -> bool", &q4_available);
   m.def("q4_linear(Tensor x, Tensor packed) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor packed) -> Tensor");
   m.def("prefill_attention_available() -> bool", &prefill_attention_available);
   m.def("prefill_attention_f32_available() -> bool", &prefill_attention_f32_available);
   m.def(
@@ -51,6 +52,7 @@ TORCH_LIBRARY_IMPL(llm_cpu, CPU, m) {
   m.impl("amx_pack", &amx_pack);
   m.impl("amx_linear", &amx_linear);
   m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
   m.impl("prefill_attention", &prefill_attention);
   m.impl("fp8_gemv", &fp8_gemv);
   m.impl("fp8_dequant_bf16", &fp8_dequant_bf16);

@@ -4,7 +4,7 @@
 //   decode_attention.cpp  paged_decode_attention
 //   prefill_attention.cpp prefill_attention (AMX or AVX512-BF16; fp32 q: ..._f32.cpp, AVX2)
 //   linear.cpp            skinny_linear, fp8_gemv, fp8_dequant_bf16, amx_pack, amx_linear
-//   q4_linear.cpp         q4_linear (4-bit weights)
+//   q4_linear.cpp         q4_linear (4-bit weights), q8_linear (8-bit, fp32 rows)
 //   sampling.cpp          argmax_rows
 //   decode_forward.cpp    decode_forward (a whole decode-only step)
 #pragma once
@@ -49,6 +49,7 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed);
 
 bool q4_available(at::ScalarType dtype);
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed);
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed);
 
 at::Tensor argmax_rows(const at::Tensor& logits);
 

@@ -1,4 +1,5 @@
-// 4-bit weights, on the AMX GEMM panels of amx.h (it reuses amx_panel).
+// 4-bit weights, on the AMX GEMM panels of amx.h (it reuses amx_panel); and 8-bit
+// ones (Q8_0) on fp32 rows.
 //
 // A weight whose every block of 32 inputs is exactly d * q + m (q in 0..15, d
 // and m fp16) -- what a checkpoint converted from a Q4_1 GGUF holds -- is kept
@@ -191,12 +192,38 @@ void q4_tile_f32(const float* x, int64_t K, const float* panel, float* y, int64_
   }
 }
 
-void q4_f32_blocks(const float* x, const uint8_t* packed, float* y, int64_t M, int64_t N,
-                   int64_t K, int64_t nb0, int64_t nb1) {
+// 8-bit tiles (q8_pack: the q bytes already in panel order, then 16 fp16 d): d * q,
+// exact in fp32, so again the weight bit for bit.
+constexpr int64_t kQ8Bytes = 544;
+
+void q8_panel_f32(const uint8_t* t, int64_t KB, float* panel) {
+  const __m256i lo4 = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+  const __m256i hi4 = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+  for (int64_t kb = 0; kb < KB; ++kb, t += kQ8Bytes) {
+    prefetch_bytes(t + 4 * kQ8Bytes, kQ8Bytes);
+    const __m128i* s = reinterpret_cast<const __m128i*>(t + 512);
+    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(s)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(s + 1));
+    const __m256 d[4] = {_mm256_permutevar8x32_ps(d0, lo4), _mm256_permutevar8x32_ps(d0, hi4),
+                         _mm256_permutevar8x32_ps(d1, lo4), _mm256_permutevar8x32_ps(d1, hi4)};
+    for (int kp = 0; kp < 16; ++kp, panel += 32) {
+      for (int g = 0; g < 4; ++g) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 * kp + 8 * g));
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+        _mm256_storeu_ps(panel + 8 * g, _mm256_mul_ps(f, d[g]));
+      }
+    }
+  }
+}
+
+// Channel blocks [nb0, nb1) of y: each block's panel dequantized once (Panel: the
+// 4- or 8-bit tile reader), then every 6 rows of x run on it, one half at a time.
+template <void (*Panel)(const uint8_t*, int64_t, float*), int64_t TileBytes>
+void lowbit_f32_blocks(const float* x, const uint8_t* packed, float* y, int64_t M, int64_t N,
+                       int64_t K, int64_t nb0, int64_t nb1) {
   const int64_t KB = K / 32;
   std::vector<float> panel(static_cast<size_t>(16 * K));
   for (int64_t nb = nb0; nb < nb1; ++nb) {
-    q4_panel_f32(packed + nb * KB * kQ4F32Bytes, KB, panel.data());
+    Panel(packed + nb * KB * TileBytes, KB, panel.data());
     for (int h = 0; h < 2; ++h) {
       for (int64_t m0 = 0; m0 < M; m0 += kQ4F32Rows) {
         const float* xm = x + m0 * K;
@@ -250,7 +277,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed) {
     const float* xp = x.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
-      q4_f32_blocks(xp, pp, yp, M, N, K, b0, b1);
+      lowbit_f32_blocks<q4_panel_f32, kQ4F32Bytes>(xp, pp, yp, M, N, K, b0, b1);
     });
     return y;
   }
@@ -268,6 +295,33 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed) {
 #endif
   at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
     q4_gemv(xp, pp, yp, M, N, K, b0, b1);
+  });
+#endif
+  return y;
+}
+
+// y [M, N] fp32 = x [M, K] fp32 @ W^T for an 8-bit packed W (q4.q8_pack).
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed) {
+  check_cpu(x, "x");
+  check_cpu(packed, "packed");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 544 && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous(),
+              "q8_linear: packed must be uint8 [N / 16, K / 32, 544] from q8_pack");
+  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() &&
+                  x.scalar_type() == at::kFloat,
+              "q8_linear: x must be contiguous float32 [M, ", K, "]");
+  TORCH_CHECK(q4_available(at::kFloat),
+              "q8_linear: this kernel build has no AVX2 with F16C");
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+#ifdef LLM_HAVE_Q4_F32
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
+    lowbit_f32_blocks<q8_panel_f32, kQ8Bytes>(xp, pp, yp, M, N, K, b0, b1);
   });
 #endif
   return y;

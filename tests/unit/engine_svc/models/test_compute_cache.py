@@ -37,11 +37,13 @@ def test_a_decision_round_trips_and_a_bad_file_is_measured_over(tmp_path: Path) 
     cache = ComputeCache(tmp_path / "c", "ab" * 32)
     assert cache.load() is None
     d = Decision("bfloat16", "benchmark", "fp32 3 ms, bf16 1 ms", "onednn", 4, 16, "bfloat16")
+    d.q8_max_rows = 8
     cache.store(d)
     got = cache.load()
     assert got is not None
     assert got.dtype == "bfloat16"
     assert got.q4_max_rows == 16
+    assert got.q8_max_rows == 8
     assert got.measured_at > 0  # stamped when stored
     assert not list(cache.directory.glob(".tmp-*"))  # written through a renamed temp file
     cache.path.write_text("{not json")

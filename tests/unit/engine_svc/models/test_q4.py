@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from engine_svc.models import ops
 from engine_svc.models.linear import Linear, LinearChoice, tune_linears
 from engine_svc.models.loader import load_model
-from engine_svc.models.q4 import q4_pack, q4_unpack
+from engine_svc.models.q4 import q4_pack, q4_unpack, q8_pack, q8_unpack
 
 needs_q4 = pytest.mark.skipif(
     not ops.q4_available(), reason="the bf16 4-bit kernels need a CPU with AVX512-BF16"
@@ -203,3 +203,84 @@ def test_an_fp32_linear_serves_few_rows_from_its_4bit_copy() -> None:
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6))
     assert torch.equal(lin(x), ops.q4_linear(x, lin.q4))
     torch.testing.assert_close(lin(x), x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+def q8_weight(n: int, k: int, seed: int) -> torch.Tensor:
+    """A weight that is exactly d * q per block of 32 inputs (fp16 d, |q| <= 127), as
+    a Q8_0 GGUF dequantizes (the largest magnitude of a block is q = +-127)."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, 1, generator=g) * 1e-3 + 1e-5).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127
+    return (d * q).reshape(n, k)
+
+
+@given(n16=st.integers(1, 4), k32=st.integers(1, 4), seed=st.integers(0, 1000))
+@settings(max_examples=25, deadline=None)
+def test_8bit_pack_round_trips_a_q8_weight_exactly(n16: int, k32: int, seed: int) -> None:
+    w = q8_weight(16 * n16, 32 * k32, seed)
+    packed = q8_pack(w)
+    assert packed is not None
+    assert packed.shape == (n16, k32, 544)  # 1.0625 bytes per weight
+    assert torch.equal(q8_unpack(packed), w)
+
+
+def test_8bit_pack_refuses_weights_it_would_change() -> None:
+    assert q8_pack(torch.randn(32, 64, generator=torch.Generator().manual_seed(0))) is None
+    w = q8_weight(32, 64, 1)
+    w[3, 5] *= 1.0001  # one value off the block's grid
+    assert q8_pack(w) is None
+    assert q8_pack(q8_weight(32, 64, 2).bfloat16()) is None
+    assert q8_pack(q8_weight(32, 64, 2)[:24]) is None  # N not whole 16-channel tiles
+    zero = q8_weight(16, 64, 3)
+    zero[:, :32] = 0.0  # d = 0: a block of zeros packs
+    packed = q8_pack(zero)
+    assert packed is not None
+    assert torch.equal(q8_unpack(packed), zero)
+
+
+@needs_q4_f32
+@given(
+    rows=st.integers(1, 40), n16=st.integers(1, 4), k32=st.integers(1, 3), seed=st.integers(0, 99)
+)
+@settings(max_examples=30, deadline=None)
+def test_q8_linear_is_the_dense_fp32_matmul(rows: int, n16: int, k32: int, seed: int) -> None:
+    w = q8_weight(16 * n16, 32 * k32, seed)
+    packed = q8_pack(w)
+    assert packed is not None
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(seed))
+    got = ops.q8_linear(x, packed)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), atol=1e-5, rtol=1e-5)
+
+
+@needs_q4_f32
+def test_q8_channels_land_in_their_columns() -> None:
+    n, k = 48, 64
+    c, i = torch.arange(n)[:, None], torch.arange(k)[None, :]
+    w = ((c * 31 + 7 * i) % 255 - 127).float()  # d = 1 wherever a block holds +-127
+    w[:, 0::32] = 127.0
+    packed = q8_pack(w)
+    assert packed is not None
+    x = torch.eye(k)[:13]
+    assert torch.equal(ops.q8_linear(x, packed), w.T[:13])
+    with pytest.raises(RuntimeError, match="q8_linear"):
+        ops.q8_linear(x.bfloat16(), packed)  # fp32 rows only
+
+
+@needs_q4_f32
+def test_the_default_models_fp32_lm_head_gets_an_8bit_copy(model_dir: Path) -> None:
+    """Its tied embedding comes from a Q8_0 tensor: the copy is the fp32 weight itself,
+    the few-row path computes the dense logits, and the tuning times it as a group."""
+    model = load_model(model_dir, torch.float32, "cpu", q4_weights=True)
+    head = model.lm_head
+    assert head.q8 is not None
+    assert torch.equal(q8_unpack(head.q8), head.weight)
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    head.skinny_max_rows = 4
+    via_q8 = head(x)
+    head.skinny_max_rows = 0
+    torch.testing.assert_close(via_q8, head(x), atol=1e-4, rtol=1e-4)
+    choice = tune_linears([head], LinearChoice(torch.float32, "benchmark"), rounds=1)
+    assert "q8-group-q8-streamed" in choice.timings_ms
+    assert load_model(model_dir, torch.bfloat16, "cpu", q4_weights=True).lm_head.q8 is None
