@@ -173,11 +173,13 @@ void q4_panel_f32(const uint8_t* t, int64_t KB, float* panel) {
 // Rows 0..R-1 of y, channels 8 h .. 8 h + 7 of a block, from its panel.
 template <int R>
 void q4_tile_f32(const float* x, int64_t K, const float* panel, float* y, int64_t N, int h) {
-  __m256 acc[R][2];
+  __m256 acc[R][2];  // 12 of the 16 ymm registers at R = 6: every loop over r unrolled
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const float* p = panel + 16 * h;
   for (int64_t k = 0; k < K; k += 2, p += 32) {
     const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xb = _mm256_castpd_ps(
           _mm256_broadcast_sd(reinterpret_cast<const double*>(x + r * K + k)));
@@ -185,6 +187,7 @@ void q4_tile_f32(const float* x, int64_t K, const float* panel, float* y, int64_
       acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {  // [c0 c1 c4 c5 | c2 c3 c6 c7] -> c0..c7
     const __m256 s = _mm256_hadd_ps(acc[r][0], acc[r][1]);
     _mm256_storeu_ps(y + r * N + 8 * h,
