@@ -68,7 +68,8 @@ void q4_gemv_blocks(const BFloat16* x, const uint8_t* packed, BFloat16* y, int64
                     int64_t nb0, int64_t nb1) {
   const int64_t KB = K / 32;
   for (int64_t nb = nb0; nb < nb1; ++nb) {
-    __m512 acc[M];
+    __m512 acc[M];  // up to 16 zmm: every loop over m unrolled, or they spill
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     const uint8_t* t = packed + nb * KB * kQ4TileBytes;
     for (int64_t kb = 0; kb < KB; ++kb, t += kQ4TileBytes) {
@@ -77,6 +78,7 @@ void q4_gemv_blocks(const BFloat16* x, const uint8_t* packed, BFloat16* y, int64
       const BFloat16* xk = x + kb * 32;
       for (int kp = 0; kp < 16; ++kp) {
         const __m512bh w = q4_row(t + kp * 16, s);
+#pragma GCC unroll 16
         for (int m = 0; m < M; ++m) {
           int32_t pair;
           std::memcpy(&pair, xk + m * K + 2 * kp, sizeof(pair));
@@ -84,6 +86,7 @@ void q4_gemv_blocks(const BFloat16* x, const uint8_t* packed, BFloat16* y, int64
         }
       }
     }
+#pragma GCC unroll 16
     for (int m = 0; m < M; ++m) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N + nb * 16),
                           (__m256i)_mm512_cvtneps_pbh(acc[m]));
@@ -91,20 +94,28 @@ void q4_gemv_blocks(const BFloat16* x, const uint8_t* packed, BFloat16* y, int64
   }
 }
 
+// Each 16-channel block serves every group of rows before the next block is
+// read: its packed bytes come from memory once, from L1 for the later groups.
 void q4_gemv(const BFloat16* x, const uint8_t* packed, BFloat16* y, int64_t M, int64_t N,
              int64_t K, int64_t nb0, int64_t nb1) {
-  for (int64_t m0 = 0; m0 < M; m0 += kQ4GemvRows) {
-    const BFloat16* xm = x + m0 * K;
-    BFloat16* ym = y + m0 * N;
-    switch (std::min<int64_t>(kQ4GemvRows, M - m0)) {
-      case 1: q4_gemv_blocks<1>(xm, packed, ym, N, K, nb0, nb1); break;
-      case 2: q4_gemv_blocks<2>(xm, packed, ym, N, K, nb0, nb1); break;
-      case 3: q4_gemv_blocks<3>(xm, packed, ym, N, K, nb0, nb1); break;
-      case 4: q4_gemv_blocks<4>(xm, packed, ym, N, K, nb0, nb1); break;
-      case 5: q4_gemv_blocks<5>(xm, packed, ym, N, K, nb0, nb1); break;
-      case 6: q4_gemv_blocks<6>(xm, packed, ym, N, K, nb0, nb1); break;
-      case 7: q4_gemv_blocks<7>(xm, packed, ym, N, K, nb0, nb1); break;
-      default: q4_gemv_blocks<8>(xm, packed, ym, N, K, nb0, nb1); break;
+  for (int64_t nb = nb0; nb < nb1; ++nb) {
+    int64_t m0 = 0;
+    for (; M - m0 >= 16; m0 += 16) {  // 16 accumulators: each dequantized row feeds 16 rows
+      q4_gemv_blocks<16>(x + m0 * K, packed, y + m0 * N, N, K, nb, nb + 1);
+    }
+    for (; m0 < M; m0 += kQ4GemvRows) {
+      const BFloat16* xm = x + m0 * K;
+      BFloat16* ym = y + m0 * N;
+      switch (std::min<int64_t>(kQ4GemvRows, M - m0)) {
+        case 1: q4_gemv_blocks<1>(xm, packed, ym, N, K, nb, nb + 1); break;
+        case 2: q4_gemv_blocks<2>(xm, packed, ym, N, K, nb, nb + 1); break;
+        case 3: q4_gemv_blocks<3>(xm, packed, ym, N, K, nb, nb + 1); break;
+        case 4: q4_gemv_blocks<4>(xm, packed, ym, N, K, nb, nb + 1); break;
+        case 5: q4_gemv_blocks<5>(xm, packed, ym, N, K, nb, nb + 1); break;
+        case 6: q4_gemv_blocks<6>(xm, packed, ym, N, K, nb, nb + 1); break;
+        case 7: q4_gemv_blocks<7>(xm, packed, ym, N, K, nb, nb + 1); break;
+        default: q4_gemv_blocks<8>(xm, packed, ym, N, K, nb, nb + 1); break;
+      }
     }
   }
 }
