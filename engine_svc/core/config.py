@@ -155,7 +155,9 @@ class EngineConfig:
             the default model: lossless) as one more path for the tuning to time,
             with bf16 weights on a CPU with AVX512-BF16 and with fp32 weights on
             any AVX2 CPU; a decode step streams 3.2x (bf16) or 6.4x (fp32) fewer
-            bytes. Ignored without ``tune_linear_paths``.
+            bytes. With fp32 weights an LM head that is exactly 8-bit per block
+            (a Q8_0 tensor, like the default model's tied embedding) keeps an
+            8-bit copy the same way. Ignored without ``tune_linear_paths``.
         compute_cache_dir: where the start-up measurements' outcome is kept (the
             dtype choice, the projections' paths, the prefill attention), a file
             per model, settings, CPU, torch and code version, so the next start on
