@@ -2,7 +2,7 @@
 
 ``csrc/`` holds torch operators (``torch.ops.llm_cpu.*``: RMSNorm,
 add+RMSNorm, SiLU-and-mul, RoPE with the KV-cache write, paged decode and
-prefill attention, the skinny, FP8, AMX and 4-bit GEMMs, argmax, the whole
+prefill attention, the skinny, FP8, AMX, 4-bit and 8-bit GEMMs, argmax, the whole
 decode step), one source per op family (``csrc/ops.h`` lists them) and their
 registration alone in ``csrc/cpu_ops.cpp``. They build into one library with
 the system C++ compiler and ``-march=native`` (less what the tier cap,
