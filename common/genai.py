@@ -72,15 +72,18 @@ _INSTRUMENTS = (
 )
 
 
-_cache: dict[int, GenAiMetrics] = {}
+# the last meter and its instruments: held by reference, since an id() of a meter
+# that was collected can be reused by the next one (whose records would then go to
+# the old, shut-down provider's instruments)
+_cache: list[tuple[metrics.Meter, GenAiMetrics]] = []
 
 
 def instruments(meter: metrics.Meter | None) -> GenAiMetrics | None:
     """The GenAI instruments of ``meter`` (made once per meter); None without one."""
     if meter is None:
         return None
-    got = _cache.get(id(meter))
-    if got is None:
-        _cache.clear()  # a new meter provider replaced the old one
-        got = _cache[id(meter)] = GenAiMetrics.of(meter)
+    if _cache and _cache[0][0] is meter:
+        return _cache[0][1]
+    got = GenAiMetrics.of(meter)
+    _cache[:] = [(meter, got)]  # a new meter provider replaced the old one
     return got

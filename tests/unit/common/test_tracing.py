@@ -199,3 +199,32 @@ def test_metrics_over_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         server.stop(None)
     assert received.names == ["gen_ai.server.request.duration"]
+
+
+def test_instruments_follow_their_meter_even_when_an_old_meters_id_is_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each new meter provider (a service's restart, every test here) gets instruments of
+    its own, so its records reach its reader. CPython gives a collected object's address
+    (its id) to the next one, so a cache keyed by id() handed a new meter the old,
+    shut-down provider's instruments now and then (a CI run lost its OTLP export so);
+    here every id collides."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    monkeypatch.setattr(genai, "id", lambda _obj: 1, raising=False)
+    for i in range(3):
+        reader = InMemoryMetricReader()
+        provider = MeterProvider(metric_readers=[reader])
+        meter = provider.get_meter("probe")
+        instruments = genai.instruments(meter)
+        assert instruments is not None
+        assert genai.instruments(meter) is instruments  # made once per meter
+        instruments.request_duration.record(0.25, {"gen_ai.operation.name": "chat"})
+        data = reader.get_metrics_data()
+        assert data is not None
+        names = [
+            m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        ]
+        assert names == ["gen_ai.server.request.duration"], f"meter {i}"
+        provider.shutdown()
