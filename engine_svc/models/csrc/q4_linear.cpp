@@ -156,26 +156,34 @@ constexpr int kQ4F32Rows = 6;  // rows of a register tile: 6 x 2 accumulators
 
 // The block's K inputs as fp32: panel[32 (16 kb + kp) + 8 g + i], g = lane group
 // (channels 4g..4g+3 of the block), i = 2 c + j: channel 4 g + c, input 32 kb + 2 kp + j.
+// 16 fp16 values of a block's channels (d or m) as the panel's 4 lane groups: lane
+// 2 c + j of group g holds channel 4 g + c's value.
+struct PairScales {
+  __m256 g[4];
+  explicit PairScales(const uint8_t* p) {
+    const __m256i lo4 = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+    const __m256i hi4 = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
+    const __m128i* s = reinterpret_cast<const __m128i*>(p);
+    const __m256 v0 = _mm256_cvtph_ps(_mm_loadu_si128(s)), v1 = _mm256_cvtph_ps(_mm_loadu_si128(s + 1));
+    g[0] = _mm256_permutevar8x32_ps(v0, lo4);
+    g[1] = _mm256_permutevar8x32_ps(v0, hi4);
+    g[2] = _mm256_permutevar8x32_ps(v1, lo4);
+    g[3] = _mm256_permutevar8x32_ps(v1, hi4);
+  }
+};
+
 void q4_panel_f32(const uint8_t* t, int64_t KB, float* panel) {
-  const __m256i lo4 = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
-  const __m256i hi4 = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
   const __m128i mask = _mm_set1_epi8(0x0F);
   for (int64_t kb = 0; kb < KB; ++kb, t += kQ4F32Bytes) {
     prefetch_bytes(t + 4 * kQ4F32Bytes, kQ4F32Bytes);
-    const __m128i* s = reinterpret_cast<const __m128i*>(t + 256);
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(s)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(s + 1));
-    const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128(s + 2)), m1 = _mm256_cvtph_ps(_mm_loadu_si128(s + 3));
-    const __m256 d[4] = {_mm256_permutevar8x32_ps(d0, lo4), _mm256_permutevar8x32_ps(d0, hi4),
-                         _mm256_permutevar8x32_ps(d1, lo4), _mm256_permutevar8x32_ps(d1, hi4)};
-    const __m256 m[4] = {_mm256_permutevar8x32_ps(m0, lo4), _mm256_permutevar8x32_ps(m0, hi4),
-                         _mm256_permutevar8x32_ps(m1, lo4), _mm256_permutevar8x32_ps(m1, hi4)};
+    const PairScales d(t + 256), m(t + 288);
     for (int kp = 0; kp < 16; ++kp, panel += 32) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kp * 16));
       const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
       const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
       for (int g = 0; g < 4; ++g) {
         const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[g]));
-        _mm256_storeu_ps(panel + 8 * g, _mm256_fmadd_ps(f, d[g], m[g]));
+        _mm256_storeu_ps(panel + 8 * g, _mm256_fmadd_ps(f, d.g[g], m.g[g]));
       }
     }
   }
@@ -211,19 +219,14 @@ void q4_tile_f32(const float* x, int64_t K, const float* panel, float* y, int64_
 constexpr int64_t kQ8Bytes = 544;
 
 void q8_panel_f32(const uint8_t* t, int64_t KB, float* panel) {
-  const __m256i lo4 = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
-  const __m256i hi4 = _mm256_set_epi32(7, 7, 6, 6, 5, 5, 4, 4);
   for (int64_t kb = 0; kb < KB; ++kb, t += kQ8Bytes) {
     prefetch_bytes(t + 4 * kQ8Bytes, kQ8Bytes);
-    const __m128i* s = reinterpret_cast<const __m128i*>(t + 512);
-    const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128(s)), d1 = _mm256_cvtph_ps(_mm_loadu_si128(s + 1));
-    const __m256 d[4] = {_mm256_permutevar8x32_ps(d0, lo4), _mm256_permutevar8x32_ps(d0, hi4),
-                         _mm256_permutevar8x32_ps(d1, lo4), _mm256_permutevar8x32_ps(d1, hi4)};
+    const PairScales d(t + 512);
     for (int kp = 0; kp < 16; ++kp, panel += 32) {
       for (int g = 0; g < 4; ++g) {
         const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(t + 32 * kp + 8 * g));
         const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-        _mm256_storeu_ps(panel + 8 * g, _mm256_mul_ps(f, d[g]));
+        _mm256_storeu_ps(panel + 8 * g, _mm256_mul_ps(f, d.g[g]));
       }
     }
   }
