@@ -56,12 +56,14 @@ def q4_pack(weight: torch.Tensor) -> torch.Tensor | None:
     lanes = q.to(torch.uint8).reshape(n // 16, 16, k // BLOCK, 16, 2)
     lanes = lanes.permute(0, 2, 3, 1, 4).reshape(n // 16, k // BLOCK, 16, 32)
     nibbles = (lanes[..., :16] | (lanes[..., 16:] << 4)).reshape(n // 16, k // BLOCK, 256)
+    return torch.cat([nibbles, _per_tile(d), _per_tile(m)], dim=-1).contiguous()
 
-    def per_tile(v: torch.Tensor) -> torch.Tensor:  # [N, K/32] fp16 -> [N/16, K/32, 32] bytes
-        t = v.reshape(n // 16, 16, k // BLOCK).permute(0, 2, 1).contiguous()
-        return t.view(torch.uint8).reshape(n // 16, k // BLOCK, 32)
 
-    return torch.cat([nibbles, per_tile(d), per_tile(m)], dim=-1).contiguous()
+def _per_tile(v: torch.Tensor) -> torch.Tensor:
+    """Per-block fp16 values [N, K/32] as each tile's 16 channels: [N/16, K/32, 32] bytes."""
+    n, kb = v.shape
+    t = v.reshape(n // 16, 16, kb).permute(0, 2, 1).contiguous()
+    return t.view(torch.uint8).reshape(n // 16, kb, 32)
 
 
 def q4_unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -110,9 +112,7 @@ def q8_pack(weight: torch.Tensor) -> torch.Tensor | None:
     # [nb, g, c, kb, kp, j] -> [nb, kb, kp, g, c, j]
     lanes = q.to(torch.int8).reshape(n // 16, 4, 4, k // BLOCK, 16, 2)
     lanes = lanes.permute(0, 3, 4, 1, 2, 5).reshape(n // 16, k // BLOCK, 512)
-    scales = d.reshape(n // 16, 16, k // BLOCK).permute(0, 2, 1).contiguous()
-    scales = scales.view(torch.uint8).reshape(n // 16, k // BLOCK, 32)
-    return torch.cat([lanes.view(torch.uint8), scales], dim=-1).contiguous()
+    return torch.cat([lanes.view(torch.uint8), _per_tile(d)], dim=-1).contiguous()
 
 
 def q8_unpack(packed: torch.Tensor) -> torch.Tensor:
