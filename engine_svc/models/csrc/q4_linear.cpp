@@ -31,9 +31,27 @@ namespace llm_cpu {
 
 namespace {
 
+constexpr int64_t kQ4TileBytes = 320;  // q4.TILE_BYTES
+constexpr int64_t kQ8Bytes = 544;      // q4.Q8_TILE_BYTES
+
+// N and K of a packed weight [N / 16, K / 32, tile_bytes] and x [M, K], checked for op
+// ``name`` (whose Python packer is ``packer``).
+std::pair<int64_t, int64_t> lowbit_shape(const at::Tensor& x, const at::Tensor& packed,
+                                         int64_t tile_bytes, const char* name,
+                                         const char* packer) {
+  check_cpu(x, "x");
+  check_cpu(packed, "packed");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == tile_bytes &&
+                  packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              name, ": packed must be uint8 [N / 16, K / 32, ", tile_bytes, "] from ", packer);
+  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous(),
+              name, ": x must be contiguous [M, ", K, "]");
+  return {N, K};
+}
+
 #ifdef LLM_HAVE_AVX512BF16
 #define LLM_HAVE_Q4 1
-constexpr int64_t kQ4TileBytes = 320;
 constexpr int64_t kQ4GemvRows = 8;  // up to this many rows: vdpbf16ps, above: AMX
 
 struct Q4Scales {
@@ -151,7 +169,6 @@ void amx_q4_panels(const BFloat16* x, const uint8_t* packed, BFloat16* y, int64_
 
 #if defined(LLM_HAVE_AVX2) && defined(__F16C__)
 #define LLM_HAVE_Q4_F32 1
-constexpr int64_t kQ4F32Bytes = 320;
 constexpr int kQ4F32Rows = 6;  // rows of a register tile: 6 x 2 accumulators
 
 // The block's K inputs as fp32: panel[32 (16 kb + kp) + 8 g + i], g = lane group
@@ -174,8 +191,8 @@ struct PairScales {
 
 void q4_panel_f32(const uint8_t* t, int64_t KB, float* panel) {
   const __m128i mask = _mm_set1_epi8(0x0F);
-  for (int64_t kb = 0; kb < KB; ++kb, t += kQ4F32Bytes) {
-    prefetch_bytes(t + 4 * kQ4F32Bytes, kQ4F32Bytes);
+  for (int64_t kb = 0; kb < KB; ++kb, t += kQ4TileBytes) {
+    prefetch_bytes(t + 4 * kQ4TileBytes, kQ4TileBytes);
     const PairScales d(t + 256), m(t + 288);
     for (int kp = 0; kp < 16; ++kp, panel += 32) {
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + kp * 16));
@@ -216,7 +233,6 @@ void q4_tile_f32(const float* x, int64_t K, const float* panel, float* y, int64_
 
 // 8-bit tiles (q8_pack: the q bytes already in panel order, then 16 fp16 d): d * q,
 // exact in fp32, so again the weight bit for bit.
-constexpr int64_t kQ8Bytes = 544;
 
 void q8_panel_f32(const uint8_t* t, int64_t KB, float* panel) {
   for (int64_t kb = 0; kb < KB; ++kb, t += kQ8Bytes) {
@@ -257,6 +273,17 @@ void lowbit_f32_blocks(const float* x, const uint8_t* packed, float* y, int64_t 
     }
   }
 }
+
+// y = x @ W^T for fp32 rows, 16-channel blocks spread over the threads.
+template <void (*Panel)(const uint8_t*, int64_t, float*), int64_t TileBytes>
+void lowbit_f32(const at::Tensor& x, const uint8_t* packed, at::Tensor& y, int64_t N, int64_t K) {
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t M = x.size(0);
+  at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
+    lowbit_f32_blocks<Panel, TileBytes>(xp, packed, yp, M, N, K, b0, b1);
+  });
+}
 #endif
 
 }  // namespace
@@ -274,14 +301,7 @@ bool q4_available(at::ScalarType dtype) {
 // y [M, N] = x [M, K] @ W^T for a 4-bit packed W (layout above), in x's dtype:
 // bf16 (AVX512-BF16 builds) or fp32 (AVX2 builds and up).
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed) {
-  check_cpu(x, "x");
-  check_cpu(packed, "packed");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 320 && packed.scalar_type() == at::kByte &&
-                  packed.is_contiguous(),
-              "q4_linear: packed must be uint8 [N / 16, K / 32, 320] from q4_pack");
-  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous(),
-              "q4_linear: x must be contiguous [M, ", K, "]");
+  const auto [N, K] = lowbit_shape(x, packed, kQ4TileBytes, "q4_linear", "q4_pack");
   TORCH_CHECK(q4_available(x.scalar_type()), "q4_linear: no 4-bit kernel for ",
               x.scalar_type(), " rows in this kernel build (bf16 needs AVX512-BF16, ",
               "float32 AVX2 with F16C)");
@@ -291,11 +311,7 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed) {
   const uint8_t* pp = packed.data_ptr<uint8_t>();
 #ifdef LLM_HAVE_Q4_F32
   if (x.scalar_type() == at::kFloat) {
-    const float* xp = x.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
-      lowbit_f32_blocks<q4_panel_f32, kQ4F32Bytes>(xp, pp, yp, M, N, K, b0, b1);
-    });
+    lowbit_f32<q4_panel_f32, kQ4TileBytes>(x, pp, y, N, K);
     return y;
   }
 #endif
@@ -319,27 +335,15 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& packed) {
 
 // y [M, N] fp32 = x [M, K] fp32 @ W^T for an 8-bit packed W (q4.q8_pack).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& packed) {
-  check_cpu(x, "x");
-  check_cpu(packed, "packed");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 544 && packed.scalar_type() == at::kByte &&
-                  packed.is_contiguous(),
-              "q8_linear: packed must be uint8 [N / 16, K / 32, 544] from q8_pack");
-  const int64_t N = packed.size(0) * 16, K = packed.size(1) * 32;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.is_contiguous() &&
-                  x.scalar_type() == at::kFloat,
-              "q8_linear: x must be contiguous float32 [M, ", K, "]");
+  const auto [N, K] = lowbit_shape(x, packed, kQ8Bytes, "q8_linear", "q8_pack");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "q8_linear: x must be float32");
   TORCH_CHECK(q4_available(at::kFloat),
               "q8_linear: this kernel build has no AVX2 with F16C");
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
 #ifdef LLM_HAVE_Q4_F32
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* pp = packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / 16, 4, [&](int64_t b0, int64_t b1) {
-    lowbit_f32_blocks<q8_panel_f32, kQ8Bytes>(xp, pp, yp, M, N, K, b0, b1);
-  });
+  lowbit_f32<q8_panel_f32, kQ8Bytes>(x, packed.data_ptr<uint8_t>(), y, N, K);
 #endif
   return y;
 }
