@@ -290,21 +290,21 @@ def _small_row_threshold(
     return threshold, timings
 
 
-def _group_threshold(group: Sequence[Linear], name: str, choice: LinearChoice, rounds: int) -> int:
-    """The few-row threshold of the projections with a ``name`` (q4, q8) copy; the
-    timings go into ``choice``."""
-    rows, times = _small_row_threshold(group, rounds)
-    choice.timings_ms[f"{name}-group-large-streamed"] = times["large"]
-    choice.timings_ms[f"{name}-group-{name}-streamed"] = times.get("small", {})
-    return rows
+# the few-row paths, each with its own threshold field in LinearChoice (``<path>_max_rows``)
+FEW_ROW_PATHS = ("q4", "q8", "skinny")
+
+
+def _few_row_path(lin: Linear) -> str:
+    """Which few-row path ``lin`` takes: its 4-bit copy, its 8-bit copy, or the dense
+    skinny GEMV (the order ``Linear.__call__`` tries them in)."""
+    if lin.q4 is not None:
+        return "q4"
+    return "q8" if lin.q8 is not None else "skinny"
 
 
 def _few_rows(lin: Linear, choice: LinearChoice) -> int:
-    """The choice's few-row threshold for ``lin``'s group (its 4-bit, 8-bit or dense
-    few-row path)."""
-    if lin.q4 is not None:
-        return choice.q4_max_rows
-    return choice.q8_max_rows if lin.q8 is not None else choice.skinny_max_rows
+    """The choice's few-row threshold for ``lin``'s path."""
+    return int(getattr(choice, f"{_few_row_path(lin)}_max_rows"))
 
 
 def apply_choice(linears: Sequence[Linear], choice: LinearChoice) -> None:
@@ -347,17 +347,13 @@ def tune_linears(
         for lin in linears:
             lin.skinny_max_rows = 0
         large = _choose_packing(linears, choice, rounds)
-        q4 = [lin for lin in linears if lin.q4 is not None]
-        q8 = [lin for lin in linears if lin.q8 is not None]
-        dense = [lin for lin in linears if lin.q4 is None and lin.q8 is None]
-        if q4:
-            choice.q4_max_rows = _group_threshold(q4, "q4", choice, rounds)
-        if q8:
-            choice.q8_max_rows = _group_threshold(q8, "q8", choice, rounds)
-        if dense:
-            choice.skinny_max_rows, times = _small_row_threshold(dense, rounds)
-            choice.timings_ms["large-path-streamed"] = times["large"]
-            choice.timings_ms["skinny-streamed"] = times.get("small", {})
+        for path in FEW_ROW_PATHS:
+            group = [lin for lin in linears if _few_row_path(lin) == path]
+            if group:
+                rows, times = _small_row_threshold(group, rounds)
+                setattr(choice, f"{path}_max_rows", rows)
+                choice.timings_ms[f"{path}-group-large-streamed"] = times["large"]
+                choice.timings_ms[f"{path}-group-{path}-streamed"] = times.get("small", {})
     choice.timings_ms.update({f"{k}-streamed": v for k, v in large.items()})
     if log:
         logger.info("linear layers: %s (measured ms: %s)", choice.name, choice.timings_ms)
