@@ -446,14 +446,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
+def exit_on_signal(signum: int, _frame: object) -> None:
+    """A SIGTERM handler that unwinds like Ctrl-C, so started services stop by pid."""
     raise SystemExit(128 + signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # a SIGTERM unwinds like Ctrl-C: every started service is stopped by pid
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     from tokenizer_svc.tokenizer import TextTokenizer
 
     tok = TextTokenizer(default_model_dir())

@@ -40,7 +40,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.report import machine_facts, save_report
-from bench.stack_bench import Prompt, make_workload, our_stack
+from bench.stack_bench import Prompt, exit_on_signal, make_workload, our_stack, timed_completion
 from common.config import default_model_dir
 
 HOPS = ("grpc", "http", "inproc")
@@ -72,22 +72,6 @@ async def ttft_grpc(stub: Any, ids: list[int], max_tokens: int) -> float:
     return first - t0
 
 
-async def ttft_http(client: Any, text: str, max_tokens: int) -> float:
-    """Seconds from the openai client's request to its first chunk with text."""
-    t0 = time.perf_counter()
-    first = None
-    stream = await client.completions.create(
-        model="", prompt=text, max_tokens=max_tokens, stream=True, temperature=0,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-    async for event in stream:
-        if event.choices and event.choices[0].text and first is None:
-            first = time.perf_counter()
-    if first is None:
-        raise RuntimeError("the HTTP stream carried no text")
-    return first - t0
-
-
 async def through_stack(
     prompts: list[Prompt], ids: list[list[int]], max_tokens: int, bar: tqdm[Any]
 ) -> list[dict[str, float]]:
@@ -108,7 +92,8 @@ async def through_stack(
                     if hop == "grpc":
                         row["grpc"] = await ttft_grpc(stub, toks, max_tokens)
                     else:
-                        row["http"] = await ttft_http(client, p.text, max_tokens)
+                        timed = await timed_completion(client, "", p.text, max_tokens)
+                        row["http"] = timed.ttft_s
                     await asyncio.sleep(0.2)  # the engine idle again, as a lone user leaves it
                 rows.append(row)
                 bar.update()
@@ -188,10 +173,6 @@ def plot(rows: list[dict[str, float]], warmup: int, facts: dict[str, Any], path:
     plt.close(fig)
 
 
-def _exit_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--requests", type=int, default=14, help="prompts, warm-up included")
@@ -212,7 +193,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # a SIGTERM unwinds like Ctrl-C: every started service is stopped by pid
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     from tokenizer_svc.tokenizer import TextTokenizer
 
     tok = TextTokenizer(default_model_dir())

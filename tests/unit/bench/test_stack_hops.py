@@ -12,7 +12,8 @@ import pytest
 from aiohttp import web
 
 from bench.report import machine_facts
-from bench.stack_hops import parse_args, plot, summarize, ttft_http
+from bench.stack_bench import timed_completion
+from bench.stack_hops import parse_args, plot, summarize
 from tests.unit.bench.test_stack_bench import FakeOpenAI
 
 
@@ -46,7 +47,8 @@ def test_the_chart_is_written(tmp_path: Path) -> None:
 
 
 def _ttft_from(fake: FakeOpenAI, prompt: str, max_tokens: int) -> float:
-    """ttft_http through the openai client against ``fake`` on a loopback port."""
+    """The HTTP hop's timing (stack_bench's timed_completion, as stack_hops calls it)
+    through the openai client against ``fake`` on a loopback port."""
 
     async def run() -> float:
         app = web.Application()
@@ -57,7 +59,7 @@ def _ttft_from(fake: FakeOpenAI, prompt: str, max_tokens: int) -> float:
         port = runner.addresses[0][1]
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-k")
         try:
-            return await ttft_http(client, prompt, max_tokens)
+            return (await timed_completion(client, "", prompt, max_tokens)).ttft_s
         finally:
             await client.close()
             await runner.cleanup()
@@ -68,7 +70,7 @@ def _ttft_from(fake: FakeOpenAI, prompt: str, max_tokens: int) -> float:
 def test_the_http_hop_times_the_first_chunk_with_text() -> None:
     fake = FakeOpenAI(hold_tokens=-1, hold=1)
     seconds = _ttft_from(fake, "a prompt", 3)
-    assert 0 < seconds < 10
+    assert seconds > 0  # a time was taken; how long is not asserted
     body = fake.bodies[0]
     assert (body["prompt"], body["max_tokens"], body["stream"]) == ("a prompt", 3, True)
     assert body["temperature"] == 0
