@@ -159,42 +159,6 @@ def test_fp32_weights_get_the_4bit_copy_too(model_dir: Path) -> None:
 
 
 @needs_q4_f32
-@given(
-    rows=st.integers(1, 40), n16=st.integers(1, 4), k32=st.integers(1, 3), seed=st.integers(0, 99)
-)
-@settings(max_examples=30, deadline=None)
-def test_q4_linear_on_fp32_rows_is_the_dense_fp32_matmul(
-    rows: int, n16: int, k32: int, seed: int
-) -> None:
-    """Every register-tile height (1..6 rows and the remainders) and several blocks:
-    the panel's d * q + m is the fp32 weight bit for bit, so only the summation
-    order differs from the dense product."""
-    w = q4_weight(16 * n16, 32 * k32, seed)
-    packed = q4_pack(w)
-    assert packed is not None
-    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(seed))
-    got = ops.q4_linear(x, packed)
-    ref = (x.double() @ w.double().T).float()
-    assert got.dtype == torch.float32
-    assert got.shape == (rows, w.shape[0])
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-
-
-@needs_q4_f32
-def test_q4_fp32_channels_land_in_their_columns() -> None:
-    """Each row of x picks one input, so each output is one weight: any mix-up of the
-    pair order, the lane groups or the final lane permutation puts a value in the
-    wrong place, which a random product might average away."""
-    n, k = 48, 64
-    c, i = torch.arange(n)[:, None], torch.arange(k)[None, :]
-    w = ((c + 7 * i) % 16).float()  # every block holds 0..15: d = 1, m = 0
-    packed = q4_pack(w)
-    assert packed is not None
-    x = torch.eye(k)[:13]  # 13 rows: two full 6-row tiles and a 1-row remainder
-    assert torch.equal(ops.q4_linear(x, packed), w.T[:13])
-
-
-@needs_q4_f32
 def test_an_fp32_linear_serves_few_rows_from_its_4bit_copy() -> None:
     w = q4_weight(64, 64, 6)
     lin = Linear(w, q4=q4_pack(w))
@@ -239,33 +203,69 @@ def test_8bit_pack_refuses_weights_it_would_change() -> None:
     assert torch.equal(q8_unpack(packed), zero)
 
 
+def _q4_grid(n: int, k: int) -> torch.Tensor:
+    c, i = torch.arange(n)[:, None], torch.arange(k)[None, :]
+    return ((c + 7 * i) % 16).float()  # every block holds 0..15: d = 1, m = 0
+
+
+def _q8_grid(n: int, k: int) -> torch.Tensor:
+    c, i = torch.arange(n)[:, None], torch.arange(k)[None, :]
+    w = ((c * 31 + 7 * i) % 255 - 127).float()
+    w[:, 0::32] = 127.0  # d = 1 in every block
+    return w
+
+
+# the fp32 low-bit kernels: a weight of that width, its packer, its op, an integer grid
+FP32_WIDTHS = {
+    "q4": (q4_weight, q4_pack, ops.q4_linear, _q4_grid),
+    "q8": (q8_weight, q8_pack, ops.q8_linear, _q8_grid),
+}
+
+
 @needs_q4_f32
+@pytest.mark.parametrize("width", list(FP32_WIDTHS))
 @given(
     rows=st.integers(1, 40), n16=st.integers(1, 4), k32=st.integers(1, 3), seed=st.integers(0, 99)
 )
 @settings(max_examples=30, deadline=None)
-def test_q8_linear_is_the_dense_fp32_matmul(rows: int, n16: int, k32: int, seed: int) -> None:
-    w = q8_weight(16 * n16, 32 * k32, seed)
-    packed = q8_pack(w)
+def test_lowbit_linear_on_fp32_rows_is_the_dense_fp32_matmul(
+    width: str, rows: int, n16: int, k32: int, seed: int
+) -> None:
+    """Every register-tile height (1..6 rows and the remainders) and several blocks:
+    the panel (d * q + m, or d * q) is the fp32 weight bit for bit, so only the
+    summation order differs from the dense product."""
+    make, pack, linear, _ = FP32_WIDTHS[width]
+    w = make(16 * n16, 32 * k32, seed)
+    packed = pack(w)
     assert packed is not None
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(seed))
-    got = ops.q8_linear(x, packed)
+    got = linear(x, packed)
+    ref = (x.double() @ w.double().T).float()
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), atol=1e-5, rtol=1e-5)
+    assert got.shape == (rows, w.shape[0])
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
 @needs_q4_f32
-def test_q8_channels_land_in_their_columns() -> None:
-    n, k = 48, 64
-    c, i = torch.arange(n)[:, None], torch.arange(k)[None, :]
-    w = ((c * 31 + 7 * i) % 255 - 127).float()  # d = 1 wherever a block holds +-127
-    w[:, 0::32] = 127.0
-    packed = q8_pack(w)
+@pytest.mark.parametrize("width", list(FP32_WIDTHS))
+def test_lowbit_fp32_channels_land_in_their_columns(width: str) -> None:
+    """Each row of x picks one input, so each output is one weight: any mix-up of the
+    pair order, the lane groups or the final lane permutation puts a value in the
+    wrong place, which a random product might average away."""
+    _, pack, linear, grid = FP32_WIDTHS[width]
+    w = grid(48, 64)
+    packed = pack(w)
     assert packed is not None
-    x = torch.eye(k)[:13]
-    assert torch.equal(ops.q8_linear(x, packed), w.T[:13])
+    x = torch.eye(64)[:13]  # 13 rows: two full 6-row tiles and a 1-row remainder
+    assert torch.equal(linear(x, packed), w.T[:13])
+
+
+@needs_q4_f32
+def test_q8_linear_takes_fp32_rows_only() -> None:
+    packed = q8_pack(_q8_grid(16, 64))
+    assert packed is not None
     with pytest.raises(RuntimeError, match="q8_linear"):
-        ops.q8_linear(x.bfloat16(), packed)  # fp32 rows only
+        ops.q8_linear(torch.eye(64)[:2].bfloat16(), packed)
 
 
 @needs_q4_f32
