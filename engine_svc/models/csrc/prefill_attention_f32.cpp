@@ -58,47 +58,31 @@ void pack_f32(const PrefillSeq& s, const C* kc, const C* vc, int64_t kvh, int64_
 
 // c[6][16] (+)= a[6][n] b[n][16]: row i of a at a + i * lda, row k of b at b + k * ldb,
 // row i of c at c + i * ldc (aligned); ``load_c`` adds to c, else overwrites it. Per k,
-// two loads of b and 6 broadcasts of a feed 12 FMAs into named accumulators (held in an
-// array, gcc keeps a copy in memory and stores all 12 every k, which halves the rate).
-// Both products of a row block run on it: S = q K^T and O += P V.
+// two loads of b and 6 broadcasts of a feed 12 FMAs into 12 accumulator registers
+// (every loop over the rows unrolled: a loop gcc leaves rolled keeps the accumulators
+// in memory and halves the rate). Both products of a row block run on it: S = q K^T
+// and O += P V.
 inline void tile_6x16(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t n,
                       float* c, int64_t ldc, bool load_c) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  if (load_c) {
-    c00 = _mm256_load_ps(c), c01 = _mm256_load_ps(c + 8);
-    c10 = _mm256_load_ps(c + ldc), c11 = _mm256_load_ps(c + ldc + 8);
-    c20 = _mm256_load_ps(c + 2 * ldc), c21 = _mm256_load_ps(c + 2 * ldc + 8);
-    c30 = _mm256_load_ps(c + 3 * ldc), c31 = _mm256_load_ps(c + 3 * ldc + 8);
-    c40 = _mm256_load_ps(c + 4 * ldc), c41 = _mm256_load_ps(c + 4 * ldc + 8);
-    c50 = _mm256_load_ps(c + 5 * ldc), c51 = _mm256_load_ps(c + 5 * ldc + 8);
+  __m256 acc[kRowsF32][2];
+#pragma GCC unroll 8
+  for (int64_t i = 0; i < kRowsF32; ++i) {
+    acc[i][0] = load_c ? _mm256_load_ps(c + i * ldc) : _mm256_setzero_ps();
+    acc[i][1] = load_c ? _mm256_load_ps(c + i * ldc + 8) : _mm256_setzero_ps();
   }
   for (int64_t k = 0; k < n; ++k) {
     const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
-    __m256 x = _mm256_broadcast_ss(a + k);
-    c00 = _mm256_fmadd_ps(x, b0, c00);
-    c01 = _mm256_fmadd_ps(x, b1, c01);
-    x = _mm256_broadcast_ss(a + lda + k);
-    c10 = _mm256_fmadd_ps(x, b0, c10);
-    c11 = _mm256_fmadd_ps(x, b1, c11);
-    x = _mm256_broadcast_ss(a + 2 * lda + k);
-    c20 = _mm256_fmadd_ps(x, b0, c20);
-    c21 = _mm256_fmadd_ps(x, b1, c21);
-    x = _mm256_broadcast_ss(a + 3 * lda + k);
-    c30 = _mm256_fmadd_ps(x, b0, c30);
-    c31 = _mm256_fmadd_ps(x, b1, c31);
-    x = _mm256_broadcast_ss(a + 4 * lda + k);
-    c40 = _mm256_fmadd_ps(x, b0, c40);
-    c41 = _mm256_fmadd_ps(x, b1, c41);
-    x = _mm256_broadcast_ss(a + 5 * lda + k);
-    c50 = _mm256_fmadd_ps(x, b0, c50);
-    c51 = _mm256_fmadd_ps(x, b1, c51);
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < kRowsF32; ++i) {
+      const __m256 x = _mm256_broadcast_ss(a + i * lda + k);
+      acc[i][0] = _mm256_fmadd_ps(x, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(x, b1, acc[i][1]);
+    }
   }
-  const __m256 rows[kRowsF32][2] = {{c00, c01}, {c10, c11}, {c20, c21},
-                                    {c30, c31}, {c40, c41}, {c50, c51}};
+#pragma GCC unroll 8
   for (int64_t i = 0; i < kRowsF32; ++i) {
-    _mm256_store_ps(c + i * ldc, rows[i][0]);
-    _mm256_store_ps(c + i * ldc + 8, rows[i][1]);
+    _mm256_store_ps(c + i * ldc, acc[i][0]);
+    _mm256_store_ps(c + i * ldc + 8, acc[i][1]);
   }
 }
 
