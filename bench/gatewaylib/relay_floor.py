@@ -9,6 +9,11 @@ as it arrives. No authentication, limits, tokenizing on the request path (each
 distinct prompt is encoded once and remembered), routing, detokenization,
 retries or settling.
 
+With ``--engine-protocol vllm`` the engine is a stock VllmEngine server (smg-grpc-proto,
+``vllm serve --grpc``): the relay then makes the engine side's own ``Generate``
+(``bench.gatewaylib.sides.vllm_request``) and writes back each stream chunk's tokens,
+so over a stock engine too ``floor - engine`` is the one grpc.aio hop, beside SMG's.
+
 ``bench.gateway_bench`` runs it as the ``floor`` side beside the engine and the
 gateway: ``floor - engine`` is what one more grpc.aio hop costs on this machine
 (the part of the gateway's added latency no gateway logic can remove), and
@@ -20,18 +25,22 @@ from __future__ import annotations
 
 import argparse
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc  # type: ignore[import-untyped]
 
+from bench.gatewaylib.sides import vllm_chunks, vllm_request
 from common.config import ServiceConfig, add_service_args, default_model_dir, service_overrides
 from common.log import configure_logging
 from common.server import Context, ServiceHooks, run, run_service
 from common.service_auth import read_service_token, token_metadata
 from gateway.fleet.engine_client.base import CHANNEL_OPTIONS
-from llm.v1 import engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tokenizer_svc.tokenizer import TextTokenizer
 
+UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 MAX_REMEMBERED_PROMPTS = 64  # the bench sends one prompt; a bound keeps memory flat anyway
 
 
@@ -39,20 +48,24 @@ class RelayFloor(gateway_pb2_grpc.GatewayServicer):
     """Gateway.Generate as a bare relay to one engine.
 
     Args:
-        engine: The engine's stub (its channel is the caller's).
+        engine: The engine's stub (its channel is the caller's): ``llm.v1.Engine``'s, or
+            VllmEngine's when ``protocol`` is ``vllm``.
         tokenizer: Encodes a prompt the first time it is seen.
         call_metadata: Sent on every engine call beside ``x-request-id``.
+        protocol: ``llm`` or ``vllm``.
     """
 
     def __init__(
         self,
-        engine: engine_pb2_grpc.EngineAsyncStub,
+        engine: Any,
         tokenizer: TextTokenizer,
         call_metadata: tuple[tuple[str, str], ...] = (),
+        protocol: str = "llm",
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.call_metadata = call_metadata  # the service token, as the gateway sends it
+        self.protocol = protocol
         self._ids: dict[str, list[int]] = {}
 
     def prompt_ids(self, prompt: str) -> list[int]:
@@ -72,20 +85,25 @@ class RelayFloor(gateway_pb2_grpc.GatewayServicer):
         if not request.prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the floor relays prompts only")
         request_id = request.request_id or uuid.uuid4().hex
+        ids, max_tokens = self.prompt_ids(request.prompt), request.sampling.max_tokens
+        if self.protocol == "vllm":  # greedy, ignore_eos: the engine side's request
+            wire: Any = vllm_request(ids, max_tokens)
+        else:
+            sampling = engine_pb2.EngineSamplingParams(
+                max_tokens=max_tokens, ignore_eos=request.sampling.ignore_eos
+            )
+            wire = engine_pb2.EngineGenerateRequest(
+                request_id=request_id, prompt_token_ids=ids, sampling=sampling
+            )
         call = self.engine.Generate(
-            engine_pb2.EngineGenerateRequest(
-                request_id=request_id,
-                prompt_token_ids=self.prompt_ids(request.prompt),
-                sampling=engine_pb2.EngineSamplingParams(
-                    max_tokens=request.sampling.max_tokens, ignore_eos=request.sampling.ignore_eos
-                ),
-            ),
+            wire,
             timeout=context.time_remaining(),
             metadata=(("x-request-id", request_id), *self.call_metadata),
         )
+        chunks: AsyncIterator[Any] = vllm_chunks(call) if self.protocol == "vllm" else call
         sent_headers = False
         try:
-            async for resp in call:
+            async for resp in chunks:
                 if not sent_headers:  # as the gateway's front: headers with the first chunk
                     await context.send_initial_metadata((("x-request-id", request_id),))
                     sent_headers = True
@@ -93,7 +111,8 @@ class RelayFloor(gateway_pb2_grpc.GatewayServicer):
                     gateway_pb2.GenerateResponse(
                         request_id=request_id,
                         token_ids=resp.token_ids,
-                        finish_reason=resp.finish_reason,
+                        # a VllmEngine chunk has none
+                        finish_reason=getattr(resp, "finish_reason", UNSPECIFIED),
                     )
                 )
         except grpc.aio.AioRpcError as e:
@@ -114,6 +133,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_service_args(parser)
     parser.add_argument("--engine", required=True, help="the engine's host:port")
     parser.add_argument("--model-dir", help="the tokenizer's model directory")
+    parser.add_argument(
+        "--engine-protocol",
+        choices=["llm", "vllm"],
+        default="llm",
+        help="llm.v1.Engine (ours), or VllmEngine (a stock vLLM gRPC server)",
+    )
     args = parser.parse_args(argv)
     cfg = ServiceConfig(**{k: v for k, v in service_overrides(args).items() if v is not None})
     configure_logging("relay-floor", cfg.log_level, cfg.log_format)
@@ -122,7 +147,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     def register(server: grpc.aio.Server) -> list[str]:
         channel = grpc.aio.insecure_channel(args.engine, options=CHANNEL_OPTIONS)
         token = token_metadata(read_service_token(cfg.service_token_file))
-        floor = RelayFloor(engine_pb2_grpc.EngineStub(channel), tokenizer, token)
+        vllm = args.engine_protocol == "vllm"
+        stub = vllm_grpc.VllmEngineStub(channel) if vllm else engine_pb2_grpc.EngineStub(channel)
+        floor = RelayFloor(stub, tokenizer, token, args.engine_protocol)
         gateway_pb2_grpc.add_GatewayServicer_to_server(floor, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 

@@ -7,11 +7,12 @@ from vLLM's venv), nothing of ours inside it. The gateway reaches it as
 and the model's tokenizer of its own, as ``make run``); SMG (``bench.gatewaylib.smg``)
 reaches the same server as ``grpc://host:port`` and tokenizes with the same
 directory. The sides (``bench.gatewaylib.sides``): ``engine`` (VllmEngine's Generate,
-direct), ``gateway`` (our gRPC front), ``http`` (our OpenAI HTTP front, streamed) and
-``smg`` (SMG's OpenAI HTTP API, the same request). The CPU of each side is charged to
-the process in front of the engine there: the gateway's (with its workers) on
-engine, gateway and http (on engine: its background work, health and stats polls),
-SMG's on smg.
+direct), ``floor`` (the bare grpc.aio relay, ``bench.gatewaylib.relay_floor``, making
+the engine side's call), ``gateway`` (our gRPC front), ``http`` (our OpenAI HTTP front,
+streamed) and ``smg`` (SMG's OpenAI HTTP API, the same request). The CPU of each side
+is charged to the process in front of the engine there: the relay's on floor, the
+gateway's (with its workers) on engine, gateway and http (on engine: its background
+work, health and stats polls), SMG's on smg.
 """
 
 from __future__ import annotations
@@ -29,9 +30,7 @@ from common.config import default_model_dir
 from common.redis_server import free_port
 from deploy.stock_vllm import StockVllm
 
-STOCK_SIDES = ["engine", "gateway", "http", "smg"]
-# what each front adds is read against the engine side, per round
-FRONTS = ("gateway", "http", "smg")
+STOCK_SIDES = ["engine", "floor", "gateway", "http", "smg"]
 
 
 @dataclass
@@ -46,8 +45,8 @@ class StockRun:
 
 
 def cpu_owner(side: str) -> str:
-    """Which process a side's CPU time is read from: ``smg`` or ``gateway``."""
-    return "smg" if side == "smg" else "gateway"
+    """Which process a side's CPU time is read from: ``smg``, ``floor`` or ``gateway``."""
+    return side if side in ("smg", "floor") else "gateway"
 
 
 @contextlib.contextmanager
@@ -60,8 +59,8 @@ def stock_stack(
 ) -> Iterator[StockRun]:
     """The stock vLLM server (``engine_dtype``: its ``--dtype``; on ``engine_cpus``, its
     OpenMP threads bound to them), then Redis, the tokenizer and the gateway over it as
-    ``vllm://``, then SMG over it (both proxies on ``proxy_cpus``); everything stopped
-    on exit, by pid, last started first."""
+    ``vllm://``, the bare relay over it, then SMG over it (the proxies on
+    ``proxy_cpus``); everything stopped on exit, by pid, last started first."""
     model_dir = default_model_dir()
     with contextlib.ExitStack() as closing:
         engine = StockVllm(model_dir, port=free_port(), log_dir=log_dir, dtype=engine_dtype)
@@ -85,6 +84,9 @@ def stock_stack(
         stack.engines.append(f"vllm://{engine.address}")
         stack.start()
         closing.callback(stack.stop)
+        relay = ["--engine", engine.address, "--model-dir", str(model_dir)]
+        relay += ["--engine-protocol", "vllm"]
+        floor = stack.service("floor", "bench.gatewaylib.relay_floor", relay, proxy=True)
         smg = SmgProcess([f"grpc://{engine.address}"], model_dir, log_dir)
         with on_cpus(proxy_cpus):
             smg.start()
@@ -92,18 +94,20 @@ def stock_stack(
         gw = stack.procs["bench-gateway"].proc
         assert gw is not None  # started above
         assert smg.proc is not None
+        assert floor.proc is not None
         yield StockRun(
             stack=stack,
             addresses={
                 "engine": engine.address,
                 "engine_protocol": "vllm",
+                "floor": floor.address,
                 "gateway": stack.gateway,
                 "http": stack.http,
                 "smg": smg.url,
                 "smg_model": engine.served_model_name or model_dir.name,
                 "gateway_metrics": stack.metrics_url("bench-gateway"),
             },
-            proxies={"gateway": gw.pid, "smg": smg.proc.pid},
+            proxies={"gateway": gw.pid, "smg": smg.proc.pid, "floor": floor.proc.pid},
             facts={
                 "engine_server": "stock vLLM gRPC server (vllm.entrypoints.launchers.grpc_server, "
                 "smg-grpc-servicer)",

@@ -51,13 +51,14 @@ def test_the_stock_engine_defaults_to_bfloat16_unless_a_dtype_is_named() -> None
 
 
 def test_each_engine_has_its_sides_report_and_cpu_owners() -> None:
-    assert gateway_bench.bench_sides("stock-vllm") == ["engine", "gateway", "http", "smg"]
+    assert gateway_bench.bench_sides("stock-vllm") == ["engine", "floor", "gateway", "http", "smg"]
     assert gateway_bench.bench_sides("model") == SIDES
     assert "smg" not in gateway_bench.bench_sides("stub")
     assert gateway_bench.report_name("stock-vllm") == "gateway_bench_stock_vllm"
     assert gateway_bench.report_name("model") == "gateway_bench"
     assert gateway_bench.cpu_owners("stock-vllm") == {
         "engine": "gateway",
+        "floor": "floor",
         "gateway": "gateway",
         "http": "gateway",
         "smg": "smg",
@@ -132,12 +133,12 @@ def test_main_starts_the_stack_measures_saves_and_stops(
     assert FakeStack.stopped
 
 
-def test_main_over_the_stock_engine_measures_its_four_sides_and_closes_them(
+def test_main_over_the_stock_engine_measures_its_five_sides_and_closes_them(
     monkeypatch: pytest.MonkeyPatch, fake_results: dict[str, Any]
 ) -> None:
     seen: dict[str, Any] = {}
     addresses = {"gateway": "127.0.0.1:1", "gateway_metrics": "u", "smg": "http://x"}
-    proxies = {"gateway": 11, "smg": 22}
+    proxies = {"gateway": 11, "smg": 22, "floor": 33}
 
     @contextlib.contextmanager
     def stock_stack(log_dir: Path, *rest: Any) -> Iterator[StockRun]:
@@ -169,7 +170,7 @@ def test_main_over_the_stock_engine_measures_its_four_sides_and_closes_them(
     gateway_bench.main(["--engine", "stock-vllm", "--rounds", "1", "--pairs", "0"])
     assert seen["stack"] == ("bfloat16", None, 1, None)
     assert seen["warmed"] == STOCK_SIDES
-    pids = {"engine": 11, "gateway": 11, "http": 11, "smg": 22}
+    pids = {"engine": 11, "floor": 33, "gateway": 11, "http": 11, "smg": 22}
     assert seen["measure"] == ("sk-adm", [7, 8], pids, STOCK_SIDES, proxies)
     assert seen["name"] == "gateway_bench_stock_vllm"
     assert (seen["report"]["engine"], seen["report"]["engine_dtype"]) == ("stock-vllm", "bfloat16")

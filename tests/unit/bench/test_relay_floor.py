@@ -4,12 +4,15 @@ Real grpc.aio servers on loopback: a scripted Engine, and the floor before it.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb  # type: ignore[import-untyped]
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc  # type: ignore[import-untyped]
 
 from bench.gatewaylib.relay_floor import RelayFloor
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
@@ -51,31 +54,46 @@ class ScriptedEngine(engine_pb2_grpc.EngineServicer):
             raise
 
 
-@pytest.fixture
-async def relay(
+@contextlib.asynccontextmanager
+async def floor_before(
+    engine: Any,
+    add_engine: Callable[[Any, grpc.aio.Server], None],
+    stub_of: Callable[[grpc.aio.Channel], Any],
     model_dir: Path,
-) -> AsyncIterator[tuple[ScriptedEngine, gateway_pb2_grpc.GatewayAsyncStub]]:
-    engine = ScriptedEngine()  # type: ignore[abstract]  # Generate only
+    **floor_args: Any,
+) -> AsyncIterator[gateway_pb2_grpc.GatewayAsyncStub]:
+    """A scripted engine server, the floor in front of it, and a client of the floor."""
     engine_server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(engine, engine_server)
+    add_engine(engine, engine_server)
     engine_port = engine_server.add_insecure_port("127.0.0.1:0")
     await engine_server.start()
     engine_channel = grpc.aio.insecure_channel(f"127.0.0.1:{engine_port}")
-    floor = RelayFloor(
-        engine_pb2_grpc.EngineStub(engine_channel), TextTokenizer(model_dir), (("x-token", "t"),)
-    )
+    floor = RelayFloor(stub_of(engine_channel), TextTokenizer(model_dir), **floor_args)
     floor_server = grpc.aio.server()
     gateway_pb2_grpc.add_GatewayServicer_to_server(floor, floor_server)
     floor_port = floor_server.add_insecure_port("127.0.0.1:0")
     await floor_server.start()
     client = grpc.aio.insecure_channel(f"127.0.0.1:{floor_port}")
     try:
-        yield engine, gateway_pb2_grpc.GatewayStub(client)
+        yield gateway_pb2_grpc.GatewayStub(client)
     finally:
         await client.close(None)
         await floor_server.stop(0)
         await engine_channel.close(None)
         await engine_server.stop(0)
+
+
+@pytest.fixture
+async def relay(
+    model_dir: Path,
+) -> AsyncIterator[tuple[ScriptedEngine, gateway_pb2_grpc.GatewayAsyncStub]]:
+    engine = ScriptedEngine()  # type: ignore[abstract]  # Generate only
+    add = engine_pb2_grpc.add_EngineServicer_to_server
+    metadata = (("x-token", "t"),)
+    async with floor_before(
+        engine, add, engine_pb2_grpc.EngineStub, model_dir, call_metadata=metadata
+    ) as stub:
+        yield engine, stub
 
 
 def generate(prompt: str, max_tokens: int, request_id: str = "") -> gateway_pb2.GenerateRequest:
@@ -148,3 +166,38 @@ async def test_a_request_without_a_prompt_is_refused(
         _ = [c async for c in stub.Generate(chat)]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert engine.requests == []
+
+
+class ScriptedVllm(vllm_grpc.VllmEngineServicer):  # type: ignore[misc]
+    """VllmEngine's Generate as the stock server streams it: one chunk per token, then
+    a GenerateComplete repeating the last delta's tokens."""
+
+    def __init__(self) -> None:
+        self.requests: list[vllm_pb.GenerateRequest] = []
+
+    async def Generate(  # type: ignore[override]
+        self, request: vllm_pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[vllm_pb.GenerateResponse]:
+        self.requests.append(request)
+        n = request.sampling_params.max_tokens
+        for i in range(n):
+            yield vllm_pb.GenerateResponse(chunk=vllm_pb.GenerateStreamChunk(token_ids=[200 + i]))
+        last = vllm_pb.GenerateComplete(output_ids=[200 + n - 1], finish_reason="length")
+        yield vllm_pb.GenerateResponse(complete=last)
+
+
+async def test_over_a_vllm_engine_the_relay_makes_its_call_and_relays_its_chunks(
+    model_dir: Path,
+) -> None:
+    engine = ScriptedVllm()
+    add = vllm_grpc.add_VllmEngineServicer_to_server
+    async with floor_before(
+        engine, add, vllm_grpc.VllmEngineStub, model_dir, protocol="vllm"
+    ) as stub:
+        chunks = [c async for c in stub.Generate(generate("The sea and the wind", 3))]
+    # the closing GenerateComplete repeats the last token: not relayed again
+    assert [list(c.token_ids) for c in chunks] == [[200], [201], [202]]
+    sent = engine.requests[0]
+    assert list(sent.tokenized.input_ids) == TextTokenizer(model_dir).encode("The sea and the wind")
+    p = sent.sampling_params
+    assert (p.max_tokens, p.ignore_eos, p.temperature, sent.stream) == (3, True, 0.0, True)
