@@ -24,6 +24,9 @@
                                                          (no tokenizer call, no Redis)
     gateway_replica_outstanding{replica}                 calls in flight per replica
     gateway_replica_healthy{replica}                     1 when health says SERVING
+    gateway_prefix_index_blocks{replica}                 KV blocks the replica's events
+                                                         put in the gateway's prefix
+                                                         index (0: no events offered)
     gateway_in_flight                                    requests being served
     gateway_tokenizers                                   distinct model tokenizers held
 
@@ -193,6 +196,12 @@ OUTSTANDING = Gauge(
     "gateway_replica_outstanding", "Engine calls in flight per replica", ["replica"]
 )
 HEALTHY = Gauge("gateway_replica_healthy", "1 when the replica's health is SERVING", ["replica"])
+PREFIX_INDEX_BLOCKS = Gauge(
+    "gateway_prefix_index_blocks",
+    "KV blocks the replica's KV events put in the gateway's prefix index (set every stats "
+    "poll; 0 where the engine offers no events)",
+    ["replica"],
+)
 IN_FLIGHT = Gauge("gateway_in_flight", "Generate requests being served")
 TOKENIZERS = Gauge(
     "gateway_tokenizers", "Distinct model tokenizers held (fetched from the engines by digest)"
@@ -266,7 +275,8 @@ def count_denial(tenant: str, denied: Dimension) -> None:
 
 def forget_replica(address: str) -> None:
     """Drop the series of an engine replica that left the pool (its breaker state,
-    health and outstanding calls), so no alert fires on a replica that is gone."""
-    for gauge in (BREAKER_STATE, HEALTHY, OUTSTANDING):
+    health, outstanding calls and prefix index), so no alert fires on a replica that is
+    gone."""
+    for gauge in (BREAKER_STATE, HEALTHY, OUTSTANDING, PREFIX_INDEX_BLOCKS):
         with contextlib.suppress(KeyError):
             gauge.remove(address)

@@ -160,6 +160,7 @@ class Replica:
         while True:
             await asyncio.sleep(self.stats_interval_s)
             metrics.BREAKER_STATE.labels(self.address).set(int(self.breaker.state))
+            metrics.PREFIX_INDEX_BLOCKS.labels(self.address).set(self.client.prefix_blocks())
             if not self.healthy:
                 continue
             try:

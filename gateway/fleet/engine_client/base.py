@@ -94,6 +94,11 @@ class EngineClient(Protocol):
         events said (0 where the protocol or the engine offers none)."""
         ...
 
+    def prefix_blocks(self) -> int:
+        """KV blocks the engine's events put in this client's prefix index (0 where the
+        protocol or the engine offers none): whether the events reach the gateway."""
+        ...
+
     async def tokenizer_files(self, digest: str, timeout_s: float) -> tuple[str, dict[str, bytes]]:
         """The tokenizer's digest and files (``digest``: the one ModelInfo announced,
         "" where the protocol announces none).

@@ -79,6 +79,9 @@ class LlmV1Client:
     def cached_tokens(self, prompt: PromptBlocks) -> int:
         return 0  # llm.v1.Engine streams no KV events
 
+    def prefix_blocks(self) -> int:
+        return 0
+
     async def tokenizer_files(self, digest: str, timeout_s: float) -> tuple[str, dict[str, bytes]]:
         files: dict[str, bytearray] = {}
         sizes: dict[str, int] = {}

@@ -351,6 +351,9 @@ class StandardClient:
     def cached_tokens(self, prompt: PromptBlocks) -> int:
         return self.prefix_index.match(prompt, self.wire_salt(prompt.cache_salt))
 
+    def prefix_blocks(self) -> int:
+        return len(self.prefix_index)
+
     def recent_load(self, max_age_s: float) -> Any | None:
         """The engine's last load record from its KV event stream (``EngineLoad``) if
         it came within ``max_age_s``, else None."""

