@@ -10,12 +10,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 from smg_grpc_proto.generated import common_pb2  # type: ignore[import-untyped]
 from smg_grpc_proto.generated import (  # type: ignore[import-untyped]
     trtllm_service_pb2_grpc as pb_grpc,
 )
 
 from common.breaker import BreakerPolicy, CircuitBreaker
+from gateway import metrics
 from gateway.config import PREFIX_WEIGHT
 from gateway.fleet.engine_client.kv_events import (
     PrefixIndex,
@@ -196,3 +198,24 @@ async def test_the_pool_prefers_the_replica_holding_the_prompt(
     finally:
         await health.aclose()
         await other.close()
+
+
+def index_gauge(replica: str) -> float | None:
+    return REGISTRY.get_sample_value("gateway_prefix_index_blocks", {"replica": replica})
+
+
+async def test_the_replica_reports_its_prefix_index_size_until_it_leaves(
+    kv_engine: tuple[KvScripted, TrtllmClient, str],
+) -> None:
+    servicer, client, _ = kv_engine
+    servicer.streams = [[batch(1, stored(51, [0, 1, 2, 3]), stored(52, [4, 5, 6, 7], parent=51))]]
+    name = "trtllm://gauge:1"
+    replica = Replica(name, CircuitBreaker(name, BreakerPolicy()), 0.02, client=client)
+    replica.start()  # its health watch subscribes; its stats poll sets the gauge
+    try:
+        await until("the index's size on /metrics", lambda: index_gauge(name) == 2)
+        assert client.prefix_blocks() == 2
+    finally:
+        await replica.close()
+    metrics.forget_replica(name)
+    assert index_gauge(name) is None  # no series left for a replica that is gone
