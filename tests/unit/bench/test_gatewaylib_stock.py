@@ -1,7 +1,7 @@
 """bench.gatewaylib.stock, .smg and the stock sides of .sides, .measure, .report and
 .plot: the VllmEngine side over a real grpc.aio server, the smg side over a real
 HTTP server, SMG's command line and readiness, and what the report makes of the
-four sides (engine, gateway, http, smg)."""
+five sides (engine, floor, gateway, http, smg)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from tests.unit.bench.fakes import bench_args
 
 # to the first token (s): what each stock side's fake answers with; HTTP sides' first
 # token is their first text event
-STOCK_TTFT = {"engine": 0.100, "gateway": 0.102, "http": 0.104, "smg": 0.107}
+STOCK_TTFT = {"engine": 0.100, "floor": 0.101, "gateway": 0.102, "http": 0.104, "smg": 0.107}
 
 
 class FakeVllm(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
@@ -179,7 +179,8 @@ def test_smg_is_ready_once_it_lists_a_model() -> None:
 
 
 def test_each_sides_cpu_is_the_proxy_in_front_of_the_engine() -> None:
-    assert [cpu_owner(s) for s in STOCK_SIDES] == ["gateway", "gateway", "gateway", "smg"]
+    owners = [cpu_owner(s) for s in STOCK_SIDES]
+    assert owners == ["gateway", "floor", "gateway", "gateway", "smg"]
 
 
 @contextlib.asynccontextmanager
@@ -193,7 +194,7 @@ async def stock_fake_client(side: str, *_: Any, **__: Any) -> AsyncIterator[OneR
 
 @pytest.fixture
 def stock_results(monkeypatch: pytest.MonkeyPatch, fake_sides: list[str]) -> dict[str, Any]:
-    """measure() over the four stock sides, each answering with STOCK_TTFT."""
+    """measure() over the five stock sides, each answering with STOCK_TTFT."""
     monkeypatch.setattr(measure_mod, "side_client", stock_fake_client)
     # this process stands in for both proxies: its CPU is real, so every run records it
     me = os.getpid()
@@ -230,23 +231,25 @@ def test_measure_reads_what_each_front_adds_over_the_engine(
         res = stock_results[conc]
         assert list(res["by_round"]) == STOCK_SIDES
         added = res["added_vs_engine"]
-        assert set(added) == {"gateway", "http", "smg"}
+        assert set(added) == {"floor", "gateway", "http", "smg"}
+        assert added["floor"]["ttft_p50_ms"] == pytest.approx(1.0)
         assert added["gateway"]["ttft_p50_ms"] == pytest.approx(2.0)
         assert added["http"]["ttft_p50_ms"] == pytest.approx(4.0)
         assert added["smg"]["ttft_p50_ms"] == pytest.approx(7.0)
         assert added["smg"]["itl_p50_ms"] == pytest.approx(0.0)
-        assert "floor_added" not in res
+        assert res["floor_added"]["ttft_p50_ms"] == pytest.approx(1.0)
+        assert res["gateway_vs_floor"]["ttft_p50_ms"] == pytest.approx(1.0)
         row = res["by_round"]["smg"][0]
         assert row["requests"] == (3 if conc == "c1" else 4)
         assert row["run_s"] > 0
         assert row["gateway_cpu_s"] >= 0
         # every side charged to the one proxy: each has a net figure, the engine none
-        assert set(res["net_cpu_ms_per_request"]) == {"gateway", "http", "smg"}
+        assert set(res["net_cpu_ms_per_request"]) == {"floor", "gateway", "http", "smg"}
         assert all(math.isfinite(v) for v in res["net_cpu_ms_per_request"].values())
         assert res["http_vs_grpc"]["first_text_p50_ms"] == pytest.approx(2.0)
         assert res["smg_vs_http"]["ttft_p50_ms"] == pytest.approx(3.0)
     paired = stock_results["c1_paired"]
-    assert "floor_minus_engine_ttft" not in paired
+    assert paired["floor_minus_engine_ttft"]["floor"]["p50_ms"] == pytest.approx(1.0)
     assert paired["minus_engine_ttft"]["smg"]["p50_ms"] == pytest.approx(7.0)
     assert set(paired["front_minus_grpc_first_text"]) == {"http", "smg"}
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import grpc
 import pytest
-from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb  # type: ignore[import-untyped]
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc  # type: ignore[import-untyped]
 
 from bench.gatewaylib.relay_floor import RelayFloor
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from tests.unit.bench.test_gatewaylib_stock import FakeVllm
 from tokenizer_svc.tokenizer import TextTokenizer
 
 
@@ -168,35 +168,17 @@ async def test_a_request_without_a_prompt_is_refused(
     assert engine.requests == []
 
 
-class ScriptedVllm(vllm_grpc.VllmEngineServicer):  # type: ignore[misc]
-    """VllmEngine's Generate as the stock server streams it: one chunk per token, then
-    a GenerateComplete repeating the last delta's tokens."""
-
-    def __init__(self) -> None:
-        self.requests: list[vllm_pb.GenerateRequest] = []
-
-    async def Generate(  # type: ignore[override]
-        self, request: vllm_pb.GenerateRequest, context: Any
-    ) -> AsyncIterator[vllm_pb.GenerateResponse]:
-        self.requests.append(request)
-        n = request.sampling_params.max_tokens
-        for i in range(n):
-            yield vllm_pb.GenerateResponse(chunk=vllm_pb.GenerateStreamChunk(token_ids=[200 + i]))
-        last = vllm_pb.GenerateComplete(output_ids=[200 + n - 1], finish_reason="length")
-        yield vllm_pb.GenerateResponse(complete=last)
-
-
 async def test_over_a_vllm_engine_the_relay_makes_its_call_and_relays_its_chunks(
     model_dir: Path,
 ) -> None:
-    engine = ScriptedVllm()
+    engine = FakeVllm()  # one chunk per token, then a GenerateComplete repeating the last
     add = vllm_grpc.add_VllmEngineServicer_to_server
     async with floor_before(
         engine, add, vllm_grpc.VllmEngineStub, model_dir, protocol="vllm"
     ) as stub:
         chunks = [c async for c in stub.Generate(generate("The sea and the wind", 3))]
     # the closing GenerateComplete repeats the last token: not relayed again
-    assert [list(c.token_ids) for c in chunks] == [[200], [201], [202]]
+    assert [list(c.token_ids) for c in chunks] == [[100], [101], [102]]
     sent = engine.requests[0]
     assert list(sent.tokenized.input_ids) == TextTokenizer(model_dir).encode("The sea and the wind")
     p = sent.sampling_params
