@@ -116,6 +116,7 @@ def test_releases_dashboard_covers_replicas_rollbacks_and_budgets() -> None:
         "gateway_routing_rollbacks_total",
         "gateway_replica_healthy",
         "gateway_breaker_state",
+        "gateway_prefix_index_blocks",
         "engine_model_info",
         "ratelimit_budget_used_ratio",
         "ratelimit_budget_events_total",
