@@ -16,6 +16,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc  # type: 
 from bench.gatewaylib.relay_floor import RelayFloor
 from llm.v1 import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.unit.bench.test_gatewaylib_stock import FakeVllm
+from tests.unit.gateway.fleet.engine_client.scripted import start
 from tokenizer_svc.tokenizer import TextTokenizer
 
 
@@ -63,17 +64,11 @@ async def floor_before(
     **floor_args: Any,
 ) -> AsyncIterator[gateway_pb2_grpc.GatewayAsyncStub]:
     """A scripted engine server, the floor in front of it, and a client of the floor."""
-    engine_server = grpc.aio.server()
-    add_engine(engine, engine_server)
-    engine_port = engine_server.add_insecure_port("127.0.0.1:0")
-    await engine_server.start()
-    engine_channel = grpc.aio.insecure_channel(f"127.0.0.1:{engine_port}")
+    engine_server, engine_address = await start(add_engine, engine)
+    engine_channel = grpc.aio.insecure_channel(engine_address)
     floor = RelayFloor(stub_of(engine_channel), TextTokenizer(model_dir), **floor_args)
-    floor_server = grpc.aio.server()
-    gateway_pb2_grpc.add_GatewayServicer_to_server(floor, floor_server)
-    floor_port = floor_server.add_insecure_port("127.0.0.1:0")
-    await floor_server.start()
-    client = grpc.aio.insecure_channel(f"127.0.0.1:{floor_port}")
+    floor_server, floor_address = await start(gateway_pb2_grpc.add_GatewayServicer_to_server, floor)
+    client = grpc.aio.insecure_channel(floor_address)
     try:
         yield gateway_pb2_grpc.GatewayStub(client)
     finally:
