@@ -3,8 +3,9 @@ and through its OpenAI-compatible HTTP front (SSE), side by side.
 
     python -m bench.gateway_bench [--rounds 3] [--requests-c1 16] [--requests-c32 64]
                                   [--max-tokens 16] [--pairs 100]
-                                  [--engine model|stub|stock-vllm]
-                                  [--stub-first-token-ms 0] [--engine-cores 0]
+                                  [--engine model|stub|stock-vllm|stub-vllm]
+                                  [--stub-first-token-ms 0] [--stub-token-gap-ms 0]
+                                  [--engine-cores 0]
                                   [--proxy-cores 0]
 
 Starts Redis, tokenizer_svc, one engine replica, a bare relay and ``python -m gateway``
@@ -34,7 +35,11 @@ the gateway (as ``vllm://``) and under SMG, the ``smg`` wheel's gateway, side by
 (``bench.gatewaylib.stock``): the sides are engine (VllmEngine's Generate), gateway,
 http and smg (SMG's OpenAI API, the http side's request), and each side's CPU per
 request is that of the process in front of the engine (the gateway with its workers,
-or SMG). It writes gateway_bench_stock_vllm.json and .png.
+or SMG). It writes gateway_bench_stock_vllm.json and .png. ``--engine stub-vllm`` runs
+the same five sides over the stub engine speaking VllmEngine (no model, no CPU of its
+own, first token and later tokens held as ``--stub-first-token-ms`` and
+``--stub-token-gap-ms`` say): the two gateways' difference without the engine's jitter or
+its competition for the cores, on any CPU (gateway_bench_stub_vllm.json and .png).
 
 Writes bench/reports/gateway_bench.json and .png (``bench.gatewaylib.report``, ``.plot``);
 every run prints the headline table: per concurrency and side, TTFT p50, what the side
@@ -58,7 +63,13 @@ from bench.gatewaylib.plot import plot
 from bench.gatewaylib.report import build_report, print_summary
 from bench.gatewaylib.sides import PROMPT, SIDES
 from bench.gatewaylib.stack import ENGINE_MODULES, make_key, start_stack
-from bench.gatewaylib.stock import STOCK_SIDES, cpu_owner, stock_stack
+from bench.gatewaylib.stock import (
+    STOCK_ENGINES,
+    STOCK_SIDES,
+    StubTiming,
+    cpu_owner,
+    stock_stack,
+)
 from bench.loadlib.spawn import on_cpus
 from bench.report import save_report
 from common.config import default_model_dir
@@ -69,18 +80,20 @@ STOCK = "stock-vllm"
 
 def bench_sides(engine: str) -> list[str]:
     """The sides a run measures over ``engine``."""
-    return list(STOCK_SIDES) if engine == STOCK else list(SIDES)
+    return list(STOCK_SIDES) if engine in STOCK_ENGINES else list(SIDES)
 
 
 def report_name(engine: str) -> str:
-    """The report's name under bench/reports (the stock run keeps its own)."""
-    return "gateway_bench_stock_vllm" if engine == STOCK else "gateway_bench"
+    """The report's name under bench/reports (each VllmEngine run keeps its own)."""
+    if engine in STOCK_ENGINES:
+        return "gateway_bench_" + engine.replace("-", "_")
+    return "gateway_bench"
 
 
 def cpu_owners(engine: str) -> dict[str, str]:
     """Which proxy's CPU time each side is charged: the process in front of the engine
     there (on the engine side, the gateway's background)."""
-    if engine == STOCK:
+    if engine in STOCK_ENGINES:
         return {s: cpu_owner(s) for s in STOCK_SIDES}
     return {s: "floor" if s == "floor" else "gateway" for s in SIDES}
 
@@ -106,20 +119,29 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--engine",
-        choices=[*sorted(ENGINE_MODULES), STOCK],
+        choices=[*sorted(ENGINE_MODULES), *STOCK_ENGINES],
         default="model",
         help="model: the real engine; stub: the engine service with no model behind it "
         "(tokens at once), so both sides differ by the gateway alone, without the "
         "model's jitter (bench.gatewaylib.stub_engine); stock-vllm: the stock vLLM gRPC "
-        "server with the gateway and SMG in front of it (bench.gatewaylib.stock)",
+        "server with the gateway and SMG in front of it (bench.gatewaylib.stock); "
+        "stub-vllm: the stub engine speaking VllmEngine with the gateway and SMG in "
+        "front of it, so the two gateways differ by themselves alone",
     )
     parser.add_argument(
         "--stub-first-token-ms",
         type=float,
         default=0.0,
-        help="with --engine stub: hold each first token this long (a prefill's wait, no "
+        help="with a stub engine: hold each first token this long (a prefill's wait, no "
         "CPU), so what the gateway overlaps with the engine's start is hidden as behind "
         "a real model",
+    )
+    parser.add_argument(
+        "--stub-token-gap-ms",
+        type=float,
+        default=0.0,
+        help="with a stub engine: space the later tokens this far apart (a decode step's "
+        "wait, no CPU); 0 = back to back",
     )
     parser.add_argument(
         "--pairs",
@@ -172,16 +194,21 @@ def open_sides(
     log_dir = Path(tempfile.mkdtemp(prefix="gw-bench-"))
     engine_cpus = split.engine if split else None
     proxy_cpus = split.proxy if split else None
-    if args.engine == STOCK:
+    if args.engine in STOCK_ENGINES:
+        stub = None
+        if args.engine != STOCK:
+            stub = StubTiming(args.stub_first_token_ms, args.stub_token_gap_ms)
         run = closing.enter_context(
-            stock_stack(log_dir, args.engine_dtype, engine_cpus, args.gateway_workers, proxy_cpus)
+            stock_stack(
+                log_dir, args.engine_dtype, engine_cpus, args.gateway_workers, proxy_cpus, stub
+            )
         )
         return run.stack.admin_key, run.addresses, run.proxies, run.facts
     stack, addresses = start_stack(
         log_dir,
         args.engine_dtype,
         args.engine,
-        args.stub_first_token_ms,
+        StubTiming(args.stub_first_token_ms, args.stub_token_gap_ms),
         engine_cpus,
         args.gateway_workers,
         proxy_cpus,

@@ -75,6 +75,7 @@ def build_report(
 ) -> dict[str, Any]:
     """The report of one run: its settings, the CPU placement, the machine, ``results``
     with their headline, and ``extra`` (what the engine's start-up recorded)."""
+    stub = args.engine.startswith("stub")
     return {
         "benchmark": "gateway_bench",
         "rounds": args.rounds,
@@ -87,7 +88,8 @@ def build_report(
         "engine": args.engine,
         "gateway_workers": args.gateway_workers,
         "connections_c32": args.connections,
-        "stub_first_token_ms": args.stub_first_token_ms if args.engine == "stub" else None,
+        "stub_first_token_ms": args.stub_first_token_ms if stub else None,
+        "stub_token_gap_ms": args.stub_token_gap_ms if stub else None,
         **(extra or {}),
         "placement": (
             {

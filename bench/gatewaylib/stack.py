@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.gatewaylib.stock import StubTiming
 from bench.loadlib.spawn import Stack, StackSpec, admin_client, tenant_key
 from common.config import default_model_dir
 from common.redis_server import free_port
@@ -25,7 +26,7 @@ def start_stack(
     log_dir: Path,
     engine_dtype: str = "float32",
     engine: str = "model",
-    stub_first_token_ms: float = 0.0,
+    stub: StubTiming | None = None,
     engine_cpus: set[int] | None = None,
     gateway_workers: int = 1,
     proxy_cpus: set[int] | None = None,
@@ -44,7 +45,8 @@ def start_stack(
         engine_env={
             "LLM_ENGINE_CORE_DEVICE": "cpu",
             "LLM_ENGINE_CORE_DTYPE": engine_dtype,
-            "STUB_FIRST_TOKEN_MS": str(stub_first_token_ms),
+            "STUB_FIRST_TOKEN_MS": str(stub.first_token_ms if stub else 0.0),
+            "STUB_TOKEN_GAP_MS": str(stub.token_gap_ms if stub else 0.0),
         },
         engine_args=["--max-num-seqs", "32"],
         gateway_env={},

@@ -1,8 +1,14 @@
-"""``bench.gateway_bench --engine stock-vllm``: our gateway and SMG in front of one stock
-vLLM engine.
+"""``bench.gateway_bench --engine stock-vllm`` (or ``stub-vllm``): our gateway and SMG in
+front of one engine speaking VllmEngine.
 
-The engine is vLLM's own gRPC server with smg-grpc-servicer (``deploy.stock_vllm``,
-from vLLM's venv), nothing of ours inside it. The gateway reaches it as
+Under ``stock-vllm`` the engine is vLLM's own gRPC server with smg-grpc-servicer
+(``deploy.stock_vllm``, from vLLM's venv), nothing of ours inside it. Under
+``stub-vllm`` it is the engine service with no model (``bench.gatewaylib.stub_engine``)
+answering over the same VllmEngine protocol: every side then meets an engine that
+spends no CPU and has no step-to-step jitter (each first token held
+``--stub-first-token-ms``, the later ones ``--stub-token-gap-ms`` apart, without
+computing), so what the sides differ by is the proxies alone, on any CPU. The gateway
+reaches either as
 ``vllm://host:port`` (with Redis and the tokenizer service, ``bench.loadlib.spawn``,
 and the model's tokenizer of its own, as ``make run``); SMG (``bench.gatewaylib.smg``)
 reaches the same server as ``grpc://host:port`` and tokenizes with the same
@@ -31,6 +37,16 @@ from common.redis_server import free_port
 from deploy.stock_vllm import StockVllm
 
 STOCK_SIDES = ["engine", "floor", "gateway", "http", "smg"]
+STOCK_ENGINES = ("stock-vllm", "stub-vllm")  # the engines these sides run over
+
+
+@dataclass(frozen=True, slots=True)
+class StubTiming:
+    """The stub engine's pace (``stub-vllm``): each first token held ``first_token_ms``,
+    the later ones ``token_gap_ms`` apart, neither using the CPU."""
+
+    first_token_ms: float = 0.0
+    token_gap_ms: float = 0.0
 
 
 @dataclass
@@ -56,17 +72,15 @@ def stock_stack(
     engine_cpus: set[int] | None = None,
     gateway_workers: int = 1,
     proxy_cpus: set[int] | None = None,
+    stub: StubTiming | None = None,
 ) -> Iterator[StockRun]:
-    """The stock vLLM server (``engine_dtype``: its ``--dtype``; on ``engine_cpus``, its
-    OpenMP threads bound to them), then Redis, the tokenizer and the gateway over it as
-    ``vllm://``, the bare relay over it, then SMG over it (the proxies on
-    ``proxy_cpus``); everything stopped on exit, by pid, last started first."""
+    """The engine (``stub`` None: the stock vLLM server, ``engine_dtype`` its ``--dtype``;
+    else the stub engine at that pace; on ``engine_cpus``, vLLM's OpenMP threads bound
+    to them), then Redis, the tokenizer and the gateway over it as ``vllm://``, the
+    bare relay over it, then SMG over it (the proxies on ``proxy_cpus``); everything
+    stopped on exit, by pid, last started first."""
     model_dir = default_model_dir()
     with contextlib.ExitStack() as closing:
-        engine = StockVllm(model_dir, port=free_port(), log_dir=log_dir, dtype=engine_dtype)
-        with on_cpus(engine_cpus):
-            engine.start(timeout=900)  # torch.compile on a busy 2-core machine is slow
-        closing.callback(engine.stop)
         spec = StackSpec(
             model_dir,
             log_dir,
@@ -81,13 +95,37 @@ def stock_stack(
             gateway_model_dir=True,
         )
         stack = Stack(spec)
-        stack.engines.append(f"vllm://{engine.address}")
+        if stub is None:
+            engine = StockVllm(model_dir, port=free_port(), log_dir=log_dir, dtype=engine_dtype)
+            with on_cpus(engine_cpus):
+                engine.start(timeout=900)  # torch.compile on a busy 2-core machine is slow
+            closing.callback(engine.stop)
+            address, model_name = engine.address, engine.served_model_name or model_dir.name
+            facts: dict[str, Any] = {
+                "engine_server": "stock vLLM gRPC server (vllm.entrypoints.launchers."
+                "grpc_server, smg-grpc-servicer)",
+                "engine_dtype": engine.dtype,
+                "engine_omp_threads_bind": ",".join(
+                    str(c) for c in sorted(engine_cpus or os.sched_getaffinity(0))
+                ),
+            }
+            closing.callback(stack.stop)  # before the engine's stop: the engine stops last
+        else:
+            closing.callback(stack.stop)  # the stub engine is the stack's first service
+            address = start_stub_engine(stack, model_dir, stub, engine_cpus)
+            model_name = model_dir.name
+            facts = {
+                "engine_server": "stub engine (bench.gatewaylib.stub_engine: the engine "
+                "service with no model) speaking VllmEngine",
+                "stub_first_token_ms": stub.first_token_ms,
+                "stub_token_gap_ms": stub.token_gap_ms,
+            }
+        stack.engines.append(f"vllm://{address}")
         stack.start()
-        closing.callback(stack.stop)
-        relay = ["--engine", engine.address, "--model-dir", str(model_dir)]
+        relay = ["--engine", address, "--model-dir", str(model_dir)]
         relay += ["--engine-protocol", "vllm"]
         floor = stack.service("floor", "bench.gatewaylib.relay_floor", relay, proxy=True)
-        smg = SmgProcess([f"grpc://{engine.address}"], model_dir, log_dir)
+        smg = SmgProcess([f"grpc://{address}"], model_dir, log_dir)
         with on_cpus(proxy_cpus):
             smg.start()
         closing.callback(smg.stop)
@@ -98,23 +136,30 @@ def stock_stack(
         yield StockRun(
             stack=stack,
             addresses={
-                "engine": engine.address,
+                "engine": address,
                 "engine_protocol": "vllm",
                 "floor": floor.address,
                 "gateway": stack.gateway,
                 "http": stack.http,
                 "smg": smg.url,
-                "smg_model": engine.served_model_name or model_dir.name,
+                "smg_model": model_name,
                 "gateway_metrics": stack.metrics_url("bench-gateway"),
             },
             proxies={"gateway": gw.pid, "smg": smg.proc.pid, "floor": floor.proc.pid},
-            facts={
-                "engine_server": "stock vLLM gRPC server (vllm.entrypoints.launchers.grpc_server, "
-                "smg-grpc-servicer)",
-                "engine_dtype": engine.dtype,
-                "engine_omp_threads_bind": ",".join(
-                    str(c) for c in sorted(engine_cpus or os.sched_getaffinity(0))
-                ),
-                "smg_command": " ".join(["smg", *smg.command[1:]]),
-            },
+            facts={**facts, "smg_command": " ".join(["smg", *smg.command[1:]])},
         )
+
+
+def start_stub_engine(
+    stack: Stack, model_dir: Path, stub: StubTiming, cpus: set[int] | None
+) -> str:
+    """The stub engine (stopped with ``stack``) on ``cpus``, at ``stub``'s pace; its
+    address. It serves the standard protocols beside llm.v1, as the engine does."""
+    env = {
+        "LLM_ENGINE_CORE_DEVICE": "cpu",
+        "STUB_FIRST_TOKEN_MS": str(stub.first_token_ms),
+        "STUB_TOKEN_GAP_MS": str(stub.token_gap_ms),
+    }
+    args = ["--model-dir", str(model_dir), "--max-num-seqs", "32"]
+    with on_cpus(cpus):
+        return stack.service("bench-engine-0", "bench.gatewaylib.stub_engine", args, env).address

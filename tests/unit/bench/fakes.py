@@ -67,6 +67,7 @@ def bench_args(**over: Any) -> argparse.Namespace:
         "engine_dtype": "float32",
         "engine": "stub",
         "stub_first_token_ms": 0.0,
+        "stub_token_gap_ms": 0.0,
         "gateway_workers": 1,
         "engine_cores": 0,
         "proxy_cores": 0,

@@ -11,7 +11,7 @@ import pytest
 
 from bench import gateway_bench
 from bench.gatewaylib.sides import SIDES
-from bench.gatewaylib.stock import STOCK_SIDES, StockRun
+from bench.gatewaylib.stock import STOCK_SIDES, StockRun, StubTiming
 
 
 def test_the_flags_and_their_defaults() -> None:
@@ -30,6 +30,7 @@ def test_the_flags_and_their_defaults() -> None:
         1,
     )
     assert args.unlimited_tenant is False
+    assert args.stub_token_gap_ms == 0.0
     short = gateway_bench.parse_args(
         ["--engine", "stub", "--rounds", "1", "--pairs", "0", "--unlimited-tenant"]
     )
@@ -55,6 +56,9 @@ def test_each_engine_has_its_sides_report_and_cpu_owners() -> None:
     assert gateway_bench.bench_sides("model") == SIDES
     assert "smg" not in gateway_bench.bench_sides("stub")
     assert gateway_bench.report_name("stock-vllm") == "gateway_bench_stock_vllm"
+    assert gateway_bench.bench_sides("stub-vllm") == gateway_bench.bench_sides("stock-vllm")
+    assert gateway_bench.report_name("stub-vllm") == "gateway_bench_stub_vllm"
+    assert gateway_bench.cpu_owners("stub-vllm") == gateway_bench.cpu_owners("stock-vllm")
     assert gateway_bench.report_name("model") == "gateway_bench"
     assert gateway_bench.cpu_owners("stock-vllm") == {
         "engine": "gateway",
@@ -133,9 +137,26 @@ def test_main_starts_the_stack_measures_saves_and_stops(
     assert FakeStack.stopped
 
 
-def test_main_over_the_stock_engine_measures_its_five_sides_and_closes_them(
-    monkeypatch: pytest.MonkeyPatch, fake_results: dict[str, Any]
+@pytest.mark.parametrize(
+    ("flags", "stub", "report"),
+    [
+        (["--engine", "stock-vllm"], None, "gateway_bench_stock_vllm"),
+        (
+            ["--engine", "stub-vllm", "--stub-first-token-ms", "100", "--stub-token-gap-ms", "20"],
+            StubTiming(100.0, 20.0),
+            "gateway_bench_stub_vllm",
+        ),
+    ],
+)
+def test_main_over_a_vllm_engine_measures_its_five_sides_and_closes_them(
+    monkeypatch: pytest.MonkeyPatch,
+    fake_results: dict[str, Any],
+    flags: list[str],
+    stub: StubTiming | None,
+    report: str,
 ) -> None:
+    """stock-vllm starts the stock server, stub-vllm the stub engine at the flags' pace;
+    both measure the same five sides and keep a report of their own."""
     seen: dict[str, Any] = {}
     addresses = {"gateway": "127.0.0.1:1", "gateway_metrics": "u", "smg": "http://x"}
     proxies = {"gateway": 11, "smg": 22, "floor": 33}
@@ -167,11 +188,14 @@ def test_main_over_the_stock_engine_measures_its_five_sides_and_closes_them(
     monkeypatch.setattr(gateway_bench, "run_side", run_side)
     monkeypatch.setattr(gateway_bench, "measure", measure)
     monkeypatch.setattr(gateway_bench, "save_report", save_report)
-    gateway_bench.main(["--engine", "stock-vllm", "--rounds", "1", "--pairs", "0"])
-    assert seen["stack"] == ("bfloat16", None, 1, None)
+    gateway_bench.main([*flags, "--rounds", "1", "--pairs", "0"])
+    dtype = "bfloat16" if stub is None else "float32"  # the stub computes nothing
+    assert seen["stack"] == (dtype, None, 1, None, stub)
     assert seen["warmed"] == STOCK_SIDES
     pids = {"engine": 11, "floor": 33, "gateway": 11, "http": 11, "smg": 22}
     assert seen["measure"] == ("sk-adm", [7, 8], pids, STOCK_SIDES, proxies)
-    assert seen["name"] == "gateway_bench_stock_vllm"
-    assert (seen["report"]["engine"], seen["report"]["engine_dtype"]) == ("stock-vllm", "bfloat16")
+    assert seen["name"] == report
+    assert seen["report"]["engine"] == flags[1]
+    held = seen["report"]["stub_first_token_ms"], seen["report"]["stub_token_gap_ms"]
+    assert held == ((None, None) if stub is None else (100.0, 20.0))
     assert seen["closed"]

@@ -23,13 +23,14 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from bench.gatewaylib import measure as measure_mod
+from bench.gatewaylib import stock
 from bench.gatewaylib.placement import CpuSplit
 from bench.gatewaylib.plot import plot
 from bench.gatewaylib.report import build_report, headline, headline_table, print_summary
 from bench.gatewaylib.sides import PROMPT, OneRequest, Sample, side_client, vllm_request
 from bench.gatewaylib.smg import models_listed, smg_command
 from bench.gatewaylib.stats import net_cpu_ms
-from bench.gatewaylib.stock import STOCK_SIDES, cpu_owner
+from bench.gatewaylib.stock import STOCK_SIDES, StubTiming, cpu_owner
 from tests.unit.bench.fakes import bench_args
 
 # to the first token (s): what each stock side's fake answers with; HTTP sides' first
@@ -181,6 +182,82 @@ def test_smg_is_ready_once_it_lists_a_model() -> None:
 def test_each_sides_cpu_is_the_proxy_in_front_of_the_engine() -> None:
     owners = [cpu_owner(s) for s in STOCK_SIDES]
     assert owners == ["gateway", "floor", "gateway", "gateway", "smg"]
+
+
+class FakeService:
+    """A started service as ``Stack.service`` returns it: its address and process."""
+
+    def __init__(self, port: int) -> None:
+        self.address = f"127.0.0.1:{port}"
+        self.proc = type("P", (), {"pid": port})()
+
+
+def test_the_stub_engine_speaks_vllm_engine_to_the_gateway_the_relay_and_smg(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """stub-vllm: the stub engine is the stack's first service (stopped last), held at
+    the asked pace, and the gateway (as vllm://), the bare relay (VllmEngine) and SMG
+    (grpc://) all front its address; the stock server is not started."""
+    events: list[Any] = []
+
+    class FakeStack:
+        def __init__(self, spec: Any) -> None:
+            self.spec = spec
+            self.engines: list[str] = []
+            self.procs: dict[str, FakeService] = {}
+            self.gateway, self.http, self.admin_key = "127.0.0.1:2", "http://127.0.0.1:3", "a"
+
+        def service(self, name: str, module: str, args: list[str], *rest: Any, **kw: Any) -> Any:
+            events.append(("service", name, module, args, rest))
+            self.procs[name] = FakeService(10 + len(self.procs))
+            return self.procs[name]
+
+        def start(self) -> Any:
+            events.append(("start", list(self.engines)))
+            self.procs["bench-gateway"] = FakeService(2)
+            return self
+
+        def metrics_url(self, name: str) -> str:
+            return f"http://{name}/metrics"
+
+        def stop(self) -> None:
+            events.append("stack stopped")
+
+    class FakeSmg:
+        def __init__(self, urls: list[str], model_dir: Path, log_dir: Path) -> None:
+            events.append(("smg", urls))
+            self.proc, self.url, self.command = FakeService(40).proc, "http://s", ["smg", "x"]
+
+        def start(self) -> None:
+            events.append("smg started")
+
+        def stop(self) -> None:
+            events.append("smg stopped")
+
+    def no_stock_server(*_: Any, **__: Any) -> None:
+        raise AssertionError("stub-vllm started the stock vLLM server")
+
+    monkeypatch.setattr(stock, "Stack", FakeStack)
+    monkeypatch.setattr(stock, "SmgProcess", FakeSmg)
+    monkeypatch.setattr(stock, "StockVllm", no_stock_server)
+    with stock.stock_stack(tmp_path, stub=StubTiming(100.0, 20.0)) as run:
+        engine = run.addresses["engine"]
+        assert (engine, run.addresses["engine_protocol"]) == ("127.0.0.1:10", "vllm")
+        assert run.facts["stub_first_token_ms"] == 100.0
+        assert run.facts["stub_token_gap_ms"] == 20.0
+        assert run.proxies == {"gateway": 2, "smg": 40, "floor": 12}
+    (_, name, module, args, rest), started = events[0], events[1]
+    assert (name, module) == ("bench-engine-0", "bench.gatewaylib.stub_engine")
+    assert args[-2:] == ["--max-num-seqs", "32"]
+    env = rest[0]
+    assert (env["STUB_FIRST_TOKEN_MS"], env["STUB_TOKEN_GAP_MS"]) == ("100.0", "20.0")
+    assert started == ("start", [f"vllm://{engine}"])
+    floor = events[2]
+    assert floor[1:3] == ("floor", "bench.gatewaylib.relay_floor")
+    assert floor[3][:2] == ["--engine", engine]
+    assert floor[3][-2:] == ["--engine-protocol", "vllm"]
+    assert events[3] == ("smg", [f"grpc://{engine}"])
+    assert events[-2:] == ["smg stopped", "stack stopped"]  # the engine with the stack, last
 
 
 @contextlib.asynccontextmanager
