@@ -29,7 +29,10 @@ def headline(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
     event), what the side adds to it over the engine (the median over rounds of that
     round's difference; 0 for the engine) and the CPU ms per request of the process in
     front of the engine during that side's runs: all of it, and net of that process's
-    background (its rate during the engine side's runs; NaN where not recorded)."""
+    background (its rate during the engine side's runs; NaN where not recorded); at
+    concurrency 32 also the TTFTs' slope by rank (``stats.per_rank_ms``, the median
+    over rounds: how much later each further request of the burst gets its first
+    token; NaN at 1, where the requests do not queue)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     for conc in ("c1", "c32"):
         res = results[conc]
@@ -43,6 +46,9 @@ def headline(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
                 ),
                 "cpu_ms_per_request": res[side]["proxy_cpu_ms_per_request"],
                 "net_cpu_ms_per_request": 0.0 if side == "engine" else net.get(side, math.nan),
+                "ttft_per_rank_ms": (
+                    res[side].get("ttft_per_rank_ms", math.nan) if conc == "c32" else math.nan
+                ),
             }
             for side in sides_of(results)
         }
@@ -53,14 +59,14 @@ def headline_table(head: dict[str, dict[str, dict[str, float]]], cpu_of: Mapping
     """``headline`` as a text table; ``cpu_of`` names whose CPU each side's is."""
     lines = [
         f"{'conc':<5} {'side':<9} {'TTFT p50 ms':>12} {'added ms':>9} {'CPU ms/req':>11} "
-        f"{'net CPU':>8}  CPU of"
+        f"{'net CPU':>8} {'ms/rank':>8}  CPU of"
     ]
     for conc, by_side in head.items():
         for side, d in by_side.items():
             lines.append(
                 f"{conc:<5} {side:<9} {d['ttft_p50_ms']:>12.2f} {d['added_ttft_p50_ms']:>9.2f} "
-                f"{d['cpu_ms_per_request']:>11.2f} {d['net_cpu_ms_per_request']:>8.2f}  "
-                f"{cpu_of.get(side, '?')}"
+                f"{d['cpu_ms_per_request']:>11.2f} {d['net_cpu_ms_per_request']:>8.2f} "
+                f"{d.get('ttft_per_rank_ms', math.nan):>8.2f}  {cpu_of.get(side, '?')}"
             )
     return "\n".join(lines)
 

@@ -12,9 +12,22 @@ from bench.gatewaylib.sides import Sample
 from bench.loadlib.stats import percentile
 
 
+def per_rank_ms(values_ms: Sequence[float]) -> float:
+    """The least-squares slope of ``values_ms`` sorted against their rank (ms per place;
+    NaN for fewer than two). Over the TTFTs of one burst (concurrency 32, one request
+    per slot) it is how much later each further request's first token comes than the
+    one before it: the serial cost per request of whatever the burst queues behind,
+    a proxy that takes calls one at a time above all."""
+    if len(values_ms) < 2:
+        return math.nan
+    ranks = [float(i) for i in range(len(values_ms))]
+    return statistics.linear_regression(ranks, sorted(values_ms)).slope
+
+
 def summarize(samples: list[Sample], proxy_cpu_s: float = math.nan) -> dict[str, float]:
-    """Quantiles of one run's samples (ms), and the proxy's CPU ms per request in it
-    (``proxy_cpu_s``: what the process in front of the engine used during the run)."""
+    """Quantiles of one run's samples (ms), the TTFTs' slope by rank (``per_rank_ms``)
+    and the proxy's CPU ms per request in it (``proxy_cpu_s``: what the process in
+    front of the engine used during the run)."""
     ttft = [s[0] * 1000 for s in samples]
     itl = [s[1] * 1000 for s in samples]
     event = [s[2] * 1000 for s in samples]
@@ -30,6 +43,7 @@ def summarize(samples: list[Sample], proxy_cpu_s: float = math.nan) -> dict[str,
         "event_gap_p99_ms": percentile(event, 99),
         "first_text_p50_ms": percentile(first_text, 50),
         "first_text_p99_ms": percentile(first_text, 99),
+        "ttft_per_rank_ms": per_rank_ms(first_text),
         "proxy_cpu_ms_per_request": proxy_cpu_s / max(1, len(samples)) * 1000,
     }
 

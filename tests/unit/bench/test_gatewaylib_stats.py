@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import math
 
-from bench.gatewaylib.stats import paired_differences, round_differences, summarize
+import pytest
+
+from bench.gatewaylib.stats import (
+    paired_differences,
+    per_rank_ms,
+    round_differences,
+    summarize,
+)
 
 
 def test_paired_differences_subtract_pair_by_pair() -> None:
@@ -50,3 +57,13 @@ def test_round_differences_take_the_median_of_each_rounds_difference() -> None:
     assert round_differences(gateway, engine) == {"ttft": 5.0}
     two = [{"a": 1.0, "b": 2.0}]
     assert round_differences(two, [{"a": 0.5, "b": 0.0}], ("a",)) == {"a": 0.5}
+
+
+def test_the_per_rank_slope_is_each_further_request_of_a_burst_later() -> None:
+    """A burst whose first tokens come 2 ms apart, in any order, has a slope of 2 ms;
+    TTFTs that do not queue have none; one request has no slope."""
+    assert per_rank_ms([16.0, 10.0, 14.0, 12.0]) == pytest.approx(2.0)
+    assert per_rank_ms([5.0, 5.0, 5.0]) == pytest.approx(0.0)
+    assert math.isnan(per_rank_ms([5.0]))
+    rows = [(t / 1000, 0.001, 0.001, t / 1000) for t in (30.0, 10.0, 20.0)]
+    assert summarize(rows)["ttft_per_rank_ms"] == pytest.approx(10.0)

@@ -345,7 +345,9 @@ def test_the_headline_holds_ttft_added_and_cpu_per_side(stock_results: dict[str,
     assert table[0].split()[:3] == ["conc", "side", "TTFT"]
     smg_row = next(row for row in table if row.startswith("c32   smg"))
     assert smg_row.split()[2:4] == ["107.00", "7.00"]
-    assert len(smg_row.split()) == 7  # conc side ttft added cpu net owner
+    assert len(smg_row.split()) == 8  # conc side ttft added cpu net ms/rank owner
+    assert head["c32"]["smg"]["ttft_per_rank_ms"] == pytest.approx(0.0)  # one TTFT each
+    assert math.isnan(head["c1"]["smg"]["ttft_per_rank_ms"])  # no burst at 1
     assert smg_row.endswith("SMG")
     assert len(table) == 1 + 2 * len(STOCK_SIDES)
 
