@@ -65,13 +65,17 @@ def test_stop_string_ends_the_stream_in_the_gateway(gw_vllm: GatewayProcess) -> 
     req.sampling.temperature = 0.0
     req.sampling.ignore_eos = True
     full = "".join(c.text for c in gw_vllm.generate(key, req))
-    words = full.split(" ")
-    assert len(words) > 3, full
-    stop = " " + words[2]  # a stop string the greedy output is known to reach
+    assert len(full) > 6, full
+    # a stop string the greedy output is known to reach, taken from its second half
+    # (the text's words depend on the CPU's kernels: on AVX2, bf16 vLLM counts in
+    # digits with no spaces), cut where it first occurs
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    cut = full.index(stop)
+    assert cut > 0, full
     req.sampling.stop.append(stop)
     chunks = gw_vllm.generate(key, req)
     assert chunks[-1].finish_reason == common_pb2.STOP
-    assert "".join(c.text for c in chunks) == full[: full.index(stop)]
+    assert "".join(c.text for c in chunks) == full[:cut]
 
 
 def test_logprobs_come_back_per_token(gw_vllm: GatewayProcess) -> None:
