@@ -66,7 +66,7 @@ def headline_table(head: dict[str, dict[str, dict[str, float]]], cpu_of: Mapping
             lines.append(
                 f"{conc:<5} {side:<9} {d['ttft_p50_ms']:>12.2f} {d['added_ttft_p50_ms']:>9.2f} "
                 f"{d['cpu_ms_per_request']:>11.2f} {d['net_cpu_ms_per_request']:>8.2f} "
-                f"{d.get('ttft_per_rank_ms', math.nan):>8.2f}  {cpu_of.get(side, '?')}"
+                f"{d['ttft_per_rank_ms']:>8.2f}  {cpu_of.get(side, '?')}"
             )
     return "\n".join(lines)
 

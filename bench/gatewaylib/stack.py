@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.gatewaylib.stock import StubTiming
+from bench.gatewaylib.stock import BENCH_ENGINE_ARGS, StubTiming
 from bench.loadlib.spawn import Stack, StackSpec, admin_client, tenant_key
 from common.config import default_model_dir
 from common.redis_server import free_port
@@ -42,13 +42,8 @@ def start_stack(
         log_dir,
         gateway=True,
         engine_module=ENGINE_MODULES[engine],
-        engine_env={
-            "LLM_ENGINE_CORE_DEVICE": "cpu",
-            "LLM_ENGINE_CORE_DTYPE": engine_dtype,
-            "STUB_FIRST_TOKEN_MS": str(stub.first_token_ms if stub else 0.0),
-            "STUB_TOKEN_GAP_MS": str(stub.token_gap_ms if stub else 0.0),
-        },
-        engine_args=["--max-num-seqs", "32"],
+        engine_env={**(stub or StubTiming()).env(), "LLM_ENGINE_CORE_DTYPE": engine_dtype},
+        engine_args=list(BENCH_ENGINE_ARGS),
         gateway_env={},
         gateway_args=["--log-level", "warning", "--workers", str(gateway_workers)],
         http_port=free_port(),

@@ -48,6 +48,18 @@ class StubTiming:
     first_token_ms: float = 0.0
     token_gap_ms: float = 0.0
 
+    def env(self) -> dict[str, str]:
+        """The stub engine's environment for this pace (``bench.gatewaylib.stub_engine``
+        reads it)."""
+        return {
+            "LLM_ENGINE_CORE_DEVICE": "cpu",
+            "STUB_FIRST_TOKEN_MS": str(self.first_token_ms),
+            "STUB_TOKEN_GAP_MS": str(self.token_gap_ms),
+        }
+
+
+BENCH_ENGINE_ARGS = ["--max-num-seqs", "32"]  # every bench engine's batch: concurrency 32
+
 
 @dataclass
 class StockRun:
@@ -155,11 +167,8 @@ def start_stub_engine(
 ) -> str:
     """The stub engine (stopped with ``stack``) on ``cpus``, at ``stub``'s pace; its
     address. It serves the standard protocols beside llm.v1, as the engine does."""
-    env = {
-        "LLM_ENGINE_CORE_DEVICE": "cpu",
-        "STUB_FIRST_TOKEN_MS": str(stub.first_token_ms),
-        "STUB_TOKEN_GAP_MS": str(stub.token_gap_ms),
-    }
-    args = ["--model-dir", str(model_dir), "--max-num-seqs", "32"]
+    args = ["--model-dir", str(model_dir), *BENCH_ENGINE_ARGS]
     with on_cpus(cpus):
-        return stack.service("bench-engine-0", "bench.gatewaylib.stub_engine", args, env).address
+        return stack.service(
+            "bench-engine-0", "bench.gatewaylib.stub_engine", args, stub.env()
+        ).address
