@@ -31,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from common import tracing
+from common import eager_send, tracing
 from common.config import ServiceConfig
 from common.interceptors import DecodeErrorInterceptor, Handler, ServiceTokenInterceptor
 from common.log import get_logger
@@ -160,6 +160,7 @@ def bind(server: grpc.aio.Server, address: str, tls: ServerTls | None) -> int:
 async def run_service(name: str, config: ServiceConfig, hooks: ServiceHooks) -> None:
     """Serve until SIGTERM/SIGINT, then shut down gracefully. Returns after cleanup."""
     tracing.setup(name, config.otlp_protocol)
+    eager_send.install(asyncio.get_running_loop())  # engine requests leave when made
     try:
         await _serve(name, config, hooks)
     finally:
