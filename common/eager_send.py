@@ -13,12 +13,14 @@ batch that writes it) runs inside ``loop.create_task``, in the new task's own
 context, and the task takes over from the first point where it waits, as
 Python 3.12's eager tasks do (used natively there). Every other task is created
 as before, by the factory that was set (or the loop's default).
+``LLM_EAGER_SEND=0`` in a service's environment leaves its loop as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import os
 import sys
 import types
 from collections.abc import Coroutine, Generator
@@ -26,6 +28,7 @@ from typing import Any
 
 # the coroutines started eagerly (by __qualname__): the send of grpc.aio's unary-stream call
 EAGER_COROUTINES = frozenset({"UnaryStreamCall._send_unary_request"})
+ENV_SWITCH = "LLM_EAGER_SEND"  # "0": off (the sends wait for their loop turn, as stock grpc.aio)
 
 
 @types.coroutine
@@ -83,7 +86,10 @@ def eager_task(
 
 def install(loop: asyncio.AbstractEventLoop, names: frozenset[str] = EAGER_COROUTINES) -> None:
     """Start the tasks of the coroutines named ``names`` (``__qualname__``) eagerly on
-    ``loop`` from now on; the first call on a loop counts, later ones do nothing."""
+    ``loop`` from now on; the first call on a loop counts, later ones do nothing.
+    ``LLM_EAGER_SEND=0`` in the environment: nothing is installed."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return
     previous = loop.get_task_factory()
     if getattr(previous, "eager_send", False):
         return

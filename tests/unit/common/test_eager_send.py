@@ -122,6 +122,24 @@ async def test_install_keeps_the_factory_it_found_and_is_idempotent() -> None:
     assert made == ["Sender.other"]
 
 
+async def test_the_environment_switch_leaves_the_loop_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loop = asyncio.get_running_loop()
+    found = loop.get_task_factory()
+    monkeypatch.setenv(eager_send.ENV_SWITCH, "0")
+    eager_send.install(loop, NAMES)
+    assert loop.get_task_factory() is found
+    s = Sender()
+    task = loop.create_task(s.send())
+    assert s.steps == []  # started on the loop's turn, as without the module
+    await asyncio.sleep(0)
+    assert s.steps == ["first"]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 @pytest.fixture
 def threaded_server() -> Iterator[tuple[str, threading.Event]]:
     """A thread-pool gRPC server with ``/t.S/M`` (unary-stream, bytes): it sets the
