@@ -97,8 +97,15 @@ def install(loop: asyncio.AbstractEventLoop, names: frozenset[str] = EAGER_COROU
     def factory(
         loop: asyncio.AbstractEventLoop, coro: Any, context: Any = None, **kwargs: Any
     ) -> asyncio.Future[Any]:
-        if getattr(coro, "__qualname__", "") in names and not kwargs:
-            return eager_task(loop, coro, context)
+        # newer loops pass name= and eager_start= too: an explicit eager_start=False
+        # keeps the task lazy, a name is kept
+        if getattr(coro, "__qualname__", "") in names and kwargs.get("eager_start") is not False:
+            task = eager_task(loop, coro, context)
+            if kwargs.get("name"):
+                task.set_name(kwargs["name"])
+            return task
+        if sys.version_info < (3, 12):  # no eager_start there: every task starts lazily
+            kwargs.pop("eager_start", None)
         if previous is not None:
             extra = {"context": context} if context is not None else {}
             return previous(loop, coro, **extra, **kwargs)  # type: ignore[call-arg]

@@ -69,6 +69,25 @@ async def test_named_coroutine_runs_its_first_step_inside_create_task() -> None:
     assert s.steps == ["first", "then go in task"]
 
 
+async def test_a_named_task_keeps_its_name_and_an_explicit_lazy_start() -> None:
+    eager_send.install(asyncio.get_running_loop(), NAMES)
+    loop = asyncio.get_running_loop()
+    factory = loop.get_task_factory()
+    assert factory is not None
+    s = Sender()
+    named = factory(loop, s.send(), name="engine-send")  # type: ignore[call-arg]
+    assert s.steps == ["first"]
+    assert isinstance(named, asyncio.Task)
+    assert named.get_name() == "engine-send"
+    lazy = Sender()
+    later = factory(loop, lazy.send(), eager_start=False)  # type: ignore[call-arg]
+    assert lazy.steps == []
+    for task in (named, later):
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
 async def test_other_coroutines_start_on_the_loop_as_before() -> None:
     eager_send.install(asyncio.get_running_loop(), NAMES)
     s = Sender()
