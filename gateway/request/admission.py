@@ -250,8 +250,9 @@ class Admission:
         """The overlapped admission, once the engine call is on its way: the request's
         send goes first on this loop and the round trip during the prefill."""
         await gate
-        # the gate may have opened before this task's first step: the call's send task,
-        # queued when it opened, goes ahead of this one by one turn of the loop
+        # the gate may have opened before this task's first step: the call's request has
+        # left already (common.eager_send), or, with LLM_EAGER_SEND=0, its send task,
+        # queued when the gate opened, goes ahead of this one by one turn of the loop
         await asyncio.sleep(0)
         return await self._reserve_and_charge(
             tenant, job, num_tokens, max_tokens, call, overlapped=True
