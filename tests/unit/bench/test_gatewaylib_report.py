@@ -14,7 +14,10 @@ from bench.gatewaylib.stack import BENCH_LIMITS
 from tests.unit.bench.fakes import bench_args
 
 
-def test_the_report_holds_the_runs_settings_and_placement(fake_results: dict[str, Any]) -> None:
+def test_the_report_holds_the_runs_settings_and_placement(
+    fake_results: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LLM_EAGER_SEND", raising=False)
     split = CpuSplit(engine={0}, proxy=None, rest={1, 2})
     report = build_report(bench_args(), split, 12, (0.5, 0.4, 0.3), fake_results)
     assert report["benchmark"] == "gateway_bench"
@@ -29,6 +32,9 @@ def test_the_report_holds_the_runs_settings_and_placement(fake_results: dict[str
     assert shared["placement"] == "every process on every core"
     assert shared["tenant_limits"] == "none"
     assert shared["stub_first_token_ms"] is None
+    assert report["eager_send"] is True  # the services' default
+    monkeypatch.setenv("LLM_EAGER_SEND", "0")  # the services inherit the bench's environment
+    assert build_report(bench_args(), None, 1, (0, 0, 0), {})["eager_send"] is False
 
 
 def test_the_summary_prints_each_concurrency_and_the_pairs(
