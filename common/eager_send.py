@@ -29,6 +29,12 @@ from typing import Any
 # the coroutines started eagerly (by __qualname__): the send of grpc.aio's unary-stream call
 EAGER_COROUTINES = frozenset({"UnaryStreamCall._send_unary_request"})
 ENV_SWITCH = "LLM_EAGER_SEND"  # "0": off (the sends wait for their loop turn, as stock grpc.aio)
+NATIVE = sys.version_info >= (3, 12)  # asyncio.Task(eager_start=True) exists
+
+
+def enabled() -> bool:
+    """Whether ``install`` installs anything in this environment (``LLM_EAGER_SEND``)."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 @types.coroutine
@@ -70,8 +76,8 @@ def eager_task(
 ) -> asyncio.Task[Any]:
     """A task of ``coro`` whose first step has run already (in ``context``, or a copy
     of the current one)."""
-    if sys.version_info >= (3, 12):
-        return asyncio.Task(coro, loop=loop, context=context, eager_start=True)
+    if NATIVE:
+        return asyncio.Task(coro, loop=loop, context=context, eager_start=True)  # type: ignore[call-arg,unused-ignore]
     ctx = context if context is not None else contextvars.copy_context()
     try:
         yielded = ctx.run(coro.send, None)
@@ -88,7 +94,7 @@ def install(loop: asyncio.AbstractEventLoop, names: frozenset[str] = EAGER_COROU
     """Start the tasks of the coroutines named ``names`` (``__qualname__``) eagerly on
     ``loop`` from now on; the first call on a loop counts, later ones do nothing.
     ``LLM_EAGER_SEND=0`` in the environment: nothing is installed."""
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not enabled():
         return
     previous = loop.get_task_factory()
     if getattr(previous, "eager_send", False):
@@ -104,7 +110,7 @@ def install(loop: asyncio.AbstractEventLoop, names: frozenset[str] = EAGER_COROU
             if kwargs.get("name"):
                 task.set_name(kwargs["name"])
             return task
-        if sys.version_info < (3, 12):  # no eager_start there: every task starts lazily
+        if not NATIVE:  # no eager_start there: every task starts lazily
             kwargs.pop("eager_start", None)
         if previous is not None:
             extra = {"context": context} if context is not None else {}

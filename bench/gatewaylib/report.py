@@ -8,14 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 from collections.abc import Mapping
 from typing import Any
 
 from bench.gatewaylib.placement import CpuSplit
 from bench.gatewaylib.stack import BENCH_LIMITS
-from common.eager_send import ENV_SWITCH
+from common import eager_send
 
 # not sides: what measure() derives from them, per concurrency
 DERIVED = ("gateway_stages", "by_round", "added_vs_engine", "net_cpu_ms_per_request")
@@ -98,7 +97,7 @@ def build_report(
         "connections_c32": args.connections,
         # whether the services sent their streaming calls' requests as made
         # (common.eager_send; LLM_EAGER_SEND=0 in the bench's environment: off)
-        "eager_send": os.environ.get(ENV_SWITCH, "1") != "0",
+        "eager_send": eager_send.enabled(),
         "stub_first_token_ms": args.stub_first_token_ms if stub else None,
         "stub_token_gap_ms": args.stub_token_gap_ms if stub else None,
         **(extra or {}),
