@@ -106,6 +106,8 @@ def round_figures(
     if "floor" in by_side:  # what one more grpc.aio hop costs, the gateway's own work above it
         med["floor_added"] = round_differences(by_side["floor"], by_side["engine"])
         med["gateway_vs_floor"] = round_differences(by_side["gateway"], by_side["floor"])
+    if "work" in by_side and "floor" in by_side:  # the work no gateway here can skip
+        med["work_vs_floor"] = round_differences(by_side["work"], by_side["floor"])
     for front in (f for f in ("http", "openai", "curl") if f in med):  # the HTTP front
         med[f"{front}_vs_grpc"] = round_differences(
             by_side[front],
@@ -135,7 +137,7 @@ def paired_figures(
     request, and the per-pair differences (to the first token over the engine for
     every side; over the bare relay where it ran; each HTTP client's first text event
     over the gRPC front)."""
-    fronts = {s: rows for s, rows in paired.items() if s not in ("engine", "floor")}
+    fronts = {s: rows for s, rows in paired.items() if s not in ("engine", "floor", "work")}
     out: dict[str, Any] = {
         "pairs": pairs,
         "sides": {s: summarize(rows) for s, rows in paired.items()},
@@ -158,6 +160,11 @@ def paired_figures(
         )
         out["gateway_minus_floor_ttft"] = paired_differences(
             {"floor": paired["floor"], "gateway": paired["gateway"]}, "floor", 0
+        )
+    if "floor" in paired and "work" in paired:
+        # what encoding each prompt and detokenizing each chunk add to the bare relay
+        out["work_minus_floor_ttft"] = paired_differences(
+            {"floor": paired["floor"], "work": paired["work"]}, "floor", 0
         )
     return out
 

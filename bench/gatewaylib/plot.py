@@ -9,6 +9,7 @@ from typing import Any
 SIDE_LABELS = {
     "engine": "engine",
     "floor": "bare grpc.aio relay",
+    "work": "relay + encode/detokenize",
     "gateway": "gateway gRPC",
     "http": "gateway HTTP (aiohttp client)",
     "openai": "gateway HTTP (openai client)",
@@ -26,6 +27,8 @@ def _paired_rows(paired: dict[str, Any]) -> dict[str, dict[str, float]]:
             "bare relay - engine\n(first token)": paired["floor_minus_engine_ttft"]["floor"],
             "gateway - bare relay\n(first token)": paired["gateway_minus_floor_ttft"]["gateway"],
         }
+        if "work_minus_floor_ttft" in paired:
+            rows["relay + encode/detok\n- bare relay"] = paired["work_minus_floor_ttft"]["work"]
     else:
         rows = {
             f"{side} - engine\n(first token)": d for side, d in paired["minus_engine_ttft"].items()

@@ -14,6 +14,15 @@ With ``--engine-protocol vllm`` the engine is a stock VllmEngine server (smg-grp
 (``bench.gatewaylib.sides.vllm_request``) and writes back each stream chunk's tokens,
 so over a stock engine too ``floor - engine`` is the one grpc.aio hop, beside SMG's.
 
+With ``--work`` it also does, per request, the work SMG does in front of the same
+engine in this bench and that any gateway of this design cannot skip: it encodes every
+prompt afresh (nothing remembered) and detokenizes every chunk into the response's
+text, with the gateway's own tokenizer and incremental detokenizer. The ``work`` side
+(``floor-work`` process) is that relay: ``work - floor`` is what the unskippable work
+costs in this runtime, and ``work`` beside ``smg`` says whether a gateway written in
+Python on grpc.aio could reach SMG's figure before doing anything else a gateway does
+(authentication, limits, routing, retries).
+
 ``bench.gateway_bench`` runs it as the ``floor`` side beside the engine and the
 gateway: ``floor - engine`` is what one more grpc.aio hop costs on this machine
 (the part of the gateway's added latency no gateway logic can remove), and
@@ -53,6 +62,7 @@ class RelayFloor(gateway_pb2_grpc.GatewayServicer):
         tokenizer: Encodes a prompt the first time it is seen.
         call_metadata: Sent on every engine call beside ``x-request-id``.
         protocol: ``llm`` or ``vllm``.
+        work: Encode every prompt afresh and detokenize every chunk (``--work``).
     """
 
     def __init__(
@@ -61,15 +71,20 @@ class RelayFloor(gateway_pb2_grpc.GatewayServicer):
         tokenizer: TextTokenizer,
         call_metadata: tuple[tuple[str, str], ...] = (),
         protocol: str = "llm",
+        work: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.call_metadata = call_metadata  # the service token, as the gateway sends it
         self.protocol = protocol
+        self.work = work
         self._ids: dict[str, list[int]] = {}
 
     def prompt_ids(self, prompt: str) -> list[int]:
-        """The prompt's token ids, encoded once per distinct prompt."""
+        """The prompt's token ids: encoded once per distinct prompt, or every time
+        under ``work``."""
+        if self.work:
+            return self.tokenizer.encode(prompt)
         ids = self._ids.get(prompt)
         if ids is None:
             ids = self.tokenizer.encode(prompt)
@@ -102,17 +117,23 @@ class RelayFloor(gateway_pb2_grpc.GatewayServicer):
         )
         chunks: AsyncIterator[Any] = vllm_chunks(call) if self.protocol == "vllm" else call
         sent_headers = False
+        detok = self.tokenizer.detokenizer() if self.work else None
         try:
             async for resp in chunks:
                 if not sent_headers:  # as the gateway's front: headers with the first chunk
                     await context.send_initial_metadata((("x-request-id", request_id),))
                     sent_headers = True
+                # a VllmEngine chunk has none
+                finish = getattr(resp, "finish_reason", UNSPECIFIED)
+                text = ""
+                if detok is not None:
+                    text = detok.add(resp.token_ids) + (detok.finish() if finish else "")
                 await context.write(
                     gateway_pb2.GenerateResponse(
                         request_id=request_id,
+                        text=text,
                         token_ids=resp.token_ids,
-                        # a VllmEngine chunk has none
-                        finish_reason=getattr(resp, "finish_reason", UNSPECIFIED),
+                        finish_reason=finish,
                     )
                 )
         except grpc.aio.AioRpcError as e:
@@ -139,6 +160,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="llm",
         help="llm.v1.Engine (ours), or VllmEngine (a stock vLLM gRPC server)",
     )
+    parser.add_argument(
+        "--work",
+        action="store_true",
+        help="encode every prompt and detokenize every chunk (what SMG does per request)",
+    )
     args = parser.parse_args(argv)
     cfg = ServiceConfig(**{k: v for k, v in service_overrides(args).items() if v is not None})
     configure_logging("relay-floor", cfg.log_level, cfg.log_format)
@@ -149,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         token = token_metadata(read_service_token(cfg.service_token_file))
         vllm = args.engine_protocol == "vllm"
         stub = vllm_grpc.VllmEngineStub(channel) if vllm else engine_pb2_grpc.EngineStub(channel)
-        floor = RelayFloor(stub, tokenizer, token, args.engine_protocol)
+        floor = RelayFloor(stub, tokenizer, token, args.engine_protocol, args.work)
         gateway_pb2_grpc.add_GatewayServicer_to_server(floor, server)
         return [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name]
 

@@ -135,7 +135,7 @@ def print_summary(results: dict[str, Any], cpu_of: Mapping[str, str] | None = No
         print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()} for k, d in res.items()}))
         cpu = {s: results[conc][s]["proxy_cpu_ms_per_request"] for s in sides}
         print(
-            f"  {conc} proxy CPU ms per request (floor: the bare relay's; smg: SMG's; "
+            f"  {conc} proxy CPU ms per request (floor, work: the relays'; smg: SMG's; "
             "engine: the gateway's background): "
             + "  ".join(f"{s} {v:.2f}" for s, v in cpu.items())
         )
@@ -152,6 +152,7 @@ def print_summary(results: dict[str, Any], cpu_of: Mapping[str, str] | None = No
             ("gateway gRPC - engine, first token", "gateway_minus_engine_ttft"),
             ("bare relay (floor) - engine, first token", "floor_minus_engine_ttft"),
             ("gateway gRPC - bare relay (floor), first token", "gateway_minus_floor_ttft"),
+            ("relay + encode/detokenize (work) - bare relay, first token", "work_minus_floor_ttft"),
             ("HTTP front - gRPC front, first text event", "front_minus_grpc_first_text"),
             ("side - engine, first token (text event over HTTP)", "minus_engine_ttft"),
         ):

@@ -95,7 +95,7 @@ async def side_client(
     the HTTP front. The gRPC sides spread their requests over ``connections`` channels,
     each its own TCP connection (as many clients, or Envoy's per-thread upstream
     connections, would), so a gateway's workers all get some."""
-    if side in ("engine", "floor", "gateway"):
+    if side in ("engine", "floor", "work", "gateway"):
         async with contextlib.AsyncExitStack() as stack:
             own = [("grpc.use_local_subchannel_pool", 1)] if connections > 1 else []
             channels = [

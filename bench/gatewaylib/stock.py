@@ -14,11 +14,13 @@ and the model's tokenizer of its own, as ``make run``); SMG (``bench.gatewaylib.
 reaches the same server as ``grpc://host:port`` and tokenizes with the same
 directory. The sides (``bench.gatewaylib.sides``): ``engine`` (VllmEngine's Generate,
 direct), ``floor`` (the bare grpc.aio relay, ``bench.gatewaylib.relay_floor``, making
-the engine side's call), ``gateway`` (our gRPC front), ``http`` (our OpenAI HTTP front,
-streamed) and ``smg`` (SMG's OpenAI HTTP API, the same request). The CPU of each side
-is charged to the process in front of the engine there: the relay's on floor, the
-gateway's (with its workers) on engine, gateway and http (on engine: its background
-work, health and stats polls), SMG's on smg.
+the engine side's call), ``work`` (that relay with ``--work``: it also encodes every
+prompt and detokenizes every chunk, as SMG does), ``gateway`` (our gRPC front),
+``http`` (our OpenAI HTTP front, streamed) and ``smg`` (SMG's OpenAI HTTP API, the
+same request). The CPU of each side is charged to the process in front of the engine
+there: the relays' on floor and work, the gateway's (with its workers) on engine,
+gateway and http (on engine: its background work, health and stats polls), SMG's on
+smg.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from common.config import default_model_dir
 from common.redis_server import free_port
 from deploy.stock_vllm import StockVllm
 
-STOCK_SIDES = ["engine", "floor", "gateway", "http", "smg"]
+STOCK_SIDES = ["engine", "floor", "work", "gateway", "http", "smg"]
 STOCK_ENGINES = ("stock-vllm", "stub-vllm")  # the engines these sides run over
 
 
@@ -73,8 +75,9 @@ class StockRun:
 
 
 def cpu_owner(side: str) -> str:
-    """Which process a side's CPU time is read from: ``smg``, ``floor`` or ``gateway``."""
-    return side if side in ("smg", "floor") else "gateway"
+    """Which process a side's CPU time is read from: ``smg``, ``floor``, ``work`` or
+    ``gateway``."""
+    return side if side in ("smg", "floor", "work") else "gateway"
 
 
 @contextlib.contextmanager
@@ -137,6 +140,9 @@ def stock_stack(
         relay = ["--engine", address, "--model-dir", str(model_dir)]
         relay += ["--engine-protocol", "vllm"]
         floor = stack.service("floor", "bench.gatewaylib.relay_floor", relay, proxy=True)
+        work = stack.service(
+            "floor-work", "bench.gatewaylib.relay_floor", [*relay, "--work"], proxy=True
+        )
         smg = SmgProcess([f"grpc://{address}"], model_dir, log_dir)
         with on_cpus(proxy_cpus):
             smg.start()
@@ -145,19 +151,26 @@ def stock_stack(
         assert gw is not None  # started above
         assert smg.proc is not None
         assert floor.proc is not None
+        assert work.proc is not None
         yield StockRun(
             stack=stack,
             addresses={
                 "engine": address,
                 "engine_protocol": "vllm",
                 "floor": floor.address,
+                "work": work.address,
                 "gateway": stack.gateway,
                 "http": stack.http,
                 "smg": smg.url,
                 "smg_model": model_name,
                 "gateway_metrics": stack.metrics_url("bench-gateway"),
             },
-            proxies={"gateway": gw.pid, "smg": smg.proc.pid, "floor": floor.proc.pid},
+            proxies={
+                "gateway": gw.pid,
+                "smg": smg.proc.pid,
+                "floor": floor.proc.pid,
+                "work": work.proc.pid,
+            },
             facts={**facts, "smg_command": " ".join(["smg", *smg.command[1:]])},
         )
 

@@ -44,7 +44,7 @@ def test_the_summary_prints_each_concurrency_and_the_pairs(
     out = capsys.readouterr().out
     assert out.startswith("c1 {")
     assert "\nc32 {" in out
-    assert "  c32 proxy CPU ms per request (floor: the bare relay's;" in out
+    assert "  c32 proxy CPU ms per request (floor, work: the relays';" in out
     assert "    auth                               n=2 " in out
     assert "c1 paired (5 pairs), per-pair differences in ms:" in out
     assert "  gateway gRPC - engine, first token [gateway]: p1 2.00  p10 2.00  p50 2.00" in out

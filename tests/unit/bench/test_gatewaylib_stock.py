@@ -1,7 +1,7 @@
 """bench.gatewaylib.stock, .smg and the stock sides of .sides, .measure, .report and
 .plot: the VllmEngine side over a real grpc.aio server, the smg side over a real
 HTTP server, SMG's command line and readiness, and what the report makes of the
-five sides (engine, floor, gateway, http, smg)."""
+six sides (engine, floor, work, gateway, http, smg)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,14 @@ from tests.unit.bench.fakes import bench_args
 
 # to the first token (s): what each stock side's fake answers with; HTTP sides' first
 # token is their first text event
-STOCK_TTFT = {"engine": 0.100, "floor": 0.101, "gateway": 0.102, "http": 0.104, "smg": 0.107}
+STOCK_TTFT = {
+    "engine": 0.100,
+    "floor": 0.101,
+    "work": 0.1015,
+    "gateway": 0.102,
+    "http": 0.104,
+    "smg": 0.107,
+}
 
 
 class FakeVllm(pb_grpc.VllmEngineServicer):  # type: ignore[misc]
@@ -181,7 +188,7 @@ def test_smg_is_ready_once_it_lists_a_model() -> None:
 
 def test_each_sides_cpu_is_the_proxy_in_front_of_the_engine() -> None:
     owners = [cpu_owner(s) for s in STOCK_SIDES]
-    assert owners == ["gateway", "floor", "gateway", "gateway", "smg"]
+    assert owners == ["gateway", "floor", "work", "gateway", "gateway", "smg"]
 
 
 class FakeService:
@@ -245,7 +252,7 @@ def test_the_stub_engine_speaks_vllm_engine_to_the_gateway_the_relay_and_smg(
         assert (engine, run.addresses["engine_protocol"]) == ("127.0.0.1:10", "vllm")
         assert run.facts["stub_first_token_ms"] == 100.0
         assert run.facts["stub_token_gap_ms"] == 20.0
-        assert run.proxies == {"gateway": 2, "smg": 40, "floor": 12}
+        assert run.proxies == {"gateway": 2, "smg": 40, "floor": 12, "work": 13}
     (_, name, module, args, rest), started = events[0], events[1]
     assert (name, module) == ("bench-engine-0", "bench.gatewaylib.stub_engine")
     assert args[-2:] == ["--max-num-seqs", "32"]
@@ -256,7 +263,9 @@ def test_the_stub_engine_speaks_vllm_engine_to_the_gateway_the_relay_and_smg(
     assert floor[1:3] == ("floor", "bench.gatewaylib.relay_floor")
     assert floor[3][:2] == ["--engine", engine]
     assert floor[3][-2:] == ["--engine-protocol", "vllm"]
-    assert events[3] == ("smg", [f"grpc://{engine}"])
+    work = events[3]  # the same relay, encoding and detokenizing as SMG does
+    assert work[1:4] == ("floor-work", "bench.gatewaylib.relay_floor", [*floor[3], "--work"])
+    assert events[4] == ("smg", [f"grpc://{engine}"])
     assert events[-2:] == ["smg stopped", "stack stopped"]  # the engine with the stack, last
 
 
@@ -271,7 +280,7 @@ async def stock_fake_client(side: str, *_: Any, **__: Any) -> AsyncIterator[OneR
 
 @pytest.fixture
 def stock_results(monkeypatch: pytest.MonkeyPatch, fake_sides: list[str]) -> dict[str, Any]:
-    """measure() over the five stock sides, each answering with STOCK_TTFT."""
+    """measure() over the six stock sides, each answering with STOCK_TTFT."""
     monkeypatch.setattr(measure_mod, "side_client", stock_fake_client)
     # this process stands in for both proxies: its CPU is real, so every run records it
     me = os.getpid()
@@ -308,8 +317,10 @@ def test_measure_reads_what_each_front_adds_over_the_engine(
         res = stock_results[conc]
         assert list(res["by_round"]) == STOCK_SIDES
         added = res["added_vs_engine"]
-        assert set(added) == {"floor", "gateway", "http", "smg"}
+        assert set(added) == {"floor", "work", "gateway", "http", "smg"}
         assert added["floor"]["ttft_p50_ms"] == pytest.approx(1.0)
+        assert added["work"]["ttft_p50_ms"] == pytest.approx(1.5)
+        assert res["work_vs_floor"]["ttft_p50_ms"] == pytest.approx(0.5)
         assert added["gateway"]["ttft_p50_ms"] == pytest.approx(2.0)
         assert added["http"]["ttft_p50_ms"] == pytest.approx(4.0)
         assert added["smg"]["ttft_p50_ms"] == pytest.approx(7.0)
@@ -321,12 +332,13 @@ def test_measure_reads_what_each_front_adds_over_the_engine(
         assert row["run_s"] > 0
         assert row["gateway_cpu_s"] >= 0
         # every side charged to the one proxy: each has a net figure, the engine none
-        assert set(res["net_cpu_ms_per_request"]) == {"floor", "gateway", "http", "smg"}
+        assert set(res["net_cpu_ms_per_request"]) == {"floor", "work", "gateway", "http", "smg"}
         assert all(math.isfinite(v) for v in res["net_cpu_ms_per_request"].values())
         assert res["http_vs_grpc"]["first_text_p50_ms"] == pytest.approx(2.0)
         assert res["smg_vs_http"]["ttft_p50_ms"] == pytest.approx(3.0)
     paired = stock_results["c1_paired"]
     assert paired["floor_minus_engine_ttft"]["floor"]["p50_ms"] == pytest.approx(1.0)
+    assert paired["work_minus_floor_ttft"]["work"]["p50_ms"] == pytest.approx(0.5)
     assert paired["minus_engine_ttft"]["smg"]["p50_ms"] == pytest.approx(7.0)
     assert set(paired["front_minus_grpc_first_text"]) == {"http", "smg"}
 

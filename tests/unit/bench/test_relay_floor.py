@@ -178,3 +178,26 @@ async def test_over_a_vllm_engine_the_relay_makes_its_call_and_relays_its_chunks
     assert list(sent.tokenized.input_ids) == TextTokenizer(model_dir).encode("The sea and the wind")
     p = sent.sampling_params
     assert (p.max_tokens, p.ignore_eos, p.temperature, sent.stream) == (3, True, 0.0, True)
+
+
+async def test_with_work_each_chunk_carries_its_text_and_each_prompt_is_encoded_anew(
+    model_dir: Path,
+) -> None:
+    """``--work``: the relay detokenizes what it relays (the text of every chunk joins
+    into the decode of all their tokens) and encodes every request's prompt, as SMG does."""
+    tok = TextTokenizer(model_dir)
+    engine = ScriptedEngine()  # type: ignore[abstract]  # Generate only
+    add = engine_pb2_grpc.add_EngineServicer_to_server
+    async with floor_before(engine, add, engine_pb2_grpc.EngineStub, model_dir, work=True) as stub:
+        chunks = [c async for c in stub.Generate(generate("The sea and the wind", 6))]
+        again = [c async for c in stub.Generate(generate("The sea and the wind", 2))]
+    ids = [i for c in chunks for i in c.token_ids]
+    assert ids == list(range(100, 106))
+    assert "".join(c.text for c in chunks) == tok.tokenizer.decode(ids)
+    assert any(c.text for c in chunks)
+    assert [i for c in again for i in c.token_ids] == [100, 101]
+    floor = RelayFloor(engine_pb2_grpc.EngineStub(grpc.aio.insecure_channel("127.0.0.1:1")), tok)
+    floor.work = True
+    assert floor.prompt_ids("one prompt") == tok.encode("one prompt")
+    assert floor.prompt_ids("one prompt") is not floor.prompt_ids("one prompt")  # anew
+    assert floor._ids == {}  # nothing remembered
