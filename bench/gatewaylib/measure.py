@@ -94,9 +94,10 @@ def round_figures(
     median over rounds, and what each front adds (the median over rounds of that
     round's difference): ``added_vs_engine`` per side; ``added`` (the gRPC front, all
     figures), the floor's split and each HTTP client over the gRPC front where those
-    sides ran, and SMG over the HTTP front (``smg_vs_http``: the same client and
-    request on both); ``net_cpu_ms_per_request`` per side, the CPU of the proxy ``owners``
-    names for it net of that proxy's background (``stats.net_cpu_ms``)."""
+    sides ran, and each SMG over the HTTP front (``smg_vs_http``, ``smg_tenant_vs_http``:
+    the same client and request on both); ``net_cpu_ms_per_request`` per side, the CPU
+    of the proxy ``owners`` names for it net of that proxy's background
+    (``stats.net_cpu_ms``)."""
     med: dict[str, Any] = {
         side: {m: statistics.median(r[m] for r in rounds) for m in rounds[0]}
         for side, rounds in by_side.items()
@@ -119,9 +120,11 @@ def round_figures(
         for side, rounds in by_side.items()
         if side != "engine" and rounds
     }
-    if "smg" in by_side and "http" in by_side:
+    for smg in (s for s in ("smg", "smg-tenant") if s in by_side and "http" in by_side):
         # SMG's HTTP API over the gateway's HTTP front: one client (aiohttp), one request
-        med["smg_vs_http"] = round_differences(by_side["smg"], by_side["http"], ADDED_KEYS)
+        med[f"{smg.replace('-', '_')}_vs_http"] = round_differences(
+            by_side[smg], by_side["http"], ADDED_KEYS
+        )
     med["net_cpu_ms_per_request"] = {
         side: net_cpu_ms(by_side[side], by_side["engine"], proxy)
         for side, proxy in (owners or {}).items()

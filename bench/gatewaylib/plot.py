@@ -15,6 +15,7 @@ SIDE_LABELS = {
     "openai": "gateway HTTP (openai client)",
     "curl": "gateway HTTP (curl)",
     "smg": "SMG HTTP (aiohttp client)",
+    "smg-tenant": "SMG HTTP, tenant key + limits",
 }
 
 

@@ -112,14 +112,15 @@ async def side_client(
                 return await ones[next(turn) % len(ones)]()
 
             yield spread if connections > 1 else ones[0]
-    elif side in ("http", "smg"):
+    elif side in ("http", "smg", "smg-tenant"):
         import aiohttp
 
         async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=300), connector=aiohttp.TCPConnector(limit=0)
         ) as session:
             body = completions_body(max_tokens, addresses.get(f"{side}_model", ""))
-            one = _aiohttp_one(session, addresses[side], key, body)
+            # SMG with a tenant takes its own key (the gateway's is the bench tenant's)
+            one = _aiohttp_one(session, addresses[side], addresses.get(f"{side}_key", key), body)
             await one()  # opens the connection (a gRPC channel is open already too)
             yield one
     elif side == "openai":

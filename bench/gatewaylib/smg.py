@@ -8,10 +8,16 @@ server the gateway fronts, so both gateways meet one engine in one run. It token
 with the model directory's own tokenizer, as the gateway does with ``--model-dir``.
 Its Prometheus listener gets a free port of its own (the default, 29000, could be
 taken by another run on the machine).
+
+With ``tenant`` (``SmgTenant``) it does what the gateway does on the same request:
+it takes only that tenant's API key (``--tenant-api-key``) and keeps the tenant inside
+per-minute token and request buckets, reserved before the engine call and settled
+after it (``--tenant-rate-limit-enabled``, its YAML written beside the log).
 """
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import urllib.error
 import urllib.request
@@ -28,6 +34,40 @@ SMG = ROOT / ".venv" / "bin" / "smg"
 
 class SmgStartError(ChildStartError):
     """SMG exited or did not list its model in time; carries its log tail."""
+
+
+@dataclass(frozen=True)
+class SmgTenant:
+    """One tenant SMG authenticates and limits: its id, API key and per-minute limits
+    (SMG's tenant key for it is ``auth:<tenant_id>``)."""
+
+    tenant_id: str = "bench"
+    key: str = field(default_factory=lambda: f"sk-smg-{secrets.token_hex(16)}")
+    tokens_per_minute: int = 1_000_000_000
+    requests_per_minute: int = 1_000_000
+
+    def policy_yaml(self) -> str:
+        """SMG's tenant-rate-limit YAML: this tenant's buckets, and a default policy
+        of one request a minute for any other tenant key SMG resolves."""
+        return (
+            "default_policy:\n"
+            "  tokens_per_minute: 1\n"
+            "  requests_per_minute: 1\n"
+            "tenants:\n"
+            f'  - tenant_key: "auth:{self.tenant_id}"\n'
+            f"    tokens_per_minute: {self.tokens_per_minute}\n"
+            f"    requests_per_minute: {self.requests_per_minute}\n"
+        )
+
+    def args(self, policy_path: Path) -> list[str]:
+        """SMG's flags for this tenant, its policy read from ``policy_path``."""
+        return [
+            "--tenant-api-key",
+            f"{self.tenant_id}:{self.key}",
+            "--tenant-rate-limit-enabled",
+            "--tenant-rate-limit-config",
+            str(policy_path),
+        ]
 
 
 def smg_command(
@@ -87,6 +127,7 @@ class SmgProcess(LoggedChild):
     command: list[str] = field(default_factory=list)
     log_path: Path = field(init=False)
     _log: IO[bytes] | None = None
+    tenant: SmgTenant | None = None
     start_error = SmgStartError
 
     def __post_init__(self) -> None:
@@ -100,12 +141,17 @@ class SmgProcess(LoggedChild):
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 120.0) -> SmgProcess:
-        """Spawn it and wait until ``/v1/models`` lists the workers' model."""
+        """Spawn it and wait until ``/v1/models`` lists the workers' model (SMG lists
+        models without a key, with a tenant too)."""
         if not SMG.is_file():
             raise SmgStartError(f"no {SMG}: the smg wheel is not installed in the venv")
         self.command = smg_command(
             self.worker_urls, self.model_dir, self.port, self.prometheus_port, self.host
         )
+        if self.tenant is not None:
+            policy = self.log_dir / f"{self.name}-tenant-rate-limit.yaml"
+            policy.write_text(self.tenant.policy_yaml())
+            self.command += self.tenant.args(policy)
         self.spawn(self.command, cwd=ROOT)
         self.wait_ready(lambda: models_listed(self.url), timeout, poll_s=0.5)
         return self

@@ -16,11 +16,13 @@ directory. The sides (``bench.gatewaylib.sides``): ``engine`` (VllmEngine's Gene
 direct), ``floor`` (the bare grpc.aio relay, ``bench.gatewaylib.relay_floor``, making
 the engine side's call), ``work`` (that relay with ``--work``: it also encodes every
 prompt and detokenizes every chunk, as SMG does), ``gateway`` (our gRPC front),
-``http`` (our OpenAI HTTP front, streamed) and ``smg`` (SMG's OpenAI HTTP API, the
-same request). The CPU of each side is charged to the process in front of the engine
-there: the relays' on floor and work, the gateway's (with its workers) on engine,
-gateway and http (on engine: its background work, health and stats polls), SMG's on
-smg.
+``http`` (our OpenAI HTTP front, streamed), ``smg`` (SMG's OpenAI HTTP API, the
+same request) and ``smg-tenant`` (a second SMG doing what the gateway does on it: the
+bench tenant's API key only, the tenant's token and request buckets reserved and
+settled per request, with the gateway's bench limits). The CPU of each side is
+charged to the process in front of the engine there: the relays' on floor and work,
+the gateway's (with its workers) on engine, gateway and http (on engine: its
+background work, health and stats polls), each SMG's on its side.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.gatewaylib.smg import SmgProcess
+from bench.gatewaylib.smg import SmgProcess, SmgTenant
 from bench.loadlib.spawn import Stack, StackSpec, on_cpus
 from common.config import default_model_dir
 from common.redis_server import free_port
 from deploy.stock_vllm import StockVllm
 
-STOCK_SIDES = ["engine", "floor", "work", "gateway", "http", "smg"]
+STOCK_SIDES = ["engine", "floor", "work", "gateway", "http", "smg", "smg-tenant"]
 STOCK_ENGINES = ("stock-vllm", "stub-vllm")  # the engines these sides run over
 
 
@@ -75,9 +77,9 @@ class StockRun:
 
 
 def cpu_owner(side: str) -> str:
-    """Which process a side's CPU time is read from: ``smg``, ``floor``, ``work`` or
-    ``gateway``."""
-    return side if side in ("smg", "floor", "work") else "gateway"
+    """Which process a side's CPU time is read from: ``smg``, ``smg-tenant``, ``floor``,
+    ``work`` or ``gateway``."""
+    return side if side in ("smg", "smg-tenant", "floor", "work") else "gateway"
 
 
 @contextlib.contextmanager
@@ -147,9 +149,18 @@ def stock_stack(
         with on_cpus(proxy_cpus):
             smg.start()
         closing.callback(smg.stop)
+        # the same SMG doing the gateway's job: the bench tenant's key, its limits
+        tenant = SmgTenant()
+        smg_tenant = SmgProcess(
+            [f"grpc://{address}"], model_dir, log_dir, name="smg-tenant", tenant=tenant
+        )
+        with on_cpus(proxy_cpus):
+            smg_tenant.start()
+        closing.callback(smg_tenant.stop)
         gw = stack.procs["bench-gateway"].proc
         assert gw is not None  # started above
         assert smg.proc is not None
+        assert smg_tenant.proc is not None
         assert floor.proc is not None
         assert work.proc is not None
         yield StockRun(
@@ -163,6 +174,9 @@ def stock_stack(
                 "http": stack.http,
                 "smg": smg.url,
                 "smg_model": model_name,
+                "smg-tenant": smg_tenant.url,
+                "smg-tenant_model": model_name,
+                "smg-tenant_key": tenant.key,
                 "gateway_metrics": stack.metrics_url("bench-gateway"),
             },
             proxies={
@@ -170,6 +184,7 @@ def stock_stack(
                 "smg": smg.proc.pid,
                 "floor": floor.proc.pid,
                 "work": work.proc.pid,
+                "smg-tenant": smg_tenant.proc.pid,
             },
             facts={**facts, "smg_command": " ".join(["smg", *smg.command[1:]])},
         )

@@ -32,6 +32,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from bench.gatewaylib.smg import SmgProcess, SmgTenant
 from common.config import ROOT
 from common.pgroup import LoggedChild
 from common.procs import ManagedProcess
@@ -263,3 +264,32 @@ def test_smg_cannot_reach_a_tls_worker(pki: Pki, model_dir: Path, tmp_path: Path
         loop.call_soon_threadsafe(stop.set)
         thread.join()
         loop.close()
+
+
+def test_smg_with_a_tenant_takes_only_its_key_and_keeps_its_request_budget(
+    engine: ManagedProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    """The bench's ``smg-tenant`` side (``bench.gatewaylib.smg.SmgTenant``): SMG refuses
+    a request without the tenant's key or with another, serves the tenant's own, and
+    denies the tenant's request past its per-minute budget: the work the gateway's
+    authentication and limits do, done by SMG, so the bench compares like with like."""
+    tenant = SmgTenant(requests_per_minute=2)
+    with SmgProcess(
+        [f"grpc://127.0.0.1:{engine.port}"], model_dir, tmp_path, name="smg-t", tenant=tenant
+    ) as proc:
+        model = served_model(proc.url)
+
+        def status(key: str | None) -> int:
+            req = chat(proc.url, model, 2)
+            if key is not None:
+                req.add_header("Authorization", f"Bearer {key}")
+            try:
+                with urllib.request.urlopen(req, timeout=120) as resp:
+                    assert list(sse_events(resp)), "a stream with no events"
+                    return int(resp.status)
+            except urllib.error.HTTPError as e:
+                return int(e.code)
+
+        assert status(None) == 401
+        assert status("sk-not-the-tenants") == 401
+        assert [status(tenant.key) for _ in range(3)] == [200, 200, 429]

@@ -52,7 +52,7 @@ def test_the_stock_engine_defaults_to_bfloat16_unless_a_dtype_is_named() -> None
 
 
 def test_each_engine_has_its_sides_report_and_cpu_owners() -> None:
-    stock = ["engine", "floor", "work", "gateway", "http", "smg"]
+    stock = ["engine", "floor", "work", "gateway", "http", "smg", "smg-tenant"]
     assert gateway_bench.bench_sides("stock-vllm") == stock
     assert gateway_bench.bench_sides("model") == SIDES
     assert "smg" not in gateway_bench.bench_sides("stub")
@@ -68,6 +68,7 @@ def test_each_engine_has_its_sides_report_and_cpu_owners() -> None:
         "gateway": "gateway",
         "http": "gateway",
         "smg": "smg",
+        "smg-tenant": "smg-tenant",
     }
     assert gateway_bench.cpu_owners("model")["floor"] == "floor"
     assert gateway_bench.cpu_owners("model")["http"] == "gateway"
@@ -150,7 +151,7 @@ def test_main_starts_the_stack_measures_saves_and_stops(
         ),
     ],
 )
-def test_main_over_a_vllm_engine_measures_its_five_sides_and_closes_them(
+def test_main_over_a_vllm_engine_measures_its_sides_and_closes_them(
     monkeypatch: pytest.MonkeyPatch,
     fake_results: dict[str, Any],
     flags: list[str],
@@ -158,10 +159,10 @@ def test_main_over_a_vllm_engine_measures_its_five_sides_and_closes_them(
     report: str,
 ) -> None:
     """stock-vllm starts the stock server, stub-vllm the stub engine at the flags' pace;
-    both measure the same six sides and keep a report of their own."""
+    both measure the same seven sides and keep a report of their own."""
     seen: dict[str, Any] = {}
     addresses = {"gateway": "127.0.0.1:1", "gateway_metrics": "u", "smg": "http://x"}
-    proxies = {"gateway": 11, "smg": 22, "floor": 33, "work": 44}
+    proxies = {"gateway": 11, "smg": 22, "floor": 33, "work": 44, "smg-tenant": 55}
 
     @contextlib.contextmanager
     def stock_stack(log_dir: Path, *rest: Any) -> Iterator[StockRun]:
@@ -195,6 +196,7 @@ def test_main_over_a_vllm_engine_measures_its_five_sides_and_closes_them(
     assert seen["stack"] == (dtype, None, 1, None, stub)
     assert seen["warmed"] == STOCK_SIDES
     pids = {"engine": 11, "floor": 33, "work": 44, "gateway": 11, "http": 11, "smg": 22}
+    pids["smg-tenant"] = 55
     assert seen["measure"] == ("sk-adm", [7, 8], pids, STOCK_SIDES, proxies)
     assert seen["name"] == report
     assert seen["report"]["engine"] == flags[1]

@@ -1,7 +1,7 @@
 """bench.gatewaylib.stock, .smg and the stock sides of .sides, .measure, .report and
 .plot: the VllmEngine side over a real grpc.aio server, the smg side over a real
 HTTP server, SMG's command line and readiness, and what the report makes of the
-six sides (engine, floor, work, gateway, http, smg)."""
+seven sides (engine, floor, work, gateway, http, smg, smg-tenant)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+import yaml
 from aiohttp import web
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
@@ -28,7 +29,7 @@ from bench.gatewaylib.placement import CpuSplit
 from bench.gatewaylib.plot import plot
 from bench.gatewaylib.report import build_report, headline, headline_table, print_summary
 from bench.gatewaylib.sides import PROMPT, OneRequest, Sample, side_client, vllm_request
-from bench.gatewaylib.smg import models_listed, smg_command
+from bench.gatewaylib.smg import SmgTenant, models_listed, smg_command
 from bench.gatewaylib.stats import net_cpu_ms
 from bench.gatewaylib.stock import STOCK_SIDES, StubTiming, cpu_owner
 from tests.unit.bench.fakes import bench_args
@@ -42,6 +43,7 @@ STOCK_TTFT = {
     "gateway": 0.102,
     "http": 0.104,
     "smg": 0.107,
+    "smg-tenant": 0.108,
 }
 
 
@@ -157,6 +159,24 @@ def test_smg_command_names_the_workers_model_and_its_own_ports() -> None:
     }
 
 
+def test_an_smg_tenant_is_its_key_and_its_buckets_with_every_other_tenant_starved(
+    tmp_path: Path,
+) -> None:
+    tenant = SmgTenant(tokens_per_minute=500, requests_per_minute=7)
+    other = SmgTenant()
+    assert tenant.key.startswith("sk-smg-")
+    assert tenant.key != other.key  # fresh per run
+    policy = tmp_path / "p.yaml"
+    args = tenant.args(policy)
+    assert args[:2] == ["--tenant-api-key", f"bench:{tenant.key}"]
+    assert args[2:] == ["--tenant-rate-limit-enabled", "--tenant-rate-limit-config", str(policy)]
+    doc = yaml.safe_load(tenant.policy_yaml())
+    assert doc["tenants"] == [
+        {"tenant_key": "auth:bench", "tokens_per_minute": 500, "requests_per_minute": 7}
+    ]
+    assert doc["default_policy"] == {"tokens_per_minute": 1, "requests_per_minute": 1}
+
+
 @contextlib.contextmanager
 def models_server(payload: bytes) -> Iterator[str]:
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -188,7 +208,7 @@ def test_smg_is_ready_once_it_lists_a_model() -> None:
 
 def test_each_sides_cpu_is_the_proxy_in_front_of_the_engine() -> None:
     owners = [cpu_owner(s) for s in STOCK_SIDES]
-    assert owners == ["gateway", "floor", "work", "gateway", "gateway", "smg"]
+    assert owners == ["gateway", "floor", "work", "gateway", "gateway", "smg", "smg-tenant"]
 
 
 class FakeService:
@@ -231,15 +251,18 @@ def test_the_stub_engine_speaks_vllm_engine_to_the_gateway_the_relay_and_smg(
             events.append("stack stopped")
 
     class FakeSmg:
-        def __init__(self, urls: list[str], model_dir: Path, log_dir: Path) -> None:
-            events.append(("smg", urls))
-            self.proc, self.url, self.command = FakeService(40).proc, "http://s", ["smg", "x"]
+        def __init__(self, urls: list[str], model_dir: Path, log_dir: Path, **kw: Any) -> None:
+            self.name, self.tenant = kw.get("name", "smg"), kw.get("tenant")
+            events.append((self.name, urls))
+            pid = 40 if self.tenant is None else 41
+            self.proc, self.url = FakeService(pid).proc, f"http://{self.name}"
+            self.command = ["smg", "x"]
 
         def start(self) -> None:
-            events.append("smg started")
+            events.append(f"{self.name} started")
 
         def stop(self) -> None:
-            events.append("smg stopped")
+            events.append(f"{self.name} stopped")
 
     def no_stock_server(*_: Any, **__: Any) -> None:
         raise AssertionError("stub-vllm started the stock vLLM server")
@@ -252,7 +275,11 @@ def test_the_stub_engine_speaks_vllm_engine_to_the_gateway_the_relay_and_smg(
         assert (engine, run.addresses["engine_protocol"]) == ("127.0.0.1:10", "vllm")
         assert run.facts["stub_first_token_ms"] == 100.0
         assert run.facts["stub_token_gap_ms"] == 20.0
-        assert run.proxies == {"gateway": 2, "smg": 40, "floor": 12, "work": 13}
+        assert run.proxies == {"gateway": 2, "smg": 40, "floor": 12, "work": 13, "smg-tenant": 41}
+        # the second SMG takes the bench tenant's key of its own, which the side sends
+        key = run.addresses["smg-tenant_key"]
+        assert key.startswith("sk-smg-")
+        assert run.addresses["smg-tenant"] == "http://smg-tenant"
     (_, name, module, args, rest), started = events[0], events[1]
     assert (name, module) == ("bench-engine-0", "bench.gatewaylib.stub_engine")
     assert args[-2:] == ["--max-num-seqs", "32"]
@@ -266,7 +293,9 @@ def test_the_stub_engine_speaks_vllm_engine_to_the_gateway_the_relay_and_smg(
     work = events[3]  # the same relay, encoding and detokenizing as SMG does
     assert work[1:4] == ("floor-work", "bench.gatewaylib.relay_floor", [*floor[3], "--work"])
     assert events[4] == ("smg", [f"grpc://{engine}"])
-    assert events[-2:] == ["smg stopped", "stack stopped"]  # the engine with the stack, last
+    assert events[6] == ("smg-tenant", [f"grpc://{engine}"])
+    # last started, first stopped; the engine with the stack, last
+    assert events[-3:] == ["smg-tenant stopped", "smg stopped", "stack stopped"]
 
 
 @contextlib.asynccontextmanager
@@ -317,7 +346,7 @@ def test_measure_reads_what_each_front_adds_over_the_engine(
         res = stock_results[conc]
         assert list(res["by_round"]) == STOCK_SIDES
         added = res["added_vs_engine"]
-        assert set(added) == {"floor", "work", "gateway", "http", "smg"}
+        assert set(added) == {"floor", "work", "gateway", "http", "smg", "smg-tenant"}
         assert added["floor"]["ttft_p50_ms"] == pytest.approx(1.0)
         assert added["work"]["ttft_p50_ms"] == pytest.approx(1.5)
         assert res["work_vs_floor"]["ttft_p50_ms"] == pytest.approx(0.5)
@@ -332,15 +361,16 @@ def test_measure_reads_what_each_front_adds_over_the_engine(
         assert row["run_s"] > 0
         assert row["gateway_cpu_s"] >= 0
         # every side charged to the one proxy: each has a net figure, the engine none
-        assert set(res["net_cpu_ms_per_request"]) == {"floor", "work", "gateway", "http", "smg"}
+        assert set(res["net_cpu_ms_per_request"]) == set(STOCK_SIDES) - {"engine"}
         assert all(math.isfinite(v) for v in res["net_cpu_ms_per_request"].values())
         assert res["http_vs_grpc"]["first_text_p50_ms"] == pytest.approx(2.0)
         assert res["smg_vs_http"]["ttft_p50_ms"] == pytest.approx(3.0)
+        assert res["smg_tenant_vs_http"]["ttft_p50_ms"] == pytest.approx(4.0)
     paired = stock_results["c1_paired"]
     assert paired["floor_minus_engine_ttft"]["floor"]["p50_ms"] == pytest.approx(1.0)
     assert paired["work_minus_floor_ttft"]["work"]["p50_ms"] == pytest.approx(0.5)
     assert paired["minus_engine_ttft"]["smg"]["p50_ms"] == pytest.approx(7.0)
-    assert set(paired["front_minus_grpc_first_text"]) == {"http", "smg"}
+    assert set(paired["front_minus_grpc_first_text"]) == {"http", "smg", "smg-tenant"}
 
 
 def test_the_headline_holds_ttft_added_and_cpu_per_side(stock_results: dict[str, Any]) -> None:
