@@ -12,8 +12,8 @@ import platform
 from collections.abc import Mapping
 from typing import Any
 
+from bench.gatewaylib.limits import BENCH_LIMITS
 from bench.gatewaylib.placement import CpuSplit
-from bench.gatewaylib.stack import BENCH_LIMITS
 from common import eager_send
 
 # not sides: what measure() derives from them, per concurrency
@@ -59,13 +59,13 @@ def headline(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
 def headline_table(head: dict[str, dict[str, dict[str, float]]], cpu_of: Mapping[str, str]) -> str:
     """``headline`` as a text table; ``cpu_of`` names whose CPU each side's is."""
     lines = [
-        f"{'conc':<5} {'side':<9} {'TTFT p50 ms':>12} {'added ms':>9} {'CPU ms/req':>11} "
+        f"{'conc':<5} {'side':<10} {'TTFT p50 ms':>12} {'added ms':>9} {'CPU ms/req':>11} "
         f"{'net CPU':>8} {'ms/rank':>8}  CPU of"
     ]
     for conc, by_side in head.items():
         for side, d in by_side.items():
             lines.append(
-                f"{conc:<5} {side:<9} {d['ttft_p50_ms']:>12.2f} {d['added_ttft_p50_ms']:>9.2f} "
+                f"{conc:<5} {side:<10} {d['ttft_p50_ms']:>12.2f} {d['added_ttft_p50_ms']:>9.2f} "
                 f"{d['cpu_ms_per_request']:>11.2f} {d['net_cpu_ms_per_request']:>8.2f} "
                 f"{d['ttft_per_rank_ms']:>8.2f}  {cpu_of.get(side, '?')}"
             )

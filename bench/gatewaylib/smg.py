@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+import yaml
+
 from common.config import ROOT
 from common.pgroup import ChildStartError, LoggedChild
 from common.redis_server import free_ports
@@ -38,26 +40,24 @@ class SmgStartError(ChildStartError):
 
 @dataclass(frozen=True)
 class SmgTenant:
-    """One tenant SMG authenticates and limits: its id, API key and per-minute limits
-    (SMG's tenant key for it is ``auth:<tenant_id>``)."""
+    """One tenant SMG authenticates and limits: its per-minute limits, id and API key
+    (SMG's tenant key for it is ``auth:<tenant_id>``; a fresh key by default)."""
 
+    tokens_per_minute: int
+    requests_per_minute: int
     tenant_id: str = "bench"
     key: str = field(default_factory=lambda: f"sk-smg-{secrets.token_hex(16)}")
-    tokens_per_minute: int = 1_000_000_000
-    requests_per_minute: int = 1_000_000
 
     def policy_yaml(self) -> str:
         """SMG's tenant-rate-limit YAML: this tenant's buckets, and a default policy
         of one request a minute for any other tenant key SMG resolves."""
-        return (
-            "default_policy:\n"
-            "  tokens_per_minute: 1\n"
-            "  requests_per_minute: 1\n"
-            "tenants:\n"
-            f'  - tenant_key: "auth:{self.tenant_id}"\n'
-            f"    tokens_per_minute: {self.tokens_per_minute}\n"
-            f"    requests_per_minute: {self.requests_per_minute}\n"
-        )
+        own = {
+            "tenant_key": f"auth:{self.tenant_id}",
+            "tokens_per_minute": self.tokens_per_minute,
+            "requests_per_minute": self.requests_per_minute,
+        }
+        starved = {"tokens_per_minute": 1, "requests_per_minute": 1}
+        return str(yaml.safe_dump({"default_policy": starved, "tenants": [own]}))
 
     def args(self, policy_path: Path) -> list[str]:
         """SMG's flags for this tenant, its policy read from ``policy_path``."""

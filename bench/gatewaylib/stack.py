@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.gatewaylib.limits import BENCH_LIMITS
 from bench.gatewaylib.stock import BENCH_ENGINE_ARGS, StubTiming
 from bench.loadlib.spawn import Stack, StackSpec, admin_client, tenant_key
 from common.config import default_model_dir
@@ -67,13 +68,6 @@ def start_stack(
         "http": stack.http,
         "gateway_metrics": stack.metrics_url("bench-gateway"),
     }
-
-
-# far above what the bench asks for, so nothing is denied, but every limit is checked:
-# the request unit and lease before tokenizing, the tokens after (two Redis calls)
-BENCH_LIMITS = admin_pb2.LimitPolicy(
-    requests_per_minute=1_000_000, tokens_per_minute=1_000_000_000, max_concurrent=10_000
-)
 
 
 def make_key(address: str, admin_key: str, limited: bool = True) -> str:

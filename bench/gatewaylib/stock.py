@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.gatewaylib.limits import BENCH_LIMITS
 from bench.gatewaylib.smg import SmgProcess, SmgTenant
 from bench.loadlib.spawn import Stack, StackSpec, on_cpus
 from common.config import default_model_dir
@@ -150,7 +151,7 @@ def stock_stack(
             smg.start()
         closing.callback(smg.stop)
         # the same SMG doing the gateway's job: the bench tenant's key, its limits
-        tenant = SmgTenant()
+        tenant = SmgTenant(BENCH_LIMITS.tokens_per_minute, BENCH_LIMITS.requests_per_minute)
         smg_tenant = SmgProcess(
             [f"grpc://{address}"], model_dir, log_dir, name="smg-tenant", tenant=tenant
         )

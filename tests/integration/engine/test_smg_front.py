@@ -273,7 +273,7 @@ def test_smg_with_a_tenant_takes_only_its_key_and_keeps_its_request_budget(
     a request without the tenant's key or with another, serves the tenant's own, and
     denies the tenant's request past its per-minute budget: the work the gateway's
     authentication and limits do, done by SMG, so the bench compares like with like."""
-    tenant = SmgTenant(requests_per_minute=2)
+    tenant = SmgTenant(tokens_per_minute=1_000_000, requests_per_minute=2)
     with SmgProcess(
         [f"grpc://127.0.0.1:{engine.port}"], model_dir, tmp_path, name="smg-t", tenant=tenant
     ) as proc:

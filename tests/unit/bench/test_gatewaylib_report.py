@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from bench.gatewaylib.limits import BENCH_LIMITS
 from bench.gatewaylib.placement import CpuSplit
 from bench.gatewaylib.plot import plot
 from bench.gatewaylib.report import build_report, print_summary
-from bench.gatewaylib.stack import BENCH_LIMITS
 from tests.unit.bench.fakes import bench_args
 
 

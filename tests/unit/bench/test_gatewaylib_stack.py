@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from bench.gatewaylib import stack
+from bench.gatewaylib.limits import BENCH_LIMITS
 from llm.v1 import admin_pb2
 from tests.unit.bench.fakes import FakeAdmin
 
@@ -36,7 +37,7 @@ def test_make_key_gives_the_bench_tenant_its_limits_or_none(
     assert opened == [("127.0.0.1:1", None)]  # plaintext, to the gateway
     tenant = admin.calls[0][1]
     assert tenant.id == "bench"
-    want = stack.BENCH_LIMITS if limited else admin_pb2.LimitPolicy()
+    want = BENCH_LIMITS if limited else admin_pb2.LimitPolicy()
     assert tenant.limits == want
 
 

@@ -163,7 +163,7 @@ def test_an_smg_tenant_is_its_key_and_its_buckets_with_every_other_tenant_starve
     tmp_path: Path,
 ) -> None:
     tenant = SmgTenant(tokens_per_minute=500, requests_per_minute=7)
-    other = SmgTenant()
+    other = SmgTenant(500, 7)
     assert tenant.key.startswith("sk-smg-")
     assert tenant.key != other.key  # fresh per run
     policy = tmp_path / "p.yaml"
