@@ -108,7 +108,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--unlimited-tenant",
         action="store_true",
-        help="a tenant with no limits (no token check: one Redis call)",
+        help="a tenant with no limits (no token check: one Redis call); SMG's tenant "
+        "(the smg-tenant side) then only has its key checked",
     )
     parser.add_argument(
         "--engine-dtype",
@@ -200,7 +201,13 @@ def open_sides(
             stub = StubTiming(args.stub_first_token_ms, args.stub_token_gap_ms)
         run = closing.enter_context(
             stock_stack(
-                log_dir, args.engine_dtype, engine_cpus, args.gateway_workers, proxy_cpus, stub
+                log_dir,
+                args.engine_dtype,
+                engine_cpus,
+                args.gateway_workers,
+                proxy_cpus,
+                stub,
+                not args.unlimited_tenant,
             )
         )
         return run.stack.admin_key, run.addresses, run.proxies, run.facts

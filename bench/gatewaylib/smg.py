@@ -40,8 +40,9 @@ class SmgStartError(ChildStartError):
 
 @dataclass(frozen=True)
 class SmgTenant:
-    """One tenant SMG authenticates and limits: its per-minute limits, id and API key
-    (SMG's tenant key for it is ``auth:<tenant_id>``; a fresh key by default)."""
+    """One tenant SMG authenticates and limits: its per-minute limits (0 and 0: none,
+    SMG then only checks the key), id and API key (SMG's tenant key for it is
+    ``auth:<tenant_id>``; a fresh key by default)."""
 
     tokens_per_minute: int
     requests_per_minute: int
@@ -59,15 +60,18 @@ class SmgTenant:
         starved = {"tokens_per_minute": 1, "requests_per_minute": 1}
         return str(yaml.safe_dump({"default_policy": starved, "tenants": [own]}))
 
+    @property
+    def limited(self) -> bool:
+        """Whether SMG keeps this tenant's buckets (SMG takes no 0 for either)."""
+        return bool(self.tokens_per_minute or self.requests_per_minute)
+
     def args(self, policy_path: Path) -> list[str]:
-        """SMG's flags for this tenant, its policy read from ``policy_path``."""
-        return [
-            "--tenant-api-key",
-            f"{self.tenant_id}:{self.key}",
-            "--tenant-rate-limit-enabled",
-            "--tenant-rate-limit-config",
-            str(policy_path),
-        ]
+        """SMG's flags for this tenant, its policy read from ``policy_path`` when
+        ``limited``."""
+        key = ["--tenant-api-key", f"{self.tenant_id}:{self.key}"]
+        if not self.limited:
+            return key
+        return [*key, "--tenant-rate-limit-enabled", "--tenant-rate-limit-config", str(policy_path)]
 
 
 def smg_command(
@@ -150,7 +154,8 @@ class SmgProcess(LoggedChild):
         )
         if self.tenant is not None:
             policy = self.log_dir / f"{self.name}-tenant-rate-limit.yaml"
-            policy.write_text(self.tenant.policy_yaml())
+            if self.tenant.limited:
+                policy.write_text(self.tenant.policy_yaml())
             self.command += self.tenant.args(policy)
         self.spawn(self.command, cwd=ROOT)
         self.wait_ready(lambda: models_listed(self.url), timeout, poll_s=0.5)

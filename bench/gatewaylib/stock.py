@@ -91,12 +91,15 @@ def stock_stack(
     gateway_workers: int = 1,
     proxy_cpus: set[int] | None = None,
     stub: StubTiming | None = None,
+    tenant_limited: bool = True,
 ) -> Iterator[StockRun]:
     """The engine (``stub`` None: the stock vLLM server, ``engine_dtype`` its ``--dtype``;
     else the stub engine at that pace; on ``engine_cpus``, vLLM's OpenMP threads bound
     to them), then Redis, the tokenizer and the gateway over it as ``vllm://``, the
-    bare relay over it, then SMG over it (the proxies on ``proxy_cpus``); everything
-    stopped on exit, by pid, last started first."""
+    bare relays over it, then SMG over it, twice: plain, and with the bench tenant's
+    key and (``tenant_limited``, as the gateway's bench key) the bench limits (the
+    proxies on ``proxy_cpus``); everything stopped on exit, by pid, last started
+    first."""
     model_dir = default_model_dir()
     with contextlib.ExitStack() as closing:
         spec = StackSpec(
@@ -151,7 +154,10 @@ def stock_stack(
             smg.start()
         closing.callback(smg.stop)
         # the same SMG doing the gateway's job: the bench tenant's key, its limits
-        tenant = SmgTenant(BENCH_LIMITS.tokens_per_minute, BENCH_LIMITS.requests_per_minute)
+        limits = BENCH_LIMITS if tenant_limited else None
+        tenant = SmgTenant(
+            limits.tokens_per_minute if limits else 0, limits.requests_per_minute if limits else 0
+        )
         smg_tenant = SmgProcess(
             [f"grpc://{address}"], model_dir, log_dir, name="smg-tenant", tenant=tenant
         )

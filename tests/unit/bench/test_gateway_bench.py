@@ -193,7 +193,7 @@ def test_main_over_a_vllm_engine_measures_its_sides_and_closes_them(
     monkeypatch.setattr(gateway_bench, "save_report", save_report)
     gateway_bench.main([*flags, "--rounds", "1", "--pairs", "0"])
     dtype = "bfloat16" if stub is None else "float32"  # the stub computes nothing
-    assert seen["stack"] == (dtype, None, 1, None, stub)
+    assert seen["stack"] == (dtype, None, 1, None, stub, True)  # the tenant limited
     assert seen["warmed"] == STOCK_SIDES
     pids = {"engine": 11, "floor": 33, "work": 44, "gateway": 11, "http": 11, "smg": 22}
     pids["smg-tenant"] = 55

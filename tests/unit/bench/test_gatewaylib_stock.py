@@ -25,6 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from bench.gatewaylib import measure as measure_mod
 from bench.gatewaylib import stock
+from bench.gatewaylib.limits import BENCH_LIMITS
 from bench.gatewaylib.placement import CpuSplit
 from bench.gatewaylib.plot import plot
 from bench.gatewaylib.report import build_report, headline, headline_table, print_summary
@@ -175,6 +176,10 @@ def test_an_smg_tenant_is_its_key_and_its_buckets_with_every_other_tenant_starve
         {"tenant_key": "auth:bench", "tokens_per_minute": 500, "requests_per_minute": 7}
     ]
     assert doc["default_policy"] == {"tokens_per_minute": 1, "requests_per_minute": 1}
+    # no limits (--unlimited-tenant): SMG checks the key and keeps no buckets
+    key_only = SmgTenant(0, 0)
+    assert not key_only.limited
+    assert key_only.args(policy) == ["--tenant-api-key", f"bench:{key_only.key}"]
 
 
 @contextlib.contextmanager
@@ -226,6 +231,7 @@ def test_the_stub_engine_speaks_vllm_engine_to_the_gateway_the_relay_and_smg(
     the asked pace, and the gateway (as vllm://), the bare relay (VllmEngine) and SMG
     (grpc://) all front its address; the stock server is not started."""
     events: list[Any] = []
+    tenants: list[Any] = []
 
     class FakeStack:
         def __init__(self, spec: Any) -> None:
@@ -253,6 +259,7 @@ def test_the_stub_engine_speaks_vllm_engine_to_the_gateway_the_relay_and_smg(
     class FakeSmg:
         def __init__(self, urls: list[str], model_dir: Path, log_dir: Path, **kw: Any) -> None:
             self.name, self.tenant = kw.get("name", "smg"), kw.get("tenant")
+            tenants.append(self.tenant)
             events.append((self.name, urls))
             pid = 40 if self.tenant is None else 41
             self.proc, self.url = FakeService(pid).proc, f"http://{self.name}"
@@ -280,6 +287,11 @@ def test_the_stub_engine_speaks_vllm_engine_to_the_gateway_the_relay_and_smg(
         key = run.addresses["smg-tenant_key"]
         assert key.startswith("sk-smg-")
         assert run.addresses["smg-tenant"] == "http://smg-tenant"
+    plain, tenant = tenants
+    assert plain is None  # the first SMG checks nothing
+    assert tenant.key == key  # the second takes the key the side sends, with the bench limits
+    limits = (tenant.tokens_per_minute, tenant.requests_per_minute)
+    assert limits == (BENCH_LIMITS.tokens_per_minute, BENCH_LIMITS.requests_per_minute)
     (_, name, module, args, rest), started = events[0], events[1]
     assert (name, module) == ("bench-engine-0", "bench.gatewaylib.stub_engine")
     assert args[-2:] == ["--max-num-seqs", "32"]
