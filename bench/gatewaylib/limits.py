@@ -11,3 +11,8 @@ from llm.v1 import admin_pb2
 BENCH_LIMITS = admin_pb2.LimitPolicy(
     requests_per_minute=1_000_000, tokens_per_minute=1_000_000_000, max_concurrent=10_000
 )
+
+
+def bench_limits(limited: bool) -> admin_pb2.LimitPolicy:
+    """The bench tenant's limits: ``BENCH_LIMITS``, or none at all (every field 0)."""
+    return BENCH_LIMITS if limited else admin_pb2.LimitPolicy()

@@ -135,7 +135,7 @@ def print_summary(results: dict[str, Any], cpu_of: Mapping[str, str] | None = No
         print(conc, json.dumps({k: {m: round(v, 2) for m, v in d.items()} for k, d in res.items()}))
         cpu = {s: results[conc][s]["proxy_cpu_ms_per_request"] for s in sides}
         print(
-            f"  {conc} proxy CPU ms per request (floor, work: the relays'; smg: SMG's; "
+            f"  {conc} proxy CPU ms per request (floor, work: the relays'; smg, smg-tenant: SMG's; "
             "engine: the gateway's background): "
             + "  ".join(f"{s} {v:.2f}" for s, v in cpu.items())
         )

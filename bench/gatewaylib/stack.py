@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.gatewaylib.limits import BENCH_LIMITS
+from bench.gatewaylib.limits import bench_limits
 from bench.gatewaylib.stock import BENCH_ENGINE_ARGS, StubTiming
 from bench.loadlib.spawn import Stack, StackSpec, admin_client, tenant_key
 from common.config import default_model_dir
@@ -73,6 +73,6 @@ def start_stack(
 def make_key(address: str, admin_key: str, limited: bool = True) -> str:
     """An API key of the bench tenant: with ``BENCH_LIMITS``, or with no limit at all
     (then the gateway skips the token check: one Redis call before the engine)."""
-    limits = BENCH_LIMITS if limited else admin_pb2.LimitPolicy()
     with admin_client(address) as admin:
-        return tenant_key(admin, admin_key, admin_pb2.Tenant(id="bench", limits=limits))
+        tenant = admin_pb2.Tenant(id="bench", limits=bench_limits(limited))
+        return tenant_key(admin, admin_key, tenant)

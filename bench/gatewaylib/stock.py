@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.gatewaylib.limits import BENCH_LIMITS
+from bench.gatewaylib.limits import bench_limits
 from bench.gatewaylib.smg import SmgProcess, SmgTenant
 from bench.loadlib.spawn import Stack, StackSpec, on_cpus
 from common.config import default_model_dir
@@ -154,10 +154,8 @@ def stock_stack(
             smg.start()
         closing.callback(smg.stop)
         # the same SMG doing the gateway's job: the bench tenant's key, its limits
-        limits = BENCH_LIMITS if tenant_limited else None
-        tenant = SmgTenant(
-            limits.tokens_per_minute if limits else 0, limits.requests_per_minute if limits else 0
-        )
+        limits = bench_limits(tenant_limited)  # none: SMG checks the key only
+        tenant = SmgTenant(limits.tokens_per_minute, limits.requests_per_minute)
         smg_tenant = SmgProcess(
             [f"grpc://{address}"], model_dir, log_dir, name="smg-tenant", tenant=tenant
         )

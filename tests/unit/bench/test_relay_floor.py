@@ -196,8 +196,8 @@ async def test_with_work_each_chunk_carries_its_text_and_each_prompt_is_encoded_
     assert "".join(c.text for c in chunks) == tok.tokenizer.decode(ids)
     assert any(c.text for c in chunks)
     assert [i for c in again for i in c.token_ids] == [100, 101]
-    floor = RelayFloor(engine_pb2_grpc.EngineStub(grpc.aio.insecure_channel("127.0.0.1:1")), tok)
-    floor.work = True
+    unused = engine_pb2_grpc.EngineStub(grpc.aio.insecure_channel("127.0.0.1:1"))
+    floor = RelayFloor(unused, tok, work=True)
     assert floor.prompt_ids("one prompt") == tok.encode("one prompt")
     assert floor.prompt_ids("one prompt") is not floor.prompt_ids("one prompt")  # anew
     assert floor._ids == {}  # nothing remembered
